@@ -1,0 +1,59 @@
+"""One exception base for everything a user can cause.
+
+The CLI prints a ``StarverseError`` as one line and exits 2; any other exception is a bug and keeps its
+traceback. Messages say what failed, why, and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StarverseError(Exception):
+    """Base of all user-facing errors (bad input, infeasible requests, lost devices)."""
+
+    exit_code = 2
+
+
+class ConfigError(StarverseError):
+    """A file or argument the user gave is malformed or inconsistent."""
+
+
+class CatalogError(ConfigError):
+    """An unknown accelerator, offer or price, or a malformed catalog file."""
+
+
+class ModelError(ConfigError):
+    """An unknown model id or an unsupported/malformed model config."""
+
+
+class InfeasiblePlanError(StarverseError):
+    """Nothing in the search space satisfies the job; ``reasons`` says why and what would help."""
+
+    def __init__(self, message: str, reasons: Sequence[str] = ()):
+        self.reasons = tuple(reasons)
+        super().__init__(message if not self.reasons else message + " " + "; ".join(self.reasons))
+
+
+class PreemptedError(StarverseError):
+    """The job stopped because devices were taken back (after writing what it could)."""
+
+    exit_code = 3
+
+
+class CheckpointError(StarverseError):
+    """A checkpoint is missing, foreign, torn or corrupted."""
+
+
+class BillingError(StarverseError):
+    """The ledger refused an operation (unknown currency, overlap, corrupted database)."""
+
+
+class BudgetExceededError(BillingError):
+    """A lease or plan would exceed the budget."""
+
+
+class DistributedError(StarverseError):
+    """A rank died or a collective timed out."""
+
+    exit_code = 4

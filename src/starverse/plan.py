@@ -1,0 +1,179 @@
+"""The Plan: the one contract between planner, estimator, runtime, checkpoints and billing.
+
+Everything that runs, runs a Plan; everything that predicts, predicts a Plan. The YAML format is v1 of
+DESIGN.md ("plan.yaml"); keep field names, add fields freely (with a default, so old files still load).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from starverse.config import FrozenModel, load_file
+
+Precision = Literal["bf16", "fp16", "fp8", "fp32"]
+Mode = Literal["full", "lora", "qlora"]
+Recompute = Literal["none", "selective", "full"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+
+
+class TrainSpec(FrozenModel):
+    """How the model is trained: shapes, precision and memory-saving choices shared by all groups."""
+
+    seq_len: int = Field(gt=0)
+    """Tokens per sequence."""
+    global_batch: int = Field(gt=0)
+    """Sequences per optimizer step, over all data-parallel replicas of all groups."""
+    precision: Precision = "bf16"
+    """Compute precision of matmuls (weights kept in this precision, fp32 master copy for Adam)."""
+    mode: Mode = "full"
+    """full: every parameter trained; lora/qlora: frozen base (qlora: 4-bit base) plus low-rank adapters."""
+    lora_rank: int = Field(default=16, gt=0)
+    """Rank of the LoRA adapters (mode lora/qlora)."""
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    """ZeRO stage over the data-parallel group: 1 shards optimizer state, 2 also gradients, 3 also weights."""
+    recompute: Recompute = "none"
+    """Activation recomputation: none, selective (attention core, Korthikanti et al.), full (whole layer)."""
+    offload: Offload = "none"
+    """Keep optimizer state (and optionally parameters) in host memory."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule."""
+    virtual_stages: int = Field(default=1, gt=0)
+    """Model chunks per device for the interleaved schedule (v in Narayanan et al. 2021)."""
+    sequence_parallel: bool = False
+    """Megatron-style sequence parallelism inside TP groups."""
+    tokens: float | None = Field(default=None, gt=0)
+    """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
+    steps: int | None = Field(default=None, gt=0)
+    """Total optimizer steps (alternative to ``tokens``)."""
+
+
+class Stage(FrozenModel):
+    """One pipeline stage: a tensor-parallel group of ``tp`` devices of one accelerator holding ``layers``."""
+
+    accelerator: str
+    """Catalog id of the accelerator (``starverse catalog`` lists them)."""
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel degree (must divide attention and KV heads; devices within one node)."""
+    layers: int = Field(gt=0)
+    """Transformer layers held by this stage."""
+    repeat: int = Field(default=1, gt=0)
+    """Number of identical stages in a row (shorthand)."""
+
+
+class Group(FrozenModel):
+    """``replicas`` identical pipelines (data-parallel replicas) of the same stages."""
+
+    replicas: int = Field(default=1, gt=0)
+    """Data-parallel replicas of this pipeline."""
+    micro_batch: int | None = Field(default=None, gt=0)
+    """Sequences per micro-batch; omitted = the estimator picks the fastest that fits."""
+    batch_share: float | None = Field(default=None, gt=0, le=1)
+    """Share of ``global_batch`` over all replicas of this group; omitted = proportional to speed."""
+    stages: list[Stage] = Field(min_length=1)
+    """Pipeline stages in order; their ``layers`` (times ``repeat``) sum to the model's layer count."""
+
+    def expanded_stages(self) -> list[Stage]:
+        """Stages with ``repeat`` unrolled."""
+        return [s.model_copy(update={"repeat": 1}) for s in self.stages for _ in range(s.repeat)]
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline depth."""
+        return sum(s.repeat for s in self.stages)
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices in one pipeline replica."""
+        return sum(s.tp * s.repeat for s in self.stages)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices in the whole group."""
+        return self.replicas * self.devices_per_replica
+
+
+class Network(FrozenModel):
+    """Optional overrides of the catalog's network defaults."""
+
+    devices_per_node: dict[str, int] = Field(default_factory=dict)
+    """Devices per node by accelerator id."""
+    inter_node_gbps: dict[str, float] = Field(default_factory=dict)
+    """NIC bandwidth per node in Gbit/s, by accelerator id."""
+    cross_group_gbps: float | None = Field(default=None, gt=0)
+    """Bandwidth in Gbit/s between nodes of different accelerators."""
+
+
+class Pricing(FrozenModel):
+    """What the plan's devices cost (filled by the planner from the pool; else catalog defaults)."""
+
+    currency: str = "USD"
+    """ISO currency code of the prices below."""
+    price_per_hour: dict[str, float] = Field(default_factory=dict)
+    """Price per device-hour by accelerator id."""
+
+
+class Plan(FrozenModel):
+    """A concrete plan: model, training settings and the device groups that run it."""
+
+    model: str
+    """Registry id, Hugging Face id, or path to a config.json (relative to the plan file)."""
+    train: TrainSpec
+    """Training settings shared by all groups."""
+    groups: list[Group] = Field(min_length=1)
+    """Device groups; data parallelism across groups, pipeline/tensor parallelism within."""
+    network: Network = Field(default_factory=Network)
+    """Network overrides."""
+    pricing: Pricing | None = None
+    """Prices of the devices used (optional)."""
+
+    @model_validator(mode="after")
+    def _shares_sum_to_one(self) -> Plan:
+        shares = [g.batch_share for g in self.groups]
+        if all(s is not None for s in shares) and abs(sum(shares) - 1.0) > 1e-6:  # type: ignore[arg-type]
+            raise ValueError(f"groups[*].batch_share must sum to 1 (got {sum(shares):.4g})")  # type: ignore[arg-type]
+        return self
+
+    @property
+    def num_devices(self) -> int:
+        """Total devices over all groups."""
+        return sum(g.num_devices for g in self.groups)
+
+    def accelerators(self) -> list[str]:
+        """Accelerator ids used, in order of first appearance."""
+        seen: dict[str, None] = {}
+        for g in self.groups:
+            for s in g.stages:
+                seen.setdefault(s.accelerator, None)
+        return list(seen)
+
+    def to_yaml(self) -> str:
+        """Serialise in the plan-file format (omitting unset optional fields)."""
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+
+def _resolve_model_path(plan: Plan, base_dir: Path) -> Plan:
+    """A relative ``model:`` path is relative to the plan file; make it absolute."""
+    candidate = base_dir / plan.model
+    if plan.model.endswith(".json") or candidate.is_file():
+        if candidate.is_file():
+            return plan.model_copy(update={"model": str(candidate.resolve())})
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Load and validate a plan file (schema only; model/catalog checks happen in the estimator)."""
+    plan = load_file(Plan, path)
+    return _resolve_model_path(plan, Path(path).parent)
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write a plan file atomically."""
+    p = Path(path)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(plan.to_yaml())
+    tmp.replace(p)
