@@ -111,7 +111,9 @@ def _short(value: Any) -> str:
 
 def validation_message(cls: type[BaseModel], err: ValidationError) -> tuple[tuple[int | str, ...], str]:
     """Turn the first pydantic error into ``(loc, "field: message")`` with a did-you-mean."""
-    first = err.errors()[0]
+    errors = err.errors()
+    # A misspelt key shows up as both "unknown" and "missing": the unknown key is the useful message.
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     kind = first["type"]
     field = format_loc(loc)

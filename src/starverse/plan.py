@@ -159,9 +159,8 @@ class Plan(FrozenModel):
 def _resolve_model_path(plan: Plan, base_dir: Path) -> Plan:
     """A relative ``model:`` path is relative to the plan file; make it absolute."""
     candidate = base_dir / plan.model
-    if plan.model.endswith(".json") or candidate.is_file():
-        if candidate.is_file():
-            return plan.model_copy(update={"model": str(candidate.resolve())})
+    if candidate.is_file():
+        return plan.model_copy(update={"model": str(candidate.resolve())})
     return plan
 
 
