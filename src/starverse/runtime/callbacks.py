@@ -1,0 +1,221 @@
+"""Hooks into ``Trainer.fit`` and the per-rank state they see.
+
+The checkpoint, elastic, billing and metrics parts plug into training through :class:`Callback`
+subclasses; they never patch the trainer. Every rank runs its own copy of each callback (callbacks are
+pickled into the rank processes), so a callback that must act once checks ``ctx.rank == 0`` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from starverse.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepMetrics:
+    """What the last optimizer step measured; identical on every rank after the step's exchange."""
+
+    loss: float = float("nan")
+    """Mean loss of the last step over the whole global batch (as one process would compute it)."""
+    tokens_step: int = 0
+    """Tokens in the last step's global batch (all ranks)."""
+    tokens_total: int = 0
+    """Tokens trained since step 0 (including steps before a resume)."""
+    step_time_s: float = 0.0
+    """Wall time of the last step on the slowest rank (compute + gradient exchange + optimizer)."""
+    step_times_s: list[float] = field(default_factory=list)
+    """Wall time of the last step on each rank, indexed by rank."""
+    compute_times_s: list[float] = field(default_factory=list)
+    """Forward+backward time of the last step on each rank (what rebalancing uses), indexed by rank."""
+    shares: list[int] = field(default_factory=list)
+    """Micro-batches per rank in the last step, indexed by rank."""
+    micro_batch: int = 0
+    """Sequences per micro-batch."""
+    tokens_per_s: float = 0.0
+    """Whole-job throughput of the last step (tokens_step / step_time_s)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation of the last step against the (probed, else datasheet) peaks; None if unknown."""
+    lr: float = 0.0
+    """Learning rate used by the last step."""
+    grad_norm: float = float("nan")
+    """Global gradient norm before clipping."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-friendly copy (for logs and metrics exporters)."""
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class TrainContext:
+    """One per rank process: everything a callback may read, and the two things it may do.
+
+    A callback may call :meth:`request_stop` (the trainer stops at the next step boundary, all ranks
+    together) and may save/restore :meth:`state_dict` (what a checkpoint must hold to resume exactly).
+    """
+
+    rank: int
+    """This process's rank in the job (0..world_size-1)."""
+    world_size: int
+    """Number of ranks in the job."""
+    plan: Plan
+    """The plan being run."""
+    run_dir: Path
+    """Directory of this run (checkpoints, ledgers and logs go below it); shared by all ranks."""
+    step: int
+    """Optimizer steps completed (after a resume: including those before it)."""
+    model: torch.nn.Module
+    """The model being trained (the plain module, never a wrapper: its state_dict keys are the user's)."""
+    optimizer: torch.optim.Optimizer
+    """The optimizer (AdamW)."""
+    lr_scheduler: Any
+    """The learning-rate scheduler (``torch.optim.lr_scheduler.LRScheduler``)."""
+    sampler: Any
+    """The data sampler; has ``state_dict()``/``load_state_dict()`` (its position in the data)."""
+    group: ProcessGroup | None
+    """A gloo group over all ranks, for host-side coordination (checkpoints, votes); None when world_size is 1."""
+    device_kind: str
+    """Accelerator id of this rank's device (``cpu``, ``h100-80gb-sxm``, ...)."""
+    metrics: StepMetrics = field(default_factory=StepMetrics)
+    """Measurements of the last step."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """The torch device this rank computes on."""
+    rank_kinds: list[str] = field(default_factory=list)
+    """Accelerator id of every rank, indexed by rank."""
+    max_steps: int = 0
+    """The step at which ``fit`` ends unless stopped earlier."""
+    stop_reason: str | None = None
+    """Why a stop was requested on this rank (None: no request); the trainer agrees over all ranks."""
+    shares: list[int] = field(default_factory=list)
+    """Current micro-batches per rank (changed by rebalancing); saved in checkpoints."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free space for callbacks to share state with each other on the same rank."""
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the trainer to stop after the current step; every rank stops at the same step.
+
+        Any rank may ask; the trainer exchanges the requests at each step boundary, so the decision is
+        the same everywhere. ``on_fit_end`` then runs as usual.
+        """
+        if self.stop_reason is None:
+            log.info("rank %d requests stop at step %d: %s", self.rank, self.step, reason)
+            self.stop_reason = reason
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint saves to resume exactly: model, optimizer, lr_scheduler, sampler, step, rng, shares.
+
+        ``rng`` is this rank's random state (torch CPU, CUDA if used, Python, numpy).
+        """
+        rng: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+        }
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "step": self.step,
+            "rng": rng,
+            "shares": list(self.shares),
+            "tokens_total": self.metrics.tokens_total,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (in place; the model/optimizer objects are kept).
+
+        Shares are restored only when the world size is unchanged (a resume on fewer or more ranks
+        starts again from the plan's shares).
+        """
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        if self.lr_scheduler is not None and sd.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        if self.sampler is not None and sd.get("sampler") is not None:
+            self.sampler.load_state_dict(sd["sampler"])
+        self.step = int(sd["step"])
+        self.metrics.tokens_total = int(sd.get("tokens_total", 0))
+        rng = sd.get("rng") or {}
+        if "torch" in rng:
+            torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
+        if "python" in rng:
+            random.setstate(_as_python_rng_state(rng["python"]))
+        if "numpy" in rng:
+            np.random.set_state(rng["numpy"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.as_tensor(rng["cuda"], dtype=torch.uint8), self.device)
+        shares = list(sd.get("shares") or [])
+        if len(shares) == self.world_size and sum(shares) == sum(self.shares or shares):
+            self.shares = [int(s) for s in shares]
+
+
+def _as_python_rng_state(state: Any) -> tuple[Any, ...]:
+    """``random.setstate`` needs tuples; a state that went through a serializer may come back as lists."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+class Callback:
+    """Base class with no-op hooks; subclasses override what they need.
+
+    Hooks run on every rank, in the order the callbacks were given. An exception in a hook fails the
+    rank (and so the job): a callback that may fail harmlessly catches its own errors.
+    """
+
+    def on_fit_start(self, ctx: TrainContext) -> None:
+        """After model, optimizer and sampler exist (and after a resume was loaded), before step 1."""
+
+    def on_micro_batch_end(self, ctx: TrainContext, compute_s: float) -> None:
+        """After the forward+backward of one micro-batch (``compute_s``: its time); inside the timed compute.
+
+        Time spent here counts as compute time of this rank (the rebalancer sees it); meant for the
+        test facility (:class:`starverse.testing.SlowRank`), not for bookkeeping.
+        """
+
+    def on_step_end(self, ctx: TrainContext) -> None:
+        """After each optimizer step (``ctx.step`` already counts it, ``ctx.metrics`` describe it)."""
+
+    def on_fit_end(self, ctx: TrainContext) -> None:
+        """After the last step, also when stopping early (stop requested)."""
+
+
+class CallbackList(Callback):
+    """Several callbacks called in order."""
+
+    def __init__(self, callbacks: list[Callback] | tuple[Callback, ...] = ()):
+        self.callbacks = list(callbacks)
+
+    def on_fit_start(self, ctx: TrainContext) -> None:
+        """Call every callback's ``on_fit_start``."""
+        for cb in self.callbacks:
+            cb.on_fit_start(ctx)
+
+    def on_micro_batch_end(self, ctx: TrainContext, compute_s: float) -> None:
+        """Call every callback's ``on_micro_batch_end``."""
+        for cb in self.callbacks:
+            cb.on_micro_batch_end(ctx, compute_s)
+
+    def on_step_end(self, ctx: TrainContext) -> None:
+        """Call every callback's ``on_step_end``."""
+        for cb in self.callbacks:
+            cb.on_step_end(ctx)
+
+    def on_fit_end(self, ctx: TrainContext) -> None:
+        """Call every callback's ``on_fit_end``."""
+        for cb in self.callbacks:
+            cb.on_fit_end(ctx)

@@ -1,0 +1,54 @@
+"""Failure and straggler injection for tests and benchmarks: never reached by a user by accident.
+
+These are ordinary :class:`~starverse.runtime.callbacks.Callback` objects that a test passes to
+``Trainer(callbacks=[...])`` explicitly; no configuration key or environment variable turns them on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal as _signal
+import time
+from dataclasses import dataclass
+
+from starverse.runtime.callbacks import Callback, TrainContext
+
+
+@dataclass
+class SlowRank(Callback):
+    """Make rank ``rank`` ``factor`` times slower: after each micro-batch it sleeps (factor-1)× its compute time.
+
+    The sleep happens inside the timed compute of the micro-batch, so the rebalancer sees a device that
+    is ``factor`` times slower, as it would see a slower accelerator.
+    """
+
+    rank: int
+    """The rank to slow down."""
+    factor: float
+    """Slow-down factor (> 1)."""
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:
+            raise ValueError(f"SlowRank.factor must be >= 1 (got {self.factor})")
+
+    def on_micro_batch_end(self, ctx: TrainContext, compute_s: float) -> None:
+        """Sleep so this micro-batch takes ``factor`` times its real compute time."""
+        if ctx.rank == self.rank:
+            time.sleep((self.factor - 1.0) * compute_s)
+
+
+@dataclass
+class KillRank(Callback):
+    """Kill rank ``rank`` with ``signal`` right after optimizer step ``step`` (a lost spot device)."""
+
+    rank: int
+    """The rank to kill."""
+    step: int
+    """Kill after this many optimizer steps."""
+    signal: int = _signal.SIGKILL
+    """Signal to send (SIGKILL: hard loss; SIGTERM: a provider's preemption notice)."""
+
+    def on_step_end(self, ctx: TrainContext) -> None:
+        """Send the signal to this process when the step is reached on the chosen rank."""
+        if ctx.rank == self.rank and ctx.step == self.step:
+            os.kill(os.getpid(), self.signal)

@@ -1,0 +1,75 @@
+"""launch(): real spawned ranks on 127.0.0.1; a dead rank fails the job fast with its name and signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from starverse.errors import ConfigError, DistributedError
+from starverse.runtime.launch import RankSpec, launch
+
+
+def _sum_ranks(env, offset):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(env.rank + offset)])
+    dist.all_reduce(t)
+    return (env.rank, os.environ["MASTER_ADDR"], t.item())
+
+
+def _die(env, victim, how):
+    import torch
+    import torch.distributed as dist
+
+    if env.rank == victim:
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "user":
+            raise ConfigError("dataset 'x' is empty")
+        raise RuntimeError("boom in rank code")
+    # The survivors block in a collective the victim never joins: they must not hang.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    time.sleep(60)
+    return t.item()
+
+
+def _ranks(n):
+    return [RankSpec(rank=r, device_kind="cpu", device="cpu", num_threads=1) for r in range(n)]
+
+
+def test_launch_runs_real_ranks_and_returns_in_rank_order():
+    out = launch(_sum_ranks, _ranks(3), timeout_s=120, args=(10,))
+    assert out == [(0, "127.0.0.1", 33.0), (1, "127.0.0.1", 33.0), (2, "127.0.0.1", 33.0)]
+
+
+def test_killed_rank_fails_fast_naming_rank_and_signal():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank 1 \(cpu, cpu\) killed by signal SIGKILL"):
+        launch(_die, _ranks(2), timeout_s=100, args=(1, "signal"), collective_timeout_s=60)
+    # Far below the collective timeout: the launcher noticed the death itself.
+    assert time.monotonic() - t0 < 50
+
+
+def test_rank_exception_is_reported_with_its_message():
+    with pytest.raises(DistributedError, match=r"rank 0 \(cpu, cpu\) failed: RuntimeError: boom in rank code"):
+        launch(_die, _ranks(2), timeout_s=100, args=(0, "raise"), collective_timeout_s=60)
+
+
+def test_user_error_inside_a_rank_is_reraised_as_itself():
+    with pytest.raises(ConfigError, match="dataset 'x' is empty"):
+        launch(_die, _ranks(2), timeout_s=100, args=(1, "user"), collective_timeout_s=60)
+
+
+def test_job_timeout_stops_all_ranks():
+    with pytest.raises(DistributedError, match=r"did not finish within 3 s \(0/2 ranks done\)"):
+        launch(_die, _ranks(2), timeout_s=3, args=(5, "none"), collective_timeout_s=60)
+
+
+def test_rank_numbers_must_be_contiguous():
+    with pytest.raises(DistributedError, match=r"ranks must be 0..1, got \[0, 2\]"):
+        launch(_sum_ranks, [RankSpec(0, "cpu"), RankSpec(2, "cpu")], timeout_s=5, args=(0,))
