@@ -1,0 +1,102 @@
+"""What a checkpoint holds, in a form that survives a change of world size.
+
+Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` so optimizer state is keyed
+by parameter name (FQN), not by position: a checkpoint written by 3 ranks loads on 2 or 5. RNG states are
+per rank; everything else (LR schedule, sampler position, step, shares) is global and written once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+def train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The DCP-ready state: ``{"model": ..., "optim": ...}`` keyed by parameter name (references, not copies)."""
+    sd: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        sd["optim"] = get_optimizer_state_dict(model, optimizer)
+    return sd
+
+
+def apply_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sd: Mapping[str, Any]) -> None:
+    """Load a state produced by :func:`train_state` (after DCP filled it in) into model and optimizer."""
+    set_model_state_dict(model, sd["model"])
+    if optimizer is not None and "optim" in sd:
+        set_optimizer_state_dict(model, optimizer, sd["optim"])
+
+
+def clone_tree(tree: Any) -> Any:
+    """Deep copy of nested dicts/lists with every tensor cloned to CPU (the staged, frozen snapshot)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, Mapping):
+        return {k: clone_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(clone_tree(v) for v in tree)
+    return tree
+
+
+def plain(tree: Any) -> Any:
+    """Numpy scalars/arrays -> Python/torch values, so files load with ``torch.load(weights_only=True)``."""
+    if isinstance(tree, np.generic):
+        return tree.item()
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(tree.copy())
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, Mapping):
+        return {k: plain(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(plain(v) for v in tree)
+    return tree
+
+
+def fingerprint(model: torch.nn.Module) -> tuple[str, int]:
+    """(hash of parameter names, shapes and dtypes, number of parameters): a resume must match both."""
+    h = hashlib.sha256()
+    for name, t in sorted(get_model_state_dict(model).items()):
+        if isinstance(t, torch.Tensor):
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    num = sum(p.numel() for p in model.parameters())
+    return h.hexdigest()[:16], num
+
+
+def capture_rng() -> dict[str, Any]:
+    """RNG states of this process (torch CPU, CUDA if present, Python, numpy)."""
+    np_state = np.random.get_state()
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *(plain(x) for x in np_state[2:])),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`capture_rng` saved (CUDA only when both sides have the same device count)."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _tuples(x: Any) -> Any:
+    # torch.load returns tuples as written, but be lenient with lists (random.setstate needs tuples)
+    return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
