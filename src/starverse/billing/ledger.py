@@ -1,0 +1,487 @@
+"""The per-second billing ledger: jobs, leases, price segments, events and charges in SQLite (WAL).
+
+Every public method is one transaction: either all of it is on disk or none of it. With WAL and
+``synchronous=NORMAL`` a committed transaction survives the process being killed at any point (a power cut
+may lose the last few commits, never tear one). A lease's charge rows are written in the same transaction
+that closes it, under a ``(lease_id, seq)`` primary key, so a lease can never be charged twice; a process
+that died with leases open leaves them open with their last heartbeat, and :meth:`Ledger.recover` closes
+them there.
+
+The runtime's view is small::
+
+    ledger = Ledger.open(run_dir / "ledger.sqlite")
+    job = ledger.start_job("llama-run", currency="USD", budget_total=Decimal("50"))
+    lease = ledger.open_lease(job, "host:cuda:0", "h100-80gb-sxm", LeasePricing(PricingMode.SPOT, "2.10"))
+    ledger.set_price(lease, "2.35", at_s=...)               # spot price changed
+    ledger.record_event(job, EventKind.CHECKPOINT, step=100)
+    ledger.close_lease(lease)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import ROUND_HALF_EVEN, Decimal
+from pathlib import Path
+from typing import Any
+
+from starverse.billing.insurance import Credit, Event, EventKind, PricedLease, compute_credits
+from starverse.billing.money import (
+    TICKS_PER_MICRO,
+    fx_rate,
+    micros_to_decimal,
+    normalize_currency,
+    price_to_micros,
+    ticks_to_decimal,
+    to_decimal,
+)
+from starverse.billing.rating import (
+    ChargeKind,
+    ChargeRow,
+    PricingMode,
+    Segment,
+    accrued_ticks,
+    hourly_rate_micros,
+    rate_lease,
+)
+from starverse.billing.schema import APPLICATION_ID, check_header, migrate
+from starverse.errors import BillingError, BudgetExceededError
+
+LEDGER_FILE = "ledger.sqlite"
+"""Name of the ledger inside a run directory."""
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+@dataclass(frozen=True)
+class LeasePricing:
+    """How a lease is priced: mode, price (per hour, or per package), currency, billing granularity."""
+
+    mode: PricingMode
+    """on-demand, spot (per second), or an hourly/daily/monthly package (charged whole when bought)."""
+    price: Decimal
+    """Per device-hour for on-demand/spot; per package for packages."""
+    currency: str = "USD"
+    """ISO code of ``price``."""
+    granularity_s: int = 1
+    """The offer bills in whole multiples of this many seconds (1 = per second)."""
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", PricingMode(self.mode))
+        except ValueError:
+            known = ", ".join(m.value for m in PricingMode)
+            raise BillingError(f"pricing mode {self.mode!r} is unknown; use one of {known}") from None
+        object.__setattr__(self, "price", to_decimal(self.price, "price"))
+        price_to_micros(self.price, "price")  # rejects a negative price here, before anything is written
+        if not isinstance(self.granularity_s, int) or self.granularity_s < 1:
+            raise BillingError(f"granularity_s: must be a whole number of seconds >= 1 (got {self.granularity_s!r})")
+
+    @classmethod
+    def free(cls) -> LeasePricing:
+        """A device that costs nothing (the user's own machine)."""
+        return cls(PricingMode.ON_DEMAND, Decimal(0))
+
+    @classmethod
+    def from_offer(cls, offer: Any, *, spot: bool = False) -> LeasePricing:
+        """Pricing of a catalog/pool offer (``price_per_hour``, ``spot_price_per_hour``, ``currency``,
+        ``billing_granularity_s``); ``spot=True`` uses the spot price."""
+        price = offer.spot_price_per_hour if spot else offer.price_per_hour
+        if price is None:
+            raise BillingError(f"offer {getattr(offer, 'provider', '?')}/{getattr(offer, 'accelerator', '?')} "
+                               "has no spot price; lease it on-demand or add spot_price_per_hour")
+        return cls(PricingMode.SPOT if spot else PricingMode.ON_DEMAND, to_decimal(price),
+                   getattr(offer, "currency", "USD"), int(getattr(offer, "billing_granularity_s", 1) or 1))
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job: all its leases are charged in ``currency``."""
+
+    id: int
+    name: str
+    currency: str
+    budget_total: Decimal | None
+    max_budget_per_hour: Decimal | None
+    run_dir: str | None
+    created_s: int
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One device rented for one interval (``end_s`` is ``None`` while open)."""
+
+    id: int
+    job_id: int
+    device: str
+    accelerator: str
+    provider: str
+    offer: str | None
+    mode: PricingMode
+    offer_price: Decimal
+    """Price as offered (per hour or per package), in ``offer_currency``."""
+    offer_currency: str
+    fx_rate: Decimal
+    """Job currency per unit of the offer currency, fixed when the lease opened."""
+    granularity_s: int
+    start_s: int
+    end_s: int | None
+    last_seen_s: int
+    """Last heartbeat: where :meth:`Ledger.recover` closes the lease if its process died."""
+
+
+_JOB_COLS = "id, name, currency, budget_total_micros, max_per_hour_micros, run_dir, created_s"
+_LEASE_COLS = ("id, job_id, device, accelerator, provider, offer, mode, offer_price_micros, offer_currency, "
+               "fx_rate, granularity_s, start_s, end_s, last_seen_s")
+
+
+def _job(row: Sequence[Any]) -> Job:
+    return Job(row[0], row[1], row[2], None if row[3] is None else micros_to_decimal(row[3]),
+               None if row[4] is None else micros_to_decimal(row[4]), row[5], row[6])
+
+
+def _lease(row: Sequence[Any]) -> Lease:
+    return Lease(row[0], row[1], row[2], row[3], row[4], row[5], PricingMode(row[6]), micros_to_decimal(row[7]),
+                 row[8], Decimal(row[9]), row[10], row[11], row[12], row[13])
+
+
+def _id(obj: Job | Lease | int) -> int:
+    return obj if isinstance(obj, int) else obj.id
+
+
+class Ledger:
+    """An open ledger file. Use :meth:`open`; close with :meth:`close` or a ``with`` block."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path):
+        self._conn = conn
+        self.path = path
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, path: str | Path, *, create: bool = True, timeout_s: float = 30.0) -> Ledger:
+        """Open (or create) the ledger at ``path``, migrating its schema to the current version.
+
+        A foreign or corrupted file raises ``BillingError`` and is left byte-for-byte untouched.
+        ``timeout_s`` bounds the wait for another process's write lock.
+        """
+        p = Path(path)
+        exists = check_header(p)
+        if not exists and not create:
+            raise BillingError(f"{p}: no ledger here. To fix: pass the run directory of a job that ran "
+                               "with billing, or --db FILE")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            conn = sqlite3.connect(p, isolation_level=None, timeout=timeout_s)
+        except sqlite3.Error as e:
+            raise BillingError(f"{p}: cannot open ledger ({e})") from None
+        try:
+            if not exists:
+                # written before WAL is on, so the id is in the main file's header from the first moment
+                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+            if app_id != APPLICATION_ID:
+                raise BillingError(f"{p}: an SQLite database of another application (application_id "
+                                   f"{app_id:#x}), not a Starverse ledger; left untouched")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            migrate(conn, p)
+        except sqlite3.DatabaseError as e:
+            conn.close()
+            raise BillingError(f"{p}: ledger is corrupted ({e}); left untouched. To fix: restore it from "
+                               "a backup; `starverse bill --check` shows what is wrong") from None
+        except BaseException:
+            conn.close()
+            raise
+        return cls(conn, p)
+
+    def close(self) -> None:
+        """Close the file (committed data is already durable)."""
+        self._conn.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; any error rolls it back, leaving what was recorded before intact."""
+        conn = self._conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            raise BillingError(f"{self.path}: cannot write the ledger ({e}). To fix: make sure no other "
+                               "process holds it for long, and that the disk is writable") from None
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise BillingError(f"{self.path}: commit failed ({e}); nothing of this operation was recorded") from None
+
+    # ---------------------------------------------------------------- jobs
+    def start_job(self, name: str, *, currency: str = "USD", budget_total: Decimal | str | int | None = None,
+                  max_budget_per_hour: Decimal | str | int | None = None, run_dir: str | Path | None = None,
+                  at_s: int | None = None) -> Job:
+        """The job called ``name``, created if new (a resumed run gets the same job back).
+
+        Budgets given here replace the stored ones; ``None`` keeps them.
+        """
+        ccy = normalize_currency(currency)
+        total = None if budget_total is None else price_to_micros(budget_total, "budget_total")
+        hourly = None if max_budget_per_hour is None else price_to_micros(max_budget_per_hour, "max_budget_per_hour")
+        with self._tx() as c:
+            row = c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE name = ?", (name,)).fetchone()
+            if row is None:
+                c.execute("INSERT INTO jobs (name, currency, budget_total_micros, max_per_hour_micros, run_dir, "
+                          "created_s) VALUES (?,?,?,?,?,?)",
+                          (name, ccy, total, hourly, None if run_dir is None else str(run_dir),
+                           _now() if at_s is None else at_s))
+            else:
+                if row[2] != ccy:
+                    raise BillingError(f"job {name!r} is billed in {row[2]}, not {ccy}. To fix: start it with "
+                                       f"currency={row[2]!r} (prices in other currencies are converted)")
+                if total is not None:
+                    c.execute("UPDATE jobs SET budget_total_micros = ? WHERE id = ?", (total, row[0]))
+                if hourly is not None:
+                    c.execute("UPDATE jobs SET max_per_hour_micros = ? WHERE id = ?", (hourly, row[0]))
+            return _job(c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE name = ?", (name,)).fetchone())
+
+    def job(self, job: Job | int | str) -> Job:
+        """A job by id, name or a stale ``Job`` value (re-read)."""
+        if isinstance(job, str):
+            row = self._conn.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE name = ?", (job,)).fetchone()
+        else:
+            row = self._conn.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE id = ?", (_id(job),)).fetchone()
+        if row is None:
+            raise BillingError(f"no job {job!r} in {self.path}; `starverse bill --by job` lists them")
+        return _job(row)
+
+    def jobs(self) -> list[Job]:
+        """All jobs, oldest first."""
+        return [_job(r) for r in self._conn.execute(f"SELECT {_JOB_COLS} FROM jobs ORDER BY id")]
+
+    # ---------------------------------------------------------------- leases
+    def open_lease(self, job: Job | int, device: str, accelerator: str, pricing: LeasePricing, *,
+                   provider: str = "local", offer: str | None = None, at_s: int | None = None) -> Lease:
+        """Start renting ``device`` for ``job`` at ``at_s`` (default now).
+
+        Refused (``BillingError``) if the device already has a lease over that time, and
+        (``BudgetExceededError``) if the job's open leases plus this one would cost more per hour than
+        ``max_budget_per_hour``.
+        """
+        start = _now() if at_s is None else int(at_s)
+        with self._tx() as c:
+            j = self.job(job)
+            offer_ccy = normalize_currency(pricing.currency)
+            rate = fx_rate(offer_ccy, j.currency)
+            offer_micros = price_to_micros(pricing.price, "price")
+            micros = price_to_micros((pricing.price * rate).quantize(Decimal("0.000001"), ROUND_HALF_EVEN))
+            clash = c.execute("SELECT id, job_id, start_s, end_s FROM leases WHERE device = ? AND "
+                              "(end_s IS NULL OR end_s > ?) LIMIT 1", (device, start)).fetchone()
+            if clash is not None:
+                until = "still open" if clash[3] is None else f"until {clash[3]}"
+                raise BillingError(f"device {device!r} already has lease {clash[0]} (job {clash[1]}) from "
+                                   f"{clash[2]} {until}, overlapping a new lease from {start}. To fix: close "
+                                   "that lease first (`Ledger.recover` closes leases of a dead process)")
+            if j.max_budget_per_hour is not None:
+                burn = self._burn_micros(c, j.id) + hourly_rate_micros(pricing.mode, micros)
+                limit = price_to_micros(j.max_budget_per_hour)
+                if burn > limit:
+                    raise BudgetExceededError(
+                        f"lease of {device!r} ({accelerator}) refused: job {j.name!r} would cost "
+                        f"{micros_to_decimal(burn)} {j.currency}/h, above max_budget_per_hour "
+                        f"{j.max_budget_per_hour}. To fix: raise the budget or use fewer/cheaper devices")
+            cur = c.execute(
+                "INSERT INTO leases (job_id, device, accelerator, provider, offer, mode, offer_price_micros, "
+                "offer_currency, fx_rate, granularity_s, start_s, end_s, last_seen_s) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,NULL,?)",
+                (j.id, device, accelerator, provider, offer, pricing.mode.value, offer_micros, offer_ccy,
+                 str(rate), pricing.granularity_s, start, start))
+            lease_id = int(cur.lastrowid or 0)
+            c.execute("INSERT INTO price_segments VALUES (?,?,?)", (lease_id, start, micros))
+            return _lease(c.execute(f"SELECT {_LEASE_COLS} FROM leases WHERE id = ?", (lease_id,)).fetchone())
+
+    def _burn_micros(self, c: sqlite3.Connection, job_id: int) -> int:
+        """What the job's open leases cost per hour now (last price of each)."""
+        rows = c.execute(
+            "SELECT l.mode, (SELECT price_micros FROM price_segments s WHERE s.lease_id = l.id "
+            "ORDER BY s.start_s DESC LIMIT 1) FROM leases l WHERE l.job_id = ? AND l.end_s IS NULL", (job_id,))
+        return sum(hourly_rate_micros(PricingMode(m), p) for m, p in rows)
+
+    def burn_rate(self, job: Job | int) -> Decimal:
+        """The job's open leases' cost per hour, in the job currency."""
+        return micros_to_decimal(self._burn_micros(self._conn, _id(job)))
+
+    def lease(self, lease: Lease | int) -> Lease:
+        """A lease by id (re-read)."""
+        row = self._conn.execute(f"SELECT {_LEASE_COLS} FROM leases WHERE id = ?", (_id(lease),)).fetchone()
+        if row is None:
+            raise BillingError(f"no lease {_id(lease)} in {self.path}")
+        return _lease(row)
+
+    def leases(self, job: Job | int | None = None, *, open_only: bool = False) -> list[Lease]:
+        """Leases (of one job, or all), oldest first."""
+        sql = f"SELECT {_LEASE_COLS} FROM leases WHERE 1=1"
+        args: list[Any] = []
+        if job is not None:
+            sql += " AND job_id = ?"
+            args.append(_id(job))
+        if open_only:
+            sql += " AND end_s IS NULL"
+        return [_lease(r) for r in self._conn.execute(sql + " ORDER BY id", args)]
+
+    def segments(self, lease: Lease | int) -> list[Segment]:
+        """Price segments of a lease (job currency, micro-units), in time order."""
+        return [Segment(s, p) for s, p in self._conn.execute(
+            "SELECT start_s, price_micros FROM price_segments WHERE lease_id = ? ORDER BY start_s", (_id(lease),))]
+
+    def set_price(self, lease: Lease | int, price: Decimal | str | int | float, *, at_s: int | None = None) -> None:
+        """A spot price change: from ``at_s`` on, the lease costs ``price`` (offer currency) per hour."""
+        self.record_prices(lease, [(_now() if at_s is None else int(at_s), price)])
+
+    def record_prices(self, lease: Lease | int, prices: Iterable[tuple[int, Decimal | str | int | float]]) -> None:
+        """Several spot price changes ``(at_s, price)`` in one transaction (e.g. a provider's price trace)."""
+        with self._tx() as c:
+            le = self.lease(lease)
+            if le.mode != PricingMode.SPOT:
+                raise BillingError(f"lease {le.id} is {le.mode.value}: its price is fixed; only spot prices change")
+            if le.end_s is not None:
+                raise BillingError(f"lease {le.id} closed at {le.end_s}; a price change after that is not billable")
+            last = c.execute("SELECT MAX(start_s) FROM price_segments WHERE lease_id = ?", (le.id,)).fetchone()[0]
+            rows = []
+            for at_s, price in prices:
+                t = int(at_s)
+                if t <= last:
+                    raise BillingError(f"lease {le.id}: price change at {t} is not after the previous one ({last}); "
+                                       "price changes must be recorded in time order")
+                offered = to_decimal(price, "price")
+                price_to_micros(offered, "price")  # a negative price is refused before any conversion
+                micros = price_to_micros((offered * le.fx_rate).quantize(Decimal("0.000001"), ROUND_HALF_EVEN))
+                rows.append((le.id, t, micros))
+                last = t
+            c.executemany("INSERT INTO price_segments VALUES (?,?,?)", rows)
+
+    def heartbeat(self, job: Job | int, *, at_s: int | None = None) -> None:
+        """Mark the job's open leases as alive at ``at_s`` (where a crash would close them)."""
+        with self._tx() as c:
+            c.execute("UPDATE leases SET last_seen_s = MAX(last_seen_s, ?) WHERE job_id = ? AND end_s IS NULL",
+                      (_now() if at_s is None else int(at_s), _id(job)))
+
+    def close_lease(self, lease: Lease | int, end_s: int | None = None) -> list[ChargeRow]:
+        """End the lease at ``end_s`` (default now), rate it and store its charges; returns them.
+
+        Closing an already-closed lease at the same end (or with ``end_s=None``) returns the stored charges
+        and charges nothing more.
+        """
+        with self._tx() as c:
+            le = self.lease(lease)
+            if le.end_s is not None:
+                if end_s is None or int(end_s) == le.end_s:
+                    return self.charges(le.id)
+                raise BillingError(f"lease {le.id} is already closed at {le.end_s}, not {end_s}; "
+                                   "a lease is closed once")
+            end = _now() if end_s is None else int(end_s)
+            return self._close(c, le, end)
+
+    def _close(self, c: sqlite3.Connection, le: Lease, end: int) -> list[ChargeRow]:
+        if end < le.start_s:
+            raise BillingError(f"lease {le.id}: end {end} is before its start {le.start_s}")
+        segs = self.segments(le.id)
+        if segs and segs[-1].start_s > end:
+            raise BillingError(f"lease {le.id}: end {end} is before its last price change ({segs[-1].start_s})")
+        later = c.execute("SELECT id, start_s FROM leases WHERE device = ? AND id != ? AND start_s >= ? AND "
+                          "start_s < ? LIMIT 1", (le.device, le.id, le.start_s, end)).fetchone()
+        if later is not None:
+            raise BillingError(f"lease {le.id} of {le.device!r} cannot end at {end}: lease {later[0]} of the same "
+                               f"device starts at {later[1]}")
+        rows = rate_lease(le.mode, le.start_s, end, segs, le.granularity_s)
+        c.executemany("INSERT INTO charges VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                      [(le.id, r.seq, le.job_id, le.mode.value, r.kind.value, r.start_s, r.end_s, r.day,
+                        r.seconds, r.price_micros, r.ticks) for r in rows])
+        c.execute("UPDATE leases SET end_s = ?, last_seen_s = MAX(last_seen_s, ?) WHERE id = ?", (end, end, le.id))
+        return rows
+
+    def recover(self, job: Job | int | None = None) -> list[Lease]:
+        """Close the open leases (of ``job``, or all) at their last heartbeat: for a process that died.
+
+        Call it when a job (re)starts, before opening new leases; returns the leases it closed.
+        """
+        closed = []
+        with self._tx() as c:
+            for le in self.leases(job, open_only=True):
+                self._close(c, le, le.last_seen_s)
+                closed.append(le)
+        return closed
+
+    def charges(self, lease: Lease | int) -> list[ChargeRow]:
+        """Stored charge rows of a (closed) lease."""
+        return [ChargeRow(seq, ChargeKind(kind), a, b, secs, price, ticks) for seq, kind, a, b, secs, price, ticks in
+                self._conn.execute("SELECT seq, kind, start_s, end_s, seconds, price_micros, ticks FROM charges "
+                                   "WHERE lease_id = ? ORDER BY seq", (_id(lease),))]
+
+    # ---------------------------------------------------------------- events, spend, credits
+    def record_event(self, job: Job | int, kind: EventKind | str, *, at_s: int | None = None,
+                     step: int | None = None, lease: Lease | int | None = None,
+                     detail: Mapping[str, Any] | None = None) -> int:
+        """Record a preemption, checkpoint, resume or stop of ``job``; returns the event id."""
+        try:
+            k = EventKind(kind)
+        except ValueError:
+            known = ", ".join(e.value for e in EventKind)
+            raise BillingError(f"event kind {kind!r} is unknown; use one of {known}") from None
+        with self._tx() as c:
+            j = self.job(job)
+            cur = c.execute("INSERT INTO events (job_id, lease_id, kind, at_s, step, detail) VALUES (?,?,?,?,?,?)",
+                            (j.id, None if lease is None else _id(lease), k.value, _now() if at_s is None else
+                             int(at_s), step, json.dumps(dict(detail), sort_keys=True) if detail else None))
+            return int(cur.lastrowid or 0)
+
+    def events(self, job: Job | int) -> list[Event]:
+        """The job's events in time order."""
+        return [Event(i, jid, lid, EventKind(k), at, step, json.loads(d) if d else {}) for i, jid, lid, k, at, step, d
+                in self._conn.execute("SELECT id, job_id, lease_id, kind, at_s, step, detail FROM events "
+                                      "WHERE job_id = ? ORDER BY at_s, id", (_id(job),))]
+
+    def spent_ticks(self, job: Job | int, *, at_s: int | None = None) -> int:
+        """Charges of the job's closed leases plus what its open leases have accrued by ``at_s``."""
+        jid = _id(job)
+        now = _now() if at_s is None else int(at_s)
+        total = int(self._conn.execute("SELECT COALESCE(SUM(ticks), 0) FROM charges WHERE job_id = ?",
+                                       (jid,)).fetchone()[0])
+        for le in self.leases(jid, open_only=True):
+            total += accrued_ticks(le.mode, le.start_s, now, self.segments(le.id), le.granularity_s)
+        return total
+
+    def spent(self, job: Job | int, *, at_s: int | None = None) -> Decimal:
+        """:meth:`spent_ticks` as a ``Decimal`` in the job currency."""
+        return ticks_to_decimal(self.spent_ticks(job, at_s=at_s))
+
+    def credits(self, job: Job | int) -> list[Credit]:
+        """Itemised insurance credits of the job (see ``insurance``)."""
+        j = self.job(job)
+        priced = [PricedLease(le.id, le.mode, le.start_s, le.end_s, self.segments(le.id)) for le in self.leases(j.id)]
+        start = min([le.start_s for le in priced], default=j.created_s)
+        return compute_credits(j.id, min(start, j.created_s), self.events(j.id), priced)
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
+        """Read-only SQL for reports (``report`` module); not for writes."""
+        return self._conn.execute(sql, args)
+
+
+def budget_ticks(amount: Decimal) -> int:
+    """A budget in ticks (for comparing with :meth:`Ledger.spent_ticks`)."""
+    return price_to_micros(amount, "budget") * TICKS_PER_MICRO

@@ -1,0 +1,263 @@
+"""Bills (totals by job, device, pricing mode or day) and the ledger integrity check.
+
+Totals are sums of the stored per-second charge rows in integer ticks, so a total is exactly the sum of its
+lines and of the rows under them; credits are summed separately and never netted into the charges. Leases
+still open are shown as accrued (what closing them now would cost), outside the totals.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import ROUND_HALF_EVEN, Decimal
+from enum import StrEnum
+from pathlib import Path
+
+from starverse.billing.insurance import Credit
+from starverse.billing.ledger import LEDGER_FILE, Ledger
+from starverse.billing.money import TICKS_PER_UNIT, fx_rate, normalize_currency, ticks_to_decimal
+from starverse.billing.rating import DAY_S, Segment, accrued_ticks, rate_lease
+from starverse.errors import BillingError
+
+
+class GroupBy(StrEnum):
+    """What a bill's lines are."""
+
+    JOB = "job"
+    DEVICE = "device"
+    MODE = "mode"
+    DAY = "day"
+
+
+def default_ledger_path() -> Path:
+    """The user-level ledger: ``$STARVERSE_LEDGER``, else ``$XDG_DATA_HOME/starverse/ledger.sqlite``."""
+    env = os.environ.get("STARVERSE_LEDGER")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "starverse" / LEDGER_FILE
+
+
+def resolve_ledger_path(run_dir: str | Path | None = None, db: str | Path | None = None) -> Path:
+    """The ledger file of a run directory, an explicit ``--db`` file, or the user-level default."""
+    if db is not None:
+        return Path(db)
+    if run_dir is not None:
+        p = Path(run_dir)
+        if p.is_dir():
+            return p / LEDGER_FILE
+        if not p.exists():
+            raise BillingError(f"{p}: no such run directory. To fix: pass a run directory or --db FILE")
+        return p
+    return default_ledger_path()
+
+
+@dataclass(frozen=True)
+class BillLine:
+    """One line of a bill: charges and credits of one job/device/mode/day in one currency."""
+
+    key: str
+    currency: str
+    seconds: int
+    """Billed seconds (package rows count their whole length)."""
+    charge_ticks: int
+    credit_ticks: int
+
+    @property
+    def charges(self) -> Decimal:
+        """Charges, 6 places."""
+        return ticks_to_decimal(self.charge_ticks)
+
+    @property
+    def credits(self) -> Decimal:
+        """Insurance credits, 6 places."""
+        return ticks_to_decimal(self.credit_ticks)
+
+    @property
+    def net(self) -> Decimal:
+        """Charges minus credits, 6 places."""
+        return ticks_to_decimal(self.charge_ticks - self.credit_ticks)
+
+
+@dataclass(frozen=True)
+class Bill:
+    """A whole bill."""
+
+    by: GroupBy
+    lines: list[BillLine]
+    totals: list[BillLine]
+    """One line per currency (key ``total``)."""
+    credits: list[Credit]
+    """Itemised insurance credits."""
+    open_leases: int
+    accrued: list[BillLine] = field(default_factory=list)
+    """What open leases have cost so far, per currency (not in the totals)."""
+    converted_to: str | None = None
+
+
+def _day(d: int) -> str:
+    return datetime.fromtimestamp(d * DAY_S, UTC).strftime("%Y-%m-%d")
+
+
+def _sum_grouped(ledger: Ledger, sql: str) -> list[tuple]:
+    """Run an aggregate; on 64-bit overflow (totals beyond ~2.5e9 currency units) sum in Python instead."""
+    try:
+        return ledger.execute(sql).fetchall()
+    except OverflowError:
+        raise BillingError("a total overflows SQLite's 64-bit integers (beyond ~2.5 billion currency units); "
+                           "split the ledger by job (--db per run)") from None
+    except sqlite3.DatabaseError as e:
+        raise BillingError(f"{ledger.path}: cannot read the charges ({e}); run `starverse bill --check`") from None
+
+
+def make_bill(ledger: Ledger, by: GroupBy | str = GroupBy.JOB, *, currency: str | None = None,
+              at_s: int | None = None) -> Bill:
+    """Totals of the stored charges grouped ``by``; ``currency`` converts every line (rounded to 6 places)."""
+    try:
+        group = GroupBy(by)
+    except ValueError:
+        raise BillingError(f"--by {by!r}: use one of {', '.join(g.value for g in GroupBy)}") from None
+    target = None if currency is None else normalize_currency(currency)
+    jobs = {j.id: j for j in ledger.jobs()}
+    lease_rows = ledger.execute("SELECT id, job_id, device, mode FROM leases").fetchall()
+    leases = {r[0]: r for r in lease_rows}
+    sums: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    if group == GroupBy.DEVICE:
+        rows = _sum_grouped(ledger, "SELECT lease_id, SUM(seconds), SUM(ticks) FROM charges GROUP BY lease_id")
+        for lease_id, secs, ticks in rows:
+            _, job_id, device, _mode = leases[lease_id]
+            acc = sums[(device, jobs[job_id].currency)]
+            acc[0] += secs
+            acc[1] += ticks
+    else:
+        col = {GroupBy.JOB: "NULL", GroupBy.MODE: "mode", GroupBy.DAY: "day"}[group]
+        rows = _sum_grouped(ledger, f"SELECT job_id, {col}, SUM(seconds), SUM(ticks) FROM charges "
+                                    f"GROUP BY job_id, {col}")
+        for job_id, k, secs, ticks in rows:
+            job = jobs[job_id]
+            key = job.name if group == GroupBy.JOB else (_day(k) if group == GroupBy.DAY else k)
+            acc = sums[(key, job.currency)]
+            acc[0] += secs
+            acc[1] += ticks
+    credits = [c for j in jobs.values() for c in ledger.credits(j.id)]
+    for c in credits:
+        _, job_id, device, mode = leases[c.lease_id]
+        key = {GroupBy.JOB: jobs[job_id].name, GroupBy.DEVICE: device, GroupBy.MODE: mode,
+               GroupBy.DAY: _day(c.start_s // DAY_S)}[group]
+        sums[(key, jobs[job_id].currency)][2] += c.ticks
+    accrued: dict[str, int] = defaultdict(int)
+    open_leases = ledger.leases(open_only=True)
+    for le in open_leases:
+        accrued[jobs[le.job_id].currency] += accrued_ticks(
+            le.mode, le.start_s, max(le.last_seen_s, le.start_s) if at_s is None else at_s,
+            ledger.segments(le.id), le.granularity_s)
+    lines = [BillLine(k, ccy, s, t, cr) for (k, ccy), (s, t, cr) in sorted(sums.items())]
+    accrued_lines = [BillLine("accrued", ccy, 0, t, 0) for ccy, t in sorted(accrued.items())]
+    if target is not None:
+        lines = _merge([_convert(line, target) for line in lines])
+        accrued_lines = _merge([_convert(line, target) for line in accrued_lines])
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for line in lines:
+        t = totals[line.currency]
+        t[0] += line.seconds
+        t[1] += line.charge_ticks
+        t[2] += line.credit_ticks
+    return Bill(group, lines, [BillLine("total", ccy, *v) for ccy, v in sorted(totals.items())], credits,
+                len(open_leases), accrued_lines, target)
+
+
+def _convert(line: BillLine, target: str) -> BillLine:
+    """A line in ``target`` currency, each amount rounded half-even to the micro-unit."""
+    rate = fx_rate(line.currency, target)
+
+    def conv(ticks: int) -> int:
+        units = Decimal(ticks) * rate / TICKS_PER_UNIT
+        return int((units * 1_000_000).quantize(Decimal(1), ROUND_HALF_EVEN)) * 3600
+
+    return BillLine(line.key, target, line.seconds, conv(line.charge_ticks), conv(line.credit_ticks))
+
+
+def _merge(lines: Iterable[BillLine]) -> list[BillLine]:
+    """Lines with the same key (from several currencies, once converted) added up."""
+    out: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for line in lines:
+        acc = out[(line.key, line.currency)]
+        acc[0] += line.seconds
+        acc[1] += line.charge_ticks
+        acc[2] += line.credit_ticks
+    return [BillLine(k, c, *v) for (k, c), v in sorted(out.items())]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What ``bill --check`` found."""
+
+    problems: list[str]
+    num_jobs: int
+    num_leases: int
+    num_charges: int
+
+    @property
+    def ok(self) -> bool:
+        """No problem found."""
+        return not self.problems
+
+
+def check_ledger(ledger: Ledger) -> CheckResult:
+    """Verify the ledger: SQLite integrity, no overlapping leases per device, closed leases end >= start,
+    every closed lease's stored charges equal a fresh rating of it (so none is missing, torn or doubled),
+    no charges on open leases, and charge rows consistent with their lease (job, mode, day, amount)."""
+    problems: list[str] = []
+    try:
+        res = [r[0] for r in ledger.execute("PRAGMA integrity_check")]
+    except sqlite3.DatabaseError as e:
+        return CheckResult([f"SQLite integrity check failed: {e}"], 0, 0, 0)
+    if res != ["ok"]:
+        problems.extend(f"SQLite: {r}" for r in res[:10])
+    for table, rowid, parent, _ in ledger.execute("PRAGMA foreign_key_check"):
+        problems.append(f"{table} row {rowid} refers to a missing {parent} row")
+    leases = ledger.leases()
+    last_by_device: dict[str, tuple[int, int | None, int]] = {}
+    for le in sorted(leases, key=lambda x: (x.device, x.start_s, x.id)):
+        prev = last_by_device.get(le.device)
+        if prev is not None and (prev[1] is None or prev[1] > le.start_s):
+            problems.append(f"device {le.device!r}: lease {prev[2]} ({prev[0]}..{prev[1]}) overlaps lease "
+                            f"{le.id} starting at {le.start_s}")
+        last_by_device[le.device] = (le.start_s, le.end_s, le.id)
+        if le.end_s is not None and le.end_s < le.start_s:
+            problems.append(f"lease {le.id}: end {le.end_s} before start {le.start_s}")
+    charges: dict[int, list[tuple]] = defaultdict(list)
+    num_charges = 0
+    for row in ledger.execute("SELECT lease_id, seq, job_id, mode, kind, start_s, end_s, day, seconds, "
+                              "price_micros, ticks FROM charges ORDER BY lease_id, seq"):
+        charges[row[0]].append(row)
+        num_charges += 1
+    by_id = {le.id: le for le in leases}
+    for lease_id in charges:
+        if lease_id not in by_id:
+            problems.append(f"charges of lease {lease_id}, which does not exist")
+    for le in leases:
+        stored = charges.get(le.id, [])
+        segs = ledger.segments(le.id)
+        if not segs or segs[0].start_s != le.start_s:
+            problems.append(f"lease {le.id}: no price in force at its start {le.start_s}")
+            continue
+        if le.end_s is None:
+            if stored:
+                problems.append(f"lease {le.id} is open but has {len(stored)} charge rows")
+            continue
+        expected = rate_lease(le.mode, le.start_s, le.end_s, [Segment(s.start_s, s.price_micros) for s in segs],
+                              le.granularity_s)
+        want = [(le.id, r.seq, le.job_id, le.mode.value, r.kind.value, r.start_s, r.end_s, r.day, r.seconds,
+                 r.price_micros, r.ticks) for r in expected]
+        if [tuple(s) for s in stored] != want:
+            got = sum(s[10] for s in stored)
+            problems.append(f"lease {le.id}: {len(stored)} stored charge rows totalling "
+                            f"{ticks_to_decimal(got)} differ from its rating ({len(want)} rows, "
+                            f"{ticks_to_decimal(sum(w[10] for w in want))})")
+    jobs = ledger.jobs()
+    return CheckResult(problems, len(jobs), len(leases), num_charges)

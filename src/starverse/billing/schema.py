@@ -1,0 +1,189 @@
+"""The ledger's SQLite schema, its versioned migrations, and the checks that keep foreign files untouched.
+
+A ledger file is recognised by SQLite's ``application_id`` header field (:data:`APPLICATION_ID`), which is
+read from the raw file header *before* SQLite opens it for writing: a foreign SQLite database, a corrupted
+file or anything else raises ``BillingError`` and is never modified. The ``schema_version`` table records
+each applied migration; :data:`MIGRATIONS` is the ordered list of them, applied in one transaction each.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from starverse.billing.rating import PricingMode, Segment, rate_lease
+from starverse.errors import BillingError
+
+APPLICATION_ID = 0x53545652
+"""``PRAGMA application_id`` of a Starverse ledger ("STVR")."""
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+_V1 = """
+CREATE TABLE jobs (
+    id INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    currency TEXT NOT NULL,
+    budget_total_micros INTEGER CHECK (budget_total_micros IS NULL OR budget_total_micros >= 0),
+    max_per_hour_micros INTEGER CHECK (max_per_hour_micros IS NULL OR max_per_hour_micros >= 0),
+    run_dir TEXT,
+    created_s INTEGER NOT NULL
+);
+CREATE TABLE leases (
+    id INTEGER PRIMARY KEY,
+    job_id INTEGER NOT NULL REFERENCES jobs(id),
+    device TEXT NOT NULL,
+    accelerator TEXT NOT NULL,
+    provider TEXT NOT NULL,
+    offer TEXT,
+    mode TEXT NOT NULL CHECK (mode IN ('on-demand', 'spot', 'hourly', 'daily', 'monthly')),
+    offer_price_micros INTEGER NOT NULL CHECK (offer_price_micros >= 0),
+    offer_currency TEXT NOT NULL,
+    fx_rate TEXT NOT NULL,
+    granularity_s INTEGER NOT NULL CHECK (granularity_s >= 1),
+    start_s INTEGER NOT NULL,
+    end_s INTEGER CHECK (end_s IS NULL OR end_s >= start_s),
+    last_seen_s INTEGER NOT NULL
+);
+CREATE INDEX leases_device_end ON leases(device, end_s);
+CREATE INDEX leases_job ON leases(job_id);
+CREATE TABLE price_segments (
+    lease_id INTEGER NOT NULL REFERENCES leases(id),
+    start_s INTEGER NOT NULL,
+    price_micros INTEGER NOT NULL CHECK (price_micros >= 0),
+    PRIMARY KEY (lease_id, start_s)
+) WITHOUT ROWID;
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY,
+    job_id INTEGER NOT NULL REFERENCES jobs(id),
+    lease_id INTEGER REFERENCES leases(id),
+    kind TEXT NOT NULL CHECK (kind IN ('preemption', 'checkpoint', 'resume', 'stop', 'budget_stop')),
+    at_s INTEGER NOT NULL,
+    step INTEGER,
+    detail TEXT
+);
+CREATE INDEX events_job ON events(job_id, at_s);
+"""
+
+_V2 = """
+CREATE TABLE charges (
+    lease_id INTEGER NOT NULL REFERENCES leases(id),
+    seq INTEGER NOT NULL,
+    job_id INTEGER NOT NULL,
+    mode TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('usage', 'rounding', 'package')),
+    start_s INTEGER NOT NULL,
+    end_s INTEGER NOT NULL CHECK (end_s >= start_s),
+    day INTEGER NOT NULL,
+    seconds INTEGER NOT NULL CHECK (seconds >= 0),
+    price_micros INTEGER NOT NULL CHECK (price_micros >= 0),
+    ticks INTEGER NOT NULL CHECK (ticks >= 0),
+    PRIMARY KEY (lease_id, seq)
+) WITHOUT ROWID;
+"""
+
+
+def _rate_closed_leases(conn: sqlite3.Connection) -> None:
+    """v1 ledgers rated closed leases on the fly; v2 stores their charge rows, so rate them now."""
+    leases = conn.execute(
+        "SELECT id, job_id, mode, start_s, end_s, granularity_s FROM leases WHERE end_s IS NOT NULL"
+    ).fetchall()
+    for lease_id, job_id, mode, start_s, end_s, gran in leases:
+        segs = [Segment(s, p) for s, p in conn.execute(
+            "SELECT start_s, price_micros FROM price_segments WHERE lease_id = ? ORDER BY start_s", (lease_id,))]
+        rows = rate_lease(PricingMode(mode), start_s, end_s, segs, gran)
+        conn.executemany(
+            "INSERT INTO charges VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            [(lease_id, r.seq, job_id, mode, r.kind.value, r.start_s, r.end_s, r.day, r.seconds,
+              r.price_micros, r.ticks) for r in rows],
+        )
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One schema step: SQL, then an optional data step, applied in one transaction."""
+
+    version: int
+    description: str
+    sql: str
+    data: Callable[[sqlite3.Connection], None] | None = None
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "jobs, leases, price segments, events", _V1),
+    Migration(2, "stored charge rows (rated when a lease closes)", _V2, _rate_closed_leases),
+)
+"""Ordered; a ledger at version N gets migrations N+1.. applied when opened."""
+SCHEMA_VERSION = MIGRATIONS[-1].version
+"""The version this code writes."""
+
+
+def check_header(path: Path) -> bool:
+    """``True`` if ``path`` is a Starverse ledger, ``False`` if it is absent or empty (a new ledger).
+
+    Raises ``BillingError`` for anything else, without opening the file for writing.
+    """
+    if not path.exists():
+        return False
+    if path.is_dir():
+        raise BillingError(f"{path}: is a directory, not a ledger file. To fix: pass the file "
+                           "(e.g. RUN_DIR/ledger.sqlite) or the run directory as RUN_DIR")
+    with path.open("rb") as f:
+        header = f.read(100)
+    if len(header) == 0:
+        wal = path.with_name(path.name + "-wal")
+        # created, then killed before the first checkpoint: SQLite recovers the WAL
+        return wal.exists() and wal.stat().st_size > 0
+    if len(header) < 100 or not header.startswith(_SQLITE_MAGIC):
+        raise BillingError(f"{path}: not a Starverse ledger (not an SQLite database, or corrupted); "
+                           "left untouched. To fix: restore it from a backup or use another --db path")
+    app_id = int.from_bytes(header[68:72], "big")
+    if app_id != APPLICATION_ID:
+        raise BillingError(f"{path}: an SQLite database of another application (application_id "
+                           f"{app_id:#x}), not a Starverse ledger; left untouched. To fix: use another --db path")
+    return True
+
+
+def current_version(conn: sqlite3.Connection) -> int:
+    """Highest applied migration (0 for a new file)."""
+    has = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'").fetchone()
+    if not has:
+        return 0
+    row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
+    return int(row[0] or 0)
+
+
+def migrate(conn: sqlite3.Connection, path: Path, target: int = SCHEMA_VERSION) -> int:
+    """Apply the missing migrations up to ``target``; return the version reached.
+
+    A ledger newer than this code is refused (``BillingError``), never downgraded.
+    """
+    version = current_version(conn)
+    if version > SCHEMA_VERSION:
+        raise BillingError(f"{path}: ledger schema version {version} is newer than this Starverse "
+                           f"({SCHEMA_VERSION}); left untouched. To fix: upgrade starverse")
+    for m in MIGRATIONS:
+        if m.version <= version or m.version > target:
+            continue
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if m.version == 1:
+                conn.execute(
+                    "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, "
+                    "applied_s INTEGER NOT NULL, description TEXT NOT NULL)")
+            for stmt in m.sql.split(";"):
+                if stmt.strip():
+                    conn.execute(stmt)
+            if m.data is not None:
+                m.data(conn)
+            conn.execute("INSERT INTO schema_version VALUES (?, ?, ?)",
+                         (m.version, int(time.time()), m.description))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        version = m.version
+    return version
