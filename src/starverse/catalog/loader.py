@@ -1,0 +1,271 @@
+"""Loading the catalog: bundled YAML, then the user's files, then the measured probe profile.
+
+Order (later wins): ``accelerators.yaml`` + ``prices.yaml`` + ``currencies.yaml`` shipped with the package,
+``$STARVERSE_CATALOG``, the ``path`` argument (``--catalog FILE``), then the probe profile. A user's file uses the
+same format (keys ``accelerators:``, ``offers:``, ``currencies:``); an entry for a known accelerator updates
+only the fields it gives, an offer with the same provider, accelerator and region replaces the known one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field
+
+from starverse.catalog.core import FLOAT_FIELDS, Accelerator, Catalog, Currency, Offer
+from starverse.catalog.schema import CatalogFile, CurrencyEntry, OfferEntry
+from starverse.config import FrozenModel, parse, read_yaml
+from starverse.errors import CatalogError, ConfigError
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = Path(__file__).resolve().parent
+BUNDLED_FILES = ("accelerators.yaml", "prices.yaml", "currencies.yaml")
+CATALOG_ENV = "STARVERSE_CATALOG"
+PROFILE_ENV = "STARVERSE_PROFILE"
+
+_REQUIRED = (
+    "name",
+    "vendor",
+    "stack",
+    "bf16_tflops",
+    "fp16_tflops",
+    "fp32_tflops",
+    "memory_gb",
+    "memory_bw_gb_per_s",
+    "intra_node_link",
+    "intra_node_gb_per_s",
+    "devices_per_node",
+    "inter_node_gbps",
+    "tdp_w",
+)
+
+
+_SOURCED = frozenset((*FLOAT_FIELDS, "devices_per_node", "intra_node_link"))
+"""Fields that are figures (and so carry a source); name, vendor and stack are not."""
+
+
+def default_profile_path() -> Path:
+    """Where ``starverse probe`` writes its profile by default: ``~/.cache/starverse/profile.json``."""
+    return Path.home() / ".cache" / "starverse" / "profile.json"
+
+
+class ProfileFile(FrozenModel):
+    """The probe profile JSON written by ``starverse probe``."""
+
+    version: Literal[1]
+    """Format version."""
+    host: str
+    """Host the figures were measured on."""
+    measured_at: str
+    """ISO time of the measurement."""
+    accelerators: dict[str, dict[str, float]] = Field(default_factory=dict)
+    """Accelerator id -> measured figures (any subset of the numeric accelerator fields)."""
+
+
+@dataclass
+class _Draft:
+    """Mutable merge state while reading the layers of files."""
+
+    accelerators: dict[str, dict[str, Any]]
+    where: dict[str, str]  # accelerator id -> "file:line" of its first definition (for errors)
+    offers: list[tuple[OfferEntry, str]]  # (entry, "file:line")
+    currencies: dict[str, Currency]
+
+
+def _line(node: yaml.Node | None, *path: str | int) -> int | None:
+    """1-based line of the value at ``path`` in a composed YAML tree (or its nearest parent)."""
+    line = None if node is None else node.start_mark.line + 1
+    for key in path:
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if k.value == key), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+        else:
+            node = None
+        if node is None:
+            return line
+        line = node.start_mark.line + 1
+    return line
+
+
+def _at(source: str, node: yaml.Node | None, *path: str | int) -> str:
+    line = _line(node, *path)
+    return f"{source}:{line}" if line is not None else source
+
+
+def _expand_sources(sources: Mapping[str, str], where: str) -> dict[str, str]:
+    """``{"bf16_tflops, fp16_tflops": s}`` -> one entry per field; unknown field names are errors."""
+    known = set(_REQUIRED) | set(FLOAT_FIELDS)
+    out: dict[str, str] = {}
+    for key, text in sources.items():
+        for name in (k.strip() for k in key.split(",")):
+            if name not in known:
+                raise CatalogError(f"{where}: sources: unknown field '{name}'; sources name accelerator fields")
+            out[name] = text
+    return out
+
+
+def _merge_file(draft: _Draft, path: Path) -> None:
+    try:
+        data, node = read_yaml(path)
+        cat = parse(CatalogFile, data, str(path), node)
+    except CatalogError:
+        raise
+    except ConfigError as e:
+        raise CatalogError(str(e)) from None
+    src = str(path)
+    for acc_id, entry in cat.accelerators.items():
+        where = _at(src, node, "accelerators", acc_id)
+        fields = entry.model_dump(exclude_unset=True, exclude={"sources"})
+        sources = _expand_sources(entry.sources, where)
+        current = draft.accelerators.setdefault(acc_id, {"sources": {}})
+        draft.where.setdefault(acc_id, where)
+        current.update(fields)
+        # a figure given without a source inherits none: say where it was set instead
+        for name in fields:
+            if name in _SOURCED:
+                current["sources"][name] = sources.get(name, f"set in {path.name}")
+        current["sources"].update(sources)
+    for i, offer in enumerate(cat.offers):
+        where = _at(src, node, "offers", i)
+        key = (offer.provider, offer.accelerator, offer.region)
+        draft.offers = [(o, w) for o, w in draft.offers if (o.provider, o.accelerator, o.region) != key]
+        draft.offers.append((offer, where))
+    for code, cur in cat.currencies.items():
+        draft.currencies[code.upper()] = _currency(code.upper(), cur)
+
+
+def _currency(code: str, entry: CurrencyEntry) -> Currency:
+    return Currency(code=code, usd_per_unit=entry.usd_per_unit, as_of=entry.as_of, source=entry.source)
+
+
+def _build(draft: _Draft) -> Catalog:
+    accs: dict[str, Accelerator] = {}
+    for acc_id, fields in draft.accelerators.items():
+        missing = [f for f in _REQUIRED if f not in fields]
+        if missing:
+            raise CatalogError(
+                f"{draft.where[acc_id]}: accelerators.{acc_id}: new accelerator is missing "
+                f"{', '.join(missing)} (a new id needs every field; check the spelling if you meant to "
+                "override a known one, `starverse catalog` lists them)"
+            )
+        accs[acc_id] = Accelerator(id=acc_id, fp8_tflops=fields.get("fp8_tflops"), **{
+            k: v for k, v in fields.items() if k != "fp8_tflops"
+        })
+    offers: list[Offer] = []
+    for entry, where in draft.offers:
+        if entry.accelerator not in accs:
+            from starverse.catalog.core import unknown_accelerator_message
+
+            raise CatalogError(f"{where}: offers: {unknown_accelerator_message(entry.accelerator, list(accs))}")
+        if entry.currency not in draft.currencies:
+            from starverse.catalog.core import unknown_currency_message
+
+            raise CatalogError(
+                f"{where}: offers: {unknown_currency_message(entry.currency, list(draft.currencies))}"
+            )
+        if entry.spot_price_per_hour is not None and entry.spot_price_per_hour > entry.price_per_hour:
+            raise CatalogError(
+                f"{where}: offers: spot_price_per_hour ({entry.spot_price_per_hour}) is above "
+                f"price_per_hour ({entry.price_per_hour}); check the two prices"
+            )
+        offers.append(Offer(**entry.model_dump()))
+    return Catalog(accelerators=accs, offers=tuple(offers), currencies=dict(draft.currencies))
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled_draft() -> tuple[tuple[tuple[str, Any], ...], ...]:
+    """Parse the bundled files once per process (they never change while it runs)."""
+    draft = _Draft({}, {}, [], {})
+    for name in BUNDLED_FILES:
+        _merge_file(draft, DATA_DIR / name)
+    # freeze into something lru_cache can hold safely; _fresh_draft copies it back
+    return (
+        tuple((k, _deepcopy(v)) for k, v in draft.accelerators.items()),
+        tuple(draft.where.items()),
+        tuple(draft.offers),
+        tuple(draft.currencies.items()),
+    )
+
+
+def _deepcopy(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in fields.items()}
+
+
+def _fresh_draft() -> _Draft:
+    accs, where, offers, curs = _bundled_draft()
+    return _Draft({k: _deepcopy(v) for k, v in accs}, dict(where), list(offers), dict(curs))
+
+
+def _load_profile(path: Path, catalog: Catalog) -> Catalog:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CatalogError(f"{path}: probe profile not found; run `starverse probe` to write one") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CatalogError(f"{path}: cannot read probe profile ({e.__class__.__name__})") from None
+    except json.JSONDecodeError as e:
+        raise CatalogError(
+            f"{path}:{e.lineno}: malformed probe profile JSON: {e.msg}; rerun `starverse probe`"
+        ) from None
+    try:
+        profile = parse(ProfileFile, data, str(path))
+    except ConfigError as e:
+        raise CatalogError(f"{e}; rerun `starverse probe`") from None
+    note = f"measured by starverse probe on {profile.host} at {profile.measured_at}"
+    overrides: dict[str, dict[str, Any]] = {}
+    for acc_id, fields in profile.accelerators.items():
+        if acc_id not in catalog.accelerators:
+            raise CatalogError(
+                f"{path}: accelerators.{acc_id}: not in the catalog; rerun `starverse probe` or add it with --catalog"
+            )
+        overrides[acc_id] = {**fields, "sources": dict.fromkeys(fields, note)}
+    try:
+        return catalog._with_overrides(overrides, note)
+    except CatalogError as e:
+        raise CatalogError(f"{path}: {e}") from None
+
+
+def _profile_path(profile: str | Path | None) -> Path | None:
+    if profile is not None:
+        return Path(profile) if str(profile) else None
+    env = os.environ.get(PROFILE_ENV)
+    if env is not None:
+        # STARVERSE_PROFILE="" turns the default profile off (reproducible runs, tests)
+        return Path(env) if env else None
+    default = default_profile_path()
+    return default if default.is_file() else None
+
+
+def load_catalog(path: str | Path | None = None, profile: str | Path | None = None) -> Catalog:
+    """The bundled catalog, extended by ``$STARVERSE_CATALOG`` then ``path``, then the probe profile.
+
+    ``profile``: a probe profile JSON; None means ``$STARVERSE_PROFILE`` if set (empty = none), else
+    ``~/.cache/starverse/profile.json`` if it exists; ``""`` means none. Raises CatalogError with
+    ``file:line: field: message`` for malformed files.
+    """
+    draft = _fresh_draft()
+    env = os.environ.get(CATALOG_ENV)
+    for extra in (env, path):
+        if extra:
+            _merge_file(draft, Path(extra))
+    catalog = _build(draft)
+    prof = _profile_path(profile)
+    if prof is not None:
+        catalog = _load_profile(prof, catalog)
+        log.debug("catalog: applied probe profile %s", prof)
+    return catalog
+
+
+def bundled_catalog() -> Catalog:
+    """Only the files shipped with the package (no user file, no profile): for tests and documentation."""
+    return _build(_fresh_draft())
