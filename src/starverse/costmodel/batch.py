@@ -13,7 +13,7 @@ Contract (the planner codes against this; keep names stable, add fields freely):
 * :func:`estimate_batch` returns a :class:`BatchEstimate` of ``(N,)`` arrays. No Python loop over
   candidates; one call of 100,000 candidates takes well under a second.
 * The scalar :func:`starverse.costmodel.estimate` evaluates a plan through the very same stage
-  functions (``costmodel.stage``), so for a one-group plan with an even layer split both agree to
+  functions (``costmodel.stage`` and ``costmodel.group``), so for a one-group plan with an even layer split both agree to
   floating-point rounding (tested).
 * Heterogeneous data parallelism (several groups of different accelerators) is composed by the caller:
   each group's ``step_time_s`` for its own batch share, the plan's step time is the slowest group plus
@@ -42,6 +42,21 @@ OFFLOAD_CODES: dict[str, int] = {"none": 0, "optimizer": 1, "optimizer+params": 
 """``Candidates.offload`` codes."""
 BOTTLENECKS: tuple[str, ...] = ("compute", "memory", "tp_comm", "dp_comm", "pp_comm", "pipeline_bubble")
 """``BatchEstimate.bottleneck`` codes index this tuple (the largest part of the step time)."""
+
+
+def uses_dropout(spec: Any) -> bool:
+    """Whether a model config trains with dropout: any ``*drop*`` field > 0 (one level of nesting), or
+    none given in a GPT-2 config (transformers' GPT2Config defaults to 0.1)."""
+    cfg = dict(getattr(spec, "hf_config", {}) or {})
+    values: list[float] = []
+    for key, value in cfg.items():
+        items = value.items() if isinstance(value, dict) else [(key, value)]
+        for k, v in items:
+            if "drop" in str(k) and isinstance(v, int | float) and not isinstance(v, bool):
+                values.append(float(v))
+    if values:
+        return any(v > 0 for v in values)
+    return getattr(spec, "family", "") == "gpt2"
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,10 @@ class ModelShape:
     """Input embedding (+ learned positions) parameters."""
     lm_head_params: int
     """LM-head parameters (0 when tied)."""
+    rope: bool = False
+    """Rotary position embeddings (adds elementwise work on q and k)."""
+    dropout: bool = True
+    """Trains with dropout (1-byte masks stored per hidden activation)."""
 
     @classmethod
     def from_spec(cls, spec: Any) -> ModelShape:
@@ -98,6 +117,8 @@ class ModelShape:
             active_params_per_layer=int(spec.active_params_per_layer),
             embedding_params=int(spec.embedding_params),
             lm_head_params=int(spec.lm_head_params),
+            rope=getattr(spec, "position", "") == "rope",
+            dropout=uses_dropout(spec),
         )
 
     @property
@@ -361,7 +382,7 @@ def estimate_batch(
         A :class:`BatchEstimate` of ``(N,)`` arrays. ``micro_batch`` is taken as given (the planner
         enumerates it); pick the fastest row among those with ``fits``.
     """
-    from starverse.costmodel.stage import evaluate_uniform
+    from starverse.costmodel.group import evaluate_uniform
 
     return evaluate_uniform(model, train, devices, candidates)
 

@@ -1,0 +1,54 @@
+"""Collective and point-to-point times over intra- and inter-node links (numpy, vectorised).
+
+Bandwidths here are GB/s = 1e9 bytes/s; a NIC's Gbit/s is divided by 8 by the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from starverse.costmodel.constants import COLLECTIVE_LATENCY_S, LINK_EFFICIENCY, NETWORK_EFFICIENCY
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def ring_allreduce_s(bytes_: Any, n: Any, bus_gb_per_s: Any) -> FloatArray:
+    """Ring all-reduce of ``bytes_`` over ``n`` ranks at bus bandwidth ``bus_gb_per_s``.
+
+    Each rank sends and receives 2(n-1)/n of the buffer (reduce-scatter + all-gather), plus a latency
+    per ring step. Zero for n <= 1. ``bus_gb_per_s`` is the achieved bus bandwidth (efficiency applied).
+    """
+    n_ = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+    b = np.asarray(bytes_, dtype=np.float64)
+    bw = np.maximum(np.asarray(bus_gb_per_s, dtype=np.float64), 1e-9) * 1e9
+    t = 2.0 * (n_ - 1.0) / n_ * b / bw + 2.0 * (n_ - 1.0) * COLLECTIVE_LATENCY_S
+    return np.asarray(np.where(n_ > 1.0, t, 0.0), dtype=np.float64)
+
+
+def group_bus_gb_per_s(
+    group_size: Any,
+    members_per_node: Any,
+    intra_gb_per_s: Any,
+    devices_per_node: Any,
+    inter_node_gbps: Any,
+) -> FloatArray:
+    """Achieved bus bandwidth of a collective over ``group_size`` ranks, ``members_per_node`` of them per node.
+
+    Inside one node the ring runs over the device links (``LINK_EFFICIENCY`` of the per-device link).
+    Across nodes NCCL runs one ring per NIC rail; the node's NIC bandwidth is shared by the
+    ``devices_per_node / members_per_node`` groups that talk at the same time, so this group gets
+    ``members_per_node / devices_per_node`` of it (hierarchical: the slower of the two levels bounds).
+    """
+    g = np.maximum(np.asarray(members_per_node, dtype=np.float64), 1.0)
+    n = np.asarray(group_size, dtype=np.float64)
+    intra = np.asarray(intra_gb_per_s, dtype=np.float64) * LINK_EFFICIENCY
+    dpn = np.maximum(np.asarray(devices_per_node, dtype=np.float64), 1.0)
+    node_gb_per_s = np.asarray(inter_node_gbps, dtype=np.float64) / 8.0 * NETWORK_EFFICIENCY
+    inter = node_gb_per_s * np.minimum(g, dpn) / dpn
+    # a device without any intra-node link (intra 0) still reaches its NIC through the host
+    intra_or_inter = np.where(intra > 0, intra, inter)
+    cross = np.minimum(intra_or_inter, inter)
+    return np.asarray(np.where(n <= g, intra_or_inter, cross), dtype=np.float64)

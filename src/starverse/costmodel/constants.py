@@ -1,0 +1,144 @@
+"""Every constant of the cost model, with where its value comes from (see docs/costmodel.md).
+
+There is no global MFU constant. Achievable compute follows from the accelerator's dense peak, the
+fraction of it that large matmuls reach on that architecture (measured, below), and the shape of each
+matmul (:data:`GEMM_HALF_DIM`); memory-bound work runs at a fraction of the memory bandwidth; collectives
+at a fraction of the link bandwidth. None of these was fitted to a validation case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# --- compute -------------------------------------------------------------------------------------------
+
+GEMM_EFFICIENCY: dict[str, float] = {
+    # Maximum Achievable Matmul FLOPS (MAMF) / dense peak, BF16, best shape, from S. Bekman,
+    # "Machine Learning Engineering", compute/accelerator/README.md, MAMF comparison table (2024-2025).
+    "a100-80gb-sxm": 0.869,  # 271.2 / 312
+    "a100-40gb-sxm": 0.869,  # same silicon and clocks as the 80 GB SXM part
+    "a100-80gb-pcie": 0.811,  # 252.9 / 312 (lower power limit)
+    "h100-80gb-sxm": 0.803,  # 794.5 / 989
+    "h200-141gb-sxm": 0.803,  # "H200 is the same" (same table)
+    "h100-80gb-pcie": 0.75,  # no MAMF published; 350 W part clocks lower than SXM (0.803) -> between SXM and
+    # the PCIe/SXM gap seen on A100 (0.811/0.869 = 0.93): 0.803 * 0.93
+    "b200": 0.776,  # 1745 / 2250
+    "mi250x": 0.767,  # 147.0 / 191.5 per GCD
+    "mi300x": 0.601,  # 781.9 / 1300 (ROCm 6.2; the same table lists 668/1300 with TunableOp on 6.3)
+}
+"""Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
+
+SUSTAINED_FRACTION = 0.90
+"""Multi-device training runs at the pace of the slowest device, at sustained (power/thermal-limited)
+clocks: MAMF figures are single-device best cases, and Bekman (same chapter, "Not all accelerators are
+created equal") reports 5 %+ spread within one 8-GPU node, with the slowest setting the pace of the
+ensemble; sustained clocks at TDP sit a further few percent below short benchmark runs."""
+
+GEMM_EFFICIENCY_BY_STACK: dict[str, float] = {
+    # No MAMF measurement in the table above: the median of the measured NVIDIA parts (0.80) for CUDA
+    # (consumer cards run at their boost clock and reach their dense fp32-accumulate peak similarly),
+    # the MI250X figure for ROCm, and for XLA/NPU/MLU/CPU the same 0.80 (TPU systolic arrays reach a
+    # similar fraction on large matmuls: PaLM reports 57.8 % HFU of whole-model training on TPU v4, the
+    # same level as the best A100 runs; Ascend/MLU unpublished).
+    "cuda": 0.80,
+    "rocm": 0.767,
+    "xla": 0.80,
+    "npu": 0.80,
+    "mlu": 0.80,
+    "cpu": 0.80,  # the probe measures the CPU's achieved matmul TFLOP/s, so its 'peak' is already achieved
+}
+"""Fallback by software stack for accelerators without a measured MAMF."""
+
+GEMM_HALF_DIM_PER_FLOP_PER_BYTE = 0.84
+"""Matmul dimension at which per-dimension overheads cost as much as the useful work, per FLOP/byte of
+machine balance (peak FLOP/s / memory bytes/s): D = 0.84 * balance (A100: 153 FLOP/B -> D = 128).
+
+A matmul of M x N x K runs at ``gemm_efficiency / (1 + D/M + D/N + D/K)`` of peak. D is the tile edge
+of tensor-core GEMM kernels (CUTLASS/cuBLAS 128x128 and 128x256 CTA tiles): a dimension of D means about
+one tile's prologue/epilogue and partial wave per tile of work (wave quantization, pipeline fill of the
+K loop). Gives ~0.80 x MAMF at 768 x 768 x 16k and >0.97 x MAMF above 8k per side, consistent with
+NVIDIA's "Matrix Multiplication Background User's Guide" (efficiency vs dimension figures).
+"""
+
+ATTENTION_HEAD_DIM_HALF = 48.0
+"""Fused (Flash) attention runs at ``gemm_efficiency * d / (d + 48)`` of peak for head dim d.
+
+FlashAttention-2 (Dao 2023, Fig. 4-6, A100, causal, seq 2k, forward+backward): ~0.50 of peak at
+d=64 and ~0.63 at d=128; with A100's MAMF 0.869 that is d/(d+48) within a few percent at both points.
+"""
+
+CAUSAL_FRACTION = 0.5
+"""Causal attention computes only the lower triangle of the s x s score matrix (FlashAttention skips
+masked blocks); exact fraction s(s+1)/(2 s^2) is used where s is known, this is its limit."""
+
+# --- memory-bound work ---------------------------------------------------------------------------------
+
+MEMORY_BW_EFFICIENCY = 0.80
+"""Achieved fraction of peak HBM bandwidth for elementwise/normalisation kernels (STREAM-like copies reach
+~0.9 of peak on A100/H100 (e.g. BabelStream results); framework elementwise kernels with strided
+accesses and small launches run lower, PyTorch's own benchmarks show 0.75-0.85)."""
+
+BACKWARD_ELEMENTWISE_FACTOR = 2.0
+"""Backward of an elementwise/norm op moves about twice the forward bytes (reads saved input and
+upstream gradient, writes the input gradient; norm backward also reads statistics)."""
+
+ADAM_BYTES_PER_PARAM = 36.0
+"""Optimizer step traffic per parameter held: read fp32 master, m, v (12) and 16-bit grad (2) or fp32 main
+grad (4), write master, m, v (12), write the 16-bit weight copy (2), zero the grad (2-4): ~36 bytes."""
+
+CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
+"""Loss over the vocabulary: logits read in 16 bit, softmax in fp32 written/read, gradient written in 16 bit
+(2 + 4 + 4 + 2 bytes per logit, Megatron's vocab-parallel cross entropy)."""
+
+# --- communication --------------------------------------------------------------------------------------
+
+LINK_EFFICIENCY = 0.78
+"""NCCL bus bandwidth / link bandwidth: all-reduce busbw ~230-240 GB/s on NVLink-3 (300 GB/s per
+direction, DGX A100 nccl-tests), ~360 GB/s of 450 on H100 NVLink-4."""
+
+NETWORK_EFFICIENCY = 0.90
+"""Achieved fraction of NIC line rate for large collectives over InfiniBand/RoCE (nccl-tests multi-node
+all_reduce busbw ~185 GB/s on 8x200 Gb/s HDR per DGX A100 node)."""
+
+COLLECTIVE_LATENCY_S = 20e-6
+"""Per-step latency of a ring collective hop (NCCL LL/Simple protocol launch + hop latency, ~5-20 us)."""
+
+PCIE_HOST_GB_PER_S = 25.0
+"""Host<->device copy bandwidth for CPU offload (PCIe 4.0 x16: 32 GB/s line rate, ~25 GB/s achieved)."""
+
+CPU_ADAM_PARAMS_PER_S = 1.0e9
+"""CPU Adam throughput per device's shard (DeepSpeed CPU-Adam, AVX-512: ~1e9 params/s per socket-share;
+Ren et al. 2021 ZeRO-Offload Table 3)."""
+
+# --- memory reserve -------------------------------------------------------------------------------------
+
+BYTES_PER_DATASHEET_GB = 2**30
+"""Datasheet "GB" of device memory are binary: an "80 GB" A100/H100 has 81920/81559 MiB (nvidia-smi), a
+"24 GB" RTX 4090 24564 MiB; HBM/GDDR capacities are powers of two."""
+
+RESERVED_GB = 2.0
+"""Fixed device memory not available to tensors: CUDA context (~0.5-1 GB), NCCL buffers, cuBLAS/cuDNN
+workspaces."""
+
+FRAGMENTATION_FRACTION = 0.06
+"""Caching-allocator fragmentation and transient buffers, as a fraction of device memory (PyTorch reports
+reserved - allocated of 5-10 % in long LLM runs)."""
+
+# --- precision ------------------------------------------------------------------------------------------
+
+BYTES_PER_VALUE: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 2.0, "fp32": 4.0}
+"""Bytes of a stored activation/weight/gradient value by compute precision (fp8 training keeps bf16
+weights and activations and casts per matmul, as Transformer Engine does)."""
+
+QLORA_BYTES_PER_PARAM = 0.5 + 0.127 / 8 * 4
+"""NF4 base weights: 4 bits + double-quantised constants (0.127 bits/param, Dettmers et al. 2023 §2),
+rounded up to the 16-bit dequantisation buffer amortised: ~0.56 bytes."""
+
+
+def gemm_efficiency(acc: Any) -> float:
+    """Large-matmul fraction of peak a ``catalog.Accelerator`` sustains in training (MAMF x sustained)."""
+    if acc.id in GEMM_EFFICIENCY:
+        mamf = GEMM_EFFICIENCY[acc.id]
+    else:
+        mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
+    return mamf * SUSTAINED_FRACTION

@@ -1,0 +1,330 @@
+"""The one implementation of the cost model: per-stage costs over arrays of stage rows, and their
+composition into a pipeline step.
+
+A *stage row* is one pipeline stage of one group (an accelerator, a TP degree, a number of layers, its
+position in the pipeline, the group's batch and memory settings). Both the scalar ``estimate()`` (one row
+per real stage) and the planner's ``estimate_batch()`` (a few representative rows per candidate) call
+:func:`stage_costs` and :func:`pipeline_step`, so they agree by construction.
+
+Notation: b micro-batch, s sequence, T = b*s tokens, h hidden, t TP degree, p pipeline stages,
+m micro-batches per replica per step, n data-parallel replicas, L layers on the stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from starverse.costmodel import constants as C
+from starverse.costmodel.comm import group_bus_gb_per_s, ring_allreduce_s
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class StageRows:
+    """R stage rows as arrays of shape (R,)."""
+
+    peak_tflops: FloatArray
+    """Dense peak TFLOP/s at the plan's precision."""
+    gemm_efficiency: FloatArray
+    """Large-matmul achievable fraction of peak."""
+    memory_gb: FloatArray
+    """Device memory."""
+    memory_bw_gb_per_s: FloatArray
+    """Device memory bandwidth."""
+    intra_node_gb_per_s: FloatArray
+    """Per-device intra-node link bandwidth, one direction."""
+    devices_per_node: FloatArray
+    """Devices per node."""
+    inter_node_gbps: FloatArray
+    """NIC bandwidth per node, Gbit/s."""
+    tp: FloatArray
+    """Tensor-parallel degree."""
+    layers: FloatArray
+    """Transformer layers on this stage."""
+    first: BoolArray
+    """Holds the embedding."""
+    last: BoolArray
+    """Holds the final norm, LM head and loss."""
+    stage_index: FloatArray
+    """0-based position in the pipeline (in-flight micro-batches under 1F1B)."""
+    pp: FloatArray
+    """Pipeline depth of the group."""
+    replicas: FloatArray
+    """Data-parallel replicas of the group."""
+    micro_batch: FloatArray
+    """Sequences per micro-batch."""
+    num_micro_batches: FloatArray
+    """Micro-batches per replica per step."""
+    zero_stage: FloatArray
+    """0-3."""
+    recompute: FloatArray
+    """0 none, 1 selective, 2 full."""
+    offload: FloatArray
+    """0 none, 1 optimizer, 2 optimizer+params."""
+    sequence_parallel: BoolArray
+    """Megatron sequence parallelism."""
+    pipeline_devices: FloatArray
+    """Devices of one pipeline replica (sum of tp over stages), for placement on nodes."""
+
+
+def _f(x: object) -> FloatArray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def gemm_time_s(m: FloatArray, n: FloatArray, k: FloatArray, rows: StageRows, bytes_per_value: float,
+                count: FloatArray | float = 1.0) -> FloatArray:
+    """Time of ``count`` matmuls (M x K) @ (K x N): roofline of shape-dependent compute and HBM traffic."""
+    flops = 2.0 * m * n * k
+    d = C.GEMM_HALF_DIM_PER_FLOP_PER_BYTE * rows.peak_tflops * 1e3 / rows.memory_bw_gb_per_s
+    eff = rows.gemm_efficiency / (1.0 + d / np.maximum(m, 1e-9) + d / np.maximum(n, 1e-9) + d / np.maximum(k, 1e-9))
+    t_compute = flops / (rows.peak_tflops * 1e12 * eff)
+    t_memory = bytes_per_value * (m * k + k * n + m * n) / (rows.memory_bw_gb_per_s * 1e9 * C.MEMORY_BW_EFFICIENCY)
+    return np.asarray(np.maximum(t_compute, t_memory) * count, dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class ModelNumbers:
+    """Scalars of the model and training shared by all rows (floats, for numpy)."""
+
+    h: float
+    q_dim: float
+    kv_dim: float
+    head_dim: float
+    ffn: float
+    vocab: float
+    gated: bool
+    num_experts: float
+    top_k: float
+    tie: bool
+    rope: bool
+    dropout: bool
+    num_layers: float
+    params_per_layer: float
+    active_params_per_layer: float
+    embedding_params: float
+    lm_head_params: float
+    adapter_params_per_layer: float
+    seq_len: float
+    bytes_per_value: float
+    mode: str
+    schedule: str
+    virtual_stages: float
+
+    def layer_matmul_flops_per_token(self) -> float:
+        """Forward matmul FLOPs per token of one layer, exact (causal attention over the sequence)."""
+        h, q, kv, f = self.h, self.q_dim, self.kv_dim, self.ffn
+        proj = 2.0 * h * (q + 2.0 * kv) + 2.0 * q * h
+        mlp = (3.0 if self.gated else 2.0) * 2.0 * h * f
+        if self.num_experts > 0:
+            mlp = mlp * self.top_k + 2.0 * h * self.num_experts
+        attn = 4.0 * q * (self.seq_len + 1.0) / 2.0
+        return proj + mlp + attn
+
+    def model_flops_per_token(self) -> float:
+        """Model FLOPs per trained token (forward + backward = 3x forward, no recompute), incl. LM head."""
+        head = 2.0 * self.h * self.vocab
+        per_token = self.num_layers * self.layer_matmul_flops_per_token() + head
+        if self.mode == "full":
+            return 3.0 * per_token
+        # frozen base: backward computes input gradients only (adapters are negligible)
+        return 2.0 * per_token
+
+
+def stage_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
+    """Per-row costs: times per micro-batch and per step, memory per device (bytes -> GB)."""
+    bv = mn.bytes_per_value
+    t = rows.tp
+    b = rows.micro_batch
+    s = mn.seq_len
+    tokens = b * s
+    L = rows.layers
+    h = mn.h
+    full_mode = mn.mode == "full"
+    rc_full = (rows.recompute == 2).astype(np.float64)
+    rc_any = (rows.recompute >= 1).astype(np.float64)
+    sp = rows.sequence_parallel & (t > 1)
+
+    # ---- matmuls of one layer, forward, per device --------------------------------------------------
+    g = gemm_time_s(tokens, (mn.q_dim + 2 * mn.kv_dim) / t, _f(h), rows, bv)
+    g = g + gemm_time_s(tokens, _f(h), mn.q_dim / t, rows, bv)
+    if mn.num_experts > 0:
+        per_expert = tokens * mn.top_k / mn.num_experts
+        up = (2.0 if mn.gated else 1.0) * mn.ffn / t
+        g = g + gemm_time_s(per_expert, up, _f(h), rows, bv, mn.num_experts)
+        g = g + gemm_time_s(per_expert, _f(h), mn.ffn / t, rows, bv, mn.num_experts)
+        g = g + gemm_time_s(tokens, _f(mn.num_experts), _f(h), rows, bv)
+    else:
+        up = (2.0 if mn.gated else 1.0) * mn.ffn / t
+        g = g + gemm_time_s(tokens, up, _f(h), rows, bv)
+        g = g + gemm_time_s(tokens, _f(h), mn.ffn / t, rows, bv)
+    # fused causal attention: 2 matmuls of T x s x d per head, lower triangle only; backward recomputes
+    # the scores (FlashAttention): 2.5x the forward matmul work
+    attn_flops = 4.0 * tokens * (s + 1.0) / 2.0 * mn.q_dim / t
+    attn_eff = rows.gemm_efficiency * mn.head_dim / (mn.head_dim + C.ATTENTION_HEAD_DIM_HALF)
+    a = attn_flops / (rows.peak_tflops * 1e12 * attn_eff)
+    bwd_gemm = 2.0 if full_mode else 1.0  # frozen base weights: no weight gradients
+    gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any)
+
+    # ---- memory-bound elementwise work of one layer ------------------------------------------------
+    # per token, values moved forward: 2 norms (read+write h) and 2 residual adds (read 2, write 1);
+    # replicated over TP ranks unless sequence parallel
+    rep_values = 10.0 * h
+    act_values = (3.0 if mn.gated else 2.0) * mn.ffn * max(mn.top_k, 1.0)
+    if mn.rope:
+        act_values += 2.0 * (mn.q_dim + mn.kv_dim)
+    # fused attention reads Q, K, V and writes O forward; backward reads Q, K, V, O, dO and writes
+    # dQ, dK, dV: on average 2x the forward bytes, the same factor as the other elementwise work
+    act_values += 2.0 * (mn.q_dim + mn.kv_dim)
+    fwd_bytes = tokens * bv * (np.where(sp, rep_values / t, rep_values) + act_values / t)
+    if mn.mode == "qlora":
+        # dequantise the 4-bit base to 16 bit for every use (read 0.5 B, write 2 B per parameter)
+        fwd_bytes = fwd_bytes + (mn.params_per_layer / t) * 2.5
+    bw = rows.memory_bw_gb_per_s * 1e9 * C.MEMORY_BW_EFFICIENCY
+    elem_layer = fwd_bytes / bw * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_full)
+
+    # ---- TP collectives of one layer: 2 all-reduces forward, 2 backward (+2 recomputed forward) ----
+    same_node = rows.tp <= rows.devices_per_node
+    tp_bus = group_bus_gb_per_s(t, np.where(same_node, t, 1.0), rows.intra_node_gb_per_s,
+                                rows.devices_per_node, rows.inter_node_gbps)
+    ar = ring_allreduce_s(tokens * h * bv, t, tp_bus)
+    tp_layer = ar * (4.0 + 2.0 * rc_full)
+
+    first = rows.first.astype(np.float64)
+    last = rows.last.astype(np.float64)
+    head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm)
+    head_elem = tokens * mn.vocab / t * C.CROSS_ENTROPY_BYTES_PER_LOGIT / bw
+    emb_elem = 3.0 * tokens * h * bv / bw
+
+    gemm_mb = L * gemm_layer + last * head_gemm
+    elem_mb = L * elem_layer + last * head_elem + first * emb_elem
+    tp_mb = L * tp_layer + (first + last) * ar
+
+    # ---- parameters held per device --------------------------------------------------------------
+    n = rows.replicas
+    tie_copy = (mn.tie and True) * (rows.pp > 1)  # Megatron keeps the tied embedding on the last stage too
+    p_dev = (L * mn.params_per_layer + first * mn.embedding_params
+             + last * (mn.lm_head_params + mn.embedding_params * tie_copy)) / t
+    trainable = p_dev if full_mode else L * mn.adapter_params_per_layer / t
+    z = rows.zero_stage
+    shard_w = np.where(z >= 3, n, 1.0)
+    shard_g = np.where(z >= 2, n, 1.0)
+    shard_o = np.where(z >= 1, n, 1.0)
+    fp32 = bv >= 4.0
+    if full_mode:
+        base_bytes = bv
+    else:
+        base_bytes = C.QLORA_BYTES_PER_PARAM if mn.mode == "qlora" else bv
+    weights = p_dev * base_bytes / shard_w
+    if not full_mode:
+        weights = weights + trainable * bv / shard_w
+    # ZeRO-3 gathers about two layers at a time (current + prefetch)
+    weights = weights + np.where(z >= 3, 2.0 * mn.params_per_layer / t * bv, 0.0)
+    offload_params = rows.offload >= 2
+    weights = np.where(offload_params, 2.0 * mn.params_per_layer / t * bv, weights)
+    grads = trainable * bv / shard_g
+    opt_bytes_per_param = 8.0 if fp32 else 12.0  # (fp32 master +) Adam m, v
+    optimizer = np.where(rows.offload >= 1, 0.0, trainable * opt_bytes_per_param / shard_o)
+
+    # ---- activations (Korthikanti et al. 2022, generalised to GQA / gated MLP / MoE; flash attention
+    # stores no s x s scores, so selective recompute keeps the same bytes as none) -----------------
+    # 2 norm inputs, QKV and MLP inputs (16 bit), 2 dropout masks (1 byte each, only with dropout)
+    rep_act = 4.0 * h * bv + (2.0 * h if mn.dropout else 0.0)
+    split_act = ((mn.q_dim + 2.0 * mn.kv_dim) + mn.q_dim) * bv + (3.0 if mn.gated else 2.0) * mn.ffn * bv * max(
+        mn.top_k, 1.0)
+    layer_act = tokens * (np.where(sp, rep_act / t, rep_act) + split_act / t)
+    layer_input = tokens * h * bv / np.where(sp, t, 1.0)
+    p = rows.pp
+    m = rows.num_micro_batches
+    if mn.schedule == "gpipe":
+        in_flight = m
+    else:
+        in_flight = np.minimum(p - rows.stage_index, m)
+        if mn.schedule == "interleaved":
+            in_flight = in_flight * (1.0 + (p - 1.0) / (p * mn.virtual_stages))
+    stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
+    activations = L * stored_per_layer * in_flight
+    # recomputing a layer materialises its full activations for one micro-batch
+    activations = activations + rc_full * layer_act
+    activations = activations + first * tokens * h * bv * in_flight
+    activations = activations + last * tokens * mn.vocab / t * (bv + 4.0)
+
+    # ---- per-step work -----------------------------------------------------------------------------
+    opt_params = trainable / shard_o
+    opt_gpu = opt_params * C.ADAM_BYTES_PER_PARAM / bw
+    opt_cpu = opt_params * 2.0 * bv / (C.PCIE_HOST_GB_PER_S * 1e9) + opt_params / C.CPU_ADAM_PARAMS_PER_S
+    optimizer_s = np.where(rows.offload >= 1, opt_cpu, opt_gpu)
+    # parameters streamed from the host for forward and backward of every micro-batch
+    offload_mb = np.where(offload_params, 2.0 * p_dev / shard_w * bv / (C.PCIE_HOST_GB_PER_S * 1e9), 0.0)
+
+    # data-parallel collectives; DP neighbours sit next to each other after the TP ranks on a node
+    members = np.minimum(n, np.maximum(np.floor(rows.devices_per_node / t), 1.0))
+    dp_bus = group_bus_gb_per_s(n, members, rows.intra_node_gb_per_s, rows.devices_per_node,
+                                rows.inter_node_gbps)
+    grad_bytes = trainable * bv
+    dp_allreduce = ring_allreduce_s(grad_bytes, n, dp_bus)
+    # ZeRO-3: all-gather for forward, again for backward, reduce-scatter of gradients (1.5x all-reduce)
+    z3_mb = np.where(z >= 3, 1.5 * ring_allreduce_s(p_dev * bv, n, dp_bus), 0.0)
+
+    compute_mb = gemm_mb + elem_mb + tp_mb
+    exposed_z3 = np.maximum(z3_mb - compute_mb, 0.0) + z3_mb / (3.0 * np.maximum(L, 1.0))
+    exposed_z3 = np.where(z >= 3, exposed_z3, 0.0)
+    exposed_offload = np.maximum(offload_mb - compute_mb, 0.0)
+    stage_mb = compute_mb + exposed_z3 + exposed_offload
+    # gradient reduction (ZeRO 0-2) overlaps the backward of the last micro-batch (bucketed)
+    bwd_last = (gemm_mb + elem_mb + tp_mb) * 2.0 / 3.0
+    dp_exposed = np.where(z >= 3, 0.0, np.maximum(dp_allreduce - bwd_last, 0.0))
+
+    # pipeline point-to-point: activations of one micro-batch (split over TP ranks: scatter/gather)
+    pp_bus_same_node = rows.pipeline_devices <= rows.devices_per_node
+    nic_per_dev = rows.inter_node_gbps / 8.0 * C.NETWORK_EFFICIENCY / rows.devices_per_node
+    intra = rows.intra_node_gb_per_s * C.LINK_EFFICIENCY
+    pp_bw = np.where(pp_bus_same_node & (intra > 0), intra, nic_per_dev)
+    p2p = tokens * h * bv / t / (pp_bw * 1e9) + C.COLLECTIVE_LATENCY_S
+
+    total = (weights + grads + optimizer + activations) / 1e9 + C.RESERVED_GB
+    capacity = rows.memory_gb * (C.BYTES_PER_DATASHEET_GB / 1e9) * (1.0 - C.FRAGMENTATION_FRACTION)
+    return {
+        "gemm_mb": gemm_mb,
+        "elem_mb": elem_mb,
+        "tp_mb": tp_mb,
+        "z3_exposed_mb": exposed_z3 + exposed_offload,
+        "stage_mb": stage_mb,
+        "p2p": p2p,
+        "optimizer_s": optimizer_s,
+        "dp_exposed_s": dp_exposed,
+        "weights_gb": weights / 1e9,
+        "grads_gb": grads / 1e9,
+        "optimizer_gb": optimizer / 1e9,
+        "activations_gb": activations / 1e9,
+        "memory_gb": total,
+        "capacity_gb": capacity,
+        "params_on_device": p_dev,
+    }
+
+
+def pipeline_step(
+    stage_mb: FloatArray,
+    sum_stage_mb: FloatArray,
+    p2p: FloatArray,
+    pp: FloatArray,
+    m: FloatArray,
+    virtual_stages: float,
+    schedule: str,
+) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """(steady-state time, bubble, p2p time) of one step of a pipeline.
+
+    ``stage_mb`` is the slowest stage's time per micro-batch (forward + backward), ``sum_stage_mb`` the sum
+    over all stages. 1F1B/GPipe: m micro-batches at the slowest stage's pace plus the fill/drain through
+    the other stages; interleaved divides the fill/drain by v and multiplies the p2p count by v.
+    """
+    v = virtual_stages if schedule == "interleaved" else 1.0
+    steady = m * stage_mb
+    bubble = (sum_stage_mb - stage_mb) / v
+    hops = np.where(pp > 1, 2.0 * (m + pp - 1.0) * v, 0.0)
+    return steady, bubble, hops * p2p
