@@ -326,12 +326,8 @@ def _falcon(raw: Mapping[str, Any], where: str) -> ModelSpec:
         raise ModelError(f"{where}: num_kv_heads ({kv}) must divide num_attention_heads ({heads})")
     bias = c.bool("bias", default=False)
     num_ln = c.get("num_ln_in_parallel_attn", default=2 if new_arch else None)
-    if not parallel or (new_arch and num_ln == 2):
-        norms = 2
-    else:
-        norms = 1
-    if new_arch and not parallel:
-        raise ModelError(f"{where}: parallel_attn: new_decoder_architecture requires parallel_attn: true")
+    # sequential blocks have 2 norms; parallel ones 1, or 2 (ln_attn, ln_mlp) in the new architecture
+    norms = 2 if not parallel or (new_arch and num_ln == 2) else 1
     return ModelSpec(
         name="",
         family="falcon",
