@@ -1,9 +1,175 @@
-"""`starverse` subcommands of this area (see cli/__init__.py)."""
+"""``starverse plan JOB.yaml --pool POOL.yaml``: what to rent and how to run it (see ``docs/planner.md``)."""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 
+def _headroom_gb(est: Any) -> float | None:
+    """Smallest memory margin over the plan's stages (GB), from the estimate."""
+    margins: list[float] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "margin_gb" and isinstance(v, (int, float)):
+                    margins.append(float(v))
+                else:
+                    walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif hasattr(x, "__dataclass_fields__"):
+            walk({f: getattr(x, f) for f in x.__dataclass_fields__})
+
+    walk(getattr(est, "memory", None) or getattr(est, "groups", None))
+    return min(margins) if margins else None
+
+
+def _money(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:,.2f}"
+
+
+def result_to_json(result: Any) -> dict[str, Any]:
+    """The ``--json`` document: every ranked plan with its numbers and its plan, plus the search stats."""
+    plans = []
+    for i, rp in enumerate(result.plans, 1):
+        est = rp.estimate
+        plans.append({
+            "rank": i, "kind": rp.kind, "mode": rp.mode, "alternative": rp.alternative,
+            "devices": dict(rp.devices), "layout": rp.layout(),
+            "tokens_per_s": rp.tokens_per_s, "effective_tokens_per_s": rp.effective_tokens_per_s,
+            "spot_factor": rp.spot_factor, "mfu": float(est.mfu), "step_time_s": float(est.step_time_s),
+            "cost_per_hour": rp.cost_per_hour, "hours": rp.hours, "total_cost": rp.total_cost,
+            "power_kw": rp.power_kw, "headroom_gb": _headroom_gb(est), "bottleneck": str(est.bottleneck),
+            "objective_value": rp.objective_value, "notes": list(rp.notes),
+            "plan": rp.plan.model_dump(mode="json", exclude_none=True),
+        })
+    s = result.stats
+    return {
+        "model": result.model, "objective": str(result.objective), "currency": result.currency,
+        "per_job": result.per_job, "notes": list(result.notes), "plans": plans,
+        "stats": {"options": s.options, "evaluated_rows": s.evaluated_rows, "combinations": s.combinations,
+                  "exact_evaluations": s.exact_evaluations, "screened": s.screened,
+                  "proven_optimal": s.proven_optimal, "bound_gap": s.bound_gap, "seconds": s.seconds},
+        "frontier": [{"hours": p.hours, "cost": p.cost, "label": p.label} for p in result.frontier],
+    }
+
+
+def _table(result: Any) -> Any:
+    from rich.table import Table
+
+    per = "" if result.per_job else " /1e9 tok"
+    t = Table(title=f"{result.model} — objective: {result.objective} ({result.currency})", show_lines=True)
+    for col in ("#", "devices", "layout", "tokens/s", "MFU", f"{result.currency}/h", f"total{per}",
+                f"hours{per}", "kW", "headroom GB", "bottleneck"):
+        t.add_column(col, overflow="fold")
+    for i, rp in enumerate(result.plans, 1):
+        est = rp.estimate
+        devs = "\n".join(f"{n}× {k}" for k, n in rp.devices.items())
+        label = f"{i}" + ("\n" + rp.mode.upper() + " alt." if rp.alternative else "")
+        tps = f"{rp.tokens_per_s:,.0f}" + (f"\n({rp.effective_tokens_per_s:,.0f} w/ spot)" if rp.spot_factor > 1
+                                             else "")
+        hours = rp.hours if rp.hours is not None else (1e9 / rp.effective_tokens_per_s / 3600)
+        total = rp.total_cost if rp.total_cost is not None else hours * rp.cost_per_hour
+        head = _headroom_gb(est)
+        t.add_row(label, devs, rp.layout().replace("; ", "\n").replace(" | ", "\n"), tps,
+                  f"{float(est.mfu) * 100:.1f}%", _money(rp.cost_per_hour), _money(total), f"{hours:,.1f}",
+                  f"{rp.power_kw:.1f}", "-" if head is None else f"{head:.1f}", str(est.bottleneck))
+    return t
+
+
+def plot_frontier(result: Any, path: Path) -> None:
+    """Pareto frontier of time vs cost, the chosen plan marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = result.frontier
+    if pts:
+        ax.plot([p.hours for p in pts], [p.cost for p in pts], "o-", color="tab:blue", label="Pareto frontier")
+    others = result.plans[1:]
+    def cost_of(rp: Any) -> tuple[float, float]:
+        h = rp.hours if rp.hours is not None else 1e9 / rp.effective_tokens_per_s / 3600
+        return h, (rp.total_cost if rp.total_cost is not None else h * rp.cost_per_hour)
+    if others:
+        xs, ys = zip(*(cost_of(r) for r in others), strict=True)
+        ax.scatter(xs, ys, marker="x", color="grey", label="other ranked plans")
+    bx, by = cost_of(result.best)
+    ax.scatter([bx], [by], marker="*", s=250, color="tab:red", zorder=5, label="chosen plan")
+    per = "" if result.per_job else " per 1e9 tokens"
+    ax.set_xlabel(f"hours{per}")
+    ax.set_ylabel(f"cost ({result.currency}){per}")
+    ax.set_title(f"{result.model}: time vs cost ({result.objective})")
+    if all(p.hours > 0 for p in pts) and pts and max(p.hours for p in pts) / min(p.hours for p in pts) > 20:
+        ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plan_cmd(
+    job_file: Annotated[Path, typer.Argument(help="job.yaml: model, training settings, objective, constraints.")],
+    pool: Annotated[Path, typer.Option("--pool", help="pool.yaml: the offers that can be rented.")],
+    top: Annotated[int, typer.Option("--top", min=1, help="How many ranked plans to show.")] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the chosen plan here (plan.yaml format).")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Draw the time-vs-cost Pareto frontier to this PNG.")
+                    ] = None,
+    catalog_file: Annotated[Path | None, typer.Option("--catalog", help="Catalog file extending the bundled one.")
+                            ] = None,
+) -> None:
+    """Choose the devices to rent and the parallel plan that best meet the job's objective."""
+    from rich.console import Console
+
+    from starverse.catalog import load_catalog
+    from starverse.plan import save_plan
+    from starverse.planner import load_job, load_pool, search
+
+    catalog = load_catalog(catalog_file)
+    job = load_job(job_file)
+    pool_obj = load_pool(pool, catalog)
+    result = search(job, pool_obj, catalog, top=top)
+    if out is not None:
+        save_plan(result.best.plan, out)
+    if plot is not None:
+        plot_frontier(result, plot)
+    if as_json:
+        typer.echo(json.dumps(result_to_json(result), indent=2, allow_nan=False, default=_nan_safe))
+        return
+    console = Console(highlight=False)
+    for note in result.notes:
+        console.print(f"[bold yellow]note:[/] {note}")
+    console.print(_table(result))
+    best = result.best
+    for n in best.notes:
+        console.print(f"  plan 1: {n}")
+    s = result.stats
+    opt = "proven optimal over the searched space" if s.proven_optimal else f"bound gap {s.bound_gap:.1%}"
+    console.print(f"searched {s.options:,} group options, {s.combinations:,} combinations, "
+                  f"{s.exact_evaluations:,} exact splits in {s.seconds:.2f} s ({opt}"
+                  f"{'; large pool: options screened' if s.screened else ''})")
+    if out is not None:
+        console.print(f"wrote {out} (check it with: starverse estimate {out})")
+    if plot is not None:
+        console.print(f"wrote {plot}")
+
+
+def _nan_safe(x: Any) -> Any:
+    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+
+
 def register(app: typer.Typer) -> None:
-    """Add this area's commands to ``app``."""
+    """Add ``starverse plan``."""
+    app.command("plan")(plan_cmd)

@@ -1,0 +1,43 @@
+"""The heterogeneous planner: which devices to rent and how to run the job on them (no torch).
+
+``search(job, pool, catalog)`` returns ranked plans (``PlanResult``); ``plan_for(...)`` is the Python API
+behind ``starverse.accelerate``. See ``docs/planner.md``.
+"""
+
+from __future__ import annotations
+
+from starverse.planner.job import (
+    Constraints,
+    Job,
+    JobTrain,
+    Objective,
+    SearchOptions,
+    job_from_dict,
+    load_job,
+)
+from starverse.planner.pool import Offer, OfferSpec, Pool, PoolSpec, Pricing, load_pool, pool_from_dict
+from starverse.planner.result import FrontierPoint, PlanResult, RankedPlan, SearchStats
+from starverse.planner.search import plan_for, search
+
+__all__ = [
+    "Constraints",
+    "FrontierPoint",
+    "Job",
+    "JobTrain",
+    "Objective",
+    "Offer",
+    "OfferSpec",
+    "PlanResult",
+    "Pool",
+    "PoolSpec",
+    "Pricing",
+    "RankedPlan",
+    "SearchOptions",
+    "SearchStats",
+    "job_from_dict",
+    "load_job",
+    "load_pool",
+    "plan_for",
+    "pool_from_dict",
+    "search",
+]

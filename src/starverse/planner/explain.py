@@ -1,0 +1,129 @@
+"""Why nothing fits, and what would: the reasons and suggestions of ``InfeasiblePlanError``.
+
+Every suggestion is itself planned (a search on the changed job or pool) so it comes with its own numbers,
+or is marked as not enough either.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+from starverse.errors import InfeasiblePlanError, StarverseError
+from starverse.planner.job import Job
+from starverse.planner.pool import Pool
+from starverse.planner.result import RankedPlan
+
+STATE_BYTES_PER_PARAM = {"full": 16.0, "lora": 2.0, "qlora": 0.5}
+"""Weights + gradients + optimizer state per parameter: full = bf16 weights and gradients (2 + 2) + fp32
+master copy and two Adam moments (12) — Rajbhandari et al. 2020 (ZeRO), §3.1; LoRA keeps a bf16 frozen
+base (2); QLoRA a 4-bit base (0.5). Adapters and activations come on top."""
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e12:.3g} TB" if x >= 1e12 else f"{x / 1e9:,.0f} GB"
+
+
+def _summary(rp: RankedPlan, currency: str) -> str:
+    devs = " + ".join(f"{n}×{k}" for k, n in rp.devices.items())
+    return f"{devs}: {rp.tokens_per_s:,.0f} tokens/s at {rp.cost_per_hour:,.2f} {currency}/h"
+
+
+def _try(fn: Callable[[], list[RankedPlan]]) -> RankedPlan | None:
+    try:
+        ranked = fn()
+    except StarverseError:
+        return None
+    return ranked[0] if ranked else None
+
+
+def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanError:
+    """Build the error for a job that has no plan on ``pool``: what is missing, per offer and in total,
+    and what would make it feasible, each option with its own estimate."""
+    from starverse.catalog import convert
+    from starverse.planner.search import search_mode
+
+    def plan(j: Job, p: Pool, mode: str | None = None) -> list[RankedPlan]:
+        j = j.model_copy(update={"search": j.search.model_copy(update={"alternatives": False})})
+        stats: dict[str, Any] = {"options": 0, "rows": 0, "combinations": 0, "exact": 0, "screened": False,
+                                 "proven": True, "gap": 0.0, "frontier_points": []}
+        return search_mode(j, p, catalog, spec, mode or j.train.mode, 1, stats)
+
+    mode = job.train.mode
+    reasons: list[str] = []
+    need = spec.num_params * STATE_BYTES_PER_PARAM[mode]
+    have = sum(o.count * o.memory_gb * 1e9 for o in pool.offers)
+    per_offer = ", ".join(f"{o.name}: {o.count}×{o.memory_gb:g} GB = {_gb(o.count * o.memory_gb * 1e9)}"
+                          for o in pool.offers)
+    what = {"full": "weights+gradients+Adam state", "lora": "frozen bf16 weights", "qlora": "4-bit weights"}[mode]
+    memory_short = need > have
+    if memory_short:
+        reasons.append(f"{mode} training of {job.model} needs ≥ {_gb(need)} of {what}; the pool has {_gb(have)} "
+                       f"of device memory ({per_offer})")
+    else:
+        reasons.append(f"{mode} training of {job.model} needs ≥ {_gb(need)} of {what} plus activations; the pool "
+                       f"has {_gb(have)} ({per_offer}), but no layout found fits every device within the "
+                       "constraints")
+    c = job.constraints
+    ccy = c.currency or pool.currency
+    if c.max_budget_per_hour is not None:
+        budget = convert(c.max_budget_per_hour, ccy, pool.currency)
+        cheapest = min(o.price_per_hour for o in pool.offers)
+        affordable = ", ".join(f"{o.name}: {min(o.count, math.floor(budget / o.price_per_hour + 1e-9))} of {o.count}"
+                               for o in pool.offers)
+        if budget < cheapest:
+            reasons.append(f"the budget of {c.max_budget_per_hour:g} {ccy}/h excludes every offer (the cheapest "
+                           f"device costs {cheapest:.3g} {pool.currency}/h)")
+        else:
+            reasons.append(f"the budget of {c.max_budget_per_hour:g} {ccy}/h rents at most: {affordable}")
+    if c.max_power_kw is not None:
+        reasons.append(f"the power cap is {c.max_power_kw:g} kW")
+    if c.deadline_hours is not None:
+        reasons.append(f"the deadline is {c.deadline_hours:g} h")
+
+    suggestions: list[str] = []
+    # more devices of one kind: enough for the state with a 25 % allowance for activations and reserve
+    for o in pool.offers:
+        n = math.ceil(need * 1.25 / (o.memory_gb * 1e9))
+        if n <= o.count:
+            continue
+        bigger = replace(pool, offers=tuple(replace(x, count=max(n, x.count)) if x.name == o.name else x
+                                            for x in pool.offers))
+        best = _try(partial(plan, job, bigger))
+        if best is not None:
+            suggestions.append(f"rent ≥ {n} {o.accelerator} (have {o.count}) → {_summary(best, pool.currency)}")
+        else:
+            suggestions.append(f"{n} {o.accelerator} would hold the state, but no plan fits the constraints")
+    relaxed = job.model_copy(update={"constraints": job.constraints.model_copy(update={
+        "max_budget_per_hour": None, "max_power_kw": None, "deadline_hours": None, "max_total_cost": None})})
+    if relaxed.constraints != job.constraints:
+        best = _try(lambda: plan(relaxed, pool))
+        if best is not None:
+            extra = f", {best.power_kw:.1f} kW" + (f", {best.hours:,.1f} h" if best.hours is not None else "")
+            suggestions.append(f"drop the budget/power/deadline limits → {_summary(best, pool.currency)}{extra}")
+    if job.train.zero_stage not in (None, 3) or job.train.offload not in (None, "optimizer+params"):
+        free = job.model_copy(update={"train": job.train.model_copy(update={"zero_stage": None, "offload": None,
+                                                                             "recompute": None})})
+        best = _try(lambda: plan(free, pool))
+        suggestions.append("let the planner choose ZeRO-3 and offload → " +
+                           (_summary(best, pool.currency) if best else "not enough either"))
+    else:
+        suggestions.append("ZeRO-3, full recompute and CPU offload were already searched: not enough")
+    for alt in ("lora", "qlora"):
+        if alt == mode or (mode == "qlora" and alt == "lora"):
+            continue
+        best = _try(partial(plan, job, pool, alt))
+        suggestions.append(f"fine-tune with {alt.upper()} instead → " +
+                           (_summary(best, pool.currency) if best else "does not fit either"))
+    if job.train.seq_len > 512:
+        shorter = job.model_copy(update={"train": job.train.model_copy(update={"seq_len": job.train.seq_len // 2})})
+        best = _try(lambda: plan(shorter, pool))
+        suggestions.append(f"train on sequences of {job.train.seq_len // 2} tokens → " +
+                           (_summary(best, pool.currency) if best else "does not fit either"))
+    return InfeasiblePlanError(
+        f"no plan for {job.model} on {pool.source}:",
+        [*reasons, "what would help: " + " | ".join(suggestions)],
+    )

@@ -1,0 +1,104 @@
+"""Heterogeneous pipelines: one pipeline whose stages run on different accelerators.
+
+Used when no single accelerator kind of the pool holds the model on its own (the brief's "one job across
+three architectures"). The space here is deliberately small and built, not enumerated: for each set of
+2-3 offers, every offer contributes as many TP groups (its largest valid TP degree) as it has devices per
+replica; the layers are split unevenly — in proportion to each stage's memory, to its compute, or to the
+mean of both — and each candidate is priced by the scalar cost model (``costmodel.estimate``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from starverse.errors import StarverseError
+from starverse.plan import Group, Plan, Stage
+from starverse.planner import space
+from starverse.planner.job import Job
+from starverse.planner.pool import Pool
+from starverse.planner.result import RankedPlan
+
+SETTINGS = (space.Setting(1, 2, 0), space.Setting(1, 2, 1), space.Setting(0, 2, 0), space.Setting(1, 1, 0))
+"""(ZeRO, recompute, offload) tried: full recompute first — a pipeline built for memory needs it."""
+MAX_REPLICAS = 8
+"""Most data-parallel replicas of a heterogeneous pipeline tried."""
+
+
+def split_layers(weights: Sequence[float], num_layers: int) -> list[int]:
+    """Integer layers per stage ∝ ``weights`` (largest remainder), every stage at least one layer."""
+    n = len(weights)
+    total = sum(weights)
+    raw = [max(w / total * num_layers, 1.0) for w in weights]
+    scale = num_layers / sum(raw)
+    raw = [r * scale for r in raw]
+    out = [max(1, int(r)) for r in raw]
+    while sum(out) < num_layers:
+        i = max(range(n), key=lambda j: raw[j] - out[j])
+        out[i] += 1
+    while sum(out) > num_layers:
+        i = max((j for j in range(n) if out[j] > 1), key=lambda j: out[j] - raw[j])
+        out[i] -= 1
+    return out
+
+
+def _stage_runs(accs: Sequence[str], tps: Sequence[int], layers: Sequence[int]) -> list[Stage]:
+    """Consecutive identical stages folded with ``repeat``."""
+    out: list[Stage] = []
+    for a, t, lay in zip(accs, tps, layers, strict=True):
+        if out and out[-1].accelerator == a and out[-1].tp == t and out[-1].layers == lay:
+            out[-1] = out[-1].model_copy(update={"repeat": out[-1].repeat + 1})
+        else:
+            out.append(Stage(accelerator=a, tp=t, layers=lay))
+    return out
+
+
+def search_pipelines(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int,
+                     alternative: bool) -> list[RankedPlan]:
+    """Best heterogeneous-pipeline plans (empty if none fits or meets the constraints)."""
+    from starverse.planner.search import network_for, pricing_for, rank_plan, train_spec
+
+    num_layers = int(spec.num_layers)
+    batch = job.train.global_batch
+    out: list[RankedPlan] = []
+    offers = list(pool.offers)
+    for g in range(2, min(3, len(offers)) + 1):
+        for subset in itertools.combinations(offers, g):
+            if len({o.accelerator for o in subset}) < g:
+                continue
+            accs = [catalog.accelerator(o.accelerator) for o in subset]
+            tps = []
+            for o in subset:
+                valid = space.tp_degrees(spec, o.devices_per_node, o.count)
+                tps.append(valid[-1] if valid else 0)
+            if 0 in tps:
+                continue
+            for r in [d for d in space.divisors(batch) if d <= MAX_REPLICAS]:
+                stages_per = [o.count // t // r for o, t in zip(subset, tps, strict=True)]
+                if any(s < 1 for s in stages_per) or sum(stages_per) > num_layers:
+                    continue
+                stage_acc = [o.accelerator for o, s in zip(subset, stages_per, strict=True) for _ in range(s)]
+                stage_tp = [t for t, s in zip(tps, stages_per, strict=True) for _ in range(s)]
+                mem = [a.memory_gb * t for a, t, s in zip(accs, tps, stages_per, strict=True) for _ in range(s)]
+                flops = [a.peak_tflops(job.train.precision) * t
+                         for a, t, s in zip(accs, tps, stages_per, strict=True) for _ in range(s)]
+                blend = [m / sum(mem) + f / sum(flops) for m, f in zip(mem, flops, strict=True)]
+                splits = {tuple(split_layers(w, num_layers)) for w in (mem, flops, blend)}
+                devices = {o.name: s * t * r for o, s, t in zip(subset, stages_per, tps, strict=True)}
+                for layers, setting in itertools.product(sorted(splits), SETTINGS):
+                    plan = Plan(
+                        model=job.model,
+                        train=train_spec(job, mode, setting, any(t > 1 for t in tps)),
+                        groups=[Group(replicas=r, micro_batch=1, stages=_stage_runs(stage_acc, stage_tp, layers))],
+                        network=network_for(pool, list(devices)), pricing=pricing_for(pool, list(devices)),
+                    )
+                    try:
+                        rp = rank_plan(job, pool, catalog, spec, plan, devices, "hetero-pipeline", alternative,
+                                       ("stages on different accelerators, layers split unevenly",))
+                    except StarverseError:
+                        continue
+                    if rp is not None:
+                        out.append(rp)
+    out.sort(key=lambda r: -r.objective_value)
+    return out[:top]

@@ -1,0 +1,110 @@
+"""Objectives, constraints and the spot-interruption overhead (Young/Daly).
+
+Spot overhead
+-------------
+Synchronous training stops whenever any of its spot devices is taken back. With ``n_i`` devices of offer
+``i`` each lost at ``λ_i`` per device-hour, the job is interrupted at ``Λ = Σ n_i λ_i`` per hour
+(mean time between failures ``M = 3600 / Λ`` seconds). Treating losses as independent is deliberately
+conservative: real traces show correlated losses (Bamboo p3: 167 node removals at only 79 distinct times), so
+fewer, bigger events; since one event costs a synchronous job the same whatever its size, counting every loss
+as an event over-charges rather than under-charges (see :mod:`starverse.planner.traces`).
+
+With a checkpoint costing ``C`` seconds and a restart costing ``R`` seconds, Young's optimal interval is
+``τ = sqrt(2 C M)`` (Young 1974; Daly 2006 gives the same first-order term). Per unit of useful work the
+job then spends ``C / τ`` writing checkpoints, loses on average half an interval ``τ / 2`` plus ``R`` per
+failure, i.e. ``(τ/2 + R) / M``. The wall-time multiplier is
+
+    f = 1 + C/τ + (τ/2 + R)/M = 1 + sqrt(2 C / M) + R / M
+
+which also multiplies the bill (lost device-hours are still paid). When ``C/τ`` alone exceeds one half
+(``τ < 2C``: the job spends more time checkpointing than working) the offer is too unstable and ``f`` is
+infinite. On-demand offers have ``Λ = 0`` and ``f = 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from starverse.planner.job import Objective
+
+
+@dataclass(frozen=True)
+class SpotOverhead:
+    """Young/Daly overhead of a set of rented devices."""
+
+    interruptions_per_hour: float
+    """Expected job interruptions per hour (Λ)."""
+    checkpoint_s: float
+    """Time to write one checkpoint (C)."""
+    interval_s: float
+    """Young's optimal checkpoint interval τ (inf when never interrupted)."""
+    factor: float
+    """Wall-time (and cost) multiplier f ≥ 1; inf when the devices are too unstable to make progress."""
+
+
+def spot_factor(interruptions_per_hour: np.ndarray | float, checkpoint_s: np.ndarray | float,
+                restart_s: float) -> np.ndarray:
+    """Vectorised ``f = 1 + sqrt(2C/M) + R/M`` (inf where ``τ < 2C``); see the module docstring."""
+    lam = np.asarray(interruptions_per_hour, dtype=float)
+    c = np.asarray(checkpoint_s, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mtbf_s = np.where(lam > 0, 3600.0 / np.maximum(lam, 1e-300), np.inf)
+        f = 1.0 + np.sqrt(2.0 * c / mtbf_s) + restart_s / mtbf_s
+        tau = np.sqrt(2.0 * c * mtbf_s)
+        f = np.where((lam > 0) & (tau < 2.0 * c), np.inf, f)
+    return np.where(lam > 0, f, 1.0)
+
+
+def spot_overhead(interruptions_per_hour: float, checkpoint_s: float, restart_s: float) -> SpotOverhead:
+    """Scalar :func:`spot_factor` with its parts, for reports."""
+    f = float(spot_factor(interruptions_per_hour, checkpoint_s, restart_s))
+    tau = math.sqrt(2.0 * checkpoint_s * 3600.0 / interruptions_per_hour) if interruptions_per_hour > 0 else math.inf
+    return SpotOverhead(interruptions_per_hour, checkpoint_s, tau, f)
+
+
+def checkpoint_seconds(state_bytes: float, num_nodes: int, gb_per_s_per_node: float) -> float:
+    """Time to write ``state_bytes`` of model+optimizer state, every node writing its shard in parallel."""
+    return state_bytes / (max(num_nodes, 1) * gb_per_s_per_node * 1e9)
+
+
+def score(objective: Objective, tokens_per_s: np.ndarray, cost_per_hour: np.ndarray,
+          total_cost: np.ndarray, hours: np.ndarray) -> np.ndarray:
+    """Objective value to MAXIMISE (vectorised): every objective is turned into "higher is better".
+
+    - cost-performance: tokens per unit of money, ``tokens/s × 3600 / cost_per_hour``;
+    - throughput: tokens/s;
+    - cost: ``-total_cost`` of the job (billing granularity and spot overhead included);
+    - time: ``-hours`` to finish the job.
+    """
+    tps = np.asarray(tokens_per_s, dtype=float)
+    if objective == Objective.COST_PERFORMANCE:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(tps > 0, tps * 3600.0 / np.asarray(cost_per_hour, dtype=float), 0.0)
+    if objective == Objective.THROUGHPUT:
+        return tps
+    if objective == Objective.COST:
+        return -np.asarray(total_cost, dtype=float)
+    return -np.asarray(hours, dtype=float)
+
+
+def describe(objective: Objective, value: float, currency: str) -> str:
+    """Human form of an objective value, e.g. '1.2M tokens per USD'."""
+    if objective == Objective.COST_PERFORMANCE:
+        return f"{value / 1e6:.3g}M tokens per {currency}"
+    if objective == Objective.THROUGHPUT:
+        return f"{value:,.0f} tokens/s"
+    if objective == Objective.COST:
+        return f"{-value:,.0f} {currency} for the job"
+    return f"{-value:,.1f} h to finish"
+
+
+def billed_hours(hours: np.ndarray, granularity_s: int) -> np.ndarray:
+    """Hours rounded up to the billing granularity (per-second billing leaves them as they are)."""
+    h = np.asarray(hours, dtype=float)
+    if granularity_s <= 1:
+        return h
+    g = granularity_s / 3600.0
+    return np.ceil(h / g - 1e-9) * g

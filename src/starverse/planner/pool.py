@@ -1,0 +1,221 @@
+"""``pool.yaml``: what can be rented — offers of accelerators, each with a count, a price and its network.
+
+A pool is read once, validated against the catalog (unknown accelerators get a did-you-mean with the file
+line), and turned into :class:`Offer` value objects with every price in the pool's currency, so the search
+never converts anything in its inner loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from starverse.config import FrozenModel, _line_of, format_loc, parse, read_yaml
+from starverse.errors import CatalogError, ConfigError
+
+
+class Pricing(StrEnum):
+    """How an offer is billed."""
+
+    ON_DEMAND = "on-demand"
+    SPOT = "spot"
+
+
+class OfferSpec(FrozenModel):
+    """One offer in ``pool.yaml``: up to ``count`` devices of one accelerator at one price."""
+
+    accelerator: str
+    """Catalog id of the accelerator (``starverse catalog`` lists them)."""
+    count: int = Field(gt=0)
+    """Devices available; the planner never rents more."""
+    name: str | None = None
+    """Label shown in tables (default: the accelerator id); must be unique in the pool."""
+    provider: str | None = None
+    """Who rents it (informative)."""
+    devices_per_node: int | None = Field(default=None, gt=0)
+    """Devices per node (default: the catalog's); tensor parallelism stays inside one node."""
+    price_per_hour: float | None = Field(default=None, gt=0)
+    """On-demand price per device-hour; omitted = the catalog's cheapest on-demand offer."""
+    spot_price_per_hour: float | None = Field(default=None, gt=0)
+    """Spot price per device-hour (needed when ``pricing: spot``; else the catalog's cheapest spot price)."""
+    currency: str | None = None
+    """Currency of this offer's prices (default: the pool's)."""
+    pricing: Pricing = Pricing.ON_DEMAND
+    """Which of the two prices is paid: ``on-demand`` or ``spot``."""
+    interruptions_per_hour: float | None = Field(default=None, ge=0)
+    """Spot only: expected device losses per device-hour (see ``data/traces``); charged as checkpoint and
+    lost-work overhead (Young/Daly)."""
+    inter_node_gbps: float | None = Field(default=None, gt=0)
+    """NIC bandwidth per node in Gbit/s (default: the catalog's)."""
+    billing_granularity_s: int = Field(default=1, gt=0)
+    """Billing unit in seconds (3600 = started hours are billed in full); used by the ``cost`` objective."""
+
+    @model_validator(mode="after")
+    def _spot_fields(self) -> OfferSpec:
+        if self.interruptions_per_hour and self.pricing != Pricing.SPOT:
+            raise ValueError(
+                "interruptions_per_hour is set but pricing is 'on-demand'; on-demand devices are not "
+                "taken back. Set pricing: spot, or remove interruptions_per_hour"
+            )
+        return self
+
+
+class PoolSpec(FrozenModel):
+    """``pool.yaml``: the offers the planner may rent from."""
+
+    currency: str = "USD"
+    """Currency of the prices (offers may override); results are reported in it."""
+    offers: list[OfferSpec] = Field(min_length=1)
+    """Offers; each may be used by at most one device group of a plan."""
+    cross_offer_gbps: float = Field(default=100.0, gt=0)
+    """Bandwidth in Gbit/s between nodes of different offers (the slow link of a mixed plan)."""
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> PoolSpec:
+        seen: set[str] = set()
+        for o in self.offers:
+            key = o.name or o.accelerator
+            if key in seen:
+                raise ValueError(
+                    f"two offers are called '{key}'; give each a distinct `name:` (e.g. '{key}-spot')"
+                )
+            seen.add(key)
+        return self
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A resolved offer: catalog figures filled in, price in the pool currency."""
+
+    name: str
+    """Unique label within the pool."""
+    accelerator: str
+    """Catalog id."""
+    count: int
+    """Devices available."""
+    devices_per_node: int
+    """Devices per node."""
+    price_per_hour: float
+    """Price actually paid per device-hour (spot or on-demand), in the pool currency."""
+    pricing: Pricing
+    """Spot or on-demand."""
+    interruptions_per_hour: float
+    """Expected device losses per device-hour (0 for on-demand)."""
+    inter_node_gbps: float
+    """NIC bandwidth per node, Gbit/s."""
+    billing_granularity_s: int
+    """Billing unit, seconds."""
+    memory_gb: float
+    """Device memory, GB."""
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A validated pool: resolved offers and the cross-offer link."""
+
+    currency: str
+    """Currency of every price in ``offers``."""
+    offers: tuple[Offer, ...]
+    """Offers in file order."""
+    cross_offer_gbps: float
+    """Bandwidth between nodes of different offers, Gbit/s."""
+    source: str = "<pool>"
+    """Where the pool came from (for messages)."""
+
+    @property
+    def num_devices(self) -> int:
+        """Devices over all offers."""
+        return sum(o.count for o in self.offers)
+
+    def offer(self, name: str) -> Offer:
+        """The offer called ``name``."""
+        for o in self.offers:
+            if o.name == name:
+                return o
+        raise ConfigError(f"{self.source}: no offer named '{name}' (offers: {', '.join(o.name for o in self.offers)})")
+
+
+def _cheapest(catalog: Any, acc_id: str, currency: str, spot: bool) -> float | None:
+    """Cheapest catalog price of an accelerator in ``currency`` (None if the catalog has none)."""
+    from starverse.catalog import convert
+
+    prices = []
+    for off in catalog.offers:
+        if off.accelerator != acc_id:
+            continue
+        p = off.spot_price_per_hour if spot else off.price_per_hour
+        if p is not None:
+            prices.append(convert(p, off.currency, currency))
+    return min(prices) if prices else None
+
+
+def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any = None) -> Pool:
+    """Check a pool against the catalog and fill in defaults; errors name the file line and field."""
+    from starverse.catalog import convert
+
+    def fail(loc: tuple[int | str, ...], msg: str) -> ConfigError:
+        line = _line_of(node, loc) if node is not None else None
+        where = f"{source}:{line}" if line is not None else source
+        return ConfigError(f"{where}: {format_loc(loc)}: {msg}")
+
+    try:
+        convert(1.0, spec.currency, "USD")
+    except CatalogError as e:
+        raise fail(("currency",), str(e)) from None
+    offers = []
+    for i, o in enumerate(spec.offers):
+        try:
+            acc = catalog.accelerator(o.accelerator)
+        except CatalogError as e:
+            raise fail(("offers", i, "accelerator"), str(e)) from None
+        ccy = o.currency or spec.currency
+        try:
+            rate = convert(1.0, ccy, spec.currency)
+        except CatalogError as e:
+            raise fail(("offers", i, "currency"), str(e)) from None
+        spot = o.pricing == Pricing.SPOT
+        given = o.spot_price_per_hour if spot else o.price_per_hour
+        price = given * rate if given is not None else _cheapest(catalog, acc.id, spec.currency, spot)
+        if price is None:
+            field = "spot_price_per_hour" if spot else "price_per_hour"
+            raise fail(
+                ("offers", i),
+                f"no {field} given and the catalog has no {'spot' if spot else 'on-demand'} price for "
+                f"'{acc.id}'; add {field}: to this offer",
+            )
+        offers.append(
+            Offer(
+                name=o.name or o.accelerator,
+                accelerator=acc.id,
+                count=o.count,
+                devices_per_node=o.devices_per_node or acc.devices_per_node,
+                price_per_hour=float(price),
+                pricing=o.pricing,
+                interruptions_per_hour=float(o.interruptions_per_hour or 0.0),
+                inter_node_gbps=o.inter_node_gbps or acc.inter_node_gbps,
+                billing_granularity_s=o.billing_granularity_s,
+                memory_gb=acc.memory_gb,
+            )
+        )
+    return Pool(spec.currency, tuple(offers), spec.cross_offer_gbps, source)
+
+
+def load_pool(path: str | Path, catalog: Any = None) -> Pool:
+    """Read and validate ``pool.yaml`` (schema, then accelerators and currencies against the catalog)."""
+    from starverse.catalog import load_catalog
+
+    data, node = read_yaml(path)
+    spec = parse(PoolSpec, data, str(path), node)
+    return resolve_pool(spec, catalog if catalog is not None else load_catalog(), str(path), node)
+
+
+def pool_from_dict(data: Any, catalog: Any = None, source: str = "<pool>") -> Pool:
+    """Build a pool from a mapping (the Python API: ``plan_for(pool={...})``)."""
+    from starverse.catalog import load_catalog
+
+    spec = parse(PoolSpec, data, source)
+    return resolve_pool(spec, catalog if catalog is not None else load_catalog(), source)

@@ -1,0 +1,128 @@
+"""What the planner returns: ranked plans with their estimates, and the search's own statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from starverse.plan import Plan
+from starverse.planner.job import Objective
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    """One proposed plan: the Plan, the cost model's Estimate of it, and what it costs to rent."""
+
+    plan: Plan
+    """The plan, ready for ``--out`` / ``starverse estimate`` / the runtime."""
+    estimate: Any
+    """``costmodel.Estimate`` of ``plan`` (the numbers shown come from it)."""
+    kind: str
+    """``single`` (one accelerator), ``hetero-dp`` (groups of different accelerators) or ``hetero-pipeline``."""
+    mode: str
+    """full | lora | qlora."""
+    alternative: bool
+    """True when this is a fine-tuning alternative proposed because full training cannot fit."""
+    devices: Mapping[str, int]
+    """Devices rented per offer name."""
+    cost_per_hour: float
+    """Price of the rented devices per hour, in the result's currency."""
+    tokens_per_s: float
+    """Throughput while running (the cost model's)."""
+    effective_tokens_per_s: float
+    """Throughput after the spot checkpoint/lost-work overhead (= tokens_per_s on on-demand devices)."""
+    spot_factor: float
+    """Young/Daly wall-time multiplier (1 on on-demand devices)."""
+    power_kw: float
+    """Power drawn by the rented devices, kW."""
+    hours: float | None
+    """Hours to finish the job (None when the job gives no tokens/steps)."""
+    total_cost: float | None
+    """Cost of the whole job with billing granularity (None without tokens/steps)."""
+    objective_value: float
+    """The objective, as "higher is better" (see ``policy.score``)."""
+    notes: tuple[str, ...] = ()
+    """Warnings and labels worth showing."""
+
+    @property
+    def num_devices(self) -> int:
+        """Devices rented."""
+        return sum(self.devices.values())
+
+    def layout(self) -> str:
+        """Compact layout: ``4090: 2×[tp4 pp2 20+20] mb1`` per group, then ZeRO/recompute/offload."""
+        parts = []
+        for g in self.plan.groups:
+            stages = g.expanded_stages()
+            accs = {s.accelerator for s in stages}
+            acc = "+".join(sorted(accs))
+            layers = "+".join(str(s.layers) for s in stages)
+            tps = sorted({s.tp for s in stages})
+            tp = "tp" + "/".join(str(t) for t in tps)
+            parts.append(f"{acc}: {g.replicas}×[{tp} pp{len(stages)} {layers}] mb{g.micro_batch}")
+        t = self.plan.train
+        tail = f"ZeRO-{t.zero_stage} rc:{t.recompute}" + (f" off:{t.offload}" if t.offload != "none" else "")
+        return "; ".join(parts) + " | " + tail
+
+
+@dataclass(frozen=True)
+class SearchStats:
+    """How much the search looked at (for benchmarks, ``--json`` and honesty about optimality)."""
+
+    options: int = 0
+    """Group options enumerated."""
+    evaluated_rows: int = 0
+    """Rows sent through the batch cost model."""
+    combinations: int = 0
+    """Group combinations bounded."""
+    exact_evaluations: int = 0
+    """Combinations evaluated exactly (integer batch split)."""
+    screened: bool = False
+    """True when options were thinned before exact evaluation (large pools); the result is then exact
+    only over the options kept."""
+    proven_optimal: bool = True
+    """False when the evaluation cap stopped branch and bound before the bound closed."""
+    bound_gap: float = 0.0
+    """Relative gap between the best bound left and the best plan (0 when proven optimal)."""
+    seconds: float = 0.0
+    """Wall time of the search."""
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """A point of the time-vs-cost Pareto frontier (per job, or per 1e9 tokens without a job length)."""
+
+    hours: float
+    """Hours for the job (or per 1e9 tokens)."""
+    cost: float
+    """Cost for the job (or per 1e9 tokens)."""
+    label: str
+    """Short description of the devices."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Ranked plans, best first, with the search's statistics and Pareto frontier."""
+
+    plans: tuple[RankedPlan, ...]
+    """Best first by the objective."""
+    objective: Objective
+    """The objective used."""
+    currency: str
+    """Currency of every cost in the result."""
+    model: str
+    """Model id."""
+    stats: SearchStats = field(default_factory=SearchStats)
+    """Search statistics."""
+    frontier: tuple[FrontierPoint, ...] = ()
+    """Time-vs-cost Pareto frontier over the plans evaluated (ascending hours)."""
+    per_job: bool = True
+    """True when frontier/hours/costs are for the whole job (else per 1e9 tokens)."""
+    notes: tuple[str, ...] = ()
+    """Search-level remarks (e.g. "full training cannot fit; showing LoRA/QLoRA alternatives")."""
+
+    @property
+    def best(self) -> RankedPlan:
+        """The chosen plan."""
+        return self.plans[0]

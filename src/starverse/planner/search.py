@@ -1,0 +1,564 @@
+"""``planner.search(job, pool, catalog)``: the device mix and parallel plan that maximise the objective.
+
+Outline (details in ``docs/planner.md``):
+
+1. Enumerate group options per offer (:mod:`~starverse.planner.space`): TP, pipeline depth, replicas,
+   micro-batch and memory settings, within the offer's count and the budget.
+2. Evaluate each at its full batch share with the vectorised cost model; drop what does not fit.
+   Small spaces keep every option; large ones keep, per offer and setting, the options on the
+   (devices ↑, rate ↑) Pareto front, thinned (``SearchStats.screened``).
+3. Compute the kept options' time tables ``T[s]`` (step time for ``s`` sequences of the batch).
+4. Branch and bound over combinations of options of distinct offers sharing one setting (one group = a
+   single-accelerator plan, several = heterogeneous data parallelism), with the rate bound of
+   :mod:`~starverse.planner.combine`, each evaluated exactly (integer batch split, cross-group sync, spot
+   overhead, constraints).
+5. Heterogeneous pipelines (:mod:`~starverse.planner.hetero`) when no single kind holds the model.
+6. The top plans are built as :class:`~starverse.plan.Plan` and re-estimated with the scalar
+   ``costmodel.estimate`` — the numbers reported are the ones ``starverse estimate`` prints for the plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross_group_sync_s
+from starverse.errors import InfeasiblePlanError
+from starverse.plan import Group, Network, Plan, Pricing, Stage, TrainSpec
+from starverse.planner import combine, space
+from starverse.planner.job import Job, Objective
+from starverse.planner.policy import billed_hours, checkpoint_seconds, score, spot_factor
+from starverse.planner.pool import Pool
+from starverse.planner.pool import Pricing as OfferPricing
+from starverse.planner.result import FrontierPoint, PlanResult, RankedPlan, SearchStats
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+EXACT_TABLE_CELLS = 400_000
+"""Up to this many (option, micro-batch count) rows, every fitting option gets a time table (exact search)."""
+KEEP_PER_SETTING = 10
+"""Large spaces: options kept per (offer, setting) after screening."""
+MAX_COMBINATIONS = 600_000
+"""Large spaces: bound at most this many combinations (the per-offer lists are shortened to stay below)."""
+MAX_EXACT_EVALUATIONS = 4_000
+"""Branch and bound stops after this many exact evaluations (then ``proven_optimal`` is False)."""
+NOMINAL_TOKENS = 1e9
+"""Without a job length, hours and costs are reported per this many tokens."""
+
+
+@dataclass
+class _Ctx:
+    """Everything one search (one training mode) shares."""
+
+    job: Job
+    pool: Pool
+    catalog: Any
+    spec: Any
+    mode: str
+    model: ModelShape
+    train: TrainShape
+    devices: DeviceTable
+    settings: list[space.Setting]
+    budget_per_hour: float | None
+    max_total_cost: float | None
+    tokens: float | None
+    state_bytes: float
+    grad_bytes: float
+
+    @property
+    def batch(self) -> int:
+        return self.job.train.global_batch
+
+    @property
+    def seq_len(self) -> int:
+        return self.job.train.seq_len
+
+
+@dataclass(frozen=True)
+class _Combo:
+    """An exactly evaluated combination (internal)."""
+
+    setting: int
+    options: tuple[int, ...]
+    shares: tuple[int, ...]
+    step_time_s: float
+    tps: float
+    tps_eff: float
+    factor: float
+    cost_per_hour: float
+    power_kw: float
+    hours: float
+    total_cost: float
+    value: float
+
+
+def trainable_params(spec: Any, mode: str, lora_rank: int) -> float:
+    """Parameters with gradients and optimizer state: all of them, or the LoRA adapters on every linear
+    layer of every transformer block (rank × (in + out) per matrix)."""
+    if mode == "full":
+        return float(spec.num_params)
+    h, kvh, hd, f = spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size
+    attn = (h + spec.num_heads * hd) + (h + kvh * hd) * 2 + (spec.num_heads * hd + h)
+    mlp = (h + f) * (3 if spec.gated_mlp else 2) * max(spec.num_experts, 1)
+    return float(lora_rank * (attn + mlp) * spec.num_layers)
+
+
+def _context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> _Ctx:
+    from starverse.catalog import convert
+
+    t = job.train
+    train = TrainShape(seq_len=t.seq_len, precision=t.precision, mode=mode, lora_rank=t.lora_rank)
+    accs = [catalog.accelerator(o.accelerator) for o in pool.offers]
+    devices = DeviceTable.from_accelerators(
+        accs, t.precision,
+        devices_per_node=[o.devices_per_node for o in pool.offers],
+        inter_node_gbps=[o.inter_node_gbps for o in pool.offers],
+        price_per_hour=[o.price_per_hour for o in pool.offers],
+    )
+    c = job.constraints
+    ccy = c.currency or pool.currency
+    budget = convert(c.max_budget_per_hour, ccy, pool.currency) if c.max_budget_per_hour else None
+    max_cost = convert(c.max_total_cost, ccy, pool.currency) if c.max_total_cost else None
+    trainable = trainable_params(spec, mode, t.lora_rank)
+    # A checkpoint holds the trained weights (bf16) and their fp32 master copy + Adam moments; a frozen
+    # base is reloaded from its original files, not re-written.
+    state_bytes = trainable * (2 + 12)
+    grad_bytes = trainable * 2
+    sets = space.settings(t.zero_stage, t.recompute, t.offload, pipeline=False)
+    return _Ctx(job, pool, catalog, spec, mode, ModelShape.from_spec(spec), train, devices, sets, budget,
+                max_cost, t.total_tokens, state_bytes, grad_bytes)
+
+
+def _spot_factor(ctx: _Ctx, lam: FloatArray, nodes: FloatArray) -> FloatArray:
+    ckpt = checkpoint_seconds(ctx.state_bytes, 1, ctx.job.search.checkpoint_gb_per_s) / np.maximum(nodes, 1)
+    return spot_factor(lam, ckpt, ctx.job.search.restart_s)
+
+
+def _sync_s(ctx: _Ctx, num_groups: int, max_pp: int) -> float:
+    """Cross-group gradient all-reduce; stages of a pipeline sync their own layers in parallel."""
+    if num_groups <= 1:
+        return 0.0
+    return float(cross_group_sync_s(ctx.grad_bytes / max(max_pp, 1), num_groups, ctx.pool.cross_offer_gbps))
+
+
+def _screen(ctx: _Ctx, opts: space.Options, rate: FloatArray) -> IntArray:
+    """Large spaces: per (offer, setting) the options on the (devices ↑, rate ↑) front, thinned."""
+    keep: list[int] = []
+    n = opts.num_devices
+    key = opts.offer * 10_000 + opts.setting
+    for k in np.unique(key):
+        idx = np.flatnonzero(key == k)
+        order = idx[np.lexsort((-rate[idx], n[idx]))]
+        front = []
+        best = -1.0
+        for i in order:
+            if rate[i] > best * (1 + 1e-9):
+                front.append(int(i))
+                best = float(rate[i])
+        if len(front) > KEEP_PER_SETTING:
+            pick = np.unique(np.round(np.linspace(0, len(front) - 1, KEEP_PER_SETTING)).astype(int))
+            front = [front[p] for p in pick]
+        keep.extend(front)
+    return np.asarray(sorted(keep), dtype=np.int64)
+
+
+def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArray, FloatArray]:
+    """Options worth combining, their time tables and power."""
+    pool = ctx.pool
+    caps = []
+    for o in pool.offers:
+        cap = o.count
+        if ctx.budget_per_hour is not None:
+            cap = min(cap, math.floor(ctx.budget_per_hour / o.price_per_hour + 1e-9))
+        caps.append(cap)
+    opts = space.enumerate_options(ctx.spec, ctx.batch, pool.offers, ctx.settings,
+                                   ctx.job.train.micro_batch, caps)
+    stats["options"] += len(opts)
+    if len(opts) == 0:
+        return opts, np.zeros((0, ctx.batch + 1)), np.zeros(0)
+    kmax = ctx.batch // (opts.replicas * opts.micro_batch)
+    if int(kmax.sum()) <= EXACT_TABLE_CELLS:
+        tables, power = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
+        stats["rows"] += int(kmax.sum())
+        ok = np.isfinite(tables).any(axis=1)
+        return opts.take(ok), tables[ok], power[ok]
+    est, k = space.evaluate_full_share(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
+    stats["rows"] += len(opts)
+    stats["screened"] = True
+    fits = np.asarray(est.fits)
+    rate = np.where(fits, opts.replicas * opts.micro_batch * k / est.step_time_s, 0.0)
+    opts, rate = opts.take(fits), rate[fits]
+    keep = _screen(ctx, opts, rate)
+    opts = opts.take(keep)
+    kept = ctx.batch // (opts.replicas * opts.micro_batch)
+    stats["rows"] += int(kept.sum())
+    tables, power = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
+    ok = np.isfinite(tables).any(axis=1)
+    return opts.take(ok), tables[ok], power[ok]
+
+
+def _evaluate(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatArray, setting: int,
+              members: Sequence[int]) -> _Combo | None:
+    """Exact value of one combination (None if no integer split exists or a constraint fails)."""
+    t_star, shares = combine.best_split([tables[i] for i in members], ctx.batch)
+    if not math.isfinite(t_star):
+        return None
+    offers = [ctx.pool.offers[int(opts.offer[i])] for i in members]
+    n = [int(opts.num_devices[i]) for i in members]
+    step = t_star + _sync_s(ctx, len(members), max(int(opts.pp[i]) for i in members))
+    lam = sum(k * o.interruptions_per_hour for k, o in zip(n, offers, strict=True))
+    nodes = sum(math.ceil(k / o.devices_per_node) for k, o in zip(n, offers, strict=True))
+    factor = float(_spot_factor(ctx, np.asarray(lam, dtype=float), np.asarray(nodes, dtype=float)))
+    if not math.isfinite(factor):
+        return None
+    tps = ctx.batch * ctx.seq_len / step
+    tps_eff = tps / factor
+    price = sum(k * o.price_per_hour for k, o in zip(n, offers, strict=True))
+    pw = float(sum(power[i] for i in members))
+    tokens = ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS
+    hours = tokens / tps_eff / 3600.0
+    total = float(sum(k * o.price_per_hour * billed_hours(np.asarray(hours), o.billing_granularity_s)
+                      for k, o in zip(n, offers, strict=True)))
+    c = ctx.job.constraints
+    if ctx.budget_per_hour is not None and price > ctx.budget_per_hour * (1 + 1e-9):
+        return None
+    if c.max_power_kw is not None and pw > c.max_power_kw * (1 + 1e-9):
+        return None
+    if c.deadline_hours is not None and hours > c.deadline_hours:
+        return None
+    if ctx.max_total_cost is not None and total > ctx.max_total_cost:
+        return None
+    value = float(score(ctx.job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
+                        np.asarray(hours)))
+    return _Combo(setting, tuple(int(i) for i in members), shares, step, tps, tps_eff, factor, price, pw,
+                  hours, total, value)
+
+
+def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, power: FloatArray
+                  ) -> tuple[IntArray, IntArray, FloatArray]:
+    """All combinations (setting, members padded with -1) that pass the budget/power caps, with bounds."""
+    max_g = ctx.job.search.max_groups
+    price_opt = opts.num_devices * np.array([o.price_per_hour for o in ctx.pool.offers])[opts.offer]
+    lam_opt = opts.num_devices * np.array([o.interruptions_per_hour for o in ctx.pool.offers])[opts.offer]
+    dpn = np.array([o.devices_per_node for o in ctx.pool.offers])[opts.offer]
+    nodes_opt = np.ceil(opts.num_devices / dpn)
+    accs = [o.accelerator for o in ctx.pool.offers]
+    c = ctx.job.constraints
+    tokens = ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS
+    out_members: list[IntArray] = []
+    out_setting: list[IntArray] = []
+    out_bound: list[FloatArray] = []
+    for si in np.unique(opts.setting):
+        in_set = np.flatnonzero(opts.setting == si)
+        per_offer = {int(o): in_set[opts.offer[in_set] == o] for o in np.unique(opts.offer[in_set])}
+        offers = sorted(per_offer)
+        for g in range(1, min(max_g, len(offers)) + 1):
+            for subset in itertools.combinations(offers, g):
+                if len({accs[o] for o in subset}) < g:
+                    continue  # one group per accelerator: the plan's pricing is per accelerator
+                lists = [per_offer[o] for o in subset]
+                size = math.prod(len(x) for x in lists)
+                if size > MAX_COMBINATIONS // 4:
+                    # shorten each list to its best-rate members (screened searches only)
+                    per = max(2, int((MAX_COMBINATIONS // 4) ** (1.0 / g)))
+                    lists = [x[np.argsort(-rate[x])[:per]] for x in lists]
+                grid = np.stack([a.ravel() for a in np.meshgrid(*lists, indexing="ij")], axis=1)
+                price = price_opt[grid].sum(axis=1)
+                pw = power[grid].sum(axis=1)
+                ok = np.ones(grid.shape[0], dtype=bool)
+                if ctx.budget_per_hour is not None:
+                    ok &= price <= ctx.budget_per_hour * (1 + 1e-9)
+                if c.max_power_kw is not None:
+                    ok &= pw <= c.max_power_kw * (1 + 1e-9)
+                grid, price = grid[ok], price[ok]
+                if grid.shape[0] == 0:
+                    continue
+                f = _spot_factor(ctx, lam_opt[grid].sum(axis=1), nodes_opt[grid].sum(axis=1))
+                tps_ub = rate[grid].sum(axis=1) * ctx.seq_len / f
+                with np.errstate(divide="ignore"):
+                    hours_lb = tokens / tps_ub / 3600.0
+                total_lb = np.zeros_like(hours_lb)
+                for j in range(g):
+                    o = ctx.pool.offers[int(opts.offer[grid[0, j]])]
+                    total_lb += price_opt[grid[:, j]] * billed_hours(hours_lb, o.billing_granularity_s)
+                bound = score(ctx.job.objective, tps_ub, price, total_lb, hours_lb)
+                ok = np.isfinite(bound) & (tps_ub > 0)
+                if c.deadline_hours is not None:
+                    ok &= hours_lb <= c.deadline_hours
+                if ctx.max_total_cost is not None:
+                    ok &= total_lb <= ctx.max_total_cost
+                padded = np.full((int(ok.sum()), max_g), -1, dtype=np.int64)
+                padded[:, :g] = grid[ok]
+                out_members.append(padded)
+                out_setting.append(np.full(padded.shape[0], si, dtype=np.int64))
+                out_bound.append(bound[ok])
+    if not out_members:
+        return np.zeros((0, max_g), dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0)
+    return np.concatenate(out_members), np.concatenate(out_setting), np.concatenate(out_bound)
+
+
+def _branch_and_bound(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatArray, top: int,
+                      stats: dict[str, Any]) -> list[_Combo]:
+    """Exact evaluation of combinations in decreasing bound order until the bound closes."""
+    rate = combine.rate_bound(tables)
+    members, sets, bound = _combinations(ctx, opts, rate, power)
+    stats["combinations"] += len(bound)
+    order = np.argsort(-bound, kind="stable")
+    # best plan per rented device set: the top list shows different device mixes, not the same mix with a
+    # memory setting that happens to tie
+    best: dict[tuple[tuple[int, int], ...], tuple[float, int, _Combo]] = {}
+    kth = -math.inf
+    evaluated = 0
+    for rank, ci in enumerate(order):
+        if len(best) >= top and bound[ci] <= kth + 1e-12 * abs(kth):
+            break
+        if evaluated >= MAX_EXACT_EVALUATIONS:
+            stats["proven"] = False
+            stats["gap"] = float(abs(bound[ci] - kth) / abs(kth)) if math.isfinite(kth) and kth else math.inf
+            break
+        m = [int(i) for i in members[ci] if i >= 0]
+        combo = _evaluate(ctx, opts, tables, power, int(sets[ci]), m)
+        evaluated += 1
+        if combo is None:
+            continue
+        label = "+".join(f"{int(opts.num_devices[i])}×{ctx.pool.offers[int(opts.offer[i])].name}" for i in m)
+        stats["frontier_points"].append((combo.hours, combo.total_cost, label))
+        key = tuple(sorted((int(opts.offer[i]), int(opts.num_devices[i])) for i in m))
+        if key not in best or combo.value > best[key][0]:
+            best[key] = (combo.value, -rank, combo)
+            if len(best) >= top:
+                kth = sorted((v[0] for v in best.values()), reverse=True)[top - 1]
+    stats["exact"] += evaluated
+    ranked = sorted(best.values(), key=lambda x: (-x[0], -x[1]))
+    return [c for _, _, c in ranked[:top]]
+
+
+def _stages(acc: str, tp: int, pp: int, num_layers: int) -> list[Stage]:
+    """Even split, the first ``L % pp`` stages one layer more (as the batch cost model assumes)."""
+    base, extra = divmod(num_layers, pp)
+    out = []
+    if extra:
+        out.append(Stage(accelerator=acc, tp=tp, layers=base + 1, repeat=extra))
+    if pp - extra:
+        out.append(Stage(accelerator=acc, tp=tp, layers=base, repeat=pp - extra))
+    return out
+
+
+def network_for(pool: Pool, offer_names: Sequence[str]) -> Network:
+    """The plan's network section for the offers it uses."""
+    used = [pool.offer(n) for n in offer_names]
+    return Network(
+        devices_per_node={o.accelerator: o.devices_per_node for o in used},
+        inter_node_gbps={o.accelerator: o.inter_node_gbps for o in used},
+        cross_group_gbps=pool.cross_offer_gbps,
+    )
+
+
+def pricing_for(pool: Pool, offer_names: Sequence[str]) -> Pricing:
+    """The plan's pricing section (prices paid, pool currency)."""
+    return Pricing(currency=pool.currency,
+                   price_per_hour={pool.offer(n).accelerator: pool.offer(n).price_per_hour for n in offer_names})
+
+
+def train_spec(job: Job, mode: str, setting: space.Setting, sequence_parallel: bool) -> TrainSpec:
+    """The plan's ``train:`` section."""
+    t = job.train
+    return TrainSpec(
+        seq_len=t.seq_len, global_batch=t.global_batch, precision=t.precision, mode=mode,  # type: ignore[arg-type]
+        lora_rank=t.lora_rank,
+        zero_stage=setting.zero_stage, recompute=space.RECOMPUTE_NAMES[setting.recompute],  # type: ignore[arg-type]
+        offload=space.OFFLOAD_NAMES[setting.offload],  # type: ignore[arg-type]
+        schedule="1f1b", sequence_parallel=sequence_parallel, tokens=t.tokens, steps=t.steps,
+    )
+
+
+def _plan_of(ctx: _Ctx, opts: space.Options, combo: _Combo) -> tuple[Plan, dict[str, int]]:
+    groups = []
+    devices: dict[str, int] = {}
+    for i, s in zip(combo.options, combo.shares, strict=True):
+        offer = ctx.pool.offers[int(opts.offer[i])]
+        groups.append(Group(
+            replicas=int(opts.replicas[i]), micro_batch=int(opts.micro_batch[i]),
+            batch_share=s / ctx.batch if len(combo.options) > 1 else None,
+            stages=_stages(offer.accelerator, int(opts.tp[i]), int(opts.pp[i]), int(ctx.spec.num_layers)),
+        ))
+        devices[offer.name] = int(opts.num_devices[i])
+    sp = any(int(opts.tp[i]) > 1 for i in combo.options)
+    plan = Plan(
+        model=ctx.job.model, train=train_spec(ctx.job, ctx.mode, ctx.settings[combo.setting], sp),
+        groups=groups, network=network_for(ctx.pool, list(devices)), pricing=pricing_for(ctx.pool, list(devices)),
+    )
+    return plan, devices
+
+
+def rank_plan(job: Job, pool: Pool, catalog: Any, spec: Any, plan: Plan, devices: dict[str, int], kind: str,
+              alternative: bool, notes: Sequence[str] = ()) -> RankedPlan | None:
+    """Estimate a concrete plan with the scalar cost model and score it (None if it breaks a constraint)."""
+    from starverse.catalog import convert
+    from starverse.costmodel import estimate
+
+    est = estimate(plan, catalog, spec)
+    if not est.fits:
+        return None
+    offers = [pool.offer(n) for n in devices]
+    lam = sum(devices[o.name] * o.interruptions_per_hour for o in offers)
+    nodes = sum(math.ceil(devices[o.name] / o.devices_per_node) for o in offers)
+    mode = plan.train.mode
+    trainable = trainable_params(spec, mode, plan.train.lora_rank)
+    ckpt = checkpoint_seconds(trainable * 14, nodes, job.search.checkpoint_gb_per_s)
+    factor = float(spot_factor(lam, ckpt, job.search.restart_s))
+    if not math.isfinite(factor):
+        return None
+    tps = float(est.tokens_per_s)
+    tps_eff = tps / factor
+    price = sum(devices[o.name] * o.price_per_hour for o in offers)
+    tokens = job.train.total_tokens
+    hours = (tokens if tokens is not None else NOMINAL_TOKENS) / tps_eff / 3600.0
+    total = float(sum(devices[o.name] * o.price_per_hour * billed_hours(np.asarray(hours), o.billing_granularity_s)
+                      for o in offers))
+    c = job.constraints
+    ccy = c.currency or pool.currency
+    if c.max_budget_per_hour is not None and price > convert(c.max_budget_per_hour, ccy, pool.currency) * (1 + 1e-9):
+        return None
+    if c.max_power_kw is not None and float(est.power_kw) > c.max_power_kw * (1 + 1e-9):
+        return None
+    if c.deadline_hours is not None and hours > c.deadline_hours:
+        return None
+    if c.max_total_cost is not None and total > convert(c.max_total_cost, ccy, pool.currency):
+        return None
+    value = float(score(job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
+                        np.asarray(hours)))
+    all_notes = list(notes)
+    if factor > 1:
+        all_notes.append(f"spot overhead ×{factor:.3f} (Young/Daly, {lam:.2g} interruptions/h)")
+    stacks = {catalog.accelerator(a).stack for a in plan.accelerators()}
+    if len(stacks) > 1:
+        all_notes.append(f"mixes software stacks ({', '.join(sorted(stacks))}): cross-group sync goes through "
+                         "the host network")
+    all_notes.extend(getattr(est, "warnings", ()) or ())
+    return RankedPlan(
+        plan=plan, estimate=est, kind=kind, mode=mode, alternative=alternative, devices=dict(devices),
+        cost_per_hour=price, tokens_per_s=tps, effective_tokens_per_s=tps_eff, spot_factor=factor,
+        power_kw=float(est.power_kw), hours=hours if tokens is not None else None,
+        total_cost=total if tokens is not None else None, objective_value=value, notes=tuple(all_notes),
+    )
+
+
+def _frontier(points: Sequence[tuple[float, float, str]]) -> tuple[FrontierPoint, ...]:
+    """Time-vs-cost Pareto front (both minimised)."""
+    out: list[FrontierPoint] = []
+    best_cost = math.inf
+    for h, cost, label in sorted(points):
+        if cost < best_cost * (1 - 1e-9):
+            out.append(FrontierPoint(h, cost, label))
+            best_cost = cost
+    return tuple(out)
+
+
+def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int,
+                stats: dict[str, Any]) -> list[RankedPlan]:
+    """Search one training mode; ranked plans (possibly empty)."""
+    from starverse.planner import hetero
+
+    ctx = _context(job, pool, catalog, spec, mode)
+    opts, tables, power = _options(ctx, stats)
+    combos = _branch_and_bound(ctx, opts, tables, power, max(top, 1), stats) if len(opts) else []
+    ranked: list[RankedPlan] = []
+    alternative = mode != job.train.mode
+    for combo in combos:
+        plan, devices = _plan_of(ctx, opts, combo)
+        kind = "single" if len(combo.options) == 1 else "hetero-dp"
+        rp = rank_plan(job, pool, catalog, spec, plan, devices, kind, alternative)
+        if rp is not None:
+            ranked.append(rp)
+    if job.search.hetero_pipelines and not any(r.kind == "single" for r in ranked):
+        ranked.extend(hetero.search_pipelines(job, pool, catalog, spec, mode, top, alternative))
+    ranked.sort(key=lambda r: -r.objective_value)
+    return ranked[:top]
+
+
+def search(job: Job, pool: Pool, catalog: Any = None, top: int = 5) -> PlanResult:
+    """Ranked plans for ``job`` on ``pool`` (best first), or ``InfeasiblePlanError`` saying why and what
+    would help. Pure numpy (no torch)."""
+    from starverse.catalog import load_catalog
+    from starverse.models import load_model
+    from starverse.planner import explain
+
+    t0 = time.perf_counter()
+    catalog = catalog if catalog is not None else load_catalog()
+    spec = load_model(job.model)
+    stats: dict[str, Any] = {"options": 0, "rows": 0, "combinations": 0, "exact": 0, "screened": False,
+                             "proven": True, "gap": 0.0,
+                             "frontier_points": []}
+    ranked = search_mode(job, pool, catalog, spec, job.train.mode, top, stats)
+    notes: list[str] = []
+    if not ranked and job.train.mode == "full" and job.search.alternatives:
+        for alt in ("lora", "qlora"):
+            alt_ranked = search_mode(job, pool, catalog, spec, alt, top, stats)
+            if alt_ranked:
+                ranked.extend(alt_ranked)
+        if ranked:
+            ranked.sort(key=lambda r: -r.objective_value)
+            ranked = ranked[:top]
+            notes.append(
+                f"full training of {job.model} cannot run on this pool within the constraints; the plans below "
+                "are fine-tuning ALTERNATIVES (LoRA/QLoRA), not full training"
+            )
+    if not ranked:
+        raise explain.infeasible(job, pool, catalog, spec)
+    for r in ranked:
+        if r.kind == "hetero-pipeline" and r.hours is not None and r.total_cost is not None:
+            stats["frontier_points"].append((r.hours, r.total_cost, "hetero-pipeline"))
+    stats_obj = SearchStats(
+        options=stats["options"], evaluated_rows=stats["rows"], combinations=stats["combinations"],
+        exact_evaluations=stats["exact"], screened=stats["screened"], proven_optimal=stats["proven"],
+        bound_gap=stats["gap"], seconds=time.perf_counter() - t0,
+    )
+    return PlanResult(
+        plans=tuple(ranked), objective=job.objective, currency=pool.currency, model=job.model, stats=stats_obj,
+        frontier=_frontier(stats["frontier_points"]), per_job=job.train.total_tokens is not None,
+        notes=tuple(notes),
+    )
+
+
+def plan_for(model_id: str, policy: str | Objective = Objective.COST_PERFORMANCE,
+             max_budget_per_hour: float | None = None, pool: Any = None, job_overrides: dict[str, Any] | None = None,
+             catalog: Any = None, top: int = 5) -> PlanResult:
+    """Python API behind ``starverse.accelerate(model_id=..., policy=..., max_budget=..., pool=...)``.
+
+    ``policy`` is the objective; ``max_budget_per_hour`` the budget per hour in the pool's currency; ``pool``
+    a :class:`Pool`, a path to ``pool.yaml`` or a mapping in its format; ``job_overrides`` is merged into the
+    job (e.g. ``{"train": {"seq_len": 2048, "global_batch": 64}}``).
+    """
+    from starverse.catalog import load_catalog
+    from starverse.planner.job import job_from_dict
+    from starverse.planner.pool import load_pool, pool_from_dict
+
+    catalog = catalog if catalog is not None else load_catalog()
+    if pool is None:
+        raise InfeasiblePlanError("plan_for needs a pool", ["pass pool= (a pool.yaml path or mapping)"])
+    if isinstance(pool, Pool):
+        pool_obj = pool
+    elif isinstance(pool, dict):
+        pool_obj = pool_from_dict(pool, catalog)
+    else:
+        pool_obj = load_pool(pool, catalog)
+    data: dict[str, Any] = {"model": model_id, "train": {"seq_len": 2048, "global_batch": 64},
+                            "objective": str(policy)}
+    for k, v in (job_overrides or {}).items():
+        data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
+    if max_budget_per_hour is not None:
+        data.setdefault("constraints", {})
+        data["constraints"] = {**data["constraints"], "max_budget_per_hour": max_budget_per_hour}
+    return search(job_from_dict(data, "<plan_for>"), pool_obj, catalog, top)
+
+
+__all__ = ["OfferPricing", "plan_for", "rank_plan", "search"]

@@ -1,0 +1,215 @@
+"""The search space of one device group, and its time-per-batch-share table.
+
+An *option* is one way to run a group on one offer: ``tp × pp × replicas`` devices, a micro-batch size and
+the memory settings (ZeRO stage, recompute, offload). Its **time table** ``T[s]`` gives the group's step time
+when it processes ``s`` sequences of the global batch per step (``s = replicas × micro_batch × k`` for an
+integer number of micro-batches ``k``; ``inf`` where ``s`` is not such a multiple or the group does not fit
+in memory). Time tables make heterogeneous data parallelism exact and cheap: a combination of groups runs
+at ``min over Σ s_i = B of max_i T_i[s_i]`` (plus the cross-group gradient sync).
+
+Everything is struct-of-arrays over options and evaluated with ``costmodel.batch.estimate_batch``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from starverse.costmodel.batch import (
+    OFFLOAD_CODES,
+    RECOMPUTE_CODES,
+    Candidates,
+    DeviceTable,
+    ModelShape,
+    TrainShape,
+    estimate_batch,
+)
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+RECOMPUTE_NAMES = {v: k for k, v in RECOMPUTE_CODES.items()}
+OFFLOAD_NAMES = {v: k for k, v in OFFLOAD_CODES.items()}
+MICRO_BATCHES = (1, 2, 4, 8)
+"""Micro-batch sizes tried (sequences); larger ones rarely help once a pipeline is full."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Training settings a whole plan shares (the plan format has one ``train:`` for all groups)."""
+
+    zero_stage: int
+    """ZeRO stage."""
+    recompute: int
+    """``RECOMPUTE_CODES`` value."""
+    offload: int
+    """``OFFLOAD_CODES`` value."""
+
+
+def settings(fixed_zero: int | None, fixed_recompute: str | None, fixed_offload: str | None,
+             pipeline: bool) -> list[Setting]:
+    """Memory settings worth trying.
+
+    ZeRO-2/3 shard gradients/weights across data-parallel ranks, which conflicts with pipeline
+    parallelism's per-micro-batch gradient accumulation (DeepSpeed refuses the combination), so pipelines
+    use ZeRO ≤ 1. Optimizer offload needs ZeRO ≥ 1 (the offloaded state is the ZeRO shard) and parameter
+    offload needs ZeRO-3 (as in ZeRO-Infinity).
+    """
+    out = []
+    zeros = [fixed_zero] if fixed_zero is not None else [0, 1, 2, 3]
+    rcs = [RECOMPUTE_CODES[fixed_recompute]] if fixed_recompute else [0, 1, 2]
+    offs = [OFFLOAD_CODES[fixed_offload]] if fixed_offload else [0, 1, 2]
+    for z, rc, off in product(zeros, rcs, offs):
+        if pipeline and z > 1:
+            continue
+        if off == 1 and z < 1:
+            continue
+        if off == 2 and z < 3:
+            continue
+        out.append(Setting(z, rc, off))
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n`` in increasing order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_degrees(spec: Any, devices_per_node: int, count: int) -> list[int]:
+    """TP degrees: divide the attention and KV heads, stay inside one node, and fit the offer."""
+    g = math.gcd(int(spec.num_heads), int(spec.num_kv_heads))
+    return [t for t in divisors(g) if t <= devices_per_node and t <= count]
+
+
+def pp_depths(num_layers: int, max_depth: int) -> list[int]:
+    """Pipeline depths: 1-8, divisors of the layer count, powers of two (bounded by ``max_depth``)."""
+    cand = set(range(1, 9)) | set(divisors(num_layers)) | {2**i for i in range(12)}
+    return sorted(d for d in cand if d <= min(num_layers, max_depth))
+
+
+def replica_counts(max_replicas: int, dense_up_to: int = 32) -> list[int]:
+    """Replica counts: every value up to ``dense_up_to``, then a ~1.25× geometric grid, always the maximum.
+
+    Small pools are thus searched completely; on large ones the grid keeps the search fast while the step
+    between neighbours (≤ 25 %) bounds how far from the best replica count the search can land.
+    """
+    vals = set(range(1, min(max_replicas, dense_up_to) + 1))
+    x = float(dense_up_to)
+    while x < max_replicas:
+        x *= 1.25
+        vals.add(min(round(x), max_replicas))
+    vals.add(max_replicas)
+    return sorted(v for v in vals if v >= 1)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Struct of arrays over candidate groups (options) of all offers."""
+
+    offer: IntArray
+    """Offer index (row of the device table)."""
+    tp: IntArray
+    """Tensor-parallel degree."""
+    pp: IntArray
+    """Pipeline depth."""
+    replicas: IntArray
+    """Data-parallel replicas."""
+    micro_batch: IntArray
+    """Sequences per micro-batch."""
+    setting: IntArray
+    """Index into the search's list of :class:`Setting`."""
+
+    def __len__(self) -> int:
+        return int(self.tp.shape[0])
+
+    @property
+    def num_devices(self) -> IntArray:
+        """Devices rented by the option."""
+        return self.tp * self.pp * self.replicas
+
+    def take(self, idx: Any) -> Options:
+        """Subset by index or mask."""
+        return Options(*(np.asarray(getattr(self, f))[idx] for f in
+                         ("offer", "tp", "pp", "replicas", "micro_batch", "setting")))
+
+
+def enumerate_options(spec: Any, global_batch: int, offers: Sequence[Any], setting_list: Sequence[Setting],
+                      fixed_micro_batch: int | None = None, max_devices: Sequence[int] | None = None) -> Options:
+    """Every (offer, tp, pp, replicas, micro-batch, setting) the space holds, before any evaluation.
+
+    ``max_devices[i]`` caps offer ``i`` (its count, or less when the budget or power cap allows fewer).
+    """
+    cols: list[list[int]] = [[], [], [], [], [], []]
+    mbs = [fixed_micro_batch] if fixed_micro_batch else [m for m in MICRO_BATCHES if m <= global_batch]
+    pipe_settings = [i for i, s in enumerate(setting_list) if s.zero_stage <= 1]
+    all_settings = list(range(len(setting_list)))
+    for oi, off in enumerate(offers):
+        cap = off.count if max_devices is None else min(off.count, max_devices[oi])
+        if cap < 1:
+            continue
+        for tp in tp_degrees(spec, off.devices_per_node, cap):
+            for pp in pp_depths(int(spec.num_layers), cap // tp):
+                max_r = cap // (tp * pp)
+                sets = all_settings if pp == 1 else pipe_settings
+                for mb in mbs:
+                    rmax = min(max_r, global_batch // mb)
+                    if rmax < 1:
+                        continue
+                    for r in replica_counts(rmax):
+                        for si in sets:
+                            cols[0].append(oi)
+                            cols[1].append(tp)
+                            cols[2].append(pp)
+                            cols[3].append(r)
+                            cols[4].append(mb)
+                            cols[5].append(si)
+    arrs = [np.asarray(c, dtype=np.int64) for c in cols]
+    return Options(*arrs)
+
+
+def candidates_for(opts: Options, setting_list: Sequence[Setting], num_micro_batches: IntArray) -> Candidates:
+    """Batch-API candidates for ``opts`` with ``num_micro_batches`` micro-batches per replica."""
+    z = np.array([s.zero_stage for s in setting_list], dtype=np.int64)
+    rc = np.array([s.recompute for s in setting_list], dtype=np.int64)
+    of = np.array([s.offload for s in setting_list], dtype=np.int64)
+    return Candidates.make(
+        accelerator=opts.offer, tp=opts.tp, pp=opts.pp, replicas=opts.replicas, micro_batch=opts.micro_batch,
+        num_micro_batches=num_micro_batches, zero_stage=z[opts.setting], recompute=rc[opts.setting],
+        offload=of[opts.setting], sequence_parallel=opts.tp > 1,
+    )
+
+
+def evaluate_full_share(model: ModelShape, train: TrainShape, devices: DeviceTable, opts: Options,
+                        setting_list: Sequence[Setting], global_batch: int) -> Any:
+    """Evaluate each option as if it processed as much of the batch as it can (``k = B // (r·mb)``)."""
+    k = global_batch // (opts.replicas * opts.micro_batch)
+    return estimate_batch(model, train, devices, candidates_for(opts, setting_list, k)), k
+
+
+def time_tables(model: ModelShape, train: TrainShape, devices: DeviceTable, opts: Options,
+                setting_list: Sequence[Setting], global_batch: int) -> tuple[FloatArray, FloatArray]:
+    """``T[option, s]`` for ``s = 0..B`` (inf where unreachable or not fitting) and the power per option.
+
+    One batch-API call over every (option, k) pair.
+    """
+    n = len(opts)
+    table = np.full((n, global_batch + 1), np.inf)
+    power = np.zeros(n)
+    if n == 0:
+        return table, power
+    gran = opts.replicas * opts.micro_batch
+    kmax = global_batch // gran
+    rows = np.repeat(np.arange(n), kmax)
+    starts = np.cumsum(kmax) - kmax
+    k = np.arange(rows.shape[0]) - np.repeat(starts, kmax) + 1
+    est = estimate_batch(model, train, devices, candidates_for(opts.take(rows), setting_list, k))
+    t = np.where(est.fits, est.step_time_s, np.inf)
+    table[rows, gran[rows] * k] = t
+    power[rows] = est.power_kw
+    return table, power
