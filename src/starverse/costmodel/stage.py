@@ -216,10 +216,7 @@ def stage_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     shard_g = np.where(z >= 2, n, 1.0)
     shard_o = np.where(z >= 1, n, 1.0)
     fp32 = bv >= 4.0
-    if full_mode:
-        base_bytes = bv
-    else:
-        base_bytes = C.QLORA_BYTES_PER_PARAM if mn.mode == "qlora" else bv
+    base_bytes = C.QLORA_BYTES_PER_PARAM if mn.mode == "qlora" else bv
     weights = p_dev * base_bytes / shard_w
     if not full_mode:
         weights = weights + trainable * bv / shard_w

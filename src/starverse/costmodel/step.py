@@ -1,0 +1,459 @@
+"""``estimate(plan) -> Estimate``: the scalar cost model over a whole (possibly heterogeneous) plan.
+
+Each group is evaluated with one stage row per real pipeline stage (so stages may sit on different
+accelerators), through the same functions the batch estimator uses (:mod:`costmodel.stage`,
+:mod:`costmodel.group`). Groups run data-parallel: each processes its batch share, the step waits for the
+slowest, then gradients are all-reduced between groups over the cross-group links.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from starverse.costmodel import constants as C
+from starverse.costmodel.batch import (
+    OFFLOAD_CODES,
+    RECOMPUTE_CODES,
+    ModelShape,
+    TrainShape,
+    cross_group_sync_s,
+)
+from starverse.costmodel.group import PART_NAMES, combine, model_numbers
+from starverse.costmodel.pricing import cheapest_price_per_hour
+from starverse.costmodel.stage import StageRows, stage_costs
+from starverse.errors import ConfigError, StarverseError
+from starverse.plan import Group, Plan
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Memory of one device of one pipeline stage (GB)."""
+
+    accelerator: str
+    """Catalog id."""
+    tp: int
+    """Tensor-parallel degree."""
+    layers: int
+    """Layers on the stage."""
+    weights_gb: float
+    """Weights (incl. ZeRO-3 gathered working set)."""
+    grads_gb: float
+    """Gradients."""
+    optimizer_gb: float
+    """Optimizer state on the device (fp32 master + Adam moments)."""
+    activations_gb: float
+    """Activations of the micro-batches in flight, logits, recompute working set."""
+    total_gb: float
+    """All of the above plus the fixed runtime reserve."""
+    capacity_gb: float
+    """Usable device memory (minus fragmentation)."""
+    margin_gb: float
+    """capacity - total (negative: does not fit)."""
+
+
+@dataclass(frozen=True)
+class GroupEstimate:
+    """One group's share of the work and its timing."""
+
+    index: int
+    """Position in ``plan.groups``."""
+    num_devices: int
+    """Devices in the group."""
+    batch_share: float
+    """Share of the global batch."""
+    sequences_per_step: int
+    """Sequences per step over all its replicas."""
+    micro_batch: int
+    """Chosen (or given) micro-batch."""
+    num_micro_batches: int
+    """Micro-batches per replica per step."""
+    step_time_s: float
+    """Time this group needs for its share."""
+    breakdown: dict[str, float]
+    """Parts of its step time (seconds)."""
+    stages: list[StageMemory]
+    """Memory per stage."""
+    fits: bool
+    """Every stage fits."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a plan costs: time, throughput, memory, money, power."""
+
+    step_time_s: float
+    """Seconds per optimizer step."""
+    tokens_per_s: float
+    """Trained tokens per second, whole job."""
+    mfu: float
+    """Model FLOPs utilisation against the dense peak of all devices."""
+    model_tflops_per_device: float
+    """Model TFLOP/s (no recompute) per device."""
+    hardware_tflops_per_device: float
+    """Executed TFLOP/s per device (with recompute)."""
+    memory_gb: float
+    """Worst device's memory need."""
+    capacity_gb: float
+    """That device's usable memory."""
+    margin_gb: float
+    """Smallest capacity - need over all devices."""
+    fits: bool
+    """Every device fits."""
+    cost_per_hour: float | None
+    """All devices, per hour (``currency``); None when a price is unknown."""
+    cost_per_million_tokens: float | None
+    """Cost of a million trained tokens."""
+    currency: str
+    """Currency of the costs."""
+    power_kw: float
+    """Sum of device TDPs (kW)."""
+    bottleneck: str
+    """Largest part of the step: compute | memory | tp_comm | dp_comm | pp_comm | pipeline_bubble."""
+    breakdown: dict[str, float]
+    """Step time parts (seconds) of the slowest group, plus cross-group gradient sync."""
+    groups: list[GroupEstimate]
+    """Per-group details."""
+    num_devices: int
+    """Devices in the plan."""
+    warnings: list[str] = field(default_factory=list)
+    """Things the user should know (unknown prices, tight memory...)."""
+    job_hours: float | None = None
+    """Hours for ``train.tokens``/``train.steps`` when given."""
+    job_cost: float | None = None
+    """Cost of the whole job when its length and prices are known."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (NaN become None)."""
+
+        def clean(x: Any) -> Any:
+            if isinstance(x, float) and not math.isfinite(x):
+                return None
+            if isinstance(x, dict):
+                return {k: clean(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [clean(v) for v in x]
+            return x
+
+        return clean(asdict(self))  # type: ignore[no-any-return]
+
+
+def _resolve(plan: Plan, catalog: Any, spec: Any) -> tuple[Any, Any]:
+    if catalog is None:
+        from starverse.catalog import load_catalog
+
+        catalog = load_catalog()
+    if spec is None:
+        from starverse.models import load_model
+
+        spec = load_model(plan.model)
+    return catalog, spec
+
+
+def check_plan(plan: Plan, spec: Any, catalog: Any) -> None:
+    """Plan-vs-model and plan-vs-catalog checks; ConfigError naming the field."""
+    name = getattr(spec, "name", plan.model)
+    for gi, g in enumerate(plan.groups):
+        total = sum(s.layers * s.repeat for s in g.stages)
+        if total != spec.num_layers:
+            raise ConfigError(
+                f"groups[{gi}].stages: layers sum to {total} but model '{name}' has {spec.num_layers}; "
+                f"make the stages' layers (times repeat) add up to {spec.num_layers}"
+            )
+        for si, s in enumerate(g.stages):
+            try:
+                catalog.accelerator(s.accelerator)
+            except StarverseError as e:
+                raise ConfigError(f"groups[{gi}].stages[{si}].accelerator: {e}") from None
+            if spec.num_heads % s.tp or spec.num_kv_heads % s.tp:
+                ok = [d for d in range(1, spec.num_kv_heads + 1)
+                      if spec.num_heads % d == 0 and spec.num_kv_heads % d == 0]
+                raise ConfigError(
+                    f"groups[{gi}].stages[{si}].tp: {s.tp} does not divide the model's {spec.num_heads} attention "
+                    f"heads and {spec.num_kv_heads} KV heads; use one of {', '.join(map(str, ok))}"
+                )
+
+
+def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m: np.ndarray) -> StageRows:
+    """Rows of shape (S, K): S stages of the group, K micro-batch choices."""
+    stages = g.expanded_stages()
+    precision = plan.train.precision
+    k = len(micro_batches)
+    tr = plan.train
+    accs = [catalog.accelerator(s.accelerator) for s in stages]
+    dpn = [plan.network.devices_per_node.get(a.id, a.devices_per_node) for a in accs]
+    nic = [plan.network.inter_node_gbps.get(a.id, a.inter_node_gbps) for a in accs]
+
+    def col(values: list[float]) -> np.ndarray:
+        return np.repeat(np.asarray(values, dtype=np.float64)[:, None], k, axis=1)
+
+    def full(value: float) -> np.ndarray:
+        return np.full((len(stages), k), float(value))
+
+    pp = len(stages)
+    return StageRows(
+        peak_tflops=col([a.peak_tflops(precision) for a in accs]),
+        gemm_efficiency=col([C.gemm_efficiency(a) for a in accs]),
+        memory_gb=col([a.memory_gb for a in accs]),
+        memory_bw_gb_per_s=col([a.memory_bw_gb_per_s for a in accs]),
+        intra_node_gb_per_s=col([a.intra_node_gb_per_s for a in accs]),
+        devices_per_node=col([float(d) for d in dpn]),
+        inter_node_gbps=col([float(x) for x in nic]),
+        tp=col([float(s.tp) for s in stages]),
+        layers=col([float(s.layers) for s in stages]),
+        first=np.repeat((np.arange(pp) == 0)[:, None], k, axis=1),
+        last=np.repeat((np.arange(pp) == pp - 1)[:, None], k, axis=1),
+        stage_index=col([float(i) for i in range(pp)]),
+        pp=full(pp),
+        replicas=full(g.replicas),
+        micro_batch=np.repeat(micro_batches[None, :].astype(np.float64), pp, axis=0),
+        num_micro_batches=np.repeat(m[None, :].astype(np.float64), pp, axis=0),
+        zero_stage=full(tr.zero_stage),
+        recompute=full(RECOMPUTE_CODES[tr.recompute]),
+        offload=full(OFFLOAD_CODES[tr.offload]),
+        sequence_parallel=np.full((pp, k), tr.sequence_parallel),
+        pipeline_devices=full(sum(s.tp for s in stages)),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class _GroupEval:
+    costs: dict[str, np.ndarray]
+    out: dict[str, np.ndarray]
+    micro_batches: np.ndarray
+    m: np.ndarray
+    best: int
+
+
+def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences: int) -> _GroupEval:
+    per_replica = sequences // g.replicas
+    if g.micro_batch is not None:
+        mbs = np.array([g.micro_batch], dtype=np.int64)
+    else:
+        mbs = np.array(_divisors(per_replica), dtype=np.int64)
+    m = per_replica // mbs
+    rows = _stage_rows(plan, g, catalog, mbs, m)
+    costs = stage_costs(mn, rows)
+    present = np.ones_like(rows.tp)
+    out = combine(mn, costs, present, present, rows.pp[0], rows.num_micro_batches[0])
+    fits = out["fits"]
+    if fits.any():
+        best = int(np.argmin(np.where(fits, out["step_time_s"], np.inf)))
+    else:
+        best = int(np.argmin(out["memory_gb"] - out["capacity_gb"]))
+    return _GroupEval(costs, out, mbs, m, best)
+
+
+def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
+    """Sequences per step for each group (given shares, or proportional to speed)."""
+    gb = plan.train.global_batch
+    groups = plan.groups
+    if len(groups) == 1:
+        shares = [1.0]
+    elif all(g.batch_share is not None for g in groups):
+        shares = [float(g.batch_share) for g in groups]  # type: ignore[arg-type]
+    else:
+        # speed of each group at an even provisional split, then proportional to speed
+        speeds = []
+        for gi, g in enumerate(groups):
+            unit = g.replicas * (g.micro_batch or 1)
+            provisional = max(unit, gb // len(groups) // unit * unit)
+            ev = _eval_group(plan, gi, g, catalog, mn, provisional)
+            speeds.append(provisional / float(ev.out["step_time_s"][ev.best]))
+        given = sum(g.batch_share or 0.0 for g in groups)
+        free = [i for i, g in enumerate(groups) if g.batch_share is None]
+        total_speed = sum(speeds[i] for i in free)
+        shares = [g.batch_share if g.batch_share is not None else (1.0 - given) * speeds[i] / total_speed
+                  for i, g in enumerate(groups)]
+    seqs = []
+    for gi, (g, share) in enumerate(zip(groups, shares, strict=True)):
+        unit = g.replicas * (g.micro_batch or 1)
+        exact = share * gb
+        n = int(round(exact / unit)) * unit
+        if g.batch_share is not None and abs(n - exact) > 1e-6:
+            raise ConfigError(
+                f"groups[{gi}].batch_share: {g.batch_share} of train.global_batch={gb} is {exact:g} sequences, "
+                f"not a multiple of replicas x micro_batch = {unit}; change the share or the batch"
+            )
+        seqs.append(n)
+    diff = gb - sum(seqs)
+    if diff:
+        # give the remainder to a group whose unit divides it (the one with the most sequences first)
+        order = sorted(range(len(groups)), key=lambda i: -seqs[i])
+        for i in order:
+            unit = groups[i].replicas * (groups[i].micro_batch or 1)
+            free = groups[i].batch_share is None or len(groups) == 1
+            if free and diff % unit == 0 and seqs[i] + diff > 0:
+                seqs[i] += diff
+                diff = 0
+                break
+    for gi, (g, n) in enumerate(zip(groups, seqs, strict=True)):
+        unit = g.replicas * (g.micro_batch or 1)
+        if diff or n <= 0 or n % unit:
+            what = f"replicas={g.replicas}" + (f" x micro_batch={g.micro_batch}" if g.micro_batch else "")
+            raise ConfigError(
+                f"train.global_batch: {gb} sequences cannot be divided into micro-batches over "
+                f"groups[{gi}] ({what}); use a global_batch that is a multiple of {unit}"
+                + (" per group share" if len(groups) > 1 else "")
+            )
+    return seqs
+
+
+def estimate(plan: Plan, catalog: Any = None, spec: Any = None) -> Estimate:
+    """Estimate a plan (see module docstring). ConfigError names the field of an inconsistent plan."""
+    catalog, spec = _resolve(plan, catalog, spec)
+    check_plan(plan, spec, catalog)
+    shape = ModelShape.from_spec(spec)
+    train = TrainShape.from_train(plan.train)
+    mn = model_numbers(shape, train)
+    seqs = _split_batch(plan, catalog, mn)
+    warnings: list[str] = []
+
+    groups: list[GroupEstimate] = []
+    evals: list[_GroupEval] = []
+    for gi, (g, n) in enumerate(zip(plan.groups, seqs, strict=True)):
+        ev = _eval_group(plan, gi, g, catalog, mn, n)
+        evals.append(ev)
+        b = ev.best
+        stages = []
+        for si, st in enumerate(g.expanded_stages()):
+            total = float(ev.costs["memory_gb"][si, b])
+            cap = float(ev.costs["capacity_gb"][si, b])
+            stages.append(StageMemory(
+                accelerator=st.accelerator, tp=st.tp, layers=st.layers,
+                weights_gb=float(ev.costs["weights_gb"][si, b]), grads_gb=float(ev.costs["grads_gb"][si, b]),
+                optimizer_gb=float(ev.costs["optimizer_gb"][si, b]),
+                activations_gb=float(ev.costs["activations_gb"][si, b]),
+                total_gb=total, capacity_gb=cap, margin_gb=cap - total))
+        parts = {name: float(ev.out[key][b]) for name, key in zip(
+            PART_NAMES, ("compute_s", "memory_s", "tp_comm_s", "dp_comm_s", "pp_comm_s", "bubble_s"), strict=True)}
+        fits = bool(ev.out["fits"][b])
+        if not fits:
+            worst = min(stages, key=lambda s: s.margin_gb)
+            warnings.append(
+                f"groups[{gi}] does not fit: a {worst.accelerator} device needs {worst.total_gb:.1f} GB of "
+                f"{worst.capacity_gb:.1f} GB usable; use more tp/pp/replicas, a higher zero_stage, recompute "
+                "or a smaller micro_batch")
+        groups.append(GroupEstimate(
+            index=gi, num_devices=g.num_devices, batch_share=n / plan.train.global_batch, sequences_per_step=n,
+            micro_batch=int(ev.micro_batches[b]), num_micro_batches=int(ev.m[b]),
+            step_time_s=float(ev.out["step_time_s"][b]), breakdown=parts, stages=stages, fits=fits))
+
+    slowest = max(groups, key=lambda x: x.step_time_s)
+    breakdown = dict(slowest.breakdown)
+    sync = 0.0
+    if len(groups) > 1:
+        sync = float(_cross_group_s(plan, catalog, mn))
+    breakdown["cross_group_sync"] = sync
+    step = slowest.step_time_s + sync
+    tokens_per_s = plan.train.global_batch * plan.train.seq_len / step
+    num_devices = plan.num_devices
+    peak_sum = 0.0
+    power_w = 0.0
+    for g in plan.groups:
+        for st in g.stages:
+            acc = catalog.accelerator(st.accelerator)
+            peak_sum += g.replicas * st.tp * st.repeat * acc.peak_tflops(plan.train.precision)
+            power_w += g.replicas * st.tp * st.repeat * acc.tdp_w
+    flops_per_token = mn.model_flops_per_token()
+    model_tflops = flops_per_token * tokens_per_s / 1e12
+    hw_tflops = _hardware_flops_per_token(mn, plan) * tokens_per_s / 1e12
+    parts_for_bottleneck = {k: v for k, v in breakdown.items()}
+    parts_for_bottleneck["dp_comm"] = parts_for_bottleneck["dp_comm"] + parts_for_bottleneck.pop("cross_group_sync")
+    bottleneck = max(parts_for_bottleneck, key=lambda k: parts_for_bottleneck[k])
+
+    cost_per_hour, currency = _cost_per_hour(plan, catalog, warnings)
+    cost_per_mtok = None if cost_per_hour is None else cost_per_hour / (tokens_per_s * 3600.0) * 1e6
+    all_stages = [s for g in groups for s in g.stages]
+    worst = min(all_stages, key=lambda s: s.margin_gb)
+    job_hours = None
+    if plan.train.tokens is not None:
+        job_hours = plan.train.tokens / tokens_per_s / 3600.0
+    elif plan.train.steps is not None:
+        job_hours = plan.train.steps * step / 3600.0
+    job_cost = None if job_hours is None or cost_per_hour is None else job_hours * cost_per_hour
+    return Estimate(
+        step_time_s=step,
+        tokens_per_s=tokens_per_s,
+        mfu=model_tflops / peak_sum,
+        model_tflops_per_device=model_tflops / num_devices,
+        hardware_tflops_per_device=hw_tflops / num_devices,
+        memory_gb=worst.total_gb,
+        capacity_gb=worst.capacity_gb,
+        margin_gb=worst.margin_gb,
+        fits=all(g.fits for g in groups),
+        cost_per_hour=cost_per_hour,
+        cost_per_million_tokens=cost_per_mtok,
+        currency=currency,
+        power_kw=power_w / 1000.0,
+        bottleneck=bottleneck,
+        breakdown=breakdown,
+        groups=groups,
+        num_devices=num_devices,
+        warnings=warnings,
+        job_hours=job_hours,
+        job_cost=job_cost,
+    )
+
+
+def _hardware_flops_per_token(mn: Any, plan: Plan) -> float:
+    """Executed FLOPs per token: model FLOPs plus the recomputed forward (full: whole layers,
+    selective: the attention core)."""
+    layer = mn.layer_matmul_flops_per_token()
+    attn = 4.0 * mn.q_dim * (mn.seq_len + 1.0) / 2.0
+    extra = {"none": 0.0, "selective": attn, "full": layer}[plan.train.recompute] * mn.num_layers
+    return float(mn.model_flops_per_token() + extra)
+
+
+def _cross_group_s(plan: Plan, catalog: Any, mn: Any) -> float:
+    """Gradient all-reduce between groups: each pipeline stage syncs its slice in parallel; the link is
+    ``network.cross_group_gbps`` (default: the slowest group NIC) per node."""
+    gbps = plan.network.cross_group_gbps
+    nics = []
+    stages_min = min(g.num_stages for g in plan.groups)
+    for g in plan.groups:
+        for st in g.stages:
+            acc = catalog.accelerator(st.accelerator)
+            nics.append(plan.network.inter_node_gbps.get(acc.id, acc.inter_node_gbps))
+    if gbps is None:
+        gbps = min(nics)
+    trainable = (mn.num_layers * (mn.params_per_layer if mn.mode == "full" else mn.adapter_params_per_layer)
+                 + (mn.embedding_params + mn.lm_head_params if mn.mode == "full" else 0.0))
+    per_stage = trainable * mn.bytes_per_value / stages_min
+    return float(cross_group_sync_s(per_stage, len(plan.groups), gbps * C.NETWORK_EFFICIENCY))
+
+
+def _cost_per_hour(plan: Plan, catalog: Any, warnings: list[str]) -> tuple[float | None, str]:
+    """Plan pricing (converted to USD when the catalog knows the rate), else the cheapest catalog offer."""
+    currency = "USD"
+    total = 0.0
+    for acc_id in plan.accelerators():
+        count = sum(g.replicas * st.tp * st.repeat for g in plan.groups for st in g.stages
+                    if st.accelerator == acc_id)
+        price: float | None = None
+        if plan.pricing is not None and acc_id in plan.pricing.price_per_hour:
+            price = plan.pricing.price_per_hour[acc_id]
+            ccy = plan.pricing.currency
+            if ccy.upper() != "USD":
+                try:
+                    price = float(catalog.convert(price, ccy, "USD"))
+                except (StarverseError, AttributeError):
+                    # no exchange rate: keep the plan's own currency if it is the only one
+                    if len(plan.accelerators()) == 1:
+                        currency = ccy
+                    else:
+                        price = None
+        else:
+            price = cheapest_price_per_hour(catalog, acc_id, "USD")
+        if price is None:
+            warnings.append(f"no price for '{acc_id}': add pricing.price_per_hour.{acc_id} to the plan")
+            return None, currency
+        total += count * price
+    return total, currency
