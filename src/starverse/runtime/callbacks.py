@@ -177,6 +177,14 @@ class Callback:
     rank (and so the job): a callback that may fail harmlessly catches its own errors.
     """
 
+    def on_resume(self, ctx: TrainContext, path: Path) -> bool:
+        """``fit(resume_from=path)``: load the saved state into ``ctx``; return True if this callback did.
+
+        Called before ``on_fit_start`` on every callback until one returns True. When none does and
+        ``path`` is a file, the trainer loads it itself as a ``torch.save`` of :meth:`TrainContext.state_dict`.
+        """
+        return False
+
     def on_fit_start(self, ctx: TrainContext) -> None:
         """After model, optimizer and sampler exist (and after a resume was loaded), before step 1."""
 
@@ -199,6 +207,10 @@ class CallbackList(Callback):
 
     def __init__(self, callbacks: list[Callback] | tuple[Callback, ...] = ()):
         self.callbacks = list(callbacks)
+
+    def on_resume(self, ctx: TrainContext, path: Path) -> bool:
+        """Offer the resume to each callback in order until one loads it."""
+        return any(cb.on_resume(ctx, path) for cb in self.callbacks)
 
     def on_fit_start(self, ctx: TrainContext) -> None:
         """Call every callback's ``on_fit_start``."""

@@ -9,16 +9,20 @@ Every collective has a timeout (``collective_timeout_s``), so a rank blocked on 
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from starverse.errors import DistributedError, StarverseError
@@ -146,6 +150,40 @@ def _rank_entry(
         os._exit(1)
 
 
+def _main_is_guarded(path: str) -> bool:
+    """True if the script has a top-level ``if __name__ == "__main__":`` block."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _main_reimport_guard() -> Iterator[None]:
+    """Keep spawned ranks from re-running an unguarded user script.
+
+    ``spawn`` re-imports the parent's main script in every child (to find classes defined there). A
+    script written without ``if __name__ == "__main__":`` -- like the product brief's five lines --
+    would then start training again inside each rank. For such scripts the main module is hidden while
+    the ranks start; classes defined in them are then not importable in the ranks (define them in a
+    module, or guard the script).
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or getattr(main, "__spec__", None) is not None or _main_is_guarded(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -190,13 +228,14 @@ def launch(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs: list[Any] = []
-    for spec in ranks:
-        env = RankEnv(spec=spec, ranks=tuple(ranks), collective_timeout_s=collective_timeout_s)
-        p = ctx.Process(
-            target=_rank_entry, args=(fn, env, args, store.port, results), name=f"starverse-rank{spec.rank}"
-        )
-        p.start()
-        procs.append(p)
+    with _main_reimport_guard():
+        for spec in ranks:
+            env = RankEnv(spec=spec, ranks=tuple(ranks), collective_timeout_s=collective_timeout_s)
+            p = ctx.Process(
+                target=_rank_entry, args=(fn, env, args, store.port, results), name=f"starverse-rank{spec.rank}"
+            )
+            p.start()
+            procs.append(p)
     log.info("launched %d ranks (store 127.0.0.1:%d)", world, store.port)
 
     values: dict[int, Any] = {}

@@ -1,0 +1,353 @@
+"""``accelerate()`` -> :class:`Cluster`: the devices to run on, the plan for them, and the model to build.
+
+``accelerate`` takes the provider's devices (the local machine when ``pool`` is None), asks the planner
+for the best plan on them when a planner helper is available, and otherwise builds the local plan
+itself: one data-parallel group per device kind. An explicit ``plan=`` always wins. When the requested
+model cannot be trained on these devices (training state does not fit, or CPU ranks that would take
+hours per step), ``cluster.model_config`` is an honest scaled-down copy of the same architecture, and
+``cluster.notes`` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starverse.errors import ConfigError
+from starverse.plan import Group, Plan, Stage, TrainSpec, load_plan
+from starverse.runtime.launch import RankSpec
+from starverse.runtime.mesh import MeshLayout
+
+log = logging.getLogger(__name__)
+
+TRAIN_BYTES_PER_PARAM = 16
+"""fp32 weights + gradients + two Adam moments (mixed precision adds a bf16 copy, ignored here)."""
+
+CPU_MAX_PARAMS = 20_000_000
+"""Largest model trained on CPU ranks by default: a step then takes seconds, not hours."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices, the plan they run, and the model to build for them."""
+
+    plan: Plan
+    """The plan every rank runs."""
+    ranks: tuple[RankSpec, ...]
+    """One entry per rank (device kind and torch device)."""
+    model_config: dict[str, Any] | None = None
+    """Hugging Face config of the model to build (possibly a scaled-down copy; see ``scaled``)."""
+    model_id: str | None = None
+    """The model the user asked for."""
+    scaled: bool = False
+    """True when ``model_config`` is a scaled-down copy of the requested model."""
+    notes: tuple[str, ...] = ()
+    """What ``accelerate`` decided and why (scaled model, plan source)."""
+    policy: str = "cost-performance"
+    """Objective used to choose the plan."""
+    estimate: Any = None
+    """The cost model's estimate of the plan (None if unavailable)."""
+    weights: tuple[float, ...] = field(default=())
+    """Relative speed of each rank for the initial shares (empty: from the plan / catalog)."""
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return len(self.ranks)
+
+    @property
+    def layout(self) -> MeshLayout:
+        """The mixed mesh's grouping of ranks by device kind."""
+        return MeshLayout.from_ranks([r.device_kind for r in self.ranks], [r.device for r in self.ranks])
+
+    @contextlib.contextmanager
+    def mixed_mesh(self) -> Iterator[Any]:
+        """Context in which the model is built for this cluster.
+
+        In the user's process it yields the :class:`MeshLayout` (ranks grouped by device kind; the
+        process groups themselves are created inside each rank when ``fit`` launches them, with NCCL /
+        XLA / HCCL inside a kind and a gloo bridge between kinds). Inside a running rank (process group
+        initialised) it builds and yields the :class:`~starverse.runtime.mesh.MixedMesh`. Models built in
+        the context are created on the host in fp32 with a fixed seed, so every rank starts identical.
+        """
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from starverse.runtime.mesh import MixedMesh
+
+            yield MixedMesh.build([r.device_kind for r in self.ranks], [r.device for r in self.ranks])
+        else:
+            log.info("mixed mesh: %s", self.layout.describe())
+            yield self.layout
+
+    def rank_weights(self) -> list[float]:
+        """Relative speed of each rank: plan ``batch_share`` per replica, else catalog peak, else equal."""
+        if self.weights:
+            return list(self.weights)
+        out: list[float] = []
+        rank_group = _rank_groups(self.plan)
+        shares = [g.batch_share for g in self.plan.groups]
+        if all(s is not None for s in shares):
+            return [shares[g] / self.plan.groups[g].replicas for g in rank_group]  # type: ignore[operator]
+        for spec in self.ranks:
+            out.append(_peak_or_none(spec.device_kind, self.plan.train.precision, spec.device) or 1.0)
+        if any(w == 1.0 for w in out):
+            return [1.0] * len(out)
+        return out
+
+    def summary_lines(self) -> list[str]:
+        """What was decided, for the CLI and logs."""
+        kinds = Counter(r.device_kind for r in self.ranks)
+        lines = [
+            f"devices: {', '.join(f'{n} x {k}' for k, n in kinds.items())} ({len(self.ranks)} ranks)",
+            f"mesh: {self.layout.describe()}",
+            f"plan: global batch {self.plan.train.global_batch}, seq_len {self.plan.train.seq_len}, "
+            f"precision {self.plan.train.precision}, groups "
+            + "; ".join(f"{g.replicas} x {g.stages[0].accelerator}" for g in self.plan.groups),
+        ]
+        lines.extend(self.notes)
+        return lines
+
+
+def _peak_or_none(kind: str, precision: str, device: str) -> float | None:
+    from starverse.runtime.trainer import _peak_tflops
+
+    return _peak_tflops(kind, precision, device)
+
+
+def _rank_groups(plan: Plan) -> list[int]:
+    """Group index of each rank: groups in plan order, ``num_devices`` ranks each."""
+    out: list[int] = []
+    for i, g in enumerate(plan.groups):
+        out.extend([i] * g.num_devices)
+    return out
+
+
+def check_plan_fits_ranks(plan: Plan, ranks: tuple[RankSpec, ...] | list[RankSpec], source: str = "plan") -> None:
+    """Raise ConfigError unless ``plan`` is pure data parallelism over exactly these ranks' device kinds."""
+    for gi, g in enumerate(plan.groups):
+        for si, s in enumerate(g.stages):
+            if s.tp != 1 or g.num_stages != 1:
+                raise ConfigError(
+                    f"{source}: groups[{gi}].stages[{si}]: the runtime runs data parallelism only (tp 1, one stage "
+                    "per group); tensor/pipeline-parallel plans are estimated but not yet run. To fix: use tp: 1 "
+                    "and one stage per group."
+                )
+    if plan.num_devices != len(ranks):
+        have = Counter(r.device_kind for r in ranks)
+        raise ConfigError(
+            f"{source}: the plan uses {plan.num_devices} devices but the provider has {len(ranks)} "
+            f"({', '.join(f'{n} x {k}' for k, n in have.items())}). To fix: make the groups' replicas sum to "
+            f"{len(ranks)}, or change the number of ranks."
+        )
+    want = [plan.groups[g].stages[0].accelerator for g in _rank_groups(plan)]
+    got = [r.device_kind for r in ranks]
+    if Counter(want) != Counter(got):
+        raise ConfigError(
+            f"{source}: the plan wants {dict(Counter(want))} but the provider has {dict(Counter(got))}. "
+            "To fix: plan for the devices you have (`starverse probe` lists them)."
+        )
+
+
+def _order_ranks_like_plan(plan: Plan, ranks: list[RankSpec]) -> tuple[RankSpec, ...]:
+    """Renumber ranks so consecutive ranks follow the plan's groups (group by group)."""
+    want = [plan.groups[g].stages[0].accelerator for g in _rank_groups(plan)]
+    pool = list(ranks)
+    out: list[RankSpec] = []
+    for i, kind in enumerate(want):
+        j = next(k for k, r in enumerate(pool) if r.device_kind == kind)
+        r = pool.pop(j)
+        out.append(RankSpec(i, r.device_kind, r.device, r.num_threads, r.env))
+    return tuple(out)
+
+
+def local_plan(
+    ranks: list[RankSpec] | tuple[RankSpec, ...], model: str, num_layers: int, seq_len: int, global_batch: int,
+    precision: str = "bf16",
+) -> Plan:
+    """The plan for local devices without the planner: one data-parallel group per device kind."""
+    kinds = Counter(r.device_kind for r in ranks)
+    groups = [Group(replicas=n, stages=[Stage(accelerator=k, layers=num_layers)]) for k, n in kinds.items()]
+    return Plan(
+        model=model, train=TrainSpec(seq_len=seq_len, global_batch=global_batch, precision=precision),  # type: ignore[arg-type]
+        groups=groups,
+    )
+
+
+def _memory_per_rank_gb(spec: RankSpec, num_cpu_ranks: int) -> float:
+    if spec.device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_properties(torch.device(spec.device)).total_memory / 1e9
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        total = 16.0
+    return total / max(1, num_cpu_ranks)
+
+
+def accelerate(
+    model_id: str | None = None,
+    policy: str = "cost-performance",
+    max_budget: float | None = None,
+    *,
+    plan: Plan | str | Path | None = None,
+    pool: Any = None,
+    num_cpu_ranks: int | None = None,
+    use_gpus: bool | None = None,
+    seq_len: int = 256,
+    global_batch: int | None = None,
+    max_params: int | None = None,
+) -> Cluster:
+    """Choose devices, plan and model for a training job (see the module docstring).
+
+    ``model_id``: registry id, HF id or config.json path (None: a small Llama). ``policy``/``max_budget``
+    (per hour, in the plan's currency) go to the planner when it is available. ``plan``: an explicit
+    Plan or plan file, checked against the devices. ``pool``: None = the local provider (the only one
+    implemented). ``max_params``: cap on the model size built here (default: what fits; on CPU ranks
+    also at most 20M parameters).
+    """
+    from starverse.providers.local import local_ranks
+
+    if pool is not None:
+        raise ConfigError(
+            "only the local provider is implemented (pool=None); multi-node pools are planned with "
+            "`starverse plan` but not yet launched. To fix: omit pool=."
+        )
+    ranks = local_ranks(num_cpu_ranks, use_gpus)
+    notes: list[str] = []
+    if plan is not None:
+        source = str(plan) if not isinstance(plan, Plan) else "plan"
+        the_plan = plan if isinstance(plan, Plan) else load_plan(plan)
+        check_plan_fits_ranks(the_plan, ranks, source)
+        ordered = _order_ranks_like_plan(the_plan, ranks)
+        model_ref: Any = model_id or the_plan.model
+        notes.append(f"plan: given explicitly ({source})")
+    else:
+        the_plan = None
+        ordered = tuple(ranks)
+        model_ref = model_id or "llama"
+    hf_cfg, spec_layers, notes_m, scaled = _choose_model(model_ref, ordered, max_params)
+    notes.extend(notes_m)
+    if the_plan is None:
+        gb = global_batch or 8 * len(ordered)
+        # The plan names what is really trained: a scaled copy is written out as a config.json.
+        plan_model = str(model_id) if model_id and not scaled else str(_save_config(hf_cfg))
+        the_plan = _planner_plan(model_ref, ordered, policy, max_budget, seq_len, gb, notes)
+        if the_plan is None:
+            the_plan = local_plan(
+                ordered, plan_model, spec_layers, seq_len, gb,
+                precision="fp32" if all(r.device == "cpu" for r in ordered) else "bf16",
+            )
+            notes.append("plan: local devices, one data-parallel group per device kind")
+    estimate = _estimate(the_plan, hf_cfg)
+    cluster = Cluster(
+        plan=the_plan, ranks=ordered, model_config=hf_cfg, model_id=str(model_ref), scaled=scaled,
+        notes=tuple(notes), policy=policy, estimate=estimate,
+    )
+    for line in cluster.summary_lines():
+        log.info("%s", line)
+    return cluster
+
+
+def _save_config(cfg: dict[str, Any]) -> Path:
+    """Write a generated model config to the cache (content-addressed) so a plan can name it by path."""
+    import hashlib
+    import json
+
+    from starverse.runtime.data import cache_dir
+
+    text = json.dumps(cfg, sort_keys=True, indent=1, default=str)
+    path = cache_dir() / "models" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}" / "config.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
+
+
+_SMALL_LLAMA = {
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+}
+
+
+def _choose_model(
+    model_ref: Any, ranks: tuple[RankSpec, ...], max_params: int | None
+) -> tuple[dict[str, Any], int, list[str], bool]:
+    """The config to build: the requested one if it fits the smallest rank, else a scaled-down copy."""
+    from starverse.runtime.modeling import count_params, describe_config, hf_config_dict, scale_config
+
+    if model_ref == "llama":
+        cfg = dict(_SMALL_LLAMA)
+        return cfg, cfg["num_hidden_layers"], [f"model: small Llama ({describe_config(cfg)})"], False
+    cfg = hf_config_dict(model_ref)
+    n = count_params(cfg)
+    num_cpu = sum(1 for r in ranks if r.device == "cpu")
+    mem_gb = min(_memory_per_rank_gb(r, num_cpu) for r in ranks)
+    limit = int(mem_gb * 1e9 * 0.6 / TRAIN_BYTES_PER_PARAM)  # 40 % left for activations and the runtime
+    why = f"its training state needs ~{n * TRAIN_BYTES_PER_PARAM / 1e9:,.0f} GB per rank, the smallest rank has {mem_gb:,.0f} GB"
+    if any(r.device == "cpu" for r in ranks) and limit > CPU_MAX_PARAMS and max_params is None:
+        limit = CPU_MAX_PARAMS
+        why = f"CPU ranks train at most {CPU_MAX_PARAMS / 1e6:.0f}M parameters by default (pass max_params= to change)"
+    if max_params is not None:
+        if max_params < limit:
+            why = f"max_params={max_params:,}"
+        limit = min(limit, max_params)
+    layers = next((cfg[k] for k in ("num_hidden_layers", "n_layer", "n_layers") if cfg.get(k)), 1)
+    if n <= limit:
+        return cfg, int(layers), [f"model: {model_ref} as requested ({n:,} parameters)"], False
+    small = scale_config(cfg, limit)
+    m = count_params(small)
+    note = (
+        f"model: {model_ref} has {n:,} parameters and cannot be trained here ({why}); training a scaled-down copy "
+        f"of the same architecture instead: {describe_config(small)}, {m:,} parameters"
+    )
+    log.warning("%s", note)
+    small_layers = next((small[k] for k in ("num_hidden_layers", "n_layer", "n_layers") if small.get(k)), 1)
+    return small, int(small_layers), [note], True
+
+
+def _planner_plan(
+    model_ref: Any, ranks: tuple[RankSpec, ...], policy: str, max_budget: float | None, seq_len: int,
+    global_batch: int, notes: list[str],
+) -> Plan | None:
+    """The planner's best plan for these devices, when the planner offers a helper for it."""
+    try:
+        from starverse import planner
+    except ImportError:
+        return None
+    helper = getattr(planner, "plan_for_devices", None)
+    if helper is None:
+        return None
+    try:
+        plan = helper(
+            model=str(model_ref), devices=dict(Counter(r.device_kind for r in ranks)), objective=policy,
+            max_budget_per_hour=max_budget, seq_len=seq_len, global_batch=global_batch,
+        )
+        check_plan_fits_ranks(plan, list(ranks), "planner")
+    except Exception as e:  # the planner not handling local devices is not fatal: fall back to the local plan
+        notes.append(f"planner: not used ({e.__class__.__name__}: {e})")
+        return None
+    notes.append(f"plan: chosen by the planner (objective {policy})")
+    return plan
+
+
+def _estimate(plan: Plan, hf_cfg: dict[str, Any]) -> Any:
+    try:
+        from starverse.costmodel import estimate
+    except ImportError:
+        return None
+    try:
+        return estimate(plan)
+    except Exception as e:  # the estimate is informative only
+        log.info("no estimate for this plan: %s", e)
+        return None

@@ -1,0 +1,154 @@
+"""Heterogeneous data parallelism: uneven integer shares of a fixed global batch, rebalanced from measured time.
+
+The global batch (``global_batch`` sequences = ``num_micro`` micro-batches of ``micro_batch``) is fixed;
+rank *r* processes ``shares[r]`` whole micro-batches. Each micro-batch's mean loss is scaled by
+``micro_batch / global_batch`` before ``backward`` and the gradients are *summed* over ranks, so the
+result is exactly the gradient of the mean loss over the global batch -- one step equals one step of a
+single process on the same batch, whatever the shares (packing gives every sequence the same number of
+loss tokens, so the mean over sequences is the mean over tokens).
+
+Shares start from the plan (group ``batch_share``, else device speed) and are rebalanced every N steps
+from the measured forward+backward time per micro-batch of each rank: the new shares minimise the
+predicted step time (greedy min-max, optimal for this problem), and are adopted only when they are
+predicted to be faster by more than the hysteresis, so noise does not make shares oscillate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from starverse.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def proportional_shares(num_micro: int, weights: Sequence[float]) -> list[int]:
+    """Split ``num_micro`` micro-batches in proportion to ``weights``, at least one each (largest remainder)."""
+    n = len(weights)
+    if n == 0:
+        raise ConfigError("no ranks to share the batch between.")
+    if num_micro < n:
+        raise ConfigError(
+            f"the global batch holds {num_micro} micro-batch(es) for {n} ranks; every rank needs at least one. "
+            "To fix: raise the global batch or lower per_device_batch_size."
+        )
+    if any(w <= 0 for w in weights):
+        raise ConfigError(f"share weights must be > 0 (got {list(weights)}).")
+    total = float(sum(weights))
+    spare = num_micro - n
+    exact = [spare * w / total for w in weights]
+    shares = [1 + int(e) for e in exact]
+    order = sorted(range(n), key=lambda i: (exact[i] - int(exact[i])), reverse=True)
+    for i in order[: num_micro - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def balanced_shares(num_micro: int, time_per_micro_s: Sequence[float]) -> list[int]:
+    """Shares minimising ``max_r shares[r] * time_per_micro_s[r]`` with every share ≥ 1.
+
+    Greedy: give each next micro-batch to the rank that would finish it first. For identical
+    independent items this greedy choice is optimal for the makespan.
+    """
+    n = len(time_per_micro_s)
+    if num_micro < n:
+        raise ConfigError(f"{num_micro} micro-batches cannot give each of {n} ranks one.")
+    shares = [1] * n
+    for _ in range(num_micro - n):
+        best = min(range(n), key=lambda r: ((shares[r] + 1) * time_per_micro_s[r], r))
+        shares[best] += 1
+    return shares
+
+
+def predicted_step_s(shares: Sequence[int], time_per_micro_s: Sequence[float]) -> float:
+    """Compute-bound step time of ``shares``: the slowest rank's share times its time per micro-batch."""
+    return max(s * t for s, t in zip(shares, time_per_micro_s, strict=True))
+
+
+@dataclass
+class Rebalancer:
+    """Decides new shares from measured compute times; identical decisions on every rank (same inputs)."""
+
+    num_micro: int
+    """Micro-batches per global batch."""
+    every: int = 10
+    """Consider rebalancing every this many steps (0: never)."""
+    hysteresis: float = 0.05
+    """Adopt new shares only if predicted ≥ this fraction faster than the current ones."""
+    window: int = 5
+    """Steps of history used (median time per micro-batch per rank)."""
+    _history: deque[list[float]] = field(default_factory=deque)
+
+    def observe(self, shares: Sequence[int], compute_times_s: Sequence[float]) -> None:
+        """Record one step: each rank's compute time for its share."""
+        self._history.append([t / max(1, s) for s, t in zip(shares, compute_times_s, strict=True)])
+        while len(self._history) > self.window:
+            self._history.popleft()
+
+    def time_per_micro_s(self) -> list[float]:
+        """Median measured time per micro-batch of each rank over the window."""
+        cols = list(zip(*self._history, strict=True))
+        return [float(torch.tensor(c, dtype=torch.float64).median()) for c in cols]
+
+    def propose(self, step: int, shares: Sequence[int]) -> list[int] | None:
+        """New shares if it is time to rebalance and they beat the current ones by the hysteresis; else None."""
+        if self.every <= 0 or step % self.every != 0 or not self._history:
+            return None
+        t = self.time_per_micro_s()
+        if any(x <= 0 for x in t):
+            return None
+        new = balanced_shares(self.num_micro, t)
+        if new == list(shares):
+            return None
+        now_s, new_s = predicted_step_s(shares, t), predicted_step_s(new, t)
+        if new_s < now_s * (1.0 - self.hysteresis):
+            log.info("rebalance at step %d: %s -> %s (predicted %.3fs -> %.3fs)", step, list(shares), new, now_s, new_s)
+            # Fresh measurements for the new shares: old ones reflected the old split.
+            self._history.clear()
+            return new
+        return None
+
+
+class GradientSync:
+    """Sums the gradients of ``params`` over all ranks through a mesh, in flat buckets."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], mesh: object, bucket_mb: float = 25.0):
+        self.params = [p for p in params if p.requires_grad]
+        self.mesh = mesh
+        # Reverse order: the last layers' gradients are ready first (useful when overlapping).
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        cur: list[torch.nn.Parameter] = []
+        size = 0
+        limit = int(bucket_mb * 2**20)
+        for p in reversed(self.params):
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= limit:
+                self.buckets.append(cur)
+                cur, size = [], 0
+        if cur:
+            self.buckets.append(cur)
+
+    def all_reduce(self) -> None:
+        """Sum every parameter's ``.grad`` over all ranks in place (missing grads count as zero)."""
+        pending = []
+        for bucket in self.buckets:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            pending.append((bucket, flat, self.mesh.all_reduce_async(flat)))  # type: ignore[attr-defined]
+        for bucket, flat, work in pending:
+            work.wait()
+            offset = 0
+            for p in bucket:
+                n = p.numel()
+                chunk = flat[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = chunk.clone()
+                else:
+                    p.grad.copy_(chunk)
+                offset += n

@@ -1,0 +1,196 @@
+"""Build a causal LM from a registry config (or an honest scaled-down copy of one), with no weights downloaded.
+
+``build_model(config)`` takes a registry id / Hugging Face id / config.json path (through
+``starverse.models.load_model``), a ``ModelSpec``, a ``transformers.PretrainedConfig`` or a config dict,
+and builds the ``transformers`` causal-LM class for it with freshly initialised weights.
+
+``scale_config`` makes a smaller model *of the same architecture* (same family, attention layout,
+MLP type, norm, position encoding, tied embeddings; fewer and narrower layers, a smaller vocabulary)
+for devices the full model does not fit on. The cluster says when it did this, never silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from starverse.errors import ConfigError, ModelError
+
+log = logging.getLogger(__name__)
+
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "layers": ("num_hidden_layers", "n_layer", "n_layers", "num_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "heads": ("num_attention_heads", "n_head", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"),
+    "ffn": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+    "positions": ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"),
+    "experts": ("num_local_experts", "num_experts"),
+}
+
+# (layers, hidden) rungs for scaled copies; head_dim 64 throughout (the common choice of the families).
+_LADDER = ((2, 128), (4, 256), (6, 384), (8, 512), (12, 768), (16, 1024), (24, 1536), (24, 2048), (32, 2560))
+
+
+def _get(cfg: Mapping[str, Any], what: str) -> tuple[str | None, Any]:
+    for key in _ALIASES[what]:
+        if cfg.get(key) is not None:
+            return key, cfg[key]
+    return None, None
+
+
+def hf_config_dict(config: Any) -> dict[str, Any]:
+    """The Hugging Face config dict of ``config`` (id/path, ModelSpec, PretrainedConfig or dict)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "hf_config"):
+        return dict(config.hf_config)
+    if hasattr(config, "to_dict") and hasattr(config, "model_type"):
+        return dict(config.to_dict())
+    if isinstance(config, str) or hasattr(config, "__fspath__"):
+        try:
+            from starverse.models import load_model
+        except ImportError as e:  # the registry is a separate part of the package
+            raise ModelError(f"cannot resolve model {str(config)!r}: the model registry is unavailable ({e}).") from None
+        return dict(load_model(config).hf_config)
+    raise ModelError(f"cannot build a model from {type(config).__name__}; pass a model id, ModelSpec, config or dict.")
+
+
+def _to_pretrained(cfg: Mapping[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise ModelError("the model config has no 'model_type'; cannot pick the transformers class.")
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as e:
+        raise ModelError(f"transformers does not know model_type {model_type!r}: {e}") from None
+
+
+def count_params(config: Any) -> int:
+    """Parameters of the model ``config`` describes (built on the meta device: no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    pcfg = _to_pretrained(hf_config_dict(config))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(pcfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def scale_config(config: Any, max_params: int, vocab_size: int = 8192, max_positions: int = 2048) -> dict[str, Any]:
+    """A same-architecture copy of ``config`` with at most ``max_params`` parameters (largest rung that fits).
+
+    Keeps the family and every architectural switch; sets layers/hidden from a fixed ladder (head_dim
+    64), scales the MLP width and the KV-head count by the original ratios, caps the vocabulary at
+    ``vocab_size`` and positions at ``max_positions``, and at most 4 experts (same top-k) for MoE models.
+    """
+    cfg = hf_config_dict(config)
+    _, layers0 = _get(cfg, "layers")
+    _, hidden0 = _get(cfg, "hidden")
+    _, heads0 = _get(cfg, "heads")
+    if not (layers0 and hidden0 and heads0):
+        raise ModelError("cannot scale this config: it has no recognisable layer/hidden/head sizes.")
+    best: dict[str, Any] | None = None
+    for layers, hidden in _LADDER:
+        if layers > layers0 or hidden > hidden0:
+            break
+        cand = _scaled(cfg, layers, hidden, vocab_size, max_positions)
+        if count_params(cand) > max_params:
+            break
+        best = cand
+    if best is None:
+        raise ModelError(
+            f"even the smallest copy of this model ({_LADDER[0][0]} layers, hidden {_LADDER[0][1]}) has more than "
+            f"{max_params:,} parameters. To fix: raise max_params."
+        )
+    return best
+
+
+def _scaled(cfg: dict[str, Any], layers: int, hidden: int, vocab: int, positions: int) -> dict[str, Any]:
+    out = dict(cfg)
+    _, hidden0 = _get(cfg, "hidden")
+    _, heads0 = _get(cfg, "heads")
+    heads = max(1, hidden // 64)
+    for key in _ALIASES["layers"]:
+        if key in cfg:
+            out[key] = layers
+    for key in _ALIASES["hidden"]:
+        if key in cfg:
+            out[key] = hidden
+    for key in _ALIASES["heads"]:
+        if key in cfg:
+            out[key] = heads
+    kvkey, kv0 = _get(cfg, "kv_heads")
+    if kvkey is not None and kv0:
+        ratio = max(1, heads0 // kv0)
+        out[kvkey] = max(1, heads // ratio)
+    ffnkey, ffn0 = _get(cfg, "ffn")
+    if ffnkey is not None and ffn0:
+        out[ffnkey] = round(hidden * ffn0 / hidden0 / 8) * 8 or hidden * 4
+    if "head_dim" in cfg and cfg.get("head_dim"):
+        out["head_dim"] = hidden // heads
+    if "word_embed_proj_dim" in cfg:
+        out["word_embed_proj_dim"] = hidden
+    for key in _ALIASES["positions"]:
+        if key in cfg and isinstance(cfg[key], int):
+            out[key] = min(cfg[key], positions)
+    if cfg.get("vocab_size"):
+        out["vocab_size"] = min(int(cfg["vocab_size"]), vocab)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        if isinstance(out.get(key), int) and out[key] >= out.get("vocab_size", 1 << 30):
+            out[key] = 0
+    ekey, experts0 = _get(cfg, "experts")
+    if ekey is not None and experts0:
+        out[ekey] = min(int(experts0), 4)
+    # Layer-type lists (Qwen2 sliding windows, Falcon alternation) must match the new depth.
+    if isinstance(cfg.get("layer_types"), list):
+        out["layer_types"] = list(cfg["layer_types"])[:layers]
+    if "max_window_layers" in cfg and isinstance(cfg["max_window_layers"], int):
+        out["max_window_layers"] = min(cfg["max_window_layers"], layers)
+    return out
+
+
+def describe_config(config: Any) -> str:
+    """``llama: 4 layers, hidden 256, 4 heads (4 KV), MLP 688, vocab 8192`` (for logs and summaries)."""
+    cfg = hf_config_dict(config)
+    _, layers = _get(cfg, "layers")
+    _, hidden = _get(cfg, "hidden")
+    _, heads = _get(cfg, "heads")
+    _, kv = _get(cfg, "kv_heads")
+    _, ffn = _get(cfg, "ffn")
+    parts = [f"{cfg.get('model_type', '?')}: {layers} layers, hidden {hidden}, {heads} heads"]
+    if kv:
+        parts[-1] += f" ({kv} KV)"
+    if ffn:
+        parts.append(f"MLP {ffn}")
+    parts.append(f"vocab {cfg.get('vocab_size')}")
+    return ", ".join(parts)
+
+
+def build_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A freshly initialised ``transformers`` causal LM for ``config`` (no weights are downloaded).
+
+    ``config``: a registry id / HF id / config.json path, a ``ModelSpec``, a ``PretrainedConfig`` or a
+    dict. Initialisation is seeded (``seed``), so the same call gives the same weights everywhere.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config_dict(config)
+    pcfg = _to_pretrained(cfg)
+    # Eager attention: the same kernel on every device, and the one that supports every family.
+    pcfg._attn_implementation = "eager"
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(pcfg, dtype=dtype)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"transformers cannot build {cfg.get('model_type')!r} from this config: {e}") from None
+    finally:
+        torch.random.set_rng_state(state)
+    log.info("built %s (%s params)", describe_config(cfg), f"{sum(p.numel() for p in model.parameters()):,}")
+    return model
