@@ -276,7 +276,7 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
     for gi, (g, share) in enumerate(zip(groups, shares, strict=True)):
         unit = g.replicas * (g.micro_batch or 1)
         exact = share * gb
-        n = int(round(exact / unit)) * unit
+        n = round(exact / unit) * unit
         if g.batch_share is not None and abs(n - exact) > 1e-6:
             raise ConfigError(
                 f"groups[{gi}].batch_share: {g.batch_share} of train.global_batch={gb} is {exact:g} sequences, "
