@@ -8,6 +8,7 @@ only the fields it gives, an offer with the same provider, accelerator and regio
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from starverse.catalog.core import FLOAT_FIELDS, Accelerator, Catalog, Currency, Offer
-from starverse.catalog.schema import CatalogFile, CurrencyEntry, OfferEntry
+from starverse.catalog.schema import AcceleratorEntry, CatalogFile, CurrencyEntry, OfferEntry
 from starverse.config import FrozenModel, parse, read_yaml
 from starverse.errors import CatalogError, ConfigError
 
@@ -86,14 +87,16 @@ def _line(node: yaml.Node | None, *path: str | int) -> int | None:
     line = None if node is None else node.start_mark.line + 1
     for key in path:
         if isinstance(node, yaml.MappingNode):
-            node = next((v for k, v in node.value if k.value == key), None)
+            # the key's own line: a mapping value starts on the line below its key
+            pair = next(((k, v) for k, v in node.value if k.value == key), None)
+            if pair is None:
+                return line
+            line, node = pair[0].start_mark.line + 1, pair[1]
         elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
             node = node.value[key]
+            line = node.start_mark.line + 1
         else:
-            node = None
-        if node is None:
             return line
-        line = node.start_mark.line + 1
     return line
 
 
@@ -114,10 +117,37 @@ def _expand_sources(sources: Mapping[str, str], where: str) -> dict[str, str]:
     return out
 
 
+def _unknown_key_in_entry(err: ValidationError) -> tuple[tuple[str | int, ...], str] | None:
+    """``accelerators.<id>.<typo>`` / ``currencies.<code>.<typo>``: did-you-mean against the entry's fields.
+
+    (The generic formatter in starverse.config cannot see through the dict keyed by id.)
+    """
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    owners: dict[str | int, type[FrozenModel]] = {"accelerators": AcceleratorEntry, "currencies": CurrencyEntry}
+    if first["type"] != "extra_forbidden" or len(loc) != 3 or loc[0] not in owners:
+        return None
+    known = list(owners[loc[0]].model_fields)
+    close = difflib.get_close_matches(str(loc[2]), known, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"known fields: {', '.join(known)}"
+    return loc, f"{loc[0]}.{loc[1]}.{loc[2]}: unknown field; {hint}"
+
+
+def _parse(data: Any, source: str, node: yaml.Node | None) -> CatalogFile:
+    if isinstance(data, Mapping):
+        try:
+            return CatalogFile.model_validate(data)
+        except ValidationError as e:
+            special = _unknown_key_in_entry(e)
+            if special is not None:
+                raise CatalogError(f"{_at(source, node, *special[0])}: {special[1]}") from None
+    return parse(CatalogFile, data, source, node)
+
+
 def _merge_file(draft: _Draft, path: Path) -> None:
     try:
         data, node = read_yaml(path)
-        cat = parse(CatalogFile, data, str(path), node)
+        cat = _parse(data, str(path), node)
     except CatalogError:
         raise
     except ConfigError as e:
