@@ -1,0 +1,201 @@
+"""The model registry: parameter counts equal transformers' (meta device), lookups, every error message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from starverse.errors import ModelError
+from starverse.models import CONFIG_DIR, FAMILIES, ModelSpec, bundled_ids, list_models, load_model
+
+REPO = Path(__file__).resolve().parents[2]
+VALIDATION_MODELS = sorted((REPO / "data/validation/models").glob("*.json"))
+
+
+def _transformers_count(spec: ModelSpec) -> int:
+    """Parameters of the model transformers builds from the same config (meta device: nothing allocated)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    raw = dict(spec.hf_config)
+    cfg = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("short", list(bundled_ids()))
+def test_bundled_num_params_equal_transformers(short: str) -> None:
+    spec = load_model(short)
+    assert spec.num_params == _transformers_count(spec)
+
+
+@pytest.mark.parametrize("path", VALIDATION_MODELS, ids=lambda p: p.stem)
+def test_validation_num_params_equal_transformers(path: Path) -> None:
+    spec = load_model(path)
+    assert spec.num_params == _transformers_count(spec)
+
+
+def test_published_sizes() -> None:
+    """Counts that model cards state (exact where the card gives them)."""
+    assert load_model("llama-2-7b").num_params == 6_738_415_616
+    assert load_model("gpt2").num_params == 124_439_808
+    assert load_model("llama-3.1-405b").num_params == pytest.approx(405.85e9, rel=1e-3)
+    assert load_model("mixtral-8x7b").num_params == pytest.approx(46.7e9, rel=1e-3)
+    assert load_model("bloom-176b").num_params == pytest.approx(176.25e9, rel=1e-3)
+    assert 10e6 <= load_model("llama-tiny").num_params <= 20e6
+    assert 0.9e9 <= load_model("llama-1b").num_params <= 1.3e9
+
+
+def test_megatron_gpt_configs_follow_narayanan_eq2() -> None:
+    """P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)) (data/reference/formulas.csv) for the Megatron GPT configs."""
+    for path in VALIDATION_MODELS:
+        if not path.stem.startswith("gpt-"):
+            continue
+        s = load_model(path)
+        nl, h, v, p = s.num_layers, s.hidden_size, s.vocab_size, s.max_seq_len
+        eq2 = 12 * nl * h * h * (1 + 13 / (12 * h) + (v + p) / (12 * nl * h))
+        lm_head = 0 if s.tie_embeddings else v * h
+        # Eq. 2 counts a tied head and omits the final LayerNorm (2h)
+        assert s.num_params == pytest.approx(eq2 + lm_head + 2 * h, rel=1e-9), path.stem
+
+
+def test_architecture_facts() -> None:
+    l70 = load_model("llama-2-70b")
+    assert (l70.num_kv_heads, l70.head_dim, l70.gated_mlp, l70.norm, l70.position) == (8, 128, True, "rmsnorm", "rope")
+    assert l70.lm_head_params == l70.vocab_size * l70.hidden_size and not l70.tie_embeddings
+    assert l70.attn_params_per_layer == 8192 * 8192 * 2 + 2 * 8192 * 1024
+
+    mix = load_model("mixtral-8x7b")
+    assert (mix.num_experts, mix.experts_per_token) == (8, 2)
+    assert mix.params_per_layer - mix.active_params_per_layer == 6 * mix.mlp_params_per_expert
+    assert mix.router_params_per_layer == 4096 * 8
+
+    g = load_model("gpt2")
+    assert (g.gated_mlp, g.position, g.tie_embeddings, g.lm_head_params) == (False, "learned", True, 0)
+    assert g.embedding_params == 50257 * 768 + 1024 * 768
+    assert g.qkv_bias and g.attn_out_bias and g.mlp_bias
+
+    assert load_model("qwen2.5-7b").qkv_bias and not load_model("qwen2.5-7b").attn_out_bias
+    assert load_model("bloom-176b").position == "alibi"
+    assert load_model("mpt-7b").position == "alibi" and not load_model("mpt-7b").mlp_bias
+    assert load_model("falcon-7b").num_kv_heads == 1  # multi-query
+    assert load_model("falcon-40b").num_kv_heads == 8  # grouped in the new architecture
+    assert load_model("opt-175b").num_positions == 2048 + 2
+
+
+def test_every_family_has_a_bundled_config() -> None:
+    assert {m.family for m in list_models()} == set(FAMILIES)
+
+
+def test_index_matches_configs() -> None:
+    index = json.loads((CONFIG_DIR / "index.json").read_text())["models"]
+    files = {p.name for p in CONFIG_DIR.glob("*.json")} - {"index.json"}
+    assert {e["file"] for e in index.values()} == files
+    for short, entry in index.items():
+        raw = json.loads((CONFIG_DIR / entry["file"]).read_text())
+        assert raw["_name_or_path"] == entry["hf_id"]
+        assert load_model(entry["hf_id"]).name == short
+
+
+def test_lookups(tmp_path: Path) -> None:
+    by_short = load_model("llama-2-70b")
+    assert load_model("meta-llama/Llama-2-70b-hf") is by_short
+    assert load_model("META-LLAMA/llama-2-70b-HF") is by_short  # HF ids are case-insensitive
+    assert load_model("llama-3.2-1b").name == "llama-1b"  # alias
+    assert by_short.hf_id == "meta-llama/Llama-2-70b-hf"
+
+    cfg = dict(by_short.hf_config)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "mine.json").write_text(json.dumps(cfg))
+    assert load_model(tmp_path / "mine.json").num_params == by_short.num_params
+    assert load_model("mine.json", base_dir=tmp_path).name == "mine"
+    assert load_model(tmp_path / "m").name == "m"  # a directory holding config.json
+    assert load_model(cfg).num_params == by_short.num_params
+
+
+def test_pretrained_config_is_read_without_building() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MistralConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                                     num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
+    spec = load_model(cfg)
+    assert (spec.family, spec.num_layers, spec.num_kv_heads, spec.head_dim) == ("mistral", 3, 2, 64)
+    assert spec.num_params == _transformers_count(spec)
+
+
+def test_spec_is_frozen_and_hashable() -> None:
+    spec = load_model("gpt2")
+    with pytest.raises(AttributeError):
+        spec.num_layers = 3  # type: ignore[misc]
+    assert hash(spec) == hash(load_model("openai-community/gpt2"))
+
+
+def test_no_torch_import() -> None:
+    code = (
+        "import sys, starverse.models as m, starverse.catalog as c;"
+        "m.list_models(); c.load_catalog(profile='');"
+        "sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+def test_unknown_model_id() -> None:
+    with pytest.raises(ModelError) as e:
+        load_model("llama-2-70")
+    msg = str(e.value)
+    assert msg.startswith("unknown model 'llama-2-70'; did you mean 'llama-2-70b'")
+    assert "pass a path to a Hugging Face config.json" in msg
+    with pytest.raises(ModelError, match=r"unknown model 'zzz'; `starverse models` lists"):
+        load_model("zzz")
+
+
+def _config(tmp_path: Path, raw: object, name: str = "c.json") -> Path:
+    p = tmp_path / name
+    p.write_text(raw if isinstance(raw, str) else json.dumps(raw, indent=1))
+    return p
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"model_type": "t5", "d_model": 512}, r"c\.json: model_type 't5' is not a supported family; supported: llama, "
+         r"mistral, mixtral, qwen2, gpt2, gpt_neox, opt, bloom, mpt, falcon"),
+        ({"hidden_size": 8}, r"c\.json: no model_type is not a supported family"),
+        ('{"model_type": "llama",\n "hidden_size": }', r"c\.json:2: malformed JSON: Expecting value"),
+        ([1, 2], r"c\.json: expected a JSON object \(a Hugging Face config.json\), got list"),
+        ({"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 5},
+         r"c\.json: num_key_value_heads \(5\) must divide the number of attention heads \(32\)"),
+        ({"model_type": "gpt2", "n_embd": 100, "n_head": 12},
+         r"c\.json: n_embd \(100\) is not divisible by the number of heads \(12\)"),
+        ({"model_type": "llama", "hidden_size": -4}, r"c\.json: hidden_size must be > 0 \(got -4\)"),
+        ({"model_type": "llama", "num_hidden_layers": "32"}, r"c\.json: num_hidden_layers must be an integer"),
+        ({"model_type": "mpt", "attn_config": {"alibi": False}},
+         r"c\.json: attn_config\.alibi: only ALiBi MPT models are supported"),
+        ({"model_type": "mpt", "attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 2}},
+         r"c\.json: attn_config\.attn_type: only multihead_attention MPT models are supported"),
+        ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 4},
+         r"c\.json: num_experts_per_tok \(4\) exceeds num_local_experts \(2\)"),
+        ({"model_type": "gpt2", "add_cross_attention": True}, r"c\.json: add_cross_attention: encoder-decoder"),
+        ({"model_type": "opt", "tie_word_embeddings": "yes"}, r"c\.json: tie_word_embeddings must be true or false"),
+    ],
+)
+def test_bad_configs(tmp_path: Path, raw: object, expected: str) -> None:
+    with pytest.raises(ModelError, match=expected):
+        load_model(_config(tmp_path, raw))
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match=r"nope\.json: file not found; pass an existing config.json"):
+        load_model(tmp_path / "nope.json")
+    with pytest.raises(ModelError, match=r"nope\.json: file not found"):
+        load_model("nope.json", base_dir=tmp_path)
+
+
+def test_architectures_key_when_model_type_missing(tmp_path: Path) -> None:
+    raw = {"architectures": ["RWForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    assert load_model(_config(tmp_path, raw)).family == "falcon"
