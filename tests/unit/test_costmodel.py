@@ -1,0 +1,282 @@
+"""The cost model: FLOPs, memory and communication formulas, scalar/batch agreement, plan checks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from starverse.catalog import load_catalog
+from starverse.config import parse
+from starverse.costmodel import (
+    RECOMPUTE_CODES,
+    Candidates,
+    DeviceTable,
+    ModelShape,
+    TrainShape,
+    estimate,
+    estimate_batch,
+)
+from starverse.costmodel.comm import group_bus_gb_per_s, ring_allreduce_s
+from starverse.costmodel.constants import COLLECTIVE_LATENCY_S, LINK_EFFICIENCY
+from starverse.costmodel.group import model_numbers
+from starverse.errors import ConfigError
+from starverse.models import load_model
+from starverse.plan import Plan
+
+CAT = load_catalog()
+
+
+def plan(groups: list[dict], **train: object) -> Plan:
+    t = {"seq_len": 4096, "global_batch": 64, "precision": "bf16"} | train
+    return parse(Plan, {"model": "llama-2-70b", "train": t, "groups": groups}, "test.yaml")
+
+
+def gpt(h: int = 4096, layers: int = 32, heads: int = 32, vocab: int = 51200, seq: int = 2048) -> object:
+    return load_model({"model_type": "gpt2", "n_embd": h, "n_layer": layers, "n_head": heads,
+                       "n_inner": 4 * h, "vocab_size": vocab, "n_positions": seq})
+
+
+def test_model_flops_per_token_match_megatron_formula_with_causal_attention() -> None:
+    # Korthikanti et al.: 72 l h^2 (1 + s/(6h) + V/(12 l h)) per token counts the full s x s scores;
+    # with causal masking the attention term halves to 6 l h (s+1)
+    spec = gpt()
+    mn = model_numbers(ModelShape.from_spec(spec), TrainShape(seq_len=2048))
+    l, h, s, v = 32, 4096, 2048, 51200
+    expected = 72 * l * h * h + 6 * l * h * (s + 1) + 6 * h * v
+    # biases add 2*(4h + h + 4h + h)... per layer: count them from the model's own parameters
+    bias_flops = 0  # matmul FLOPs exclude bias adds
+    assert mn.model_flops_per_token() == pytest.approx(expected + bias_flops, rel=1e-12)
+
+
+def test_gqa_and_gated_mlp_flops() -> None:
+    spec = load_model("llama-2-70b")
+    mn = model_numbers(ModelShape.from_spec(spec), TrainShape(seq_len=4096))
+    h, q, kv, f = 8192, 8192, 1024, 28672
+    per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 3 * 2 * h * f + 4 * q * (4096 + 1) / 2
+    assert mn.layer_matmul_flops_per_token() == pytest.approx(per_layer)
+    # ~6N: the 70B model's matmul FLOPs per token are within 15 % of 6 x parameters at 4k
+    ratio = mn.model_flops_per_token() / (6 * spec.num_params)
+    assert 1.0 < ratio < 1.15
+
+
+def test_ring_allreduce_and_hierarchical_bandwidth() -> None:
+    t = ring_allreduce_s(8e9, 8, 100.0)
+    assert float(t) == pytest.approx(2 * 7 / 8 * 8e9 / 100e9 + 14 * COLLECTIVE_LATENCY_S)
+    assert float(ring_allreduce_s(1e9, 1, 100.0)) == 0.0
+    # inside a node: NVLink; 8 per node across nodes: the node's NIC; 1 per node: a NIC eighth
+    intra = group_bus_gb_per_s(8, 8, 300.0, 8, 1600.0)
+    assert float(intra) == pytest.approx(300 * LINK_EFFICIENCY)
+    full_node = group_bus_gb_per_s(64, 8, 300.0, 8, 1600.0)
+    one_per_node = group_bus_gb_per_s(64, 1, 300.0, 8, 1600.0)
+    assert float(full_node) == pytest.approx(200 * 0.9)
+    assert float(one_per_node) == pytest.approx(200 * 0.9 / 8)
+
+
+def _uniform(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, **kw: object) -> tuple:
+    spec = load_model("llama-2-70b")
+    layers = spec.num_layers
+    base, rem = divmod(layers, pp)
+    stages = [{"accelerator": acc, "tp": tp, "layers": base + (1 if i < rem else 0)} for i in range(pp)]
+    p = plan([{"replicas": replicas, "micro_batch": mb, "stages": stages}],
+             global_batch=replicas * mb * m, **kw)
+    cand = Candidates.make(accelerator=0, tp=tp, pp=pp, replicas=replicas, micro_batch=mb, num_micro_batches=m,
+                           zero_stage=kw.get("zero_stage", 0), recompute=RECOMPUTE_CODES[kw.get("recompute", "none")],
+                           sequence_parallel=kw.get("sequence_parallel", False))
+    dev = DeviceTable.from_catalog(CAT, [acc], "bf16")
+    return p, spec, dev, cand
+
+
+@pytest.mark.parametrize(
+    ("acc", "tp", "pp", "replicas", "mb", "m", "kw"),
+    [
+        ("a100-80gb-sxm", 8, 4, 2, 1, 16, {"recompute": "selective", "sequence_parallel": True, "zero_stage": 1}),
+        ("h100-80gb-sxm", 8, 3, 4, 2, 8, {"recompute": "full"}),  # 80 layers over 3 stages: 27, 27, 26
+        ("rtx-4090", 4, 7, 2, 1, 14, {"recompute": "full", "zero_stage": 1}),  # 12,12,12,11,11,11,11
+        ("a100-80gb-sxm", 8, 1, 16, 1, 4, {"zero_stage": 3, "recompute": "full"}),
+    ],
+)
+def test_scalar_and_batch_agree(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, kw: dict) -> None:
+    p, spec, dev, cand = _uniform(acc, tp, pp, replicas, mb, m, **kw)
+    est = estimate(p, CAT, spec)
+    b = estimate_batch(ModelShape.from_spec(spec), TrainShape.from_train(p.train), dev, cand)
+    assert b.step_time_s[0] == pytest.approx(est.step_time_s, rel=1e-9)
+    assert b.tokens_per_s[0] == pytest.approx(est.tokens_per_s, rel=1e-9)
+    assert b.memory_gb[0] == pytest.approx(est.memory_gb, rel=1e-9)
+    assert bool(b.fits[0]) == est.fits
+    assert b.mfu[0] == pytest.approx(est.mfu, rel=1e-9)
+    assert b.power_kw[0] == pytest.approx(est.power_kw)
+
+
+def test_batch_is_vectorised_over_mixed_candidates() -> None:
+    spec = load_model("llama-2-70b")
+    dev = DeviceTable.from_catalog(CAT, ["a100-80gb-sxm", "rtx-4090"], "bf16")
+    cand = Candidates.make(accelerator=[0, 1, 0], tp=[8, 4, 8], pp=[2, 8, 1], replicas=[1, 1, 1],
+                           micro_batch=1, num_micro_batches=[8, 8, 8], recompute=2)
+    b = estimate_batch(ModelShape.from_spec(spec), TrainShape(seq_len=4096), dev, cand)
+    assert b.step_time_s.shape == (3,)
+    # 70B with Adam states on 8 A100s without ZeRO cannot fit (16 B/param = 1.1 TB); on 16 it neither does
+    assert not b.fits[2]
+    # 4090s: slower per device than A100s
+    assert b.model_tflops_per_device[1] < b.model_tflops_per_device[0]
+
+
+def test_memory_follows_zero_stages() -> None:
+    # model states per device: ZeRO (Rajbhandari 2020) 2P + 2P + 12P/N, 2P + 14P/N, 16P/N
+    spec = load_model("llama-2-7b")
+    dev = DeviceTable.from_catalog(CAT, ["a100-80gb-sxm"], "bf16")
+    n = 64
+    cand = Candidates.make(accelerator=0, tp=1, pp=1, replicas=n, micro_batch=1, num_micro_batches=1,
+                           zero_stage=[0, 1, 2, 3], recompute=2)
+    b = estimate_batch(ModelShape.from_spec(spec), TrainShape(seq_len=4096), dev, cand)
+    p = spec.num_params / 1e9
+    assert b.optimizer_gb[0] == pytest.approx(12 * p)
+    assert b.optimizer_gb[1] == pytest.approx(12 * p / n)
+    assert b.grads_gb[1] == pytest.approx(2 * p)
+    assert b.grads_gb[2] == pytest.approx(2 * p / n)
+    gathered = 2 * 2 * spec.params_per_layer / 1e9  # two layers gathered at a time
+    assert b.weights_gb[3] == pytest.approx(2 * p / n + gathered)
+    assert list(b.memory_gb) == sorted(b.memory_gb, reverse=True)
+
+
+def test_activation_memory_is_korthikanti() -> None:
+    # one more layer adds s*b*h*34 bytes (no TP, dropout) or s*b*h*34/t with TP + SP, 2sbh with full recompute
+    h, s, b, t = 4096, 2048, 2, 4
+    dev = DeviceTable.from_catalog(CAT, ["a100-80gb-sxm"], "bf16")
+
+    def act(layers: int, tp: int, sp: bool, rc: int) -> float:
+        shape = ModelShape.from_spec(gpt(h=h, layers=layers))
+        cand = Candidates.make(accelerator=0, tp=tp, pp=1, replicas=1, micro_batch=b, num_micro_batches=1,
+                               recompute=rc, sequence_parallel=sp)
+        return float(estimate_batch(shape, TrainShape(seq_len=s), dev, cand).activations_gb[0]) * 1e9
+
+    assert act(3, 1, False, 0) - act(2, 1, False, 0) == pytest.approx(34 * s * b * h)
+    assert act(3, t, True, 0) - act(2, t, True, 0) == pytest.approx(34 * s * b * h / t)
+    assert act(3, t, False, 0) - act(2, t, False, 0) == pytest.approx(s * b * h * (10 + 24 / t))
+    assert act(3, 1, False, 2) - act(2, 1, False, 2) == pytest.approx(2 * s * b * h)
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m() -> None:
+    p_, spec, dev, cand = _uniform("a100-80gb-sxm", 8, 4, 1, 1, 16, recompute="full")
+    est = estimate(p_.model_copy(update={"groups": [p_.groups[0].model_copy(update={"stages": [
+        p_.groups[0].stages[0].model_copy(update={"layers": 20, "repeat": 4})]})]}), CAT, spec)
+    # uniform stages except the LM head on the last: bubble ~ (p-1)/m of the steady state
+    steady = est.step_time_s - sum(v for k, v in est.breakdown.items() if k in ("pipeline_bubble", "pp_comm"))
+    assert est.breakdown["pipeline_bubble"] / steady == pytest.approx(3 / 16, rel=0.1)
+
+
+def test_micro_batch_omitted_picks_fastest_that_fits() -> None:
+    stages = [{"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 10, "repeat": 8}]
+    p = plan([{"replicas": 2, "stages": stages}], global_batch=64, recompute="selective",
+             sequence_parallel=True, zero_stage=1)
+    est = estimate(p, CAT)
+    assert est.fits
+    chosen = est.groups[0].micro_batch
+    for mb in (1, 2, 4, 8, 16, 32):
+        forced = p.model_copy(update={"groups": [p.groups[0].model_copy(update={"micro_batch": mb})]})
+        other = estimate(forced, CAT)
+        if other.fits:
+            assert est.step_time_s <= other.step_time_s * (1 + 1e-12)
+    assert chosen in (1, 2, 4, 8, 16, 32)
+
+
+def test_not_fitting_plan_is_reported() -> None:
+    p = plan([{"replicas": 1, "micro_batch": 1, "stages": [{"accelerator": "rtx-4090", "tp": 8, "layers": 80}]}],
+             global_batch=8)
+    est = estimate(p, CAT)
+    assert not est.fits and est.margin_gb < 0
+    assert any("does not fit" in w for w in est.warnings)
+
+
+def test_heterogeneous_groups_and_pipeline() -> None:
+    a100 = {"replicas": 1, "stages": [{"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 40, "repeat": 2}]}
+    mixed = {"replicas": 1, "stages": [{"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 60},
+                                       {"accelerator": "rtx-4090", "tp": 8, "layers": 20}]}
+    p = plan([a100, mixed], global_batch=64, recompute="full", zero_stage=1)
+    est = estimate(p, CAT)
+    g0, g1 = est.groups
+    assert g0.sequences_per_step + g1.sequences_per_step == 64
+    assert est.step_time_s == pytest.approx(max(g0.step_time_s, g1.step_time_s) + est.breakdown["cross_group_sync"])
+    assert est.breakdown["cross_group_sync"] > 0
+    # the split by speed keeps the two groups' times within one micro-batch of each other
+    assert abs(g0.step_time_s - g1.step_time_s) / est.step_time_s < 0.35
+    assert [s.accelerator for s in g1.stages] == ["a100-80gb-sxm", "rtx-4090"]
+    # fixed shares: giving the mixed group more work makes the step slower
+    p2 = p.model_copy(update={"groups": [p.groups[0].model_copy(update={"batch_share": 0.25}),
+                                         p.groups[1].model_copy(update={"batch_share": 0.75})]})
+    assert estimate(p2, CAT).step_time_s > est.step_time_s
+
+
+def test_cost_and_power() -> None:
+    stages = [{"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 80}]
+    p = parse(Plan, {"model": "llama-2-70b", "train": {"seq_len": 4096, "global_batch": 8, "recompute": "full",
+                                                        "zero_stage": 3, "tokens": 1e9},
+                     "groups": [{"replicas": 4, "stages": stages}],
+                     "pricing": {"currency": "USD", "price_per_hour": {"a100-80gb-sxm": 2.0}}}, "t.yaml")
+    est = estimate(p, CAT)
+    assert est.cost_per_hour == pytest.approx(32 * 2.0)
+    assert est.cost_per_million_tokens == pytest.approx(64.0 / (est.tokens_per_s * 3600) * 1e6)
+    assert est.power_kw == pytest.approx(32 * 0.4)
+    assert est.job_hours == pytest.approx(1e9 / est.tokens_per_s / 3600)
+    assert est.bottleneck in ("compute", "memory", "tp_comm", "dp_comm", "pp_comm", "pipeline_bubble")
+    assert math.isclose(sum(v for v in est.breakdown.values()), est.step_time_s, rel_tol=1e-9)
+
+
+def test_lora_needs_far_less_memory_than_full() -> None:
+    stages = [{"accelerator": "a100-80gb-sxm", "tp": 1, "layers": 32}]
+    full = parse(Plan, {"model": "llama-2-7b", "train": {"seq_len": 2048, "global_batch": 8, "recompute": "full"},
+                        "groups": [{"replicas": 1, "micro_batch": 1, "stages": stages}]}, "t.yaml")
+    lora = full.model_copy(update={"train": full.train.model_copy(update={"mode": "lora"})})
+    qlora = full.model_copy(update={"train": full.train.model_copy(update={"mode": "qlora"})})
+    e_full, e_lora, e_q = (estimate(x, CAT) for x in (full, lora, qlora))
+    spec = load_model("llama-2-7b")
+    assert e_full.groups[0].stages[0].optimizer_gb == pytest.approx(12 * spec.num_params / 1e9)
+    assert e_lora.memory_gb < e_full.memory_gb / 3
+    assert e_q.groups[0].stages[0].weights_gb < e_lora.groups[0].stages[0].weights_gb / 3
+    assert e_lora.step_time_s < e_full.step_time_s  # no weight gradients of the frozen base
+
+
+def test_offload_moves_optimizer_to_host() -> None:
+    stages = [{"accelerator": "rtx-4090", "tp": 1, "layers": 32}]
+    base = {"model": "llama-2-7b", "groups": [{"replicas": 8, "micro_batch": 1, "stages": stages}]}
+    on = parse(Plan, base | {"train": {"seq_len": 2048, "global_batch": 16, "zero_stage": 2, "recompute": "full"}},
+               "t.yaml")
+    off = on.model_copy(update={"train": on.train.model_copy(update={"offload": "optimizer"})})
+    e_on, e_off = estimate(on, CAT), estimate(off, CAT)
+    assert e_off.groups[0].stages[0].optimizer_gb == 0.0
+    assert e_on.groups[0].stages[0].optimizer_gb > 1.0
+    assert e_off.memory_gb < e_on.memory_gb
+
+
+@pytest.mark.parametrize(
+    ("groups", "train", "message"),
+    [
+        ([{"stages": [{"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 70}]}], {},
+         "groups[0].stages: layers sum to 70 but model 'llama-2-70b' has 80; make the stages' layers"),
+        ([{"stages": [{"accelerator": "a100-80gb-sxm", "tp": 3, "layers": 80}]}], {},
+         "groups[0].stages[0].tp: 3 does not divide the model's 64 attention heads and 8 KV heads; use one of 1, 2, 4, 8"),
+        ([{"replicas": 3, "stages": [{"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 80}]}], {"global_batch": 64},
+         "train.global_batch: 64 sequences cannot be divided into micro-batches over groups[0] (replicas=3); "
+         "use a global_batch that is a multiple of 3"),
+        ([{"replicas": 2, "micro_batch": 3, "stages": [{"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 80}]}],
+         {"global_batch": 64},
+         "train.global_batch: 64 sequences cannot be divided into micro-batches over groups[0] "
+         "(replicas=2 x micro_batch=3); use a global_batch that is a multiple of 6"),
+        ([{"stages": [{"accelerator": "a100-80gb-sxn", "tp": 8, "layers": 80}]}], {},
+         "groups[0].stages[0].accelerator: unknown accelerator 'a100-80gb-sxn'"),
+    ],
+)
+def test_plan_errors_name_the_field(groups: list, train: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        estimate(plan(groups, **train), CAT)
+    assert message in str(exc.value)
+
+
+def test_device_table_prices_and_efficiency() -> None:
+    dev = DeviceTable.from_catalog(CAT, ["a100-80gb-sxm", "h100-80gb-sxm"], "bf16",
+                                   price_per_hour={"a100-80gb-sxm": 1.5})
+    assert dev.price_per_hour[0] == 1.5
+    assert dev.peak_tflops[1] == CAT.accelerator("h100-80gb-sxm").bf16_tflops
+    assert 0.5 < dev.gemm_efficiency[0] < 1.0 and dev.gemm_efficiency[1] < dev.gemm_efficiency[0]
+    assert np.all(dev.devices_per_node == 8)
