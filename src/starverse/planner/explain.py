@@ -44,13 +44,11 @@ def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanE
     """Build the error for a job that has no plan on ``pool``: what is missing, per offer and in total,
     and what would make it feasible, each option with its own estimate."""
     from starverse.catalog import convert
-    from starverse.planner.search import search_mode
+    from starverse.planner.search import new_stats, search_mode
 
     def plan(j: Job, p: Pool, mode: str | None = None) -> list[RankedPlan]:
         j = j.model_copy(update={"search": j.search.model_copy(update={"alternatives": False})})
-        stats: dict[str, Any] = {"options": 0, "rows": 0, "combinations": 0, "exact": 0, "screened": False,
-                                 "proven": True, "gap": 0.0, "frontier_points": []}
-        return search_mode(j, p, catalog, spec, mode or j.train.mode, 1, stats)
+        return search_mode(j, p, catalog, spec, mode or j.train.mode, 1, new_stats())
 
     mode = job.train.mode
     reasons: list[str] = []

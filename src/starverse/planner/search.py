@@ -242,7 +242,7 @@ def _evaluate(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatAr
                   hours, total, value)
 
 
-def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, power: FloatArray
+def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: FloatArray, power: FloatArray
                   ) -> tuple[IntArray, IntArray, FloatArray]:
     """All combinations (setting, members padded with -1) that pass the budget/power caps, with bounds."""
     max_g = ctx.job.search.max_groups
@@ -282,7 +282,12 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, power: Float
                 if grid.shape[0] == 0:
                     continue
                 f = _spot_factor(ctx, lam_opt[grid].sum(axis=1), nodes_opt[grid].sum(axis=1))
-                tps_ub = rate[grid].sum(axis=1) * ctx.seq_len / f
+                # step ≥ max(B / Σρ, slowest group's shortest step) + the cross-group sync (exact bound)
+                with np.errstate(divide="ignore"):
+                    t_lb = np.maximum(ctx.batch / rate[grid].sum(axis=1), t_min[grid].max(axis=1))
+                sync = np.array([_sync_s(ctx, g, int(p)) for p in range(int(opts.pp.max()) + 1)])
+                t_lb = t_lb + sync[opts.pp[grid].max(axis=1)]
+                tps_ub = ctx.batch * ctx.seq_len / t_lb / f
                 with np.errstate(divide="ignore"):
                     hours_lb = tokens / tps_ub / 3600.0
                 total_lb = np.zeros_like(hours_lb)
@@ -309,7 +314,8 @@ def _branch_and_bound(ctx: _Ctx, opts: space.Options, tables: FloatArray, power:
                       stats: dict[str, Any]) -> list[_Combo]:
     """Exact evaluation of combinations in decreasing bound order until the bound closes."""
     rate = combine.rate_bound(tables)
-    members, sets, bound = _combinations(ctx, opts, rate, power)
+    t_min = tables.min(axis=1)
+    members, sets, bound = _combinations(ctx, opts, rate, t_min, power)
     stats["combinations"] += len(bound)
     order = np.argsort(-bound, kind="stable")
     # best plan per rented device set: the top list shows different device mixes, not the same mix with a
@@ -463,6 +469,23 @@ def _frontier(points: Sequence[tuple[float, float, str]]) -> tuple[FrontierPoint
     return tuple(out)
 
 
+def best_combinations(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int = 1
+                      ) -> tuple[list[_Combo], space.Options, dict[str, Any]]:
+    """The search core without the final scalar re-estimate: best combinations, the options they index,
+    and the statistics (used by :func:`search_mode` and by the exactness test against brute force)."""
+    stats: dict[str, Any] = new_stats()
+    ctx = _context(job, pool, catalog, spec, mode)
+    opts, tables, power = _options(ctx, stats)
+    combos = _branch_and_bound(ctx, opts, tables, power, max(top, 1), stats) if len(opts) else []
+    return combos, opts, stats
+
+
+def new_stats() -> dict[str, Any]:
+    """Fresh counters for one search."""
+    return {"options": 0, "rows": 0, "combinations": 0, "exact": 0, "screened": False, "proven": True,
+            "gap": 0.0, "frontier_points": []}
+
+
 def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int,
                 stats: dict[str, Any]) -> list[RankedPlan]:
     """Search one training mode; ranked plans (possibly empty)."""
@@ -495,9 +518,7 @@ def search(job: Job, pool: Pool, catalog: Any = None, top: int = 5) -> PlanResul
     t0 = time.perf_counter()
     catalog = catalog if catalog is not None else load_catalog()
     spec = load_model(job.model)
-    stats: dict[str, Any] = {"options": 0, "rows": 0, "combinations": 0, "exact": 0, "screened": False,
-                             "proven": True, "gap": 0.0,
-                             "frontier_points": []}
+    stats = new_stats()
     ranked = search_mode(job, pool, catalog, spec, job.train.mode, top, stats)
     notes: list[str] = []
     if not ranked and job.train.mode == "full" and job.search.alternatives:
