@@ -406,3 +406,15 @@ def test_catalog_is_immutable(cat: Catalog) -> None:
         cat.accelerators["x"] = cat.accelerator("cpu")  # type: ignore[index]
     with pytest.raises(AttributeError):
         cat.accelerator("cpu").tdp_w = 1  # type: ignore[misc]
+
+
+def test_catalog_pickles_and_copies(cat: Catalog) -> None:
+    """Runtime processes receive the catalog by pickling; deep copies and asdict must work too."""
+    import copy
+    import dataclasses
+    import pickle
+
+    again = pickle.loads(pickle.dumps(cat))
+    assert again == cat and hash(again) == hash(cat)
+    assert copy.deepcopy(cat).accelerator("tpu-v5e").bf16_tflops == 197
+    assert dataclasses.asdict(cat.accelerator("cpu"))["sources"]["fp32_tflops"].startswith("conservative")

@@ -199,3 +199,13 @@ def test_missing_config_file(tmp_path: Path) -> None:
 def test_architectures_key_when_model_type_missing(tmp_path: Path) -> None:
     raw = {"architectures": ["RWForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
     assert load_model(_config(tmp_path, raw)).family == "falcon"
+
+
+def test_spec_pickles() -> None:
+    import pickle
+
+    spec = load_model("mixtral-8x7b")
+    again = pickle.loads(pickle.dumps(spec))
+    assert again == spec and dict(again.hf_config) == dict(spec.hf_config)
+    with pytest.raises(TypeError, match="read-only"):
+        spec.hf_config["hidden_size"] = 1  # type: ignore[index]

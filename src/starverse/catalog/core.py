@@ -10,7 +10,6 @@ import dataclasses
 import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from starverse.errors import CatalogError
@@ -18,9 +17,9 @@ from starverse.errors import CatalogError
 STACKS = ("cuda", "rocm", "xla", "npu", "mlu", "cpu")
 """Software stacks; each implies a collective backend (see :data:`BACKENDS`)."""
 
-BACKENDS: Mapping[str, str] = MappingProxyType(
-    {"cuda": "nccl", "rocm": "rccl", "xla": "xla", "npu": "hccl", "mlu": "cncl", "cpu": "gloo"}
-)
+BACKENDS: Mapping[str, str] = {
+    "cuda": "nccl", "rocm": "rccl", "xla": "xla", "npu": "hccl", "mlu": "cncl", "cpu": "gloo",
+}
 """The torch.distributed (or XLA) collective backend of each stack."""
 
 LINKS = ("nvlink", "pcie", "ici", "hccs", "infinity-fabric", "mlu-link", "none")
@@ -48,8 +47,25 @@ ADD_ACCELERATOR_HINT = (
 )
 
 
+class FrozenDict(dict[str, Any]):
+    """A read-only dict: unlike ``MappingProxyType`` it pickles, deep-copies and hashes (runtime processes
+    receive catalogs and specs by pickling)."""
+
+    def _readonly(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{type(self).__name__} is read-only; copy it (dict(x)) to change it")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
+    __ior__ = _readonly  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self),))
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+
 def _frozen_map(m: Mapping[str, Any]) -> Mapping[str, Any]:
-    return MappingProxyType(dict(m))
+    return m if isinstance(m, FrozenDict) else FrozenDict(m)
 
 
 @dataclass(frozen=True)

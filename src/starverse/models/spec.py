@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
+
+from starverse.catalog.core import FrozenDict
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "gpt_neox", "opt", "bloom", "mpt", "falcon")
 """Model families (HF ``model_type``) that :func:`starverse.models.load_model` understands."""
@@ -73,7 +74,7 @@ class ModelSpec:
     """Attention and MLP read the same input (GPT-J/NeoX/Falcon style) rather than one after the other."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "hf_config", MappingProxyType(dict(self.hf_config)))
+        object.__setattr__(self, "hf_config", FrozenDict(self.hf_config))
 
     # ---- parameter counts -------------------------------------------------------------------------
     @property
