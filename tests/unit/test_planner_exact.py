@@ -85,7 +85,7 @@ def brute_force(job, pool, catalog, spec) -> float:
                 for members in itertools.product(*lists):
                     offers = [pool.offers[int(opt[i, 0])] for i in members]
                     n = [int(opt[i, 1] * opt[i, 2] * opt[i, 3]) for i in members]
-                    price = sum(k * of.price_per_hour for k, of in zip(n, offers))
+                    price = sum(k * of.price_per_hour for k, of in zip(n, offers, strict=True))
                     pw = sum(power[i] for i in members)
                     if c.max_budget_per_hour and price > c.max_budget_per_hour * (1 + 1e-9):
                         continue
@@ -94,19 +94,19 @@ def brute_force(job, pool, catalog, spec) -> float:
                     t_best = math.inf
                     for shares in itertools.product(*(sorted(times[i]) for i in members)):
                         if sum(shares) == b:
-                            t_best = min(t_best, max(times[i][s] for i, s in zip(members, shares)))
+                            t_best = min(t_best, max(times[i][s] for i, s in zip(members, shares, strict=True)))
                     if not math.isfinite(t_best):
                         continue
-                    step = t_best + _sync_s(ctx, g, max(int(opt[i, 2]) for i in members))
-                    lam = sum(k * of.interruptions_per_hour for k, of in zip(n, offers))
-                    nodes = sum(math.ceil(k / of.devices_per_node) for k, of in zip(n, offers))
+                    step = t_best + _sync_s(ctx, g, min(int(opt[i, 2]) for i in members))
+                    lam = sum(k * of.interruptions_per_hour for k, of in zip(n, offers, strict=True))
+                    nodes = sum(math.ceil(k / of.devices_per_node) for k, of in zip(n, offers, strict=True))
                     f = float(_spot_factor(ctx, np.asarray(lam, float), np.asarray(nodes, float)))
                     if not math.isfinite(f):
                         continue
                     eff = b * job.train.seq_len / step / f
                     hours = tokens / eff / 3600
                     total = sum(k * of.price_per_hour * float(billed_hours(np.asarray(hours), of.billing_granularity_s))
-                                for k, of in zip(n, offers))
+                                for k, of in zip(n, offers, strict=True))
                     if c.deadline_hours and hours > c.deadline_hours:
                         continue
                     if c.max_total_cost and total > c.max_total_cost:
@@ -125,7 +125,7 @@ def random_case(seed: int):
     for _ in range(total - len(kinds)):
         counts[rng.randrange(len(kinds))] += 1
     offers = []
-    for kind, n in zip(kinds, counts):
+    for kind, n in zip(kinds, counts, strict=True):
         off = {"accelerator": kind, "count": n, "price_per_hour": round(rng.uniform(0.2, 3.0), 2),
                "billing_granularity_s": rng.choice([1, 3600])}
         if rng.random() < 0.3:
@@ -191,7 +191,7 @@ def test_best_split_matches_enumeration():
         want = math.inf
         for sh in itertools.product(range(1, b + 1), repeat=g):
             if sum(sh) == b:
-                want = min(want, max(t[s] for t, s in zip(tables, sh)))
+                want = min(want, max(t[s] for t, s in zip(tables, sh, strict=True)))
         assert got == want
         if math.isfinite(want):
-            assert sum(shares) == b and max(t[s] for t, s in zip(tables, shares)) == want
+            assert sum(shares) == b and max(t[s] for t, s in zip(tables, shares, strict=True)) == want

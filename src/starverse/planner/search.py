@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross_group_sync_s
+from starverse.costmodel.constants import BYTES_PER_VALUE, NETWORK_EFFICIENCY
 from starverse.errors import InfeasiblePlanError
 from starverse.plan import Group, Network, Plan, Pricing, Stage, TrainSpec
 from starverse.planner import combine, space
@@ -101,14 +102,13 @@ class _Combo:
 
 
 def trainable_params(spec: Any, mode: str, lora_rank: int) -> float:
-    """Parameters with gradients and optimizer state: all of them, or the LoRA adapters on every linear
-    layer of every transformer block (rank × (in + out) per matrix)."""
+    """Parameters with gradients and optimizer state, as the cost model counts them: all of them, or the
+    LoRA adapters of every transformer layer."""
+    from starverse.costmodel.group import adapter_params_per_layer
+
     if mode == "full":
         return float(spec.num_params)
-    h, kvh, hd, f = spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size
-    attn = (h + spec.num_heads * hd) + (h + kvh * hd) * 2 + (spec.num_heads * hd + h)
-    mlp = (h + f) * (3 if spec.gated_mlp else 2) * max(spec.num_experts, 1)
-    return float(lora_rank * (attn + mlp) * spec.num_layers)
+    return float(spec.num_layers) * float(adapter_params_per_layer(ModelShape.from_spec(spec), lora_rank))
 
 
 def _context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> _Ctx:
@@ -131,7 +131,7 @@ def _context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> _Ctx:
     # A checkpoint holds the trained weights (bf16) and their fp32 master copy + Adam moments; a frozen
     # base is reloaded from its original files, not re-written.
     state_bytes = trainable * (2 + 12)
-    grad_bytes = trainable * 2
+    grad_bytes = trainable * BYTES_PER_VALUE[t.precision]
     sets = space.settings(t.zero_stage, t.recompute, t.offload, pipeline=False)
     return _Ctx(job, pool, catalog, spec, mode, ModelShape.from_spec(spec), train, devices, sets, budget,
                 max_cost, t.total_tokens, state_bytes, grad_bytes)
@@ -142,11 +142,14 @@ def _spot_factor(ctx: _Ctx, lam: FloatArray, nodes: FloatArray) -> FloatArray:
     return spot_factor(lam, ckpt, ctx.job.search.restart_s)
 
 
-def _sync_s(ctx: _Ctx, num_groups: int, max_pp: int) -> float:
-    """Cross-group gradient all-reduce; stages of a pipeline sync their own layers in parallel."""
+def _sync_s(ctx: _Ctx, num_groups: int, min_pp: int) -> float:
+    """Cross-group gradient all-reduce, as the scalar cost model charges it: each pipeline stage syncs its
+    slice in parallel (the shallowest pipeline sets the slice), over the cross-offer link at the cost
+    model's network efficiency."""
     if num_groups <= 1:
         return 0.0
-    return float(cross_group_sync_s(ctx.grad_bytes / max(max_pp, 1), num_groups, ctx.pool.cross_offer_gbps))
+    return float(cross_group_sync_s(ctx.grad_bytes / max(min_pp, 1), num_groups,
+                                    ctx.pool.cross_offer_gbps * NETWORK_EFFICIENCY))
 
 
 def _screen(ctx: _Ctx, opts: space.Options, rate: FloatArray) -> IntArray:
@@ -213,7 +216,7 @@ def _evaluate(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatAr
         return None
     offers = [ctx.pool.offers[int(opts.offer[i])] for i in members]
     n = [int(opts.num_devices[i]) for i in members]
-    step = t_star + _sync_s(ctx, len(members), max(int(opts.pp[i]) for i in members))
+    step = t_star + _sync_s(ctx, len(members), min(int(opts.pp[i]) for i in members))
     lam = sum(k * o.interruptions_per_hour for k, o in zip(n, offers, strict=True))
     nodes = sum(math.ceil(k / o.devices_per_node) for k, o in zip(n, offers, strict=True))
     factor = float(_spot_factor(ctx, np.asarray(lam, dtype=float), np.asarray(nodes, dtype=float)))
@@ -256,6 +259,8 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
     out_members: list[IntArray] = []
     out_setting: list[IntArray] = []
     out_bound: list[FloatArray] = []
+    sync_by_pp = {g: np.array([_sync_s(ctx, g, p) for p in range(int(opts.pp.max()) + 1)])
+                  for g in range(1, max_g + 1)}
     for si in np.unique(opts.setting):
         in_set = np.flatnonzero(opts.setting == si)
         per_offer = {int(o): in_set[opts.offer[in_set] == o] for o in np.unique(opts.offer[in_set])}
@@ -285,8 +290,8 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
                 # step ≥ max(B / Σρ, slowest group's shortest step) + the cross-group sync (exact bound)
                 with np.errstate(divide="ignore"):
                     t_lb = np.maximum(ctx.batch / rate[grid].sum(axis=1), t_min[grid].max(axis=1))
-                sync = np.array([_sync_s(ctx, g, int(p)) for p in range(int(opts.pp.max()) + 1)])
-                t_lb = t_lb + sync[opts.pp[grid].max(axis=1)]
+                sync = sync_by_pp[g]
+                t_lb = t_lb + sync[opts.pp[grid].min(axis=1)]
                 tps_ub = ctx.batch * ctx.seq_len / t_lb / f
                 with np.errstate(divide="ignore"):
                     hours_lb = tokens / tps_ub / 3600.0

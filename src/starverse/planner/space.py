@@ -140,14 +140,16 @@ class Options:
 
 
 def enumerate_options(spec: Any, global_batch: int, offers: Sequence[Any], setting_list: Sequence[Setting],
-                      fixed_micro_batch: int | None = None, max_devices: Sequence[int] | None = None) -> Options:
+                      fixed_micro_batch: int | None = None, max_devices: Sequence[int] | None = None,
+                      dense_replicas_up_to: int = 32) -> Options:
     """Every (offer, tp, pp, replicas, micro-batch, setting) the space holds, before any evaluation.
 
-    ``max_devices[i]`` caps offer ``i`` (its count, or less when the budget or power cap allows fewer).
+    ``max_devices[i]`` caps offer ``i`` (its count, or less when the budget allows fewer). Replica counts
+    follow :func:`replica_counts` per row (vectorised: one mask over a shared grid).
     """
-    cols: list[list[int]] = [[], [], [], [], [], []]
+    base: list[tuple[int, int, int, int, int, int]] = []
     mbs = [fixed_micro_batch] if fixed_micro_batch else [m for m in MICRO_BATCHES if m <= global_batch]
-    pipe_settings = [i for i, s in enumerate(setting_list) if s.zero_stage <= 1]
+    pipe_settings = [i for i, st in enumerate(setting_list) if st.zero_stage <= 1]
     all_settings = list(range(len(setting_list)))
     for oi, off in enumerate(offers):
         cap = off.count if max_devices is None else min(off.count, max_devices[oi])
@@ -155,22 +157,25 @@ def enumerate_options(spec: Any, global_batch: int, offers: Sequence[Any], setti
             continue
         for tp in tp_degrees(spec, off.devices_per_node, cap):
             for pp in pp_depths(int(spec.num_layers), cap // tp):
-                max_r = cap // (tp * pp)
                 sets = all_settings if pp == 1 else pipe_settings
                 for mb in mbs:
-                    rmax = min(max_r, global_batch // mb)
-                    if rmax < 1:
-                        continue
-                    for r in replica_counts(rmax):
-                        for si in sets:
-                            cols[0].append(oi)
-                            cols[1].append(tp)
-                            cols[2].append(pp)
-                            cols[3].append(r)
-                            cols[4].append(mb)
-                            cols[5].append(si)
-    arrs = [np.asarray(c, dtype=np.int64) for c in cols]
-    return Options(*arrs)
+                    rmax = min(cap // (tp * pp), global_batch // mb)
+                    if rmax >= 1:
+                        base.extend((oi, tp, pp, mb, si, rmax) for si in sets)
+    if not base:
+        z = np.zeros(0, dtype=np.int64)
+        return Options(z, z, z, z, z, z)
+    b = np.asarray(base, dtype=np.int64)
+    grid = np.asarray(replica_counts(int(b[:, 5].max()), dense_replicas_up_to), dtype=np.int64)
+    # the grid's points below each row's maximum, plus that maximum itself
+    mask = grid[None, :] < b[:, 5:6]
+    rows, cols = np.nonzero(mask)
+    reps = grid[cols]
+    rows = np.concatenate([rows, np.arange(b.shape[0])])
+    reps = np.concatenate([reps, b[:, 5]])
+    order = np.lexsort((reps, rows))
+    rows, reps = rows[order], reps[order]
+    return Options(b[rows, 0], b[rows, 1], b[rows, 2], reps, b[rows, 3], b[rows, 4])
 
 
 def candidates_for(opts: Options, setting_list: Sequence[Setting], num_micro_batches: IntArray) -> Candidates:
