@@ -43,8 +43,8 @@ def test_model_flops_per_token_match_megatron_formula_with_causal_attention() ->
     # with causal masking the attention term halves to 6 l h (s+1)
     spec = gpt()
     mn = model_numbers(ModelShape.from_spec(spec), TrainShape(seq_len=2048))
-    l, h, s, v = 32, 4096, 2048, 51200
-    expected = 72 * l * h * h + 6 * l * h * (s + 1) + 6 * h * v
+    nl, h, s, v = 32, 4096, 2048, 51200
+    expected = 72 * nl * h * h + 6 * nl * h * (s + 1) + 6 * h * v
     # biases add 2*(4h + h + 4h + h)... per layer: count them from the model's own parameters
     bias_flops = 0  # matmul FLOPs exclude bias adds
     assert mn.model_flops_per_token() == pytest.approx(expected + bias_flops, rel=1e-12)
@@ -158,7 +158,7 @@ def test_activation_memory_is_korthikanti() -> None:
 
 
 def test_pipeline_bubble_is_p_minus_1_over_m() -> None:
-    p_, spec, dev, cand = _uniform("a100-80gb-sxm", 8, 4, 1, 1, 16, recompute="full")
+    p_, spec, _dev, _cand = _uniform("a100-80gb-sxm", 8, 4, 1, 1, 16, recompute="full")
     est = estimate(p_.model_copy(update={"groups": [p_.groups[0].model_copy(update={"stages": [
         p_.groups[0].stages[0].model_copy(update={"layers": 20, "repeat": 4})]})]}), CAT, spec)
     # uniform stages except the LM head on the last: bubble ~ (p-1)/m of the steady state

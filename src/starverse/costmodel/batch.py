@@ -297,7 +297,11 @@ class Candidates:
             np.asarray(sequence_parallel, dtype=np.bool_),
         )
         arrs = [np.atleast_1d(np.ascontiguousarray(a)) for a in ints]
-        return cls(*arrs[:9], sequence_parallel=arrs[9])  # type: ignore[arg-type]
+        return cls(
+            accelerator=arrs[0], tp=arrs[1], pp=arrs[2], replicas=arrs[3], micro_batch=arrs[4],
+            num_micro_batches=arrs[5], zero_stage=arrs[6], recompute=arrs[7], offload=arrs[8],
+            sequence_parallel=arrs[9],
+        )
 
     def __len__(self) -> int:
         return int(self.tp.shape[0])

@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.costmodel import constants as C
-from starverse.costmodel.stage import ModelNumbers, StageRows, pipeline_step, stage_costs
+from starverse.costmodel.stage import ModelNumbers, StageRows, layer_costs, pipeline_step, stage_totals
 
 if TYPE_CHECKING:  # pragma: no cover
     from starverse.costmodel.batch import BatchEstimate, Candidates, DeviceTable, ModelShape, TrainShape
@@ -60,45 +60,56 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
 
 def combine(
     mn: ModelNumbers,
-    costs: dict[str, FloatArray],
-    present: FloatArray,
-    count: FloatArray,
+    costs: list[dict[str, FloatArray]],
+    count: list[FloatArray],
     pp: FloatArray,
     m: FloatArray,
-) -> dict[str, FloatArray]:
-    """Combine per-stage costs of shape (S, N) into per-group results of shape (N,).
+) -> dict[str, np.ndarray]:
+    """Combine per-stage costs (one dict of (N,) arrays per stage row) into per-group results (N,).
 
-    ``count[i, j]`` says how many real stages row i stands for in group j (0 = absent); the scalar path
+    ``count[i][j]`` says how many real stages row i stands for in group j (0 = absent); the scalar path
     passes one row per stage with count 1, the batch path a few representative rows.
     """
-    mask = present > 0
-    neg = np.where(mask, costs["stage_mb"], -np.inf)
-    slowest = np.argmax(neg, axis=0)[None, :]
+    present = [c > 0 for c in count]
+    # the slowest present stage sets the pace; ties keep the first row (same rule on both paths)
+    t_max = np.where(present[0], costs[0]["stage_mb"], -np.inf)
+    slow = np.zeros(t_max.shape, dtype=np.int64)
+    t_sum = np.where(present[0], count[0] * costs[0]["stage_mb"], 0.0)
+    for i in range(1, len(costs)):
+        cand = np.where(present[i], costs[i]["stage_mb"], -np.inf)
+        better = cand > t_max
+        t_max = np.where(better, cand, t_max)
+        slow = np.where(better, i, slow)
+        t_sum = t_sum + np.where(present[i], count[i] * costs[i]["stage_mb"], 0.0)
 
-    def at_slowest(key: str) -> FloatArray:
-        return np.asarray(np.take_along_axis(costs[key], slowest, axis=0)[0], dtype=np.float64)
+    def pick(idx: np.ndarray, key: str) -> FloatArray:
+        out = costs[0][key]
+        for i in range(1, len(costs)):
+            out = np.where(idx == i, costs[i][key], out)
+        return np.asarray(out, dtype=np.float64)
 
     def worst(key: str) -> FloatArray:
-        return np.asarray(np.max(np.where(mask, costs[key], -np.inf), axis=0), dtype=np.float64)
+        out = np.where(present[0], costs[0][key], -np.inf)
+        for i in range(1, len(costs)):
+            out = np.maximum(out, np.where(present[i], costs[i][key], -np.inf))
+        return np.asarray(out, dtype=np.float64)
 
-    t_max = at_slowest("stage_mb")
-    t_sum = np.sum(count * np.where(mask, costs["stage_mb"], 0.0), axis=0)
-    p2p = worst("p2p")
-    steady, bubble, pp_comm = pipeline_step(t_max, t_sum, p2p, pp, m, mn.virtual_stages, mn.schedule)
-    compute = m * at_slowest("gemm_mb")
-    memory = m * at_slowest("elem_mb") + worst("optimizer_s")
-    tp_comm = m * at_slowest("tp_mb")
-    dp_comm = m * at_slowest("z3_exposed_mb") + worst("dp_exposed_s")
+    _, bubble, pp_comm = pipeline_step(t_max, t_sum, worst("p2p"), pp, m, mn.virtual_stages, mn.schedule)
+    compute = m * pick(slow, "gemm_mb")
+    memory = m * pick(slow, "elem_mb") + worst("optimizer_s")
+    tp_comm = m * pick(slow, "tp_mb")
+    dp_comm = m * pick(slow, "z3_exposed_mb") + worst("dp_exposed_s")
     step = compute + memory + tp_comm + dp_comm + pp_comm + bubble
-    # the memory of the worst stage (the one with the largest total)
-    worst_mem = np.argmax(np.where(mask, costs["memory_gb"], -np.inf), axis=0)[None, :]
 
-    def at_worst_mem(key: str) -> FloatArray:
-        return np.asarray(np.take_along_axis(costs[key], worst_mem, axis=0)[0], dtype=np.float64)
-
-    fits = np.all(~mask | (costs["memory_gb"] <= costs["capacity_gb"]), axis=0)
+    # memory: the stage with the least headroom
+    head = np.where(present[0], costs[0]["memory_gb"] - costs[0]["capacity_gb"], -np.inf)
+    tight = np.zeros(head.shape, dtype=np.int64)
+    for i in range(1, len(costs)):
+        cand = np.where(present[i], costs[i]["memory_gb"] - costs[i]["capacity_gb"], -np.inf)
+        better = cand > head
+        head = np.where(better, cand, head)
+        tight = np.where(better, i, tight)
     parts = np.stack([compute, memory, tp_comm, dp_comm, pp_comm, bubble])
-    del steady
     return {
         "step_time_s": step,
         "compute_s": compute,
@@ -107,13 +118,13 @@ def combine(
         "dp_comm_s": dp_comm,
         "pp_comm_s": pp_comm,
         "bubble_s": bubble,
-        "weights_gb": at_worst_mem("weights_gb"),
-        "grads_gb": at_worst_mem("grads_gb"),
-        "optimizer_gb": at_worst_mem("optimizer_gb"),
-        "activations_gb": at_worst_mem("activations_gb"),
-        "memory_gb": at_worst_mem("memory_gb"),
-        "capacity_gb": at_worst_mem("capacity_gb"),
-        "fits": fits,
+        "weights_gb": pick(tight, "weights_gb"),
+        "grads_gb": pick(tight, "grads_gb"),
+        "optimizer_gb": pick(tight, "optimizer_gb"),
+        "activations_gb": pick(tight, "activations_gb"),
+        "memory_gb": pick(tight, "memory_gb"),
+        "capacity_gb": pick(tight, "capacity_gb"),
+        "fits": head <= 0.0,
         "bottleneck": np.argmax(parts, axis=0).astype(np.int64),
     }
 
@@ -153,35 +164,34 @@ def _rows_for(
 
 
 def evaluate_uniform(model: ModelShape, train: TrainShape, devices: DeviceTable, cand: Candidates) -> BatchEstimate:
-    """The batch estimator: 4 representative stage rows per candidate (first, heavier middle, lighter
-    middle, last) weighted by how many stages each stands for."""
-
+    """The batch estimator: layer costs once per candidate, then 4 representative stage rows (first,
+    heavier middle, lighter middle, last) weighted by how many stages each stands for."""
     mn = model_numbers(model, train)
     f = np.float64
+    n = len(cand)
     L = float(model.num_layers)
     pp = cand.pp.astype(f)
     base = np.floor(L / pp)
     rem = L - base * pp  # the first `rem` stages take one layer more
     single = pp <= 1
-    ones = np.ones(len(cand), dtype=f)
-    zeros = np.zeros(len(cand), dtype=f)
-    # rows: first stage, middle stages with base+1 layers, middle stages with base layers, last stage
+    no = np.zeros(n, dtype=np.bool_)
     n_heavy_mid = np.clip(rem - 1.0, 0.0, np.maximum(pp - 2.0, 0.0))
     n_light_mid = np.maximum(pp - 2.0 - n_heavy_mid, 0.0)
+    first_layers = np.where(rem > 0, base + 1.0, base)
+    rows = _rows_for(devices, cand, first_layers, True, single, np.zeros(n))
+    lc = layer_costs(mn, rows)
     specs = [
-        (np.where(rem > 0, base + 1.0, base), True, single, zeros, ones),
-        (base + 1.0, False, np.zeros(len(cand), bool), ones, n_heavy_mid),
-        (base, False, np.zeros(len(cand), bool), np.maximum(rem, 1.0), n_light_mid),
-        (base, False, np.ones(len(cand), bool), pp - 1.0, np.where(single, 0.0, 1.0)),
+        (first_layers, np.ones(n, dtype=np.bool_), single, np.zeros(n), np.ones(n)),
+        (base + 1.0, no, no, np.ones(n), n_heavy_mid),
+        (base, no, no, np.maximum(rem, 1.0), n_light_mid),
+        (base, no, ~no, pp - 1.0, np.where(single, 0.0, 1.0)),
     ]
-    per_row = [stage_costs(mn, _rows_for(devices, cand, lay, fi, la, idx)) for lay, fi, la, idx, _ in specs]
-    costs = {key: np.stack([r[key] for r in per_row]) for key in per_row[0]}
-    count = np.stack([c for *_, c in specs])
-    out = combine(mn, costs, count, count, pp, cand.num_micro_batches.astype(f))
+    costs = [stage_totals(mn, rows, lc, lay, fi, la, idx) for lay, fi, la, idx, _ in specs]
+    out = combine(mn, costs, [c for *_, c in specs], pp, cand.num_micro_batches.astype(f))
     return finish(mn, out, devices, cand, train.seq_len)
 
 
-def finish(mn: ModelNumbers, out: dict[str, FloatArray], devices: DeviceTable, cand: Candidates,
+def finish(mn: ModelNumbers, out: dict[str, np.ndarray], devices: DeviceTable, cand: Candidates,
            seq_len: int) -> BatchEstimate:
     """Throughput, utilisation, power and cost of uniform groups."""
     from starverse.costmodel.batch import BatchEstimate

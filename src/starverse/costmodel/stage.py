@@ -136,14 +136,13 @@ class ModelNumbers:
         return 2.0 * per_token
 
 
-def stage_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
-    """Per-row costs: times per micro-batch and per step, memory per device (bytes -> GB)."""
+def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
+    """Costs that do not depend on where a stage sits or how many layers it holds: per layer, per
+    micro-batch, per device (the batch path computes these once per candidate)."""
     bv = mn.bytes_per_value
     t = rows.tp
-    b = rows.micro_batch
+    tokens = rows.micro_batch * mn.seq_len
     s = mn.seq_len
-    tokens = b * s
-    L = rows.layers
     h = mn.h
     full_mode = mn.mode == "full"
     rc_full = (rows.recompute == 2).astype(np.float64)
@@ -153,14 +152,13 @@ def stage_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # ---- matmuls of one layer, forward, per device --------------------------------------------------
     g = gemm_time_s(tokens, (mn.q_dim + 2 * mn.kv_dim) / t, _f(h), rows, bv)
     g = g + gemm_time_s(tokens, _f(h), mn.q_dim / t, rows, bv)
+    up = (2.0 if mn.gated else 1.0) * mn.ffn / t
     if mn.num_experts > 0:
         per_expert = tokens * mn.top_k / mn.num_experts
-        up = (2.0 if mn.gated else 1.0) * mn.ffn / t
         g = g + gemm_time_s(per_expert, up, _f(h), rows, bv, mn.num_experts)
         g = g + gemm_time_s(per_expert, _f(h), mn.ffn / t, rows, bv, mn.num_experts)
         g = g + gemm_time_s(tokens, _f(mn.num_experts), _f(h), rows, bv)
     else:
-        up = (2.0 if mn.gated else 1.0) * mn.ffn / t
         g = g + gemm_time_s(tokens, up, _f(h), rows, bv)
         g = g + gemm_time_s(tokens, _f(h), mn.ffn / t, rows, bv)
     # fused causal attention: 2 matmuls of T x s x d per head, lower triangle only; backward recomputes
@@ -181,52 +179,24 @@ def stage_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # fused attention reads Q, K, V and writes O forward; backward reads Q, K, V, O, dO and writes
     # dQ, dK, dV: on average 2x the forward bytes, the same factor as the other elementwise work
     act_values += 2.0 * (mn.q_dim + mn.kv_dim)
-    fwd_bytes = tokens * bv * (np.where(sp, rep_values / t, rep_values) + act_values / t)
+    tp_rep = np.where(sp, t, 1.0)
+    fwd_bytes = tokens * bv * (rep_values / tp_rep + act_values / t)
     if mn.mode == "qlora":
         # dequantise the 4-bit base to 16 bit for every use (read 0.5 B, write 2 B per parameter)
         fwd_bytes = fwd_bytes + (mn.params_per_layer / t) * 2.5
-    bw = rows.memory_bw_gb_per_s * 1e9 * C.MEMORY_BW_EFFICIENCY
+    bw = rows.memory_bw_gb_per_s * (1e9 * C.MEMORY_BW_EFFICIENCY)
     elem_layer = fwd_bytes / bw * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_full)
 
     # ---- TP collectives of one layer: 2 all-reduces forward, 2 backward (+2 recomputed forward) ----
     same_node = rows.tp <= rows.devices_per_node
     tp_bus = group_bus_gb_per_s(t, np.where(same_node, t, 1.0), rows.intra_node_gb_per_s,
                                 rows.devices_per_node, rows.inter_node_gbps)
-    ar = ring_allreduce_s(tokens * h * bv, t, tp_bus)
+    ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus)
     tp_layer = ar * (4.0 + 2.0 * rc_full)
 
-    first = rows.first.astype(np.float64)
-    last = rows.last.astype(np.float64)
     head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm)
-    head_elem = tokens * mn.vocab / t * C.CROSS_ENTROPY_BYTES_PER_LOGIT / bw
-    emb_elem = 3.0 * tokens * h * bv / bw
-
-    gemm_mb = L * gemm_layer + last * head_gemm
-    elem_mb = L * elem_layer + last * head_elem + first * emb_elem
-    tp_mb = L * tp_layer + (first + last) * ar
-
-    # ---- parameters held per device --------------------------------------------------------------
-    n = rows.replicas
-    tie_copy = (mn.tie and True) * (rows.pp > 1)  # Megatron keeps the tied embedding on the last stage too
-    p_dev = (L * mn.params_per_layer + first * mn.embedding_params
-             + last * (mn.lm_head_params + mn.embedding_params * tie_copy)) / t
-    trainable = p_dev if full_mode else L * mn.adapter_params_per_layer / t
-    z = rows.zero_stage
-    shard_w = np.where(z >= 3, n, 1.0)
-    shard_g = np.where(z >= 2, n, 1.0)
-    shard_o = np.where(z >= 1, n, 1.0)
-    fp32 = bv >= 4.0
-    base_bytes = C.QLORA_BYTES_PER_PARAM if mn.mode == "qlora" else bv
-    weights = p_dev * base_bytes / shard_w
-    if not full_mode:
-        weights = weights + trainable * bv / shard_w
-    # ZeRO-3 gathers about two layers at a time (current + prefetch)
-    weights = weights + np.where(z >= 3, 2.0 * mn.params_per_layer / t * bv, 0.0)
-    offload_params = rows.offload >= 2
-    weights = np.where(offload_params, 2.0 * mn.params_per_layer / t * bv, weights)
-    grads = trainable * bv / shard_g
-    opt_bytes_per_param = 8.0 if fp32 else 12.0  # (fp32 master +) Adam m, v
-    optimizer = np.where(rows.offload >= 1, 0.0, trainable * opt_bytes_per_param / shard_o)
+    head_elem = tokens * (mn.vocab * C.CROSS_ENTROPY_BYTES_PER_LOGIT) / t / bw
+    emb_elem = tokens * (3.0 * h * bv) / bw
 
     # ---- activations (Korthikanti et al. 2022, generalised to GQA / gated MLP / MoE; flash attention
     # stores no s x s scores, so selective recompute keeps the same bytes as none) -----------------
@@ -234,65 +204,131 @@ def stage_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     rep_act = 4.0 * h * bv + (2.0 * h if mn.dropout else 0.0)
     split_act = ((mn.q_dim + 2.0 * mn.kv_dim) + mn.q_dim) * bv + (3.0 if mn.gated else 2.0) * mn.ffn * bv * max(
         mn.top_k, 1.0)
-    layer_act = tokens * (np.where(sp, rep_act / t, rep_act) + split_act / t)
-    layer_input = tokens * h * bv / np.where(sp, t, 1.0)
+    layer_act = tokens * (rep_act / tp_rep + split_act / t)
+    layer_input = tokens * (h * bv) / tp_rep
+    stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
+
+    # data-parallel collectives; DP neighbours sit next to each other after the TP ranks on a node
+    n = rows.replicas
+    members = np.minimum(n, np.maximum(np.floor(rows.devices_per_node / t), 1.0))
+    dp_bus = group_bus_gb_per_s(n, members, rows.intra_node_gb_per_s, rows.devices_per_node,
+                                rows.inter_node_gbps)
+
+    # pipeline point-to-point: activations of one micro-batch (split over TP ranks: scatter/gather)
+    pp_bus_same_node = rows.pipeline_devices <= rows.devices_per_node
+    nic_per_dev = rows.inter_node_gbps * (C.NETWORK_EFFICIENCY / 8.0) / rows.devices_per_node
+    intra = rows.intra_node_gb_per_s * C.LINK_EFFICIENCY
+    pp_bw = np.where(pp_bus_same_node & (intra > 0), intra, nic_per_dev)
+    p2p = tokens * (h * bv) / t / (pp_bw * 1e9) + C.COLLECTIVE_LATENCY_S
+    capacity = rows.memory_gb * (C.BYTES_PER_DATASHEET_GB / 1e9 * (1.0 - C.FRAGMENTATION_FRACTION))
+    return {
+        "gemm_layer": gemm_layer,
+        "elem_layer": elem_layer,
+        "tp_layer": tp_layer,
+        "ar": ar,
+        "head_gemm": head_gemm,
+        "head_elem": head_elem,
+        "emb_elem": emb_elem,
+        "layer_act": layer_act,
+        "stored_per_layer": stored_per_layer,
+        "rc_full": rc_full,
+        "bw": bw,
+        "dp_bus": dp_bus,
+        "p2p": p2p,
+        "capacity_gb": capacity,
+        "tokens": tokens,
+    }
+
+
+def stage_totals(
+    mn: ModelNumbers,
+    rows: StageRows,
+    lc: dict[str, FloatArray],
+    layers: FloatArray,
+    first: BoolArray,
+    last: BoolArray,
+    stage_index: FloatArray,
+) -> dict[str, FloatArray]:
+    """A stage's costs from its layer costs ``lc``: times per micro-batch and per step, memory per device."""
+    bv = mn.bytes_per_value
+    t = rows.tp
+    L = layers
+    h = mn.h
+    tokens = lc["tokens"]
+    full_mode = mn.mode == "full"
+    fi = first.astype(np.float64)
+    la = last.astype(np.float64)
+
+    gemm_mb = L * lc["gemm_layer"] + la * lc["head_gemm"]
+    elem_mb = L * lc["elem_layer"] + la * lc["head_elem"] + fi * lc["emb_elem"]
+    tp_mb = L * lc["tp_layer"] + (fi + la) * lc["ar"]
+
+    # ---- parameters held per device --------------------------------------------------------------
+    n = rows.replicas
+    tie_copy = float(mn.tie) * (rows.pp > 1)  # Megatron keeps the tied embedding on the last stage too
+    p_dev = (L * mn.params_per_layer + fi * mn.embedding_params
+             + la * (mn.lm_head_params + mn.embedding_params * tie_copy)) / t
+    trainable = p_dev if full_mode else L * mn.adapter_params_per_layer / t
+    z = rows.zero_stage
+    shard_w = np.where(z >= 3, n, 1.0)
+    shard_g = np.where(z >= 2, n, 1.0)
+    shard_o = np.where(z >= 1, n, 1.0)
+    base_bytes = C.QLORA_BYTES_PER_PARAM if mn.mode == "qlora" else bv
+    weights = p_dev * base_bytes / shard_w
+    if not full_mode:
+        weights = weights + trainable * bv / shard_w
+    # ZeRO-3 gathers about two layers at a time (current + prefetch)
+    layer_bytes = 2.0 * mn.params_per_layer * bv / t
+    weights = weights + np.where(z >= 3, layer_bytes, 0.0)
+    offload_params = rows.offload >= 2
+    weights = np.where(offload_params, layer_bytes, weights)
+    grads = trainable * bv / shard_g
+    opt_bytes_per_param = 8.0 if bv >= 4.0 else 12.0  # (fp32 master +) Adam m, v
+    optimizer = np.where(rows.offload >= 1, 0.0, trainable * opt_bytes_per_param / shard_o)
+
+    # ---- activations of the micro-batches in flight ------------------------------------------------
     p = rows.pp
     m = rows.num_micro_batches
     if mn.schedule == "gpipe":
         in_flight = m
     else:
-        in_flight = np.minimum(p - rows.stage_index, m)
+        in_flight = np.minimum(p - stage_index, m)
         if mn.schedule == "interleaved":
             in_flight = in_flight * (1.0 + (p - 1.0) / (p * mn.virtual_stages))
-    stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
-    activations = L * stored_per_layer * in_flight
+    activations = L * lc["stored_per_layer"] * in_flight
     # recomputing a layer materialises its full activations for one micro-batch
-    activations = activations + rc_full * layer_act
-    activations = activations + first * tokens * h * bv * in_flight
-    activations = activations + last * tokens * mn.vocab / t * (bv + 4.0)
+    activations = activations + lc["rc_full"] * lc["layer_act"]
+    activations = activations + fi * tokens * (h * bv) * in_flight
+    activations = activations + la * tokens * (mn.vocab * (bv + 4.0)) / t
 
     # ---- per-step work -----------------------------------------------------------------------------
     opt_params = trainable / shard_o
-    opt_gpu = opt_params * C.ADAM_BYTES_PER_PARAM / bw
-    opt_cpu = opt_params * 2.0 * bv / (C.PCIE_HOST_GB_PER_S * 1e9) + opt_params / C.CPU_ADAM_PARAMS_PER_S
+    opt_gpu = opt_params * C.ADAM_BYTES_PER_PARAM / lc["bw"]
+    opt_cpu = opt_params * (2.0 * bv / (C.PCIE_HOST_GB_PER_S * 1e9) + 1.0 / C.CPU_ADAM_PARAMS_PER_S)
     optimizer_s = np.where(rows.offload >= 1, opt_cpu, opt_gpu)
+    compute_mb = gemm_mb + elem_mb + tp_mb
     # parameters streamed from the host for forward and backward of every micro-batch
     offload_mb = np.where(offload_params, 2.0 * p_dev / shard_w * bv / (C.PCIE_HOST_GB_PER_S * 1e9), 0.0)
+    exposed = np.maximum(offload_mb - compute_mb, 0.0)
 
-    # data-parallel collectives; DP neighbours sit next to each other after the TP ranks on a node
-    members = np.minimum(n, np.maximum(np.floor(rows.devices_per_node / t), 1.0))
-    dp_bus = group_bus_gb_per_s(n, members, rows.intra_node_gb_per_s, rows.devices_per_node,
-                                rows.inter_node_gbps)
-    grad_bytes = trainable * bv
-    dp_allreduce = ring_allreduce_s(grad_bytes, n, dp_bus)
-    # ZeRO-3: all-gather for forward, again for backward, reduce-scatter of gradients (1.5x all-reduce)
-    z3_mb = np.where(z >= 3, 1.5 * ring_allreduce_s(p_dev * bv, n, dp_bus), 0.0)
-
-    compute_mb = gemm_mb + elem_mb + tp_mb
-    exposed_z3 = np.maximum(z3_mb - compute_mb, 0.0) + z3_mb / (3.0 * np.maximum(L, 1.0))
-    exposed_z3 = np.where(z >= 3, exposed_z3, 0.0)
-    exposed_offload = np.maximum(offload_mb - compute_mb, 0.0)
-    stage_mb = compute_mb + exposed_z3 + exposed_offload
+    dp_allreduce = ring_allreduce_s(trainable * bv, n, lc["dp_bus"])
+    z3 = z >= 3
+    # ZeRO-3: all-gather for forward, again for backward, reduce-scatter of gradients (1.5x all-reduce);
+    # overlapped with the micro-batch's compute except the first layer's gather
+    z3_mb = 1.5 * ring_allreduce_s(p_dev * bv, n, lc["dp_bus"])
+    exposed = exposed + np.where(z3, np.maximum(z3_mb - compute_mb, 0.0) + z3_mb / (3.0 * np.maximum(L, 1.0)), 0.0)
+    stage_mb = compute_mb + exposed
     # gradient reduction (ZeRO 0-2) overlaps the backward of the last micro-batch (bucketed)
-    bwd_last = (gemm_mb + elem_mb + tp_mb) * 2.0 / 3.0
-    dp_exposed = np.where(z >= 3, 0.0, np.maximum(dp_allreduce - bwd_last, 0.0))
-
-    # pipeline point-to-point: activations of one micro-batch (split over TP ranks: scatter/gather)
-    pp_bus_same_node = rows.pipeline_devices <= rows.devices_per_node
-    nic_per_dev = rows.inter_node_gbps / 8.0 * C.NETWORK_EFFICIENCY / rows.devices_per_node
-    intra = rows.intra_node_gb_per_s * C.LINK_EFFICIENCY
-    pp_bw = np.where(pp_bus_same_node & (intra > 0), intra, nic_per_dev)
-    p2p = tokens * h * bv / t / (pp_bw * 1e9) + C.COLLECTIVE_LATENCY_S
+    dp_exposed = np.where(z3, 0.0, np.maximum(dp_allreduce - compute_mb * (2.0 / 3.0), 0.0))
 
     total = (weights + grads + optimizer + activations) / 1e9 + C.RESERVED_GB
-    capacity = rows.memory_gb * (C.BYTES_PER_DATASHEET_GB / 1e9) * (1.0 - C.FRAGMENTATION_FRACTION)
     return {
         "gemm_mb": gemm_mb,
         "elem_mb": elem_mb,
         "tp_mb": tp_mb,
-        "z3_exposed_mb": exposed_z3 + exposed_offload,
+        "z3_exposed_mb": exposed,
         "stage_mb": stage_mb,
-        "p2p": p2p,
+        "p2p": lc["p2p"],
         "optimizer_s": optimizer_s,
         "dp_exposed_s": dp_exposed,
         "weights_gb": weights / 1e9,
@@ -300,9 +336,13 @@ def stage_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         "optimizer_gb": optimizer / 1e9,
         "activations_gb": activations / 1e9,
         "memory_gb": total,
-        "capacity_gb": capacity,
-        "params_on_device": p_dev,
+        "capacity_gb": lc["capacity_gb"],
     }
+
+
+def stage_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
+    """Per-row costs (layer costs and stage totals of the rows' own layers and positions)."""
+    return stage_totals(mn, rows, layer_costs(mn, rows), rows.layers, rows.first, rows.last, rows.stage_index)
 
 
 def pipeline_step(

@@ -241,8 +241,9 @@ def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences:
     m = per_replica // mbs
     rows = _stage_rows(plan, g, catalog, mbs, m)
     costs = stage_costs(mn, rows)
-    present = np.ones_like(rows.tp)
-    out = combine(mn, costs, present, present, rows.pp[0], rows.num_micro_batches[0])
+    per_stage = [{key: v[i] for key, v in costs.items()} for i in range(rows.tp.shape[0])]
+    ones = np.ones(rows.tp.shape[1])
+    out = combine(mn, per_stage, [ones] * len(per_stage), rows.pp[0], rows.num_micro_batches[0])
     fits = out["fits"]
     if fits.any():
         best = int(np.argmin(np.where(fits, out["step_time_s"], np.inf)))
@@ -289,8 +290,8 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
         order = sorted(range(len(groups)), key=lambda i: -seqs[i])
         for i in order:
             unit = groups[i].replicas * (groups[i].micro_batch or 1)
-            free = groups[i].batch_share is None or len(groups) == 1
-            if free and diff % unit == 0 and seqs[i] + diff > 0:
+            movable = groups[i].batch_share is None or len(groups) == 1
+            if movable and diff % unit == 0 and seqs[i] + diff > 0:
                 seqs[i] += diff
                 diff = 0
                 break
