@@ -374,6 +374,8 @@ class Ledger:
                 rows.append((le.id, t, micros))
                 last = t
             c.executemany("INSERT INTO price_segments VALUES (?,?,?)", rows)
+            # a price change is a sign of life: a crash after it must not close the lease before it
+            c.execute("UPDATE leases SET last_seen_s = MAX(last_seen_s, ?) WHERE id = ?", (last, le.id))
 
     def heartbeat(self, job: Job | int, *, at_s: int | None = None) -> None:
         """Mark the job's open leases as alive at ``at_s`` (where a crash would close them)."""
@@ -423,7 +425,8 @@ class Ledger:
         closed = []
         with self._tx() as c:
             for le in self.leases(job, open_only=True):
-                self._close(c, le, le.last_seen_s)
+                segs = self.segments(le.id)
+                self._close(c, le, max(le.last_seen_s, segs[-1].start_s if segs else le.start_s))
                 closed.append(le)
         return closed
 
