@@ -125,6 +125,10 @@ def test_pretrained_config_is_read_without_building() -> None:
     spec = load_model(cfg)
     assert (spec.family, spec.num_layers, spec.num_kv_heads, spec.head_dim) == ("mistral", 3, 2, 64)
     assert spec.num_params == _transformers_count(spec)
+    # a config of a bundled model keeps the registry's short id
+    raw = dict(load_model("qwen2.5-7b").hf_config)
+    qwen = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    assert load_model(qwen).name == "qwen2.5-7b"
 
 
 def test_spec_is_frozen_and_hashable() -> None:
@@ -152,6 +156,10 @@ def test_unknown_model_id() -> None:
     assert "pass a path to a Hugging Face config.json" in msg
     with pytest.raises(ModelError, match=r"unknown model 'zzz'; `starverse models` lists"):
         load_model("zzz")
+    # an HF-style id gets HF ids back, properly cased
+    with pytest.raises(ModelError, match=r"unknown model 'meta-llama/Llama-2-7b'; did you mean "
+                       r"'meta-llama/Llama-2-7b-hf'"):
+        load_model("meta-llama/Llama-2-7b")
 
 
 def _config(tmp_path: Path, raw: object, name: str = "c.json") -> Path:

@@ -74,9 +74,10 @@ def _from_path(path: Path) -> ModelSpec:
 
 def _unknown(ref: str) -> ModelError:
     known = sorted(_lookup())
-    close = difflib.get_close_matches(ref.lower(), known, n=3, cutoff=0.6)
-    ids = [_lookup()[c] if "/" not in c else c for c in close]
-    ids = list(dict.fromkeys(ids))
+    close = difflib.get_close_matches(ref.lower(), known, n=4, cutoff=0.6)
+    shorts = list(dict.fromkeys(_lookup()[c] for c in close))[:3]
+    # answer in the form asked: HF ids (properly cased) for an HF-style ref, short ids otherwise
+    ids = [(_index()[s].get("hf_id") or s) if "/" in ref else s for s in shorts]
     hint = f"did you mean {', '.join(repr(i) for i in ids)}? " if ids else ""
     return ModelError(
         f"unknown model '{ref}'; {hint}`starverse models` lists the bundled ids; otherwise pass a path to a "
@@ -95,8 +96,8 @@ def load_model(ref: str | Path | Any, base_dir: str | Path | None = None) -> Mod
         return ref
     if not isinstance(ref, str | Path) and callable(getattr(ref, "to_dict", None)):
         raw = ref.to_dict()
-        name = raw.get("_name_or_path") or raw.get("model_type") or type(ref).__name__
-        return spec_from_config(raw, f"<{type(ref).__name__}>", str(name))
+        name = str(raw.get("_name_or_path") or raw.get("model_type") or type(ref).__name__)
+        return spec_from_config(raw, f"<{type(ref).__name__}>", _lookup().get(name.lower(), name))
     if isinstance(ref, Mapping):
         return spec_from_config(ref, "<config dict>", str(ref.get("_name_or_path") or ref.get("model_type")))
     if not isinstance(ref, str | Path):
