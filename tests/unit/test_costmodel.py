@@ -80,7 +80,7 @@ def _uniform(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, **kw: o
     base, rem = divmod(layers, pp)
     stages = [{"accelerator": acc, "tp": tp, "layers": base + (1 if i < rem else 0)} for i in range(pp)]
     p = plan([{"replicas": replicas, "micro_batch": mb, "stages": stages}],
-             global_batch=replicas * mb * m, **kw)
+             global_batch=replicas * mb * m, schedule="1f1b", **kw)
     cand = Candidates.make(accelerator=0, tp=tp, pp=pp, replicas=replicas, micro_batch=mb, num_micro_batches=m,
                            zero_stage=kw.get("zero_stage", 0), recompute=RECOMPUTE_CODES[kw.get("recompute", "none")],
                            sequence_parallel=kw.get("sequence_parallel", False))
@@ -164,6 +164,20 @@ def test_pipeline_bubble_is_p_minus_1_over_m() -> None:
     # uniform stages except the LM head on the last: bubble ~ (p-1)/m of the steady state
     steady = est.step_time_s - sum(v for k, v in est.breakdown.items() if k in ("pipeline_bubble", "pp_comm"))
     assert est.breakdown["pipeline_bubble"] / steady == pytest.approx(3 / 16, rel=0.1)
+
+
+def test_schedule_omitted_tries_interleaving() -> None:
+    stages = [{"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 10, "repeat": 8}]
+    auto = plan([{"replicas": 1, "micro_batch": 1, "stages": stages}], global_batch=16, recompute="full")
+    fixed = auto.model_copy(update={"train": auto.train.model_copy(update={"schedule": "1f1b"})})
+    fixed = parse(Plan, fixed.model_dump(exclude_unset=True) | {"train": fixed.train.model_dump()}, "t.yaml")
+    e_auto, e_fixed = estimate(auto, CAT), estimate(fixed, CAT)
+    assert e_fixed.groups[0].schedule == "1f1b"
+    # 8 stages, 16 micro-batches: the bubble (7/16) is worth interleaving (v divides the 10 layers)
+    assert e_auto.groups[0].schedule == "interleaved"
+    assert e_auto.groups[0].virtual_stages in (2, 5, 10)
+    assert e_auto.step_time_s < e_fixed.step_time_s
+    assert e_auto.breakdown["pipeline_bubble"] < e_fixed.breakdown["pipeline_bubble"]
 
 
 def test_micro_batch_omitted_picks_fastest_that_fits() -> None:

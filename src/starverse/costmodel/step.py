@@ -9,7 +9,7 @@ slowest, then gradients are all-reduced between groups over the cross-group link
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,10 @@ class GroupEstimate:
     """Chosen (or given) micro-batch."""
     num_micro_batches: int
     """Micro-batches per replica per step."""
+    schedule: str
+    """Pipeline schedule used (the plan's, or the fastest when the plan leaves it out)."""
+    virtual_stages: int
+    """Model chunks per device (interleaved)."""
     step_time_s: float
     """Time this group needs for its share."""
     breakdown: dict[str, float]
@@ -230,6 +234,22 @@ class _GroupEval:
     micro_batches: np.ndarray
     m: np.ndarray
     best: int
+    schedule: str
+    virtual_stages: int
+
+
+def _schedule_options(plan: Plan, g: Group) -> list[tuple[str, int]]:
+    """The plan's schedule, or when the plan leaves it out and the group pipelines, every schedule a
+    competent engineer would try: 1F1B and interleaved 1F1B with v chunks per device (v dividing every
+    stage's layers)."""
+    tr = plan.train
+    stages = g.expanded_stages()
+    if "schedule" in tr.model_fields_set or len(stages) <= 1:
+        return [(tr.schedule, tr.virtual_stages if tr.schedule == "interleaved" else 1)]
+    fewest = min(s.layers for s in stages)
+    opts = [("1f1b", 1)]
+    opts += [("interleaved", v) for v in range(2, fewest + 1) if all(s.layers % v == 0 for s in stages)]
+    return opts
 
 
 def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences: int) -> _GroupEval:
@@ -240,16 +260,31 @@ def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences:
         mbs = np.array(_divisors(per_replica), dtype=np.int64)
     m = per_replica // mbs
     rows = _stage_rows(plan, g, catalog, mbs, m)
-    costs = stage_costs(mn, rows)
-    per_stage = [{key: v[i] for key, v in costs.items()} for i in range(rows.tp.shape[0])]
-    ones = np.ones(rows.tp.shape[1])
-    out = combine(mn, per_stage, [ones] * len(per_stage), rows.pp[0], rows.num_micro_batches[0])
-    fits = out["fits"]
-    if fits.any():
-        best = int(np.argmin(np.where(fits, out["step_time_s"], np.inf)))
-    else:
-        best = int(np.argmin(out["memory_gb"] - out["capacity_gb"]))
-    return _GroupEval(costs, out, mbs, m, best)
+    pp = rows.tp.shape[0]
+    best_eval: _GroupEval | None = None
+    best_key: tuple[float, float] = (np.inf, np.inf)
+    for schedule, v in _schedule_options(plan, g):
+        mn_s = replace(mn, schedule=schedule, virtual_stages=float(v))
+        costs = stage_costs(mn_s, rows)
+        per_stage = [{key: val[i] for key, val in costs.items()} for i in range(pp)]
+        ones = np.ones(rows.tp.shape[1])
+        out = combine(mn_s, per_stage, [ones] * pp, rows.pp[0], rows.num_micro_batches[0])
+        step = out["step_time_s"]
+        if schedule == "interleaved" and "schedule" not in plan.train.model_fields_set:
+            # Megatron's interleaved schedule needs the micro-batch count to be a multiple of the stages
+            step = np.where(m % pp == 0, step, np.inf)
+        fits = out["fits"]
+        if fits.any():
+            best = int(np.argmin(np.where(fits, step, np.inf)))
+        else:
+            best = int(np.argmin(out["memory_gb"] - out["capacity_gb"]))
+        key = (0.0 if fits[best] else 1.0, float(step[best]) if fits[best] else float(
+            out["memory_gb"][best] - out["capacity_gb"][best]))
+        if key < best_key:
+            best_key = key
+            best_eval = _GroupEval(costs, out, mbs, m, best, schedule, v)
+    assert best_eval is not None
+    return best_eval
 
 
 def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
@@ -345,6 +380,7 @@ def estimate(plan: Plan, catalog: Any = None, spec: Any = None) -> Estimate:
         groups.append(GroupEstimate(
             index=gi, num_devices=g.num_devices, batch_share=n / plan.train.global_batch, sequences_per_step=n,
             micro_batch=int(ev.micro_batches[b]), num_micro_batches=int(ev.m[b]),
+            schedule=ev.schedule, virtual_stages=ev.virtual_stages,
             step_time_s=float(ev.out["step_time_s"][b]), breakdown=parts, stages=stages, fits=fits))
 
     slowest = max(groups, key=lambda x: x.step_time_s)

@@ -90,7 +90,7 @@ def run_case(path: Path, catalog: Any = None) -> CaseResult:
         data, node = read_yaml(path)
         case = parse(ValidationCase, data, str(path), node)
         measured = case.measured.tokens_per_s
-        plan = Plan.model_validate(case.model_dump(exclude={"measured", "source"}))
+        plan = Plan.model_validate(case.model_dump(exclude={"measured", "source"}, exclude_unset=True))
         plan = _resolve_model_path(plan, path.parent)
         est = estimate(plan, catalog)
     except StarverseError as e:
@@ -159,6 +159,6 @@ def load_plan_or_case(path: str | Path) -> Plan:
     data, node = read_yaml(path)
     if isinstance(data, dict) and ("measured" in data or "source" in data):
         case = parse(ValidationCase, data, str(path), node)
-        plan = Plan.model_validate(case.model_dump(exclude={"measured", "source"}))
+        plan = Plan.model_validate(case.model_dump(exclude={"measured", "source"}, exclude_unset=True))
         return _resolve_model_path(plan, Path(path).parent)
     return load_plan(path)
