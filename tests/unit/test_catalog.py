@@ -418,3 +418,12 @@ def test_catalog_pickles_and_copies(cat: Catalog) -> None:
     assert again == cat and hash(again) == hash(cat)
     assert copy.deepcopy(cat).accelerator("tpu-v5e").bf16_tflops == 197
     assert dataclasses.asdict(cat.accelerator("cpu"))["sources"]["fp32_tflops"].startswith("conservative")
+
+
+def test_changed_user_file_is_read_again(tmp_path: Path) -> None:
+    """load_catalog caches its result; editing the file must not serve stale figures."""
+    p = _write(tmp_path, "accelerators:\n  t4:\n    tdp_w: 75\n")
+    assert load_catalog(p).accelerator("t4").tdp_w == 75
+    assert load_catalog(p) is load_catalog(p)
+    p.write_text("accelerators:\n  t4:\n    tdp_w: 123\n")
+    assert load_catalog(p).accelerator("t4").tdp_w == 123

@@ -6,9 +6,6 @@ Pure data and arithmetic (no torch). ``load_catalog()`` gives the bundled catalo
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from starverse.catalog.core import (
     BACKENDS,
     FLOAT_FIELDS,
@@ -46,24 +43,11 @@ __all__ = [
     "load_catalog",
 ]
 
-_rates_cache: dict[tuple[str, float], Catalog] = {}
-
-
-def _rates_catalog() -> Catalog:
-    """Bundled + $STARVERSE_CATALOG (no profile: rates do not depend on it), re-read when that file changes."""
-    env = os.environ.get(CATALOG_ENV, "")
-    mtime = Path(env).stat().st_mtime if env and Path(env).is_file() else 0.0
-    key = (env, mtime)
-    if key not in _rates_cache:
-        _rates_cache.clear()
-        _rates_cache[key] = load_catalog(profile="")
-    return _rates_cache[key]
-
-
 def convert(amount: float, from_ccy: str, to_ccy: str, catalog: Catalog | None = None) -> float:
     """Convert ``amount`` from one currency to another (ISO codes) with the catalog's rate table.
 
     ``catalog`` defaults to the bundled one extended by ``$STARVERSE_CATALOG``. Raises CatalogError for an
     unknown currency code.
     """
-    return (catalog or _rates_catalog()).convert(amount, from_ccy.upper(), to_ccy.upper())
+    # no probe profile: rates do not depend on it (load_catalog caches, so this is cheap in loops)
+    return (catalog or load_catalog(profile="")).convert(amount, from_ccy, to_ccy)

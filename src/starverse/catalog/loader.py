@@ -8,6 +8,7 @@ only the fields it gives, an offer with the same provider, accelerator and regio
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import json
@@ -213,27 +214,16 @@ def _build(draft: _Draft) -> Catalog:
 
 
 @functools.lru_cache(maxsize=1)
-def _bundled_draft() -> tuple[tuple[tuple[str, Any], ...], ...]:
-    """Parse the bundled files once per process (they never change while it runs)."""
+def _bundled_draft() -> _Draft:
+    """Parse the bundled files once per process (they never change while it runs); callers copy it."""
     draft = _Draft({}, {}, [], {})
     for name in BUNDLED_FILES:
         _merge_file(draft, DATA_DIR / name)
-    # freeze into something lru_cache can hold safely; _fresh_draft copies it back
-    return (
-        tuple((k, _deepcopy(v)) for k, v in draft.accelerators.items()),
-        tuple(draft.where.items()),
-        tuple(draft.offers),
-        tuple(draft.currencies.items()),
-    )
-
-
-def _deepcopy(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in fields.items()}
+    return draft
 
 
 def _fresh_draft() -> _Draft:
-    accs, where, offers, curs = _bundled_draft()
-    return _Draft({k: _deepcopy(v) for k, v in accs}, dict(where), list(offers), dict(curs))
+    return copy.deepcopy(_bundled_draft())
 
 
 def _load_profile(path: Path, catalog: Catalog) -> Catalog:
@@ -283,17 +273,39 @@ def load_catalog(path: str | Path | None = None, profile: str | Path | None = No
     ``~/.cache/starverse/profile.json`` if it exists; ``""`` means none. Raises CatalogError with
     ``file:line: field: message`` for malformed files.
     """
-    draft = _fresh_draft()
     env = os.environ.get(CATALOG_ENV)
-    for extra in (env, path):
-        if extra:
-            _merge_file(draft, Path(extra))
-    catalog = _build(draft)
+    files = [Path(p) for p in (env, path) if p]
     prof = _profile_path(profile)
+    # the catalog is immutable: planners call this in loops, so reuse it while no input file changed
+    stamps = [(str(f), *_stamp(f)) for f in files]
+    stamps.append((f"profile:{prof}", *(_stamp(prof) if prof else (0, 0))))
+    key = tuple(stamps)
+    cached = _cache.get(key)
+    if cached is not None:
+        return cached
+    draft = _fresh_draft()
+    for extra in files:
+        _merge_file(draft, extra)
+    catalog = _build(draft)
     if prof is not None:
         catalog = _load_profile(prof, catalog)
         log.debug("catalog: applied probe profile %s", prof)
+    if len(_cache) > 16:
+        _cache.clear()
+    _cache[key] = catalog
     return catalog
+
+
+_cache: dict[tuple[tuple[str, int, int], ...], Catalog] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    """(mtime in ns, size) of a file: a changed file is read again."""
+    try:
+        st = path.stat()
+    except OSError:
+        return (-1, -1)  # missing: loading it raises, so nothing is cached under this key
+    return (st.st_mtime_ns, st.st_size)
 
 
 def bundled_catalog() -> Catalog:

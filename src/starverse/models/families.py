@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from starverse.errors import ModelError
 from starverse.models.spec import FAMILIES, ModelSpec
@@ -63,18 +63,33 @@ def _check_divisible(c: _Cfg, hidden: int, heads: int, what: str) -> None:
         raise ModelError(f"{c.where}: {what} ({hidden}) is not divisible by the number of heads ({heads})")
 
 
+class _Defaults(NamedTuple):
+    """Defaults of a transformers config class for keys a config.json may omit."""
+
+    vocab: int
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv: int | None  # None: as many as attention heads
+    positions: int
+
+
+_LLAMA_DEFAULTS = {
+    "llama": _Defaults(vocab=32000, hidden=4096, ffn=11008, layers=32, heads=32, kv=None, positions=2048),
+    "mistral": _Defaults(vocab=32000, hidden=4096, ffn=14336, layers=32, heads=32, kv=8, positions=4096 * 32),
+    "mixtral": _Defaults(vocab=32000, hidden=4096, ffn=14336, layers=32, heads=32, kv=8, positions=4096 * 32),
+    "qwen2": _Defaults(vocab=151936, hidden=4096, ffn=22016, layers=32, heads=32, kv=32, positions=32768),
+}
+
+
 def _llama_like(raw: Mapping[str, Any], where: str, family: str) -> ModelSpec:
     """llama, mistral, mixtral, qwen2: RMSNorm, RoPE, SwiGLU, GQA."""
     c = _Cfg(raw, where)
-    defaults = {
-        "llama": dict(vocab=32000, hidden=4096, ffn=11008, layers=32, heads=32, kv=None, pos=2048),
-        "mistral": dict(vocab=32000, hidden=4096, ffn=14336, layers=32, heads=32, kv=8, pos=4096 * 32),
-        "mixtral": dict(vocab=32000, hidden=4096, ffn=14336, layers=32, heads=32, kv=8, pos=4096 * 32),
-        "qwen2": dict(vocab=151936, hidden=4096, ffn=22016, layers=32, heads=32, kv=32, pos=32768),
-    }[family]
-    hidden = c.int("hidden_size", default=defaults["hidden"])
-    heads = c.int("num_attention_heads", default=defaults["heads"])
-    kv, head_dim = _heads(c, hidden, heads, "num_key_value_heads", defaults["kv"])
+    d = _LLAMA_DEFAULTS[family]
+    hidden = c.int("hidden_size", default=d.hidden)
+    heads = c.int("num_attention_heads", default=d.heads)
+    kv, head_dim = _heads(c, hidden, heads, "num_key_value_heads", d.kv)
     experts = c.int("num_local_experts", "num_experts", default=8) if family == "mixtral" else 0
     top_k = c.int("num_experts_per_tok", default=2) if family == "mixtral" else 0
     if experts and top_k > experts:
@@ -85,14 +100,14 @@ def _llama_like(raw: Mapping[str, Any], where: str, family: str) -> ModelSpec:
     return ModelSpec(
         name="",
         family=family,
-        num_layers=c.int("num_hidden_layers", default=defaults["layers"]),
+        num_layers=c.int("num_hidden_layers", default=d.layers),
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
-        ffn_hidden_size=c.int("intermediate_size", default=defaults["ffn"]),
-        vocab_size=c.int("vocab_size", default=defaults["vocab"]),
-        max_seq_len=c.int("max_position_embeddings", default=defaults["pos"]),
+        ffn_hidden_size=c.int("intermediate_size", default=d.ffn),
+        vocab_size=c.int("vocab_size", default=d.vocab),
+        max_seq_len=c.int("max_position_embeddings", default=d.positions),
         gated_mlp=True,
         num_experts=experts,
         experts_per_token=top_k,
