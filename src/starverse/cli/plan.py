@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import math
 from pathlib import Path
 from typing import Annotated, Any
@@ -10,25 +11,9 @@ from typing import Annotated, Any
 import typer
 
 
-def _headroom_gb(est: Any) -> float | None:
-    """Smallest memory margin over the plan's stages (GB), from the estimate."""
-    margins: list[float] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            for k, v in x.items():
-                if k == "margin_gb" and isinstance(v, (int, float)):
-                    margins.append(float(v))
-                else:
-                    walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        elif hasattr(x, "__dataclass_fields__"):
-            walk({f: getattr(x, f) for f in x.__dataclass_fields__})
-
-    walk(getattr(est, "memory", None) or getattr(est, "groups", None))
-    return min(margins) if margins else None
+def _headroom_gb(est: Any) -> float:
+    """Smallest memory margin over the plan's devices (GB), from the estimate."""
+    return float(est.margin_gb)
 
 
 def _money(x: float | None) -> str:
@@ -65,6 +50,7 @@ def result_to_json(result: Any) -> dict[str, Any]:
 
 def _table(result: Any) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     per = "" if result.per_job else " /1e9 tok"
     t = Table(title=f"{result.model} — objective: {result.objective} ({result.currency})", show_lines=True)
@@ -80,9 +66,9 @@ def _table(result: Any) -> Any:
         hours = rp.hours if rp.hours is not None else (1e9 / rp.effective_tokens_per_s / 3600)
         total = rp.total_cost if rp.total_cost is not None else hours * rp.cost_per_hour
         head = _headroom_gb(est)
-        t.add_row(label, devs, rp.layout().replace("; ", "\n").replace(" | ", "\n"), tps,
+        t.add_row(label, devs, Text(rp.layout().replace("; ", "\n").replace(" | ", "\n")), tps,
                   f"{float(est.mfu) * 100:.1f}%", _money(rp.cost_per_hour), _money(total), f"{hours:,.1f}",
-                  f"{rp.power_kw:.1f}", "-" if head is None else f"{head:.1f}", str(est.bottleneck))
+                  f"{rp.power_kw:.1f}", f"{head:.1f}", str(est.bottleneck))
     return t
 
 
@@ -148,7 +134,8 @@ def plan_cmd(
     if as_json:
         typer.echo(json.dumps(result_to_json(result), indent=2, allow_nan=False, default=_nan_safe))
         return
-    console = Console(highlight=False)
+    # wide enough for the table when piped (rich falls back to 80 columns without a terminal)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 170)
     for note in result.notes:
         console.print(f"[bold yellow]note:[/] {note}")
     console.print(_table(result))

@@ -83,18 +83,26 @@ def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanE
         reasons.append(f"the deadline is {c.deadline_hours:g} h")
 
     suggestions: list[str] = []
-    # more devices of one kind: enough for the state with a 25 % allowance for activations and reserve
+    # more devices of one kind: from what the state alone needs, growing until a plan fits (activations,
+    # reserve and the ZeRO/TP layout need more than the bare state)
     for o in pool.offers:
-        n = math.ceil(need * 1.25 / (o.memory_gb * 1e9))
-        if n <= o.count:
+        base = math.ceil(need / (o.memory_gb * 1e9))
+        if base <= o.count:
             continue
-        bigger = replace(pool, offers=tuple(replace(x, count=max(n, x.count)) if x.name == o.name else x
-                                            for x in pool.offers))
-        best = _try(partial(plan, job, bigger))
-        if best is not None:
-            suggestions.append(f"rent ≥ {n} {o.accelerator} (have {o.count}) → {_summary(best, pool.currency)}")
+        found = None
+        for factor in (1.25, 1.6, 2.0, 3.0):
+            n = math.ceil(base * factor)
+            bigger = replace(pool, offers=tuple(replace(x, count=max(n, x.count)) if x.name == o.name else x
+                                                for x in pool.offers))
+            best = _try(partial(plan, job, bigger))
+            if best is not None:
+                found = (n, best)
+                break
+        if found is not None:
+            suggestions.append(f"rent up to {found[0]} {o.accelerator} (have {o.count}) → "
+                               f"{_summary(found[1], pool.currency)}")
         else:
-            suggestions.append(f"{n} {o.accelerator} would hold the state, but no plan fits the constraints")
+            suggestions.append(f"even {math.ceil(base * 3.0)} {o.accelerator} give no plan within the constraints")
     relaxed = job.model_copy(update={"constraints": job.constraints.model_copy(update={
         "max_budget_per_hour": None, "max_power_kw": None, "deadline_hours": None, "max_total_cost": None})})
     if relaxed.constraints != job.constraints:

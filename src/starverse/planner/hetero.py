@@ -57,10 +57,18 @@ def _stage_runs(accs: Sequence[str], tps: Sequence[int], layers: Sequence[int]) 
 def search_pipelines(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int,
                      alternative: bool) -> list[RankedPlan]:
     """Best heterogeneous-pipeline plans (empty if none fits or meets the constraints)."""
-    from starverse.planner.search import network_for, pricing_for, rank_plan, train_spec
-
     num_layers = int(spec.num_layers)
     batch = job.train.global_batch
+    t = job.train
+    settings = []
+    for st in SETTINGS:  # the job may fix some of the three; the others keep the defaults above
+        fixed = space.Setting(
+            st.zero_stage if t.zero_stage is None else min(t.zero_stage, 1),
+            st.recompute if t.recompute is None else space.RECOMPUTE_CODES[t.recompute],
+            st.offload if t.offload is None else space.OFFLOAD_CODES[t.offload],
+        )
+        if fixed.offload <= 1 and not (fixed.offload == 1 and fixed.zero_stage < 1) and fixed not in settings:
+            settings.append(fixed)
     out: list[RankedPlan] = []
     offers = list(pool.offers)
     for g in range(2, min(3, len(offers)) + 1):
@@ -68,37 +76,51 @@ def search_pipelines(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, t
             if len({o.accelerator for o in subset}) < g:
                 continue
             accs = [catalog.accelerator(o.accelerator) for o in subset]
-            tps = []
+            choices = []
             for o in subset:
                 valid = space.tp_degrees(spec, o.devices_per_node, o.count)
-                tps.append(valid[-1] if valid else 0)
-            if 0 in tps:
-                continue
-            for r in [d for d in space.divisors(batch) if d <= MAX_REPLICAS]:
-                stages_per = [o.count // t // r for o, t in zip(subset, tps, strict=True)]
-                if any(s < 1 for s in stages_per) or sum(stages_per) > num_layers:
-                    continue
-                stage_acc = [o.accelerator for o, s in zip(subset, stages_per, strict=True) for _ in range(s)]
-                stage_tp = [t for t, s in zip(tps, stages_per, strict=True) for _ in range(s)]
-                mem = [a.memory_gb * t for a, t, s in zip(accs, tps, stages_per, strict=True) for _ in range(s)]
-                flops = [a.peak_tflops(job.train.precision) * t
-                         for a, t, s in zip(accs, tps, stages_per, strict=True) for _ in range(s)]
-                blend = [m / sum(mem) + f / sum(flops) for m, f in zip(mem, flops, strict=True)]
-                splits = {tuple(split_layers(w, num_layers)) for w in (mem, flops, blend)}
-                devices = {o.name: s * t * r for o, s, t in zip(subset, stages_per, tps, strict=True)}
-                for layers, setting in itertools.product(sorted(splits), SETTINGS):
-                    plan = Plan(
-                        model=job.model,
-                        train=train_spec(job, mode, setting, any(t > 1 for t in tps)),
-                        groups=[Group(replicas=r, micro_batch=1, stages=_stage_runs(stage_acc, stage_tp, layers))],
-                        network=network_for(pool, list(devices)), pricing=pricing_for(pool, list(devices)),
-                    )
-                    try:
-                        rp = rank_plan(job, pool, catalog, spec, plan, devices, "hetero-pipeline", alternative,
-                                       ("stages on different accelerators, layers split unevenly",))
-                    except StarverseError:
-                        continue
-                    if rp is not None:
-                        out.append(rp)
+                # the TP degrees that leave the fewest devices idle (then the wider one: fewer stages)
+                count = o.count
+                valid.sort(key=lambda tp: (-(count // tp) * tp, -tp))  # noqa: B023 (used at once)
+                choices.append(valid[:2])
+            for tps in itertools.product(*choices):
+                out.extend(_pipelines(job, pool, catalog, spec, mode, alternative, subset, accs, list(tps),
+                                      settings, num_layers, batch))
     out.sort(key=lambda r: -r.objective_value)
     return out[:top]
+
+
+def _pipelines(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, alternative: bool,
+               subset: Sequence[Any], accs: Sequence[Any], tps: list[int], settings: list[space.Setting],
+               num_layers: int, batch: int) -> list[RankedPlan]:
+    """Pipelines over the offers of ``subset`` with TP degrees ``tps``, for each replica count."""
+    from starverse.planner.search import network_for, pricing_for, rank_plan, train_spec
+
+    out: list[RankedPlan] = []
+    for r in [d for d in space.divisors(batch) if d <= MAX_REPLICAS]:
+        stages_per = [o.count // tp // r for o, tp in zip(subset, tps, strict=True)]
+        if any(s < 1 for s in stages_per) or sum(stages_per) > num_layers:
+            continue
+        per_stage = [(o.accelerator, tp, a) for o, tp, a, s in zip(subset, tps, accs, stages_per, strict=True)
+                     for _ in range(s)]
+        mem = [a.memory_gb * tp for _, tp, a in per_stage]
+        flops = [a.peak_tflops(job.train.precision) * tp for _, tp, a in per_stage]
+        blend = [m / sum(mem) + f / sum(flops) for m, f in zip(mem, flops, strict=True)]
+        splits = {tuple(split_layers(w, num_layers)) for w in (mem, flops, blend)}
+        devices = {o.name: s * tp * r for o, s, tp in zip(subset, stages_per, tps, strict=True)}
+        for layers, setting in itertools.product(sorted(splits), settings):
+            plan = Plan(
+                model=job.model,
+                train=train_spec(job, mode, setting, any(tp > 1 for tp in tps)),
+                groups=[Group(replicas=r, micro_batch=1, stages=_stage_runs(
+                    [a for a, _, _ in per_stage], [tp for _, tp, _ in per_stage], list(layers)))],
+                network=network_for(pool, list(devices)), pricing=pricing_for(pool, list(devices)),
+            )
+            try:
+                rp = rank_plan(job, pool, catalog, spec, plan, devices, "hetero-pipeline", alternative,
+                               ("stages on different accelerators, layers split unevenly",))
+            except StarverseError:
+                continue
+            if rp is not None:
+                out.append(rp)
+    return out

@@ -57,7 +57,8 @@ class RankedPlan:
             stages = g.expanded_stages()
             accs = {s.accelerator for s in stages}
             acc = "+".join(sorted(accs))
-            layers = "+".join(str(s.layers) for s in stages)
+            counts = [s.layers for s in stages]
+            layers = f"{counts[0]}L" if len(set(counts)) == 1 else "+".join(str(c) for c in counts)
             tps = sorted({s.tp for s in stages})
             tp = "tp" + "/".join(str(t) for t in tps)
             parts.append(f"{acc}: {g.replicas}×[{tp} pp{len(stages)} {layers}] mb{g.micro_batch}")

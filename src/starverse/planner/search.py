@@ -107,7 +107,8 @@ def trainable_params(spec: Any, mode: str, lora_rank: int) -> float:
     from starverse.costmodel.group import adapter_params_per_layer
 
     if mode == "full":
-        return float(spec.num_params)
+        # layers + embeddings + LM head (the final norm's few weights are left out, as in the cost model)
+        return float(spec.num_layers * spec.params_per_layer + spec.embedding_params + spec.lm_head_params)
     return float(spec.num_layers) * float(adapter_params_per_layer(ModelShape.from_spec(spec), lora_rank))
 
 

@@ -1,0 +1,189 @@
+"""planner.search: objectives, constraints, heterogeneous plans, spot overhead, alternatives, explanations."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from starverse.catalog import convert, load_catalog
+from starverse.costmodel import estimate
+from starverse.errors import InfeasiblePlanError
+from starverse.models import load_model
+from starverse.planner import job_from_dict, plan_for, pool_from_dict, search
+from starverse.planner.hetero import split_layers
+from starverse.planner.policy import spot_factor, spot_overhead
+from starverse.planner.search import best_combinations
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return load_catalog(profile="")
+
+
+MIXED = {"currency": "USD", "cross_offer_gbps": 100, "offers": [
+    {"accelerator": "rtx-4090", "count": 8, "price_per_hour": 0.69},
+    {"accelerator": "a100-80gb-sxm", "count": 4, "price_per_hour": 2.45}]}
+JOB7B = {"model": "llama-2-7b", "train": {"seq_len": 4096, "global_batch": 64, "tokens": 1e9},
+         "objective": "throughput", "constraints": {"max_budget_per_hour": 12}}
+
+
+@pytest.fixture(scope="module")
+def mixed_result(catalog):
+    return search(job_from_dict(JOB7B), pool_from_dict(MIXED, catalog), catalog, top=3)
+
+
+def test_heterogeneous_dp_beats_single_kind_and_matches_estimate(mixed_result, catalog):
+    best = mixed_result.best
+    # throughput within $12/h: 8 RTX 4090 next to A100s beat any single kind the budget allows
+    assert best.kind == "hetero-dp"
+    assert set(best.devices) == {"rtx-4090", "a100-80gb-sxm"}
+    assert best.cost_per_hour <= 12 + 1e-9
+    singles = [p for p in mixed_result.plans if p.kind == "single"]
+    assert all(best.tokens_per_s > p.tokens_per_s for p in singles)
+    # the numbers shown are the scalar cost model's on the emitted plan ...
+    est = estimate(best.plan, catalog)
+    assert best.tokens_per_s == pytest.approx(est.tokens_per_s, rel=1e-12)
+    # ... and they agree with the batch-API figures the search ranked by
+    job, pool = job_from_dict(JOB7B), pool_from_dict(MIXED, catalog)
+    combos, _, _ = best_combinations(job, pool, catalog, load_model("llama-2-7b"), "full")
+    assert combos[0].tps == pytest.approx(est.tokens_per_s, rel=1e-9)
+    # batch shares are integer micro-batches per replica that add up to the global batch
+    seqs = [g.sequences_per_step for g in est.groups]
+    assert sum(seqs) == 64
+    for g, plan_g in zip(est.groups, best.plan.groups, strict=True):
+        assert g.sequences_per_step % (plan_g.replicas * plan_g.micro_batch) == 0
+
+
+def test_objectives_rank_differently(catalog):
+    pool = pool_from_dict(MIXED, catalog)
+    base = {**JOB7B, "constraints": {}}
+    by_obj = {}
+    for obj in ("cost-performance", "throughput", "cost", "time"):
+        r = search(job_from_dict({**base, "objective": obj}), pool, catalog, top=1)
+        by_obj[obj] = r.best
+    # throughput rents more than cost-performance does, and is faster
+    assert by_obj["throughput"].tokens_per_s > by_obj["cost-performance"].tokens_per_s
+    cp = by_obj["cost-performance"]
+    assert cp.effective_tokens_per_s / cp.cost_per_hour >= (
+        by_obj["throughput"].effective_tokens_per_s / by_obj["throughput"].cost_per_hour)
+    assert by_obj["time"].hours <= by_obj["cost"].hours
+    assert by_obj["cost"].total_cost <= by_obj["time"].total_cost
+
+
+def test_power_cap_and_deadline(catalog):
+    pool = pool_from_dict(MIXED, catalog)
+    free = search(job_from_dict({**JOB7B, "constraints": {}}), pool, catalog, top=1).best
+    capped = search(job_from_dict({**JOB7B, "constraints": {"max_power_kw": 1.5}}), pool, catalog, top=1).best
+    assert free.power_kw > 1.5 >= capped.power_kw
+    with pytest.raises(InfeasiblePlanError, match="the deadline is 1 h"):
+        search(job_from_dict({**JOB7B, "constraints": {"deadline_hours": 1}}), pool, catalog)
+
+
+def test_budget_in_another_currency(catalog):
+    pool = pool_from_dict({**MIXED, "currency": "CNY", "offers": [
+        {"accelerator": "rtx-4090", "count": 8, "price_per_hour": 5.0},
+        {"accelerator": "a100-80gb-sxm", "count": 4, "price_per_hour": 18.0}]}, catalog)
+    job = job_from_dict({**JOB7B, "constraints": {"max_budget_per_hour": 5, "currency": "USD"}})
+    r = search(job, pool, catalog, top=3)
+    limit_cny = convert(5, "USD", "CNY")
+    assert r.currency == "CNY"
+    assert all(p.cost_per_hour <= limit_cny + 1e-9 for p in r.plans)
+    assert r.best.cost_per_hour > 0.7 * limit_cny  # the budget binds: most of it is used
+
+
+def test_budget_that_excludes_everything(catalog):
+    job = job_from_dict({**JOB7B, "constraints": {"max_budget_per_hour": 0.5}})
+    with pytest.raises(InfeasiblePlanError) as e:
+        search(job, pool_from_dict(MIXED, catalog), catalog)
+    assert "the budget of 0.5 USD/h excludes every offer (the cheapest device costs 0.69 USD/h)" in str(e.value)
+
+
+def test_young_daly_formula():
+    # C = 60 s, one interruption per hour: M = 3600 s, tau = sqrt(2*60*3600) = 657 s
+    o = spot_overhead(1.0, 60.0, 300.0)
+    assert o.interval_s == pytest.approx(math.sqrt(2 * 60 * 3600))
+    assert o.factor == pytest.approx(1 + math.sqrt(2 * 60 / 3600) + 300 / 3600)
+    assert float(spot_factor(0.0, 60.0, 300.0)) == 1.0
+    # checkpointing longer than half the interval: no progress possible
+    assert math.isinf(float(spot_factor(100.0, 60.0, 300.0)))
+
+
+def test_unstable_spot_offer_is_not_over_rated(catalog):
+    offers = [{"accelerator": "a100-80gb-sxm", "count": 4, "price_per_hour": 2.45},
+              {"accelerator": "rtx-4090", "count": 8, "name": "4090-spot", "pricing": "spot",
+               "spot_price_per_hour": 0.2}]
+    job = job_from_dict({**JOB7B, "objective": "cost-performance", "constraints": {}})
+    stable = search(job, pool_from_dict({"offers": offers}, catalog), catalog, top=1).best
+    assert "4090-spot" in stable.devices and stable.spot_factor == 1.0
+    offers[1]["interruptions_per_hour"] = 3.0
+    shaky = search(job, pool_from_dict({"offers": offers}, catalog), catalog, top=1).best
+    # three losses per device-hour: every spot device adds to the job's interruption rate, so the plan
+    # rents fewer of them, and is worth less than on stable devices
+    assert shaky.devices.get("4090-spot", 0) < stable.devices["4090-spot"]
+    assert shaky.spot_factor > 1.2
+    assert shaky.objective_value < stable.objective_value
+    offers[1]["interruptions_per_hour"] = 0.02
+    mild = search(job, pool_from_dict({"offers": offers}, catalog), catalog, top=1).best
+    assert mild.spot_factor > 1.0
+    assert mild.effective_tokens_per_s == pytest.approx(mild.tokens_per_s / mild.spot_factor)
+    assert any("spot overhead" in n for n in mild.notes)
+
+
+SCEN1_POOL = {"currency": "CNY", "cross_offer_gbps": 25, "offers": [
+    {"accelerator": "rtx-4090", "count": 16, "price_per_hour": 1.2},
+    {"accelerator": "tpu-v5e", "count": 3, "price_per_hour": 2.8}]}
+
+
+def test_infeasible_explains_memory_and_suggests(catalog):
+    job = job_from_dict({"model": "llama-2-70b", "train": {"seq_len": 4096, "global_batch": 32, "offload": "none"},
+                         "search": {"alternatives": False}})
+    with pytest.raises(InfeasiblePlanError) as e:
+        search(job, pool_from_dict(SCEN1_POOL, catalog), catalog)
+    msg = str(e.value)
+    assert "full training of llama-2-70b needs ≥ 1.1 TB of weights+gradients+Adam state; the pool has 432 GB" in msg
+    assert "rtx-4090: 16×24 GB = 384 GB" in msg and "tpu-v5e: 3×16 GB = 48 GB" in msg
+    assert re.search(r"rent up to \d+ rtx-4090 \(have 16\) → \d+×rtx-4090: [\d,]+ tokens/s at [\d.]+ CNY/h", msg)
+    assert "let the planner choose ZeRO-3 and offload → 16×rtx-4090" in msg
+    assert "fine-tune with LORA instead → " in msg and "tokens/s" in msg
+    assert "\n" not in msg
+
+
+def test_lora_alternatives_are_labelled(catalog):
+    job = job_from_dict({"model": "llama-2-70b", "train": {"seq_len": 4096, "global_batch": 32, "offload": "none"}})
+    r = search(job, pool_from_dict(SCEN1_POOL, catalog), catalog, top=3)
+    assert r.plans and all(p.alternative and p.mode in ("lora", "qlora") for p in r.plans)
+    assert any("ALTERNATIVES (LoRA/QLoRA), not full training" in n for n in r.notes)
+    assert r.best.plan.train.mode in ("lora", "qlora")
+
+
+def test_hetero_pipeline_when_no_single_kind_holds_the_model(catalog):
+    # 7 RTX 4090 cannot hold llama-2-13b for full training without offload; 3 A100-40G cannot either;
+    # one pipeline over both can
+    pool = pool_from_dict({"offers": [
+        {"accelerator": "rtx-4090", "count": 7, "price_per_hour": 0.69},
+        {"accelerator": "a100-40gb-sxm", "count": 3, "price_per_hour": 1.6}]}, catalog)
+    job = job_from_dict({"model": "llama-2-13b", "train": {"seq_len": 2048, "global_batch": 16, "offload": "none"},
+                         "search": {"alternatives": False}})
+    r = search(job, pool, catalog, top=3)
+    best = r.best
+    assert best.kind == "hetero-pipeline"
+    stages = best.plan.groups[0].expanded_stages()
+    assert {s.accelerator for s in stages} == {"rtx-4090", "a100-40gb-sxm"}
+    assert sum(s.layers for s in stages) == 40
+    assert len({s.layers for s in stages}) > 1  # uneven split
+    assert estimate(best.plan, catalog).fits
+
+
+def test_split_layers():
+    assert split_layers([1, 1, 2], 8) == [2, 2, 4]
+    assert sum(split_layers([24, 24, 80, 80], 80)) == 80
+    assert min(split_layers([1, 1000], 10)) == 1
+
+
+def test_plan_for_python_api(catalog):
+    r = plan_for("llama-2-7b", policy="throughput", max_budget_per_hour=12, pool=MIXED,
+                 job_overrides={"train": {"seq_len": 4096, "global_batch": 64}}, catalog=catalog)
+    assert r.objective == "throughput"
+    assert r.best.kind == "hetero-dp" and r.best.cost_per_hour <= 12
