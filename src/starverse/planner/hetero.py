@@ -81,7 +81,7 @@ def search_pipelines(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, t
                 valid = space.tp_degrees(spec, o.devices_per_node, o.count)
                 # the TP degrees that leave the fewest devices idle (then the wider one: fewer stages)
                 count = o.count
-                valid.sort(key=lambda tp: (-(count // tp) * tp, -tp))  # noqa: B023 (used at once)
+                valid.sort(key=lambda tp: (-(count // tp) * tp, -tp))
                 choices.append(valid[:2])
             for tps in itertools.product(*choices):
                 out.extend(_pipelines(job, pool, catalog, spec, mode, alternative, subset, accs, list(tps),
