@@ -1,9 +1,162 @@
-"""`starverse` subcommands of this area (see cli/__init__.py)."""
+"""``starverse probe`` (measure this machine) and ``starverse demo`` (the whole job end to end, locally).
+
+torch is imported inside the commands only: the CLI starts fast without it.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
+from rich.console import Console
+
+DEMO_MODEL = "meta-llama/Llama-2-7b-hf"
+"""The model the demo asks for (scaled down to what the local devices can train)."""
+
+
+class RichProgress:
+    """A rich progress bar on rank 0 (loss, tokens/s, ETA); the CLI installs it, library code never prints.
+
+    It implements the :class:`starverse.runtime.callbacks.Callback` hooks without subclassing it: importing
+    the runtime would import torch when the CLI starts.
+    """
+
+    def __init__(self, every: int = 1):
+        self.every = every
+        self._progress: Any = None
+        self._task: Any = None
+
+    def on_resume(self, ctx: Any, path: Path) -> bool:
+        """Resuming is not this callback's business."""
+        return False
+
+    def on_micro_batch_end(self, ctx: Any, compute_s: float) -> None:
+        """Nothing per micro-batch."""
+
+    def on_fit_start(self, ctx: Any) -> None:
+        """Open the bar on rank 0."""
+        if ctx.rank != 0:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(), console=Console(highlight=False), transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=ctx.max_steps, completed=ctx.step, info="")
+
+    def on_step_end(self, ctx: Any) -> None:
+        """Advance the bar with the step's loss, throughput and shares."""
+        if self._progress is None or ctx.step % self.every:
+            return
+        m = ctx.metrics
+        info = f"loss {m.loss:.3f}  {m.tokens_per_s:,.0f} tok/s  shares {m.shares}"
+        self._progress.update(self._task, completed=ctx.step, info=info)
+
+    def on_fit_end(self, ctx: Any) -> None:
+        """Close the bar."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"every": self.every, "_progress": None, "_task": None}
+
+
+def probe(
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Profile path (default ~/.cache/starverse/profile.json).")
+    ] = None,
+    ranks: Annotated[
+        int | None, typer.Option("--ranks", help="CPU ranks to measure when there is no GPU (default 2).")
+    ] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Short measurements (a few seconds; less precise).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON.")] = False,
+) -> None:
+    """Measure local devices (matmul TFLOPS per precision, memory and all-reduce bandwidth); write the profile."""
+    from starverse.catalog import default_profile_path
+    from starverse.providers.local import local_ranks
+    from starverse.runtime.probe import probe as run_probe
+
+    result = run_probe(local_ranks(ranks), quick=quick)
+    path = result.write(out or default_profile_path())
+    if as_json:
+        typer.echo(json.dumps(result.profile(), indent=2))
+        return
+    console = Console(highlight=False)
+    for kind, figs in result.accelerators.items():
+        console.print(f"[bold]{kind}[/bold] ({result.num_ranks} ranks, figures per rank)")
+        for k, v in figs.items():
+            console.print(f"  {k:22s} {v:10.3f}")
+    console.print(f"profile written to {path}")
+
+
+def _demo_corpus(run_dir: Path, max_bytes: int) -> Path:
+    """A .jsonl of the Python standard library's own top-level modules (text every machine has)."""
+    stdlib = Path(os.__file__).parent
+    out = run_dir / "stdlib-corpus.jsonl"
+    total = 0
+    with out.open("w") as fh:
+        for f in sorted(stdlib.glob("*.py")):
+            text = f.read_text(encoding="utf-8", errors="replace")
+            fh.write(json.dumps({"text": text}) + "\n")
+            total += len(text)
+            if total >= max_bytes:
+                break
+    return out
+
+
+def demo(
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 200,
+    ranks: Annotated[int, typer.Option("--ranks", help="CPU ranks (when there is no GPU).")] = 2,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 128,
+    batch: Annotated[int, typer.Option("--batch", help="Sequences per micro-batch.")] = 2,
+    global_batch: Annotated[int, typer.Option("--global-batch", help="Sequences per step.")] = 16,
+    max_params: Annotated[int, typer.Option("--max-params", help="Largest model to train here.")] = 3_000_000,
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Where the run writes its files.")] = Path("runs/demo"),
+    corpus_mb: Annotated[float, typer.Option("--corpus-mb", help="MB of stdlib source to train on.")] = 2.0,
+) -> None:
+    """Plan on the local devices, train a small Llama-style model with hetero DP, print the summary."""
+    import starverse
+    from starverse.runtime.trainer import Trainer
+
+    console = Console(highlight=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cluster = starverse.accelerate(
+        model_id=DEMO_MODEL, num_cpu_ranks=ranks, seq_len=seq_len, global_batch=global_batch, max_params=max_params
+    )
+    console.print("[bold]cluster[/bold]")
+    for line in cluster.summary_lines():
+        console.print(f"  {line}", markup=False)
+    est = cluster.estimate
+    if est is not None:
+        console.print(
+            f"  estimate: step {est.step_time_s:.3f} s, {est.tokens_per_s:,.0f} tokens/s, bottleneck {est.bottleneck}",
+            markup=False,
+        )
+    with cluster.mixed_mesh():
+        model = starverse.build_model(cluster.model_config)
+    corpus = _demo_corpus(run_dir, int(corpus_mb * 1e6))
+    trainer = Trainer(cluster, callbacks=[RichProgress()], run_dir=run_dir, lr=1e-3, rebalance_every=20)
+    result = trainer.fit(model, dataset=corpus, per_device_batch_size=batch, max_steps=steps, seq_len=seq_len)
+    console.print("[bold]summary[/bold]")
+    for line in result.summary_lines():
+        console.print(f"  {line}", markup=False)
+    if est is not None and result.step_time_s > 0:
+        console.print(
+            f"  cost model: predicted step {est.step_time_s:.3f} s vs measured {result.step_time_s:.3f} s "
+            f"({est.step_time_s / result.step_time_s - 1:+.0%})",
+            markup=False,
+        )
+    sys.stdout.flush()
 
 
 def register(app: typer.Typer) -> None:
-    """Add this area's commands to ``app``."""
+    """Add ``probe`` and ``demo``."""
+    app.command()(probe)
+    app.command()(demo)

@@ -311,7 +311,7 @@ def _choose_model(
         f"model: {model_ref} has {n:,} parameters and cannot be trained here ({why}); training a scaled-down copy "
         f"of the same architecture instead: {describe_config(small)}, {m:,} parameters"
     )
-    log.warning("%s", note)
+    log.info("%s", note)
     small_layers = next((small[k] for k in ("num_hidden_layers", "n_layer", "n_layers") if small.get(k)), 1)
     return small, int(small_layers), [note], True
 
