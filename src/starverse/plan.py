@@ -7,7 +7,7 @@ DESIGN.md ("plan.yaml"); keep field names, add fields freely (with a default, so
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import Field, model_validator
@@ -19,6 +19,8 @@ Mode = Literal["full", "lora", "qlora"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class TrainSpec(FrozenModel):
@@ -100,9 +102,9 @@ class Group(FrozenModel):
 class Network(FrozenModel):
     """Optional overrides of the catalog's network defaults."""
 
-    devices_per_node: dict[str, int] = Field(default_factory=dict)
+    devices_per_node: dict[str, PositiveInt] = Field(default_factory=dict)
     """Devices per node by accelerator id."""
-    inter_node_gbps: dict[str, float] = Field(default_factory=dict)
+    inter_node_gbps: dict[str, PositiveFloat] = Field(default_factory=dict)
     """NIC bandwidth per node in Gbit/s, by accelerator id."""
     cross_group_gbps: float | None = Field(default=None, gt=0)
     """Bandwidth in Gbit/s between nodes of different accelerators."""
@@ -113,7 +115,7 @@ class Pricing(FrozenModel):
 
     currency: str = "USD"
     """ISO currency code of the prices below."""
-    price_per_hour: dict[str, float] = Field(default_factory=dict)
+    price_per_hour: dict[str, PositiveFloat] = Field(default_factory=dict)
     """Price per device-hour by accelerator id."""
 
 

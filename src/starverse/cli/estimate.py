@@ -36,12 +36,19 @@ def estimate(
     from starverse.catalog import load_catalog
     from starverse.costmodel import estimate as run_estimate
     from starverse.costmodel.validate import load_plan_or_case
+    from starverse.errors import ConfigError
     from starverse.models import load_model
 
     plan = load_plan_or_case(plan_file)
     catalog = load_catalog(catalog_file)
-    spec = load_model(plan.model, base_dir=plan_file.parent)
-    est = run_estimate(plan, catalog, spec)
+    try:
+        spec = load_model(plan.model, base_dir=plan_file.parent)
+    except ConfigError as e:
+        raise type(e)(f"{plan_file}: model: {e}") from None
+    try:
+        est = run_estimate(plan, catalog, spec)
+    except ConfigError as e:
+        raise type(e)(f"{plan_file}: {e}") from None
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
         return

@@ -83,6 +83,7 @@ def find_cases(paths: list[str | Path]) -> list[Path]:
 def run_case(path: Path, catalog: Any = None) -> CaseResult:
     """Estimate one case; errors become the case's ``reason`` (never silently skipped)."""
     from starverse.costmodel.step import estimate
+    from starverse.models import load_model
 
     name = path.stem
     measured: float | None = None
@@ -92,7 +93,14 @@ def run_case(path: Path, catalog: Any = None) -> CaseResult:
         measured = case.measured.tokens_per_s
         plan = Plan.model_validate(case.model_dump(exclude={"measured", "source"}, exclude_unset=True))
         plan = _resolve_model_path(plan, path.parent)
-        est = estimate(plan, catalog)
+        try:
+            spec = load_model(plan.model, base_dir=path.parent)
+        except StarverseError as e:
+            raise ConfigError(f"{path}: model: {e}") from None
+        try:
+            est = estimate(plan, catalog, spec)
+        except StarverseError as e:
+            raise ConfigError(f"{path}: {e}") from None
     except StarverseError as e:
         return CaseResult(name, str(path), None, measured, False, reason=str(e))
     if measured is None:

@@ -1,0 +1,83 @@
+"""`starverse estimate` and `starverse validate` as a user runs them (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CASES = REPO / "data" / "validation"
+
+
+def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    # the console script installed beside the interpreter, as a user runs it
+    exe = Path(sys.executable).parent / "starverse"
+    return subprocess.run([str(exe), *args], cwd=cwd, capture_output=True, text=True, timeout=240)
+
+
+def test_estimate_json_is_consistent(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "model: llama-2-70b\n"
+        "train: {seq_len: 4096, global_batch: 64, recompute: full, zero_stage: 1, tokens: 1.0e9}\n"
+        "groups:\n"
+        "- replicas: 2\n  stages: [{accelerator: a100-80gb-sxm, tp: 8, layers: 40, repeat: 2}]\n"
+        "- replicas: 1\n  stages: [{accelerator: h100-80gb-sxm, tp: 8, layers: 40, repeat: 2}]\n"
+        "pricing: {currency: USD, price_per_hour: {a100-80gb-sxm: 1.5, h100-80gb-sxm: 2.5}}\n")
+    res = run("estimate", str(plan), "--json")
+    assert res.returncode == 0, res.stderr
+    est = json.loads(res.stdout)
+    assert est["tokens_per_s"] == pytest.approx(64 * 4096 / est["step_time_s"])
+    assert est["num_devices"] == 48 and est["fits"] is True
+    assert est["cost_per_hour"] == pytest.approx(32 * 1.5 + 16 * 2.5)
+    assert est["power_kw"] == pytest.approx((32 * 400 + 16 * 700) / 1000)
+    shares = [g["sequences_per_step"] for g in est["groups"]]
+    assert sum(shares) == 64 and shares[1] > shares[0] / 2  # the H100 group, half the devices, gets more per device
+    assert set(est["breakdown"]) == {"compute", "memory", "tp_comm", "dp_comm", "pp_comm", "pipeline_bubble",
+                                     "cross_group_sync"}
+
+
+def test_validate_json_has_exactly_the_documented_shape() -> None:
+    res = run("validate", str(CASES), "--json")
+    doc = json.loads(res.stdout)
+    assert set(doc) == {"cases", "summary"}
+    assert set(doc["summary"]) == {"n", "median_abs_error", "p90_abs_error", "max_abs_error", "spearman"}
+    assert doc["summary"]["n"] == len(list(CASES.glob("*.yaml")))
+    for case in doc["cases"]:
+        assert set(case) == {"name", "metric", "predicted", "measured", "error"}
+        assert case["metric"] == "tokens_per_s"
+        assert case["error"] == pytest.approx(case["predicted"] / case["measured"] - 1)
+    assert res.returncode == 0, res.stderr  # every published case estimated and fits
+
+
+def test_validate_reports_failed_cases_and_exits_1(tmp_path: Path) -> None:
+    shutil.copytree(CASES / "models", tmp_path / "models")
+    good = CASES / "megatron2021-gpt-1.7b.yaml"
+    shutil.copy(good, tmp_path / "ok.yaml")
+    text = good.read_text()
+    (tmp_path / "bad-tp.yaml").write_text(text.replace("tp: 1", "tp: 5"))
+    # the same model on one 24 GB card without recompute cannot fit
+    (tmp_path / "too-big.yaml").write_text(
+        text.replace("a100-80gb-sxm", "rtx-4090").replace("recompute: full", "recompute: none"))
+    res = run("validate", str(tmp_path), "--json")
+    assert res.returncode == 1
+    doc = json.loads(res.stdout)
+    by_name = {c["name"]: c for c in doc["cases"]}
+    assert by_name["bad-tp"]["predicted"] is None and by_name["ok"]["predicted"] > 0
+    assert "case bad-tp failed:" in res.stderr and "tp: 5 does not divide" in res.stderr
+    assert "case too-big failed: estimator says the plan does not fit" in res.stderr
+    assert doc["summary"]["n"] == 2  # ok and too-big have both figures
+
+
+def test_estimate_readable_output_and_help() -> None:
+    res = run("estimate", str(CASES / "korthikanti2022-175b-selective.yaml"))
+    assert res.returncode == 0, res.stderr
+    for text in ("step time", "tokens/s", "MFU", "usable", "bottleneck", "pipeline_bubble"):
+        assert text in res.stdout
+    helptext = run("validate", "--help").stdout
+    assert "--json" in helptext and "--catalog" in helptext
