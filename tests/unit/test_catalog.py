@@ -369,12 +369,12 @@ def test_profile_from_env_and_default_path(tmp_path: Path, monkeypatch: pytest.M
     [
         ("{not json", r"p\.json:1: malformed probe profile JSON: .*rerun `starverse probe`"),
         (json.dumps({"version": 2, "host": "h", "measured_at": "t"}), r"p\.json: version: must be 1"),
-        (json.dumps({"version": 1, "host": "h", "measured_at": "t", "accelerators": {"cpu": {"fp32_tflops": -1}}}),
-         r"p\.json: override of accelerator 'cpu': fp32_tflops must be a number > 0 \(got -1\.0\)"),
         (json.dumps({"version": 1, "host": "h", "measured_at": "t", "accelerators": {"cpu": {"flops": 1}}}),
-         r"p\.json: override of accelerator 'cpu': unknown field 'flops'"),
+         r"p\.json: accelerators\.cpu\.flops: unknown figure; a profile may hold bf16_tflops, "),
         (json.dumps({"version": 1, "host": "h", "measured_at": "t", "accelerators": {"gpu9": {"tdp_w": 1}}}),
-         r"p\.json: accelerators\.gpu9: not in the catalog"),
+         r"p\.json: accelerators\.gpu9: not in the catalog, and the profile alone cannot describe it"),
+        (json.dumps({"version": 1, "host": "h", "measured_at": "t", "accelerators": {"cuda-x": {"tdp_w": 1}}}),
+         r"accelerators\.cuda-x: not in the catalog, .* describe it in a catalog file \(--catalog FILE\)"),
     ],
 )
 def test_malformed_profiles(tmp_path: Path, content: str, expected: str) -> None:
@@ -427,3 +427,22 @@ def test_changed_user_file_is_read_again(tmp_path: Path) -> None:
     assert load_catalog(p) is load_catalog(p)
     p.write_text("accelerators:\n  t4:\n    tdp_w: 123\n")
     assert load_catalog(p).accelerator("t4").tdp_w == 123
+
+
+def test_profile_ignores_failed_measurements(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A 0 from a failed measurement keeps the catalog figure (and says so) instead of breaking every command."""
+    p = _profile(tmp_path / "p.json", {"cpu": {"memory_gb": 0.0, "fp32_tflops": 1.5}})
+    cpu = load_catalog(profile=p).accelerator("cpu")
+    assert (cpu.memory_gb, cpu.fp32_tflops) == (16, 1.5)
+    assert "ignoring non-positive measured memory_gb" in caplog.text
+
+
+def test_profile_adds_a_device_the_catalog_lacks(tmp_path: Path) -> None:
+    """`starverse probe` names an unknown GPU `cuda-<name>`: the profile alone then describes it."""
+    p = _profile(tmp_path / "p.json", {"cuda-nvidia-rtx-5090": {
+        "bf16_tflops": 180.0, "fp32_tflops": 90.0, "memory_gb": 32.0, "memory_bw_gb_per_s": 1500.0}})
+    acc = load_catalog(profile=p).accelerator("cuda-nvidia-rtx-5090")
+    assert (acc.stack, acc.bf16_tflops, acc.fp16_tflops, acc.memory_gb, acc.memory_bw_gb_per_s) == (
+        "cuda", 180.0, 180.0, 32.0, 1500.0)
+    assert acc.sources["bf16_tflops"].startswith("measured by starverse probe")
+    assert acc.sources["tdp_w"].startswith("assumed default")

@@ -9,6 +9,7 @@ only the fields it gives, an offer with the same provider, accelerator and regio
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import functools
 import json
@@ -243,16 +244,76 @@ def _load_profile(path: Path, catalog: Catalog) -> Catalog:
         raise CatalogError(f"{e}; rerun `starverse probe`") from None
     note = f"measured by starverse probe on {profile.host} at {profile.measured_at}"
     overrides: dict[str, dict[str, Any]] = {}
+    added: dict[str, Accelerator] = {}
     for acc_id, fields in profile.accelerators.items():
-        if acc_id not in catalog.accelerators:
+        unknown = sorted(set(fields) - set(FLOAT_FIELDS) - {"devices_per_node"})
+        if unknown:
             raise CatalogError(
-                f"{path}: accelerators.{acc_id}: not in the catalog; rerun `starverse probe` or add it with --catalog"
+                f"{path}: accelerators.{acc_id}.{unknown[0]}: unknown figure; a profile may hold "
+                f"{', '.join(FLOAT_FIELDS)}; rerun `starverse probe`"
             )
-        overrides[acc_id] = {**fields, "sources": dict.fromkeys(fields, note)}
-    try:
-        return catalog._with_overrides(overrides, note)
-    except CatalogError as e:
-        raise CatalogError(f"{path}: {e}") from None
+        # a failed measurement (0, e.g. no sysconf) must not replace a datasheet figure or brick the catalog
+        bad = sorted(k for k, v in fields.items() if not v > 0)
+        if bad:
+            log.warning("%s: %s: ignoring non-positive measured %s", path, acc_id, ", ".join(bad))
+        good = {k: v for k, v in fields.items() if k not in bad}
+        if acc_id in catalog.accelerators:
+            overrides[acc_id] = {**good, "sources": dict.fromkeys(good, note)}
+        else:
+            added[acc_id] = _measured_accelerator(acc_id, good, note, path)
+    catalog = catalog._with_overrides(overrides, note)
+    if added:
+        catalog = dataclasses.replace(catalog, accelerators={**catalog.accelerators, **added})
+    return catalog
+
+
+# id prefix that `starverse probe` gives a device it cannot name -> (stack, vendor, link, intra GB/s)
+_PROBED_KINDS = {
+    "cuda-": ("cuda", "unknown (CUDA device)", "pcie", 16.0),
+    "rocm-": ("rocm", "unknown (ROCm device)", "pcie", 16.0),
+    "cpu-": ("cpu", "generic", "none", 5.0),
+}
+
+
+def _measured_accelerator(acc_id: str, figures: Mapping[str, float], note: str, path: Path) -> Accelerator:
+    """An accelerator known only from the probe profile (a GPU model the catalog does not list).
+
+    Measured figures are used as they are; what a probe cannot measure gets a conservative default whose
+    source says so. Describing the device in a catalog file (--catalog) replaces the defaults.
+    """
+    kind = next((v for prefix, v in _PROBED_KINDS.items() if acc_id.startswith(prefix)), None)
+    peak = figures.get("bf16_tflops") or figures.get("fp32_tflops")
+    if kind is None or peak is None or "memory_gb" not in figures:
+        raise CatalogError(
+            f"{path}: accelerators.{acc_id}: not in the catalog, and the profile alone cannot describe it "
+            "(needs a cuda-/rocm-/cpu- id with bf16_tflops or fp32_tflops and memory_gb); describe it in a "
+            "catalog file (--catalog FILE) or rerun `starverse probe`"
+        )
+    stack, vendor, link, intra = kind
+    assumed = "assumed default: not measured by the probe and not in the catalog (describe it with --catalog)"
+    def fig(name: str, default: float) -> float:
+        return float(figures.get(name, default))
+
+    sources = {k: (note if k in figures else assumed) for k in (*FLOAT_FIELDS, "devices_per_node")}
+    sources["intra_node_link"] = assumed
+    return Accelerator(
+        id=acc_id,
+        name=f"{acc_id} (measured by starverse probe)",
+        vendor=vendor,
+        stack=stack,
+        bf16_tflops=float(peak),
+        fp16_tflops=fig("fp16_tflops", peak),
+        fp32_tflops=fig("fp32_tflops", peak),
+        fp8_tflops=figures.get("fp8_tflops"),
+        memory_gb=float(figures["memory_gb"]),
+        memory_bw_gb_per_s=fig("memory_bw_gb_per_s", 100.0),
+        intra_node_link=link,
+        intra_node_gb_per_s=fig("intra_node_gb_per_s", intra),
+        devices_per_node=int(figures.get("devices_per_node", 1)),
+        inter_node_gbps=fig("inter_node_gbps", 10.0),
+        tdp_w=fig("tdp_w", 300.0),
+        sources=sources,
+    )
 
 
 def _profile_path(profile: str | Path | None) -> Path | None:
