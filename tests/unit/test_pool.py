@@ -100,7 +100,7 @@ def test_job_defaults_and_tokens(tmp_path):
     ("body", "message"),
     [
         ("model: x\ntrain: {seq_len: 2048, global_batch: 64}\nobjective: time\n",
-         "objective 'time' needs the length of the job; add train.tokens"),
+         "job.yaml:3: objective: objective 'time' needs the length of the job; add train.tokens"),
         ("model: x\ntrain: {seq_len: 2048, global_batch: 64}\nconstraints: {deadline_hours: 10}\n",
          "constraints.deadline_hours needs the length of the job"),
         ("model: x\ntrain: {seq_len: 2048, global_batch: 64, tokens: 1e9, steps: 10}\n",

@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from starverse.config import FrozenModel, load_file, parse
+from starverse.config import FrozenModel, _line_of, format_loc, parse, read_yaml
+from starverse.errors import ConfigError
 
 
 class Objective(StrEnum):
@@ -111,26 +112,31 @@ class Job(FrozenModel):
     search: SearchOptions = Field(default_factory=SearchOptions)
     """Search-space options."""
 
-    @model_validator(mode="after")
-    def _consistent(self) -> Job:
-        needs_length = []
-        if self.objective in (Objective.COST, Objective.TIME):
-            needs_length.append(f"objective '{self.objective}'")
-        if self.constraints.deadline_hours is not None:
-            needs_length.append("constraints.deadline_hours")
-        if self.constraints.max_total_cost is not None:
-            needs_length.append("constraints.max_total_cost")
-        if needs_length and self.train.total_tokens is None:
-            raise ValueError(
-                f"{' and '.join(needs_length)} needs the length of the job; add train.tokens (e.g. 1.0e9) "
-                "or train.steps"
-            )
-        return self
+
+
+def check_job(job: Job, source: str = "<job>", node: Any = None) -> Job:
+    """Checks across fields (contradictory settings), as one-line errors pointing at the field."""
+    needs_length: list[tuple[tuple[str, ...], str]] = []
+    if job.objective in (Objective.COST, Objective.TIME):
+        needs_length.append((("objective",), f"objective '{job.objective}'"))
+    if job.constraints.deadline_hours is not None:
+        needs_length.append((("constraints", "deadline_hours"), "constraints.deadline_hours"))
+    if job.constraints.max_total_cost is not None:
+        needs_length.append((("constraints", "max_total_cost"), "constraints.max_total_cost"))
+    if needs_length and job.train.total_tokens is None:
+        loc, _ = needs_length[0]
+        line = _line_of(node, loc) if node is not None else None
+        where = f"{source}:{line}" if line is not None else source
+        what = " and ".join(w for _, w in needs_length)
+        raise ConfigError(f"{where}: {format_loc(loc)}: {what} needs the length of the job; add train.tokens "
+                          "(e.g. 1.0e9) or train.steps")
+    return job
 
 
 def load_job(path: str | Path) -> Job:
     """Read and validate ``job.yaml``; a relative model path is made relative to the job file."""
-    job = load_file(Job, path)
+    data, node = read_yaml(path)
+    job = check_job(parse(Job, data, str(path), node), str(path), node)
     candidate = Path(path).parent / job.model
     if candidate.is_file():
         job = job.model_copy(update={"model": str(candidate.resolve())})
@@ -139,4 +145,4 @@ def load_job(path: str | Path) -> Job:
 
 def job_from_dict(data: Any, source: str = "<job>") -> Job:
     """Build a job from a mapping (the Python API)."""
-    return parse(Job, data, source)
+    return check_job(parse(Job, data, source), source)
