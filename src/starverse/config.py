@@ -80,16 +80,28 @@ def format_loc(loc: Sequence[int | str]) -> str:
 def _model_at(cls: type[BaseModel], loc: Sequence[int | str]) -> type[BaseModel] | None:
     """The pydantic model class that owns the last key of ``loc`` (for did-you-mean)."""
     current: Any = cls
+    skip_next_key = False  # the next str key is a dict key (``dict[str, Model]``), not a field name
     for key in loc[:-1]:
         if isinstance(key, int):
+            continue
+        if skip_next_key:
+            skip_next_key = False
             continue
         if not (isinstance(current, type) and issubclass(current, BaseModel)):
             return None
         field = current.model_fields.get(key)
         if field is None:
             return None
+        skip_next_key = _is_dict(field.annotation)
         current = _unwrap(field.annotation)
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _is_dict(tp: Any) -> bool:
+    """Whether ``tp`` is ``dict[...]`` (possibly inside ``X | None``)."""
+    if typing.get_origin(tp) is dict:
+        return True
+    return any(_is_dict(a) for a in typing.get_args(tp)) if typing.get_origin(tp) is types.UnionType else False
 
 
 def _unwrap(tp: Any) -> Any:

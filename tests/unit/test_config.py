@@ -92,3 +92,19 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_format_loc() -> None:
     assert format_loc(("offers", 2, "price")) == "offers[2].price"
     assert format_loc(()) == "(top level)"
+
+
+class Spec(FrozenModel):
+    memory_gb: float
+
+
+class Cat(FrozenModel):
+    accelerators: dict[str, Spec]
+
+
+def test_did_you_mean_inside_dict_keyed_by_id(tmp_path: Path) -> None:
+    p = tmp_path / "cat.yaml"
+    p.write_text("accelerators:\n  a100:\n    memory_gbs: 80\n")
+    with pytest.raises(ConfigError) as e:
+        load_file(Cat, p)
+    assert str(e.value) == f"{p}:3: accelerators.a100.memory_gbs: unknown field; did you mean 'memory_gb'?"
