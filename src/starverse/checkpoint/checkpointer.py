@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from starverse.checkpoint.state import (
     apply_train_state,
@@ -178,6 +176,8 @@ class Checkpointer:
             if self.rank == 0:
                 torch.save(small["extras"], partial / "extras.pt")
             writer = (self.writer_factory or self._fs_writer)(partial)
+            import torch.distributed.checkpoint as dcp
+
             dcp.save(staged, storage_writer=writer, process_group=self.group, no_dist=self.world_size == 1)
             if self.rank == 0:
                 manifest["device_kinds"] = self.device_kinds
@@ -201,7 +201,9 @@ class Checkpointer:
         dist.all_gather_object(kinds, self.device_kind, group=self.group)
         return [str(k) for k in kinds]
 
-    def _fs_writer(self, path: Path) -> FileSystemWriter:
+    def _fs_writer(self, path: Path) -> Any:
+        from torch.distributed.checkpoint import FileSystemWriter
+
         return FileSystemWriter(path, thread_count=self.io_threads, sync_files=True, overwrite=False)
 
     def _hook(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -209,6 +211,11 @@ class Checkpointer:
             return
         self._hooked.add(id(optimizer))
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_staged()))
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a background save is still running."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait_staged(self) -> None:
         """Block until the snapshot of the last save is taken (call before changing weights by hand)."""
@@ -271,7 +278,9 @@ class Checkpointer:
         self.wait_staged()
         sd = train_state(model, optimizer)
         try:
-            dcp.load(sd, storage_reader=FileSystemReader(info.path), no_dist=True)
+            import torch.distributed.checkpoint as dcp
+
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(info.path), no_dist=True)
             apply_train_state(model, optimizer, sd)
             extras = torch.load(info.path / "extras.pt", weights_only=True)
             src_rank = self.rank if self.rank < info.world_size else self.rank % max(info.world_size, 1)

@@ -14,16 +14,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+
+# torch.distributed.checkpoint costs ~1.7 s to import (DTensor ops); it is imported on first use, and
+# CheckpointCallback warms it up in a background thread while the first steps run.
 
 
 def train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The DCP-ready state: ``{"model": ..., "optim": ...}`` keyed by parameter name (references, not copies)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     sd: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         sd["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -32,6 +31,8 @@ def train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
 
 def apply_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sd: Mapping[str, Any]) -> None:
     """Load a state produced by :func:`train_state` (after DCP filled it in) into model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     set_model_state_dict(model, sd["model"])
     if optimizer is not None and "optim" in sd:
         set_optimizer_state_dict(model, optimizer, sd["optim"])
@@ -66,7 +67,8 @@ def plain(tree: Any) -> Any:
 def fingerprint(model: torch.nn.Module) -> tuple[str, int]:
     """(hash of parameter names, shapes and dtypes, number of parameters): a resume must match both."""
     h = hashlib.sha256()
-    for name, t in sorted(get_model_state_dict(model).items()):
+    # the module's own state_dict keys, as DCP's get_model_state_dict reports them for a plain module
+    for name, t in sorted(model.state_dict().items()):
         if isinstance(t, torch.Tensor):
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
     num = sum(p.numel() for p in model.parameters())

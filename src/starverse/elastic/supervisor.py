@@ -1,0 +1,313 @@
+"""The job supervisor: run ``Trainer.fit`` under checkpoint insurance; on a loss, re-plan and resume.
+
+One attempt is one ``Trainer.fit`` over the current cluster. It ends in one of four ways:
+
+- **completed**: ``max_steps`` reached; done.
+- **hard loss**: a rank killed (SIGKILL, OOM, node gone). ``launch`` notices within its polling period and
+  the collective timeout, stops the other ranks and names the dead rank; the supervisor drops that
+  device, re-plans on the survivors (same global batch, so the trajectory continues), relaunches and
+  resumes from the last complete checkpoint. Work lost: at most one checkpoint interval.
+- **notice on some ranks** (SIGTERM or another notice source in a rank): the ranks stop together at a
+  step boundary and write an emergency checkpoint; the noticed devices are dropped, the rest resume from
+  that checkpoint. Work lost: none.
+- **notice for the whole job** (SIGTERM to the supervisor): forwarded to every rank, which checkpoint
+  and stop; the supervisor raises :class:`PreemptedError` (exit code 3). Resume later from the run dir.
+
+A rank that fails with a Python exception is a bug or bad input, not a lost device: it is retried on the
+same devices at most ``max_restarts`` times, then re-raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starverse.checkpoint.callback import NOTICE_KEY, CheckpointCallback
+from starverse.checkpoint.store import CheckpointStore
+from starverse.errors import CheckpointError, DistributedError, PreemptedError, StarverseError
+from starverse.plan import Plan
+from starverse.runtime.callbacks import Callback, TrainContext
+from starverse.runtime.cluster import Cluster, local_plan
+from starverse.runtime.launch import RankSpec
+from starverse.runtime.trainer import FitResult, Trainer
+
+log = logging.getLogger(__name__)
+
+NOTICES_DIR = "notices"
+PROGRESS_FILE = "progress.json"
+_LOST_RANK = re.compile(r"^rank (\d+) \(.*\) (killed by signal \w+|exit code -?\d+) without reporting")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One ``Trainer.fit`` of the supervised job."""
+
+    number: int
+    """1 for the first launch."""
+    device_kinds: tuple[str, ...]
+    """Accelerator id of each rank."""
+    resumed_from: int | None
+    """Checkpoint step it resumed from (None: fresh start)."""
+    outcome: str
+    """``completed``, ``lost``, ``notice``, ``preempted`` or ``error``."""
+    last_step: int | None
+    """Last step completed (from the progress file), when known."""
+    detail: str = ""
+    """The error or notice text."""
+    wall_s: float = 0.0
+    """Duration of the attempt."""
+
+
+@dataclass(frozen=True)
+class SupervisedResult:
+    """What the supervised job did."""
+
+    fit: FitResult | None
+    """The last attempt's result (None if it did not complete)."""
+    attempts: tuple[Attempt, ...]
+    """Every attempt in order."""
+    final_step: int
+    """Steps completed in the end."""
+
+    @property
+    def lost_steps(self) -> int:
+        """Steps computed twice because of hard losses (last step reached minus the step resumed from)."""
+        lost = 0
+        for prev, nxt in zip(self.attempts, self.attempts[1:], strict=False):
+            if prev.last_step is not None and nxt.resumed_from is not None:
+                lost += max(0, prev.last_step - nxt.resumed_from)
+        return lost
+
+
+class ProgressCallback(Callback):
+    """Rank 0 records the last completed step and its time (``run_dir/progress.json``) for the supervisor;
+    a rank that received a preemption notice itself leaves ``run_dir/notices/rank-N.json``."""
+
+    def on_step_end(self, ctx: TrainContext) -> None:
+        """Write progress (rank 0) and this rank's notice, if any."""
+        if ctx.rank == 0:
+            p = Path(ctx.run_dir) / PROGRESS_FILE
+            tmp = p.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"step": ctx.step, "time": time.time(), "loss": ctx.metrics.loss}))
+            tmp.replace(p)
+
+    def on_fit_end(self, ctx: TrainContext) -> None:
+        """Leave a notice marker when this rank itself was warned (its device is going away)."""
+        notice = ctx.extra.get(NOTICE_KEY)
+        if notice is not None and notice.source != "another rank":
+            d = Path(ctx.run_dir) / NOTICES_DIR
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"rank-{ctx.rank}.json").write_text(
+                json.dumps({"rank": ctx.rank, "device_kind": ctx.device_kind, "source": notice.source,
+                            "step": ctx.step})
+            )
+
+
+def read_progress(run_dir: Path) -> dict[str, Any] | None:
+    """The last progress record, or None."""
+    try:
+        return json.loads((Path(run_dir) / PROGRESS_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def replan_local(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence[RankSpec]) -> Cluster:
+    """The default re-plan: the planner's plan for the surviving devices when it offers one, else one
+    data-parallel group per device kind; same model, sequence length and **global batch** (so the loss
+    trajectory continues), ranks renumbered."""
+    ranks = tuple(RankSpec(i, r.device_kind, r.device, r.num_threads, r.env) for i, r in enumerate(survivors))
+    old = cluster.plan
+    plan: Plan | None = None
+    how = "one data-parallel group per device kind"
+    try:
+        from starverse import planner
+
+        helper = getattr(planner, "plan_for_devices", None)
+        if helper is not None:
+            plan = helper(
+                model=old.model, devices=dict(Counter(r.device_kind for r in ranks)), objective=cluster.policy,
+                max_budget_per_hour=None, seq_len=old.train.seq_len, global_batch=old.train.global_batch,
+            )
+            how = "the planner's plan"
+    except Exception as e:  # the planner not handling these devices is not fatal
+        log.info("planner not used for the re-plan (%s: %s)", e.__class__.__name__, e)
+        plan = None
+    if plan is None or plan.num_devices != len(ranks):
+        plan = local_plan(
+            ranks, old.model, old.groups[0].stages[0].layers, old.train.seq_len, old.train.global_batch,
+            precision=old.train.precision,
+        )
+        how = "one data-parallel group per device kind"
+    gone = ", ".join(f"{r.device_kind} (rank {r.rank})" for r in lost)
+    note = f"re-planned after losing {gone}: {len(ranks)} ranks, {how}, global batch {old.train.global_batch}"
+    log.warning("%s", note)
+    return dataclasses.replace(cluster, plan=plan, ranks=ranks, weights=(), notes=(*cluster.notes, note))
+
+
+class Supervisor:
+    """Runs a training job to completion across device losses (see the module docstring)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        run_dir: str | Path,
+        *,
+        checkpoint: CheckpointCallback,
+        preemption: Callback | None = None,
+        callbacks: Sequence[Callback] | Callable[[int], Sequence[Callback]] = (),
+        trainer_options: dict[str, Any] | None = None,
+        max_restarts: int = 5,
+        replan: Callable[[Cluster, Sequence[RankSpec], Sequence[RankSpec]], Cluster] = replan_local,
+    ):
+        """``checkpoint``/``preemption``: the insurance callbacks (their settings apply to every attempt);
+        ``callbacks``: other callbacks, or a function of the attempt number returning them (tests inject
+        failures in the first attempt only); ``trainer_options``: extra ``Trainer`` fields."""
+        self.cluster = cluster
+        self.run_dir = Path(run_dir).resolve()
+        self.checkpoint = checkpoint
+        self.preemption = preemption
+        self.callbacks = callbacks
+        self.trainer_options = dict(trainer_options or {})
+        self.max_restarts = max_restarts
+        self.replan = replan
+        self._job_notice: str | None = None
+
+    @property
+    def store(self) -> CheckpointStore:
+        """The run's checkpoint store."""
+        return CheckpointStore(self.checkpoint.directory or self.run_dir / "checkpoints")
+
+    def resume_path(self, resume_from: int | str | None) -> Path | None:
+        """Check ``resume_from`` (a step, ``"latest"`` or None) before launching anything; read-only."""
+        store = self.store
+        if resume_from is None:
+            return None
+        if resume_from == "latest":
+            info = store.latest()
+            return info.path if info is not None else None
+        info = store.get(int(resume_from))
+        store.verify(info)
+        return info.path
+
+    def _attempt_callbacks(self, number: int) -> list[Callback]:
+        extra = self.callbacks(number) if callable(self.callbacks) else self.callbacks
+        insurance: list[Callback] = [self.preemption] if self.preemption is not None else []
+        # Order matters: the notice is agreed before the checkpoint callback decides; progress comes last.
+        return [*insurance, self.checkpoint, *extra, ProgressCallback()]
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        if self._job_notice is None:
+            self._job_notice = signal.Signals(signum).name
+            log.warning("supervisor received %s: asking every rank for an emergency checkpoint", self._job_notice)
+        for child in multiprocessing.active_children():
+            if child.name.startswith("starverse-rank") and child.pid is not None:
+                os.kill(child.pid, signal.SIGTERM)
+
+    def run(self, model_factory: Callable[[Cluster], Any], dataset: Any, *, resume_from: int | str | None = "latest",
+            **fit_kwargs: Any) -> SupervisedResult:
+        """Train until ``fit_kwargs['max_steps']``; ``model_factory(cluster)`` builds the (initial) model."""
+        resume = self.resume_path(resume_from)
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        attempts: list[Attempt] = []
+        errors = 0
+        try:
+            while True:
+                number = len(attempts) + 1
+                resumed_step = _step_of(resume)
+                t0 = time.monotonic()
+                (self.run_dir / NOTICES_DIR).mkdir(parents=True, exist_ok=True)
+                for old in (self.run_dir / NOTICES_DIR).glob("rank-*.json"):
+                    old.unlink()
+                trainer = Trainer(self.cluster, callbacks=self._attempt_callbacks(number), run_dir=self.run_dir,
+                                  **self.trainer_options)
+                kinds = tuple(r.device_kind for r in self.cluster.ranks)
+                try:
+                    fit = trainer.fit(model_factory(self.cluster), dataset, resume_from=resume, **fit_kwargs)
+                except DistributedError as e:
+                    progress = read_progress(self.run_dir)
+                    last = progress["step"] if progress else None
+                    lost = _lost_rank(str(e))
+                    outcome = "lost" if lost is not None else "error"
+                    attempts.append(Attempt(number, kinds, resumed_step, outcome, last, str(e),
+                                            time.monotonic() - t0))
+                    if self._job_notice is not None:
+                        raise self._preempted(attempts) from None
+                    if lost is None:
+                        errors += 1
+                        if errors > self.max_restarts:
+                            raise
+                        log.warning("attempt %d failed (%s); retrying on the same devices", number, e)
+                    else:
+                        self._drop([lost], str(e))
+                    if len(attempts) > self.max_restarts:
+                        raise DistributedError(
+                            f"gave up after {len(attempts)} attempts (max_restarts={self.max_restarts}); last: {e}. "
+                            f"Progress is kept in {self.store.root}: resume with `starverse train` later."
+                        ) from None
+                    resume = self._latest_or_none(resume)
+                    continue
+                noticed = sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / NOTICES_DIR).glob("rank-*.json"))
+                if self._job_notice is not None:
+                    attempts.append(Attempt(number, kinds, resumed_step, "preempted", fit.steps, self._job_notice,
+                                            time.monotonic() - t0))
+                    raise self._preempted(attempts)
+                if fit.steps >= fit_kwargs.get("max_steps", fit.steps) or not noticed:
+                    attempts.append(Attempt(number, kinds, resumed_step, "completed", fit.steps, fit.stop_reason or "",
+                                            time.monotonic() - t0))
+                    return SupervisedResult(fit, tuple(attempts), fit.steps)
+                attempts.append(Attempt(number, kinds, resumed_step, "notice", fit.steps,
+                                        f"notice on ranks {noticed}", time.monotonic() - t0))
+                if len(noticed) == len(self.cluster.ranks):
+                    raise self._preempted(attempts)
+                self._drop(noticed, f"preemption notice on ranks {noticed}")
+                resume = self._latest_or_none(resume)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _drop(self, lost_ranks: Sequence[int], why: str) -> None:
+        lost = [r for r in self.cluster.ranks if r.rank in set(lost_ranks)]
+        survivors = [r for r in self.cluster.ranks if r.rank not in set(lost_ranks)]
+        if not survivors:
+            raise DistributedError(f"every device of the job is gone ({why}). Progress is kept in {self.store.root}.")
+        self.cluster = self.replan(self.cluster, survivors, lost)
+
+    def _latest_or_none(self, previous: Path | None) -> Path | None:
+        info = self.store.latest()
+        if info is None:
+            if previous is not None:
+                raise CheckpointError(f"{self.store.root}: the checkpoint resumed from is gone; cannot continue.")
+            log.warning("no checkpoint yet: restarting from step 0")
+            return None
+        return info.path
+
+    def _preempted(self, attempts: list[Attempt]) -> StarverseError:
+        info = self.store.latest()
+        where = f"checkpoint step-{info.step} in {info.path.parent}" if info else "no checkpoint"
+        return PreemptedError(
+            f"job preempted ({self._job_notice or 'every device got a notice'}) after {len(attempts)} attempt(s); "
+            f"last {where}. To resume: run the same `starverse train` command again."
+        )
+
+
+def _step_of(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    m = re.match(r"^step-(\d+)$", path.name)
+    return int(m.group(1)) if m else None
+
+
+def _lost_rank(message: str) -> int | None:
+    """The rank ``launch`` names as killed/exited (a lost device), or None for an exception (a bug)."""
+    m = _LOST_RANK.match(message)
+    return int(m.group(1)) if m else None
