@@ -63,7 +63,9 @@ def test_gqa_and_gated_mlp_flops() -> None:
 
 def test_ring_allreduce_and_hierarchical_bandwidth() -> None:
     t = ring_allreduce_s(8e9, 8, 100.0)
-    assert float(t) == pytest.approx(2 * 7 / 8 * 8e9 / 100e9 + 14 * COLLECTIVE_LATENCY_S)
+    # bandwidth term of a ring plus 2*log2(n) latency steps per collective
+    assert float(t) == pytest.approx(2 * 7 / 8 * 8e9 / 100e9 + 2 * 3 * COLLECTIVE_LATENCY_S)
+    assert float(ring_allreduce_s(8e9, 8, 100.0, 10)) == pytest.approx(2 * 7 / 8 * 8e9 / 100e9 + 60 * COLLECTIVE_LATENCY_S)
     assert float(ring_allreduce_s(1e9, 1, 100.0)) == 0.0
     # inside a node: NVLink; 8 per node across nodes: the node's NIC; 1 per node: a NIC eighth
     intra = group_bus_gb_per_s(8, 8, 300.0, 8, 1600.0)
@@ -138,6 +140,24 @@ def test_memory_follows_zero_stages() -> None:
     gathered = 2 * 2 * spec.params_per_layer / 1e9  # two layers gathered at a time
     assert b.weights_gb[3] == pytest.approx(2 * p / n + gathered)
     assert list(b.memory_gb) == sorted(b.memory_gb, reverse=True)
+
+
+def test_eager_attention_is_slower_and_stores_scores() -> None:
+    # unfused attention materialises 5 a s^2 b bytes per layer (Korthikanti Eq. 1); selective recompute drops them
+    h, s, b, heads = 4096, 2048, 1, 32
+    dev = DeviceTable.from_catalog(CAT, ["a100-80gb-sxm"], "bf16")
+    shape = ModelShape.from_spec(gpt(h=h, layers=3, heads=heads))
+    shape2 = ModelShape.from_spec(gpt(h=h, layers=2, heads=heads))
+
+    def run(sh: ModelShape, attention: str, rc: int) -> object:
+        cand = Candidates.make(accelerator=0, tp=1, pp=1, replicas=1, micro_batch=b, num_micro_batches=1, recompute=rc)
+        return estimate_batch(sh, TrainShape(seq_len=s, attention=attention), dev, cand)
+
+    per_layer = float(run(shape, "eager", 0).activations_gb[0] - run(shape2, "eager", 0).activations_gb[0]) * 1e9
+    assert per_layer == pytest.approx(s * b * h * (34 + 5 * heads * s / h))
+    per_layer_sel = float(run(shape, "eager", 1).activations_gb[0] - run(shape2, "eager", 1).activations_gb[0]) * 1e9
+    assert per_layer_sel == pytest.approx(34 * s * b * h)
+    assert run(shape, "eager", 0).step_time_s[0] > 1.1 * run(shape, "flash", 0).step_time_s[0]
 
 
 def test_activation_memory_is_korthikanti() -> None:

@@ -143,6 +143,8 @@ class TrainShape:
     """gpipe | 1f1b | interleaved."""
     virtual_stages: int = 1
     """Model chunks per device (interleaved schedule)."""
+    attention: str = "flash"
+    """flash (fused, causal blocks skipped, no s x s activations) | eager (materialised scores)."""
 
     @classmethod
     def from_train(cls, train: TrainSpec) -> TrainShape:
@@ -154,6 +156,7 @@ class TrainShape:
             lora_rank=train.lora_rank,
             schedule=train.schedule,
             virtual_stages=train.virtual_stages,
+            attention=train.attention,
         )
 
 

@@ -15,16 +15,17 @@ from starverse.costmodel.constants import COLLECTIVE_LATENCY_S, LINK_EFFICIENCY,
 FloatArray = npt.NDArray[np.float64]
 
 
-def ring_allreduce_s(bytes_: Any, n: Any, bus_gb_per_s: Any) -> FloatArray:
-    """Ring all-reduce of ``bytes_`` over ``n`` ranks at bus bandwidth ``bus_gb_per_s``.
+def ring_allreduce_s(bytes_: Any, n: Any, bus_gb_per_s: Any, count: Any = 1.0) -> FloatArray:
+    """All-reduce of ``bytes_`` (in total, split over ``count`` collectives) over ``n`` ranks.
 
-    Each rank sends and receives 2(n-1)/n of the buffer (reduce-scatter + all-gather), plus a latency
-    per ring step. Zero for n <= 1. ``bus_gb_per_s`` is the achieved bus bandwidth (efficiency applied).
+    Bandwidth term of a ring: each rank sends and receives 2(n-1)/n of the data at the achieved bus
+    bandwidth ``bus_gb_per_s``; latency term: ``count`` collectives of 2*log2(n) latency steps each.
+    Zero for n <= 1.
     """
     n_ = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
     b = np.asarray(bytes_, dtype=np.float64)
     bw = np.maximum(np.asarray(bus_gb_per_s, dtype=np.float64), 1e-9) * 1e9
-    t = 2.0 * (n_ - 1.0) / n_ * b / bw + 2.0 * (n_ - 1.0) * COLLECTIVE_LATENCY_S
+    t = 2.0 * (n_ - 1.0) / n_ * b / bw + np.asarray(count) * 2.0 * np.log2(n_) * COLLECTIVE_LATENCY_S
     return np.asarray(np.where(n_ > 1.0, t, 0.0), dtype=np.float64)
 
 

@@ -67,6 +67,14 @@ FlashAttention-2 (Dao 2023, Fig. 4-6, A100, causal, seq 2k, forward+backward): ~
 d=64 and ~0.63 at d=128; with A100's MAMF 0.869 that is d/(d+48) within a few percent at both points.
 """
 
+EAGER_SCORE_BYTES = 8.0
+"""Unfused ("eager") attention, forward bytes per s x s score element: the QK^T matmul writes the score
+(2 B), the fused scale-mask-softmax reads it and writes the probability (4 B), the PV matmul reads it
+(2 B). Backward moves BACKWARD_ELEMENTWISE_FACTOR times as much (Megatron-LM fused softmax kernels)."""
+
+EAGER_DROPOUT_SCORE_BYTES = 5.0
+"""Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
+
 CAUSAL_FRACTION = 0.5
 """Causal attention computes only the lower triangle of the s x s score matrix (FlashAttention skips
 masked blocks); exact fraction s(s+1)/(2 s^2) is used where s is known, this is its limit."""
@@ -100,8 +108,20 @@ NETWORK_EFFICIENCY = 0.90
 """Achieved fraction of NIC line rate for large collectives over InfiniBand/RoCE (nccl-tests multi-node
 all_reduce busbw ~185 GB/s on 8x200 Gb/s HDR per DGX A100 node)."""
 
-COLLECTIVE_LATENCY_S = 20e-6
-"""Per-step latency of a ring collective hop (NCCL LL/Simple protocol launch + hop latency, ~5-20 us)."""
+COLLECTIVE_LATENCY_S = 10e-6
+"""Latency per log2(n) step of one collective: NCCL switches to tree/LL protocols for latency, so an
+n-rank collective costs about 2*log2(n) of these (nccl-tests: an 8-byte all-reduce takes ~20-30 us on 8
+GPUs of one node and ~100 us over a few hundred nodes). Also the fixed cost of one pipeline send."""
+
+GRADIENT_BUCKET_BYTES = 25e6
+"""Gradients are reduced in buckets (PyTorch DDP bucket_cap_mb=25; Megatron ~40M elements): one collective
+latency per bucket."""
+
+OVERLAP_SM_FRACTION = 0.20
+"""Communication overlapped with compute still runs NCCL kernels on the SMs: NCCL uses 16-32 channels,
+one CTA each, i.e. ~15-30 % of an A100's 108 or an H100's 132 SMs while a collective is in flight.
+Overlapped communication therefore slows compute by this fraction of its own duration (the
+compute/communication interference measured e.g. by Rashidi et al. 2021 and Pati et al. 2024, 10-25 %)."""
 
 PCIE_HOST_GB_PER_S = 25.0
 """Host<->device copy bandwidth for CPU offload (PCIe 4.0 x16: 32 GB/s line rate, ~25 GB/s achieved)."""

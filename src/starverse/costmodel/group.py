@@ -44,6 +44,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         tie=shape.tie_embeddings,
         rope=shape.rope,
         dropout=shape.dropout,
+        attention=train.attention,
         num_layers=float(shape.num_layers),
         params_per_layer=float(shape.params_per_layer),
         active_params_per_layer=float(shape.active_params_per_layer),

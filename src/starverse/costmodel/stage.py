@@ -104,6 +104,7 @@ class ModelNumbers:
     tie: bool
     rope: bool
     dropout: bool
+    attention: str
     num_layers: float
     params_per_layer: float
     active_params_per_layer: float
@@ -163,11 +164,26 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         g = g + gemm_time_s(tokens, _f(h), mn.ffn / t, rows, bv)
     # fused causal attention: 2 matmuls of T x s x d per head, lower triangle only; backward recomputes
     # the scores (FlashAttention): 2.5x the forward matmul work
-    attn_flops = 4.0 * tokens * (s + 1.0) / 2.0 * mn.q_dim / t
-    attn_eff = rows.gemm_efficiency * mn.head_dim / (mn.head_dim + C.ATTENTION_HEAD_DIM_HALF)
-    a = attn_flops / (rows.peak_tflops * 1e12 * attn_eff)
     bwd_gemm = 2.0 if full_mode else 1.0  # frozen base weights: no weight gradients
-    gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any)
+    heads = mn.q_dim / mn.head_dim / t
+    bw = rows.memory_bw_gb_per_s * (1e9 * C.MEMORY_BW_EFFICIENCY)
+    if mn.attention == "eager":
+        # materialised s x s scores per head: two batched matmuls over the full square (masked after),
+        # backward 2x; scores, softmax and dropout make passes over memory (C.EAGER_SCORE_BYTES)
+        ss = _f(s)
+        a = gemm_time_s(ss, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
+        score_bytes = C.EAGER_SCORE_BYTES + (C.EAGER_DROPOUT_SCORE_BYTES if mn.dropout else 0.0)
+        softmax = rows.micro_batch * heads * s * s * score_bytes / bw
+        gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.0 + rc_any)
+        attn_elem = softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any)
+    else:
+        # fused causal attention: 2 matmuls of T x s x d per head, lower triangle only; backward
+        # recomputes the scores (FlashAttention): 2.5x the forward matmul work
+        attn_flops = 4.0 * tokens * (s + 1.0) / 2.0 * mn.q_dim / t
+        attn_eff = rows.gemm_efficiency * mn.head_dim / (mn.head_dim + C.ATTENTION_HEAD_DIM_HALF)
+        a = attn_flops / (rows.peak_tflops * 1e12 * attn_eff)
+        gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any)
+        attn_elem = 0.0
 
     # ---- memory-bound elementwise work of one layer ------------------------------------------------
     # per token, values moved forward: 2 norms (read+write h) and 2 residual adds (read 2, write 1);
@@ -176,7 +192,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     act_values = (3.0 if mn.gated else 2.0) * mn.ffn * max(mn.top_k, 1.0)
     if mn.rope:
         act_values += 2.0 * (mn.q_dim + mn.kv_dim)
-    # fused attention reads Q, K, V and writes O forward; backward reads Q, K, V, O, dO and writes
+    # attention reads Q, K, V and writes O forward; backward reads Q, K, V, O, dO and writes
     # dQ, dK, dV: on average 2x the forward bytes, the same factor as the other elementwise work
     act_values += 2.0 * (mn.q_dim + mn.kv_dim)
     tp_rep = np.where(sp, t, 1.0)
@@ -184,8 +200,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     if mn.mode == "qlora":
         # dequantise the 4-bit base to 16 bit for every use (read 0.5 B, write 2 B per parameter)
         fwd_bytes = fwd_bytes + (mn.params_per_layer / t) * 2.5
-    bw = rows.memory_bw_gb_per_s * (1e9 * C.MEMORY_BW_EFFICIENCY)
-    elem_layer = fwd_bytes / bw * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_full)
+    elem_layer = fwd_bytes / bw * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_full) + attn_elem
 
     # ---- TP collectives of one layer: 2 all-reduces forward, 2 backward (+2 recomputed forward) ----
     same_node = rows.tp <= rows.devices_per_node
@@ -205,6 +220,12 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     split_act = ((mn.q_dim + 2.0 * mn.kv_dim) + mn.q_dim) * bv + (3.0 if mn.gated else 2.0) * mn.ffn * bv * max(
         mn.top_k, 1.0)
     layer_act = tokens * (rep_act / tp_rep + split_act / t)
+    if mn.attention == "eager":
+        # Korthikanti's 5as^2b: softmax output (2 B), dropout mask (1 B) and output (2 B) per score;
+        # selective recompute drops exactly these
+        per_score = 2.0 + (3.0 if mn.dropout else 0.0)
+        layer_act = layer_act + np.where(rows.recompute >= 1, 0.0,
+                                         rows.micro_batch * heads * s * s * per_score)
     layer_input = tokens * (h * bv) / tp_rep
     stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
 
@@ -311,15 +332,21 @@ def stage_totals(
     offload_mb = np.where(offload_params, 2.0 * p_dev / shard_w * bv / (C.PCIE_HOST_GB_PER_S * 1e9), 0.0)
     exposed = np.maximum(offload_mb - compute_mb, 0.0)
 
-    dp_allreduce = ring_allreduce_s(trainable * bv, n, lc["dp_bus"])
+    grad_bytes = trainable * bv
+    dp_allreduce = ring_allreduce_s(grad_bytes, n, lc["dp_bus"], np.ceil(grad_bytes / C.GRADIENT_BUCKET_BYTES))
     z3 = z >= 3
-    # ZeRO-3: all-gather for forward, again for backward, reduce-scatter of gradients (1.5x all-reduce);
-    # overlapped with the micro-batch's compute except the first layer's gather
-    z3_mb = 1.5 * ring_allreduce_s(p_dev * bv, n, lc["dp_bus"])
-    exposed = exposed + np.where(z3, np.maximum(z3_mb - compute_mb, 0.0) + z3_mb / (3.0 * np.maximum(L, 1.0)), 0.0)
+    # ZeRO-3: per layer an all-gather for forward, again for backward, and a reduce-scatter of gradients
+    # (1.5x the all-reduce volume), overlapped with the micro-batch's compute except the first gather;
+    # the overlapped part still takes SMs from compute
+    z3_mb = 1.5 * ring_allreduce_s(p_dev * bv, n, lc["dp_bus"], 2.0 * np.maximum(L, 1.0))
+    z3_exposed = (np.maximum(z3_mb - compute_mb, 0.0) + z3_mb / (3.0 * np.maximum(L, 1.0))
+                  + C.OVERLAP_SM_FRACTION * np.minimum(z3_mb, compute_mb))
+    exposed = exposed + np.where(z3, z3_exposed, 0.0)
     stage_mb = compute_mb + exposed
     # gradient reduction (ZeRO 0-2) overlaps the backward of the last micro-batch (bucketed)
-    dp_exposed = np.where(z3, 0.0, np.maximum(dp_allreduce - compute_mb * (2.0 / 3.0), 0.0))
+    bwd_last = compute_mb * (2.0 / 3.0)
+    dp_exposed = np.where(z3, 0.0, np.maximum(dp_allreduce - bwd_last, 0.0)
+                          + C.OVERLAP_SM_FRACTION * np.minimum(dp_allreduce, bwd_last))
 
     total = (weights + grads + optimizer + activations) / 1e9 + C.RESERVED_GB
     return {
