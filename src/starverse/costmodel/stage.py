@@ -183,7 +183,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         attn_eff = rows.gemm_efficiency * mn.head_dim / (mn.head_dim + C.ATTENTION_HEAD_DIM_HALF)
         a = attn_flops / (rows.peak_tflops * 1e12 * attn_eff)
         gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any)
-        attn_elem = 0.0
+        attn_elem = np.zeros_like(a)
 
     # ---- memory-bound elementwise work of one layer ------------------------------------------------
     # per token, values moved forward: 2 norms (read+write h) and 2 residual adds (read 2, write 1);
