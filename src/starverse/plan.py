@@ -19,7 +19,7 @@ Mode = Literal["full", "lora", "qlora"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
-Attention = Literal["flash", "eager"]
+Attention = Literal["auto", "flash", "eager"]
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
@@ -49,9 +49,10 @@ class TrainSpec(FrozenModel):
     """Model chunks per device for the interleaved schedule (v in Narayanan et al. 2021)."""
     sequence_parallel: bool = False
     """Megatron-style sequence parallelism inside TP groups."""
-    attention: Attention = "flash"
-    """Attention kernel: flash (fused, FlashAttention-style, the default of current stacks) or eager (scores
-    materialised in memory: softmax/dropout kernels over s x s per head, as Megatron-LM before 2022)."""
+    attention: Attention = "auto"
+    """Attention kernel: flash (fused, FlashAttention-style), eager (scores materialised in memory:
+    softmax/dropout kernels over s x s per head, as Megatron-LM before 2022), or auto (flash where the
+    accelerator has a fused kernel, eager on Volta/Turing-class devices)."""
     tokens: float | None = Field(default=None, gt=0)
     """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
     steps: int | None = Field(default=None, gt=0)

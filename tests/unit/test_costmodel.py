@@ -314,3 +314,17 @@ def test_device_table_prices_and_efficiency() -> None:
     assert dev.peak_tflops[1] == CAT.accelerator("h100-80gb-sxm").bf16_tflops
     assert 0.5 < dev.gemm_efficiency[0] < 1.0 and dev.gemm_efficiency[1] < dev.gemm_efficiency[0]
     assert np.all(dev.devices_per_node == 8)
+
+
+def test_attention_auto_is_eager_only_without_fused_kernels() -> None:
+    shape = ModelShape.from_spec(gpt(h=2048, layers=4, heads=16))
+    dev = DeviceTable.from_catalog(CAT, ["v100-32gb-sxm", "a100-80gb-sxm"], "fp16")
+    assert list(dev.flash_attention) == [False, True]
+    cand = Candidates.make(accelerator=[0, 1], tp=1, pp=1, replicas=1, micro_batch=1, num_micro_batches=1)
+
+    def run(attention: str) -> object:
+        return estimate_batch(shape, TrainShape(seq_len=2048, precision="fp16", attention=attention), dev, cand)
+
+    auto, flash, eager = run("auto"), run("flash"), run("eager")
+    assert auto.step_time_s[0] == eager.step_time_s[0] and auto.step_time_s[1] == flash.step_time_s[1]
+    assert auto.activations_gb[0] == eager.activations_gb[0] > flash.activations_gb[0]

@@ -143,8 +143,9 @@ class TrainShape:
     """gpipe | 1f1b | interleaved."""
     virtual_stages: int = 1
     """Model chunks per device (interleaved schedule)."""
-    attention: str = "flash"
-    """flash (fused, causal blocks skipped, no s x s activations) | eager (materialised scores)."""
+    attention: str = "auto"
+    """flash (fused, causal blocks skipped, no s x s activations) | eager (materialised scores) | auto
+    (per accelerator: ``DeviceTable.flash_attention``)."""
 
     @classmethod
     def from_train(cls, train: TrainSpec) -> TrainShape:
@@ -188,6 +189,8 @@ class DeviceTable:
     """Board power (W)."""
     price_per_hour: FloatArray
     """Price per device-hour (NaN = unknown)."""
+    flash_attention: BoolArray | None = None
+    """Has a fused attention kernel (used by ``TrainShape.attention == "auto"``); None = all do."""
 
     @classmethod
     def from_accelerators(
@@ -200,7 +203,7 @@ class DeviceTable:
         price_per_hour: Sequence[float | None] | None = None,
     ) -> DeviceTable:
         """One row per ``catalog.Accelerator``; optional per-row overrides (pool offers)."""
-        from starverse.costmodel.constants import gemm_efficiency
+        from starverse.costmodel.constants import gemm_efficiency, has_flash_attention
 
         k = len(accelerators)
         dpn = [a.devices_per_node for a in accelerators] if devices_per_node is None else list(devices_per_node)
@@ -217,6 +220,7 @@ class DeviceTable:
             inter_node_gbps=np.array(nic, dtype=np.float64),
             tdp_w=np.array([a.tdp_w for a in accelerators], dtype=np.float64),
             price_per_hour=np.array([np.nan if p is None else p for p in price], dtype=np.float64),
+            flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
         )
 
     @classmethod

@@ -155,6 +155,21 @@ QLORA_BYTES_PER_PARAM = 0.5 + 0.127 / 8 * 4
 rounded up to the 16-bit dequantisation buffer amortised: ~0.56 bytes."""
 
 
+NO_FUSED_ATTENTION: frozenset[str] = frozenset(
+    {"v100-16gb-sxm", "v100-32gb-sxm", "t4", "rtx-2080", "titan-rtx", "mlu370-x8", "cpu"}
+)
+"""Accelerators without a fused (Flash) attention kernel in their training stacks: FlashAttention-2 needs
+NVIDIA sm80+ (Ampere, Ada, Hopper, Blackwell; Dao 2023, flash-attn README), so Volta (V100) and Turing
+(T4, RTX 2080, Titan RTX) run unfused attention; no published fused kernel for Cambricon MLU370; CPU
+training runs PyTorch's math attention. AMD CDNA2/3 (CK), TPUs (XLA/Pallas) and Ascend (CANN
+FlashAttentionScore) have fused kernels."""
+
+
+def has_flash_attention(acc: Any) -> bool:
+    """Whether ``train.attention: auto`` runs fused attention on this accelerator."""
+    return acc.id not in NO_FUSED_ATTENTION
+
+
 def gemm_efficiency(acc: Any) -> float:
     """Large-matmul fraction of peak a ``catalog.Accelerator`` sustains in training (MAMF x sustained)."""
     if acc.id in GEMM_EFFICIENCY:

@@ -161,6 +161,8 @@ def _rows_for(
         offload=cand.offload.astype(f),
         sequence_parallel=cand.sequence_parallel,
         pipeline_devices=tp * pp,
+        flash_attention=(np.ones(n, dtype=np.bool_) if devices.flash_attention is None
+                         else devices.flash_attention[k]),
     )
 
 

@@ -71,6 +71,8 @@ class StageRows:
     """Megatron sequence parallelism."""
     pipeline_devices: FloatArray
     """Devices of one pipeline replica (sum of tp over stages), for placement on nodes."""
+    flash_attention: BoolArray
+    """The accelerator has a fused (Flash) attention kernel (``constants.has_flash_attention``)."""
 
 
 def _f(x: object) -> FloatArray:
@@ -137,6 +139,16 @@ class ModelNumbers:
         return 2.0 * per_token
 
 
+def attention_is_eager(mn: ModelNumbers, rows: StageRows) -> BoolArray:
+    """Rows that run unfused attention: all for ``eager``, none for ``flash``, and for ``auto`` the
+    accelerators without a fused attention kernel (``StageRows.flash_attention``)."""
+    if mn.attention == "eager":
+        return np.ones(rows.tp.shape, dtype=np.bool_)
+    if mn.attention == "flash":
+        return np.zeros(rows.tp.shape, dtype=np.bool_)
+    return np.asarray(~rows.flash_attention, dtype=np.bool_)
+
+
 def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     """Costs that do not depend on where a stage sits or how many layers it holds: per layer, per
     micro-batch, per device (the batch path computes these once per candidate)."""
@@ -162,28 +174,26 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     else:
         g = g + gemm_time_s(tokens, up, _f(h), rows, bv)
         g = g + gemm_time_s(tokens, _f(h), mn.ffn / t, rows, bv)
-    # fused causal attention: 2 matmuls of T x s x d per head, lower triangle only; backward recomputes
-    # the scores (FlashAttention): 2.5x the forward matmul work
     bwd_gemm = 2.0 if full_mode else 1.0  # frozen base weights: no weight gradients
     heads = mn.q_dim / mn.head_dim / t
     bw = rows.memory_bw_gb_per_s * (1e9 * C.MEMORY_BW_EFFICIENCY)
-    if mn.attention == "eager":
+    eager = attention_is_eager(mn, rows)
+    # fused causal attention: 2 matmuls of T x s x d per head, lower triangle only; backward recomputes
+    # the scores (FlashAttention): 2.5x the forward matmul work
+    attn_flops = 4.0 * tokens * (s + 1.0) / 2.0 * mn.q_dim / t
+    attn_eff = rows.gemm_efficiency * mn.head_dim / (mn.head_dim + C.ATTENTION_HEAD_DIM_HALF)
+    a = attn_flops / (rows.peak_tflops * 1e12 * attn_eff)
+    gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any)
+    attn_elem = np.zeros_like(a)
+    if eager.any():
         # materialised s x s scores per head: two batched matmuls over the full square (masked after),
         # backward 2x; scores, softmax and dropout make passes over memory (C.EAGER_SCORE_BYTES)
         ss = _f(s)
-        a = gemm_time_s(ss, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
+        a_e = gemm_time_s(ss, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
         score_bytes = C.EAGER_SCORE_BYTES + (C.EAGER_DROPOUT_SCORE_BYTES if mn.dropout else 0.0)
         softmax = rows.micro_batch * heads * s * s * score_bytes / bw
-        gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.0 + rc_any)
-        attn_elem = softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any)
-    else:
-        # fused causal attention: 2 matmuls of T x s x d per head, lower triangle only; backward
-        # recomputes the scores (FlashAttention): 2.5x the forward matmul work
-        attn_flops = 4.0 * tokens * (s + 1.0) / 2.0 * mn.q_dim / t
-        attn_eff = rows.gemm_efficiency * mn.head_dim / (mn.head_dim + C.ATTENTION_HEAD_DIM_HALF)
-        a = attn_flops / (rows.peak_tflops * 1e12 * attn_eff)
-        gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any)
-        attn_elem = np.zeros_like(a)
+        gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + rc_full) + a_e * (1.0 + 2.0 + rc_any), gemm_layer)
+        attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any), attn_elem)
 
     # ---- memory-bound elementwise work of one layer ------------------------------------------------
     # per token, values moved forward: 2 norms (read+write h) and 2 residual adds (read 2, write 1);
@@ -220,12 +230,12 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     split_act = ((mn.q_dim + 2.0 * mn.kv_dim) + mn.q_dim) * bv + (3.0 if mn.gated else 2.0) * mn.ffn * bv * max(
         mn.top_k, 1.0)
     layer_act = tokens * (rep_act / tp_rep + split_act / t)
-    if mn.attention == "eager":
+    if eager.any():
         # Korthikanti's 5as^2b: softmax output (2 B), dropout mask (1 B) and output (2 B) per score;
         # selective recompute drops exactly these
         per_score = 2.0 + (3.0 if mn.dropout else 0.0)
-        layer_act = layer_act + np.where(rows.recompute >= 1, 0.0,
-                                         rows.micro_batch * heads * s * s * per_score)
+        layer_act = layer_act + np.where(eager & (rows.recompute < 1),
+                                         rows.micro_batch * heads * s * s * per_score, 0.0)
     layer_input = tokens * (h * bv) / tp_rep
     stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
 

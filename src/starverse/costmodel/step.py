@@ -220,6 +220,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         offload=full(OFFLOAD_CODES[tr.offload]),
         sequence_parallel=np.full((pp, k), tr.sequence_parallel),
         pipeline_devices=full(sum(s.tp for s in stages)),
+        flash_attention=np.repeat(np.array([C.has_flash_attention(a) for a in accs])[:, None], k, axis=1),
     )
 
 
