@@ -63,6 +63,7 @@ def main() -> None:
         plans.append(parse(Plan, {
             "model": "llama-2-70b",
             "train": {"seq_len": 4096, "global_batch": n * mb * m, "zero_stage": int(sample.zero_stage[i]),
+                      "schedule": "1f1b",  # as the batch: one schedule, given micro-batch
                       "recompute": ["none", "selective", "full"][int(sample.recompute[i])],
                       "offload": ["none", "optimizer"][int(sample.offload[i])],
                       "sequence_parallel": bool(sample.sequence_parallel[i])},
