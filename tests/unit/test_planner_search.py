@@ -187,3 +187,27 @@ def test_plan_for_python_api(catalog):
                  job_overrides={"train": {"seq_len": 4096, "global_batch": 64}}, catalog=catalog)
     assert r.objective == "throughput"
     assert r.best.kind == "hetero-dp" and r.best.cost_per_hour <= 12
+
+
+def test_memory_never_grows_with_replicas(catalog):
+    """The screening pass tests each configuration at its largest replica count only; that is exact only
+    if memory per device never grows with the replica count. Check it on every row of a real space."""
+    import numpy as np
+
+    from starverse.planner import space
+    from starverse.planner.search import _context
+
+    job = job_from_dict({"model": "llama-2-70b", "train": {"seq_len": 4096, "global_batch": 256}})
+    pool = pool_from_dict({"offers": [{"accelerator": a, "count": 64, "price_per_hour": 1.0}
+                                      for a in ("rtx-4090", "a100-80gb-sxm", "tpu-v5e")]}, catalog)
+    spec = load_model("llama-2-70b")
+    ctx = _context(job, pool, catalog, spec, "full")
+    opts = space.enumerate_options(spec, 256, pool.offers, ctx.settings, None, None, 8, 1.5)
+    est, _ = space.evaluate_full_share(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, 256)
+    base = np.stack([opts.offer, opts.tp, opts.pp, opts.micro_batch, opts.setting], axis=1)
+    mem = np.asarray(est.memory_gb)
+    for key in np.unique(base, axis=0)[::7]:
+        rows = np.flatnonzero((base == key).all(axis=1))
+        order = rows[np.argsort(opts.replicas[rows])]
+        assert np.all(np.diff(mem[order]) <= 1e-9)
+    assert 0 < int(np.sum(est.fits)) < len(opts)  # the space has both fitting and non-fitting rows

@@ -48,7 +48,9 @@ EXACT_TABLE_CELLS = 400_000
 KEEP_PER_SETTING = 10
 """Large spaces: options kept per (offer, setting) after screening."""
 MAX_COMBINATIONS = 600_000
-"""Large spaces: bound at most this many combinations (the per-offer lists are shortened to stay below)."""
+"""Bound at most about this many combinations: when the full product is larger, each (setting, offer set)
+keeps its share of the budget by shortening the per-offer lists to their best-rate options (and the search
+is then marked ``screened``)."""
 MAX_EXACT_EVALUATIONS = 4_000
 """Branch and bound stops after this many exact evaluations (then ``proven_optimal`` is False)."""
 NOMINAL_TOKENS = 1e9
@@ -185,7 +187,6 @@ def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArra
         caps.append(cap)
     opts = space.enumerate_options(ctx.spec, ctx.batch, pool.offers, ctx.settings,
                                    ctx.job.train.micro_batch, caps)
-    stats["options"] += len(opts)
     if len(opts) == 0:
         return opts, np.zeros((0, ctx.batch + 1)), np.zeros(0)
     kmax = ctx.batch // (opts.replicas * opts.micro_batch)
@@ -193,7 +194,24 @@ def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArra
         tables, power = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
         stats["rows"] += int(kmax.sum())
         ok = np.isfinite(tables).any(axis=1)
+        stats["options"] += len(opts)
         return opts.take(ok), tables[ok], power[ok]
+    # large space: a coarser replica grid (every count to 8, then ×1.5) for the screening pass
+    opts = space.enumerate_options(ctx.spec, ctx.batch, pool.offers, ctx.settings, ctx.job.train.micro_batch,
+                                   caps, dense_replicas_up_to=8, growth=1.5)
+    stats["options"] += len(opts)
+    # Memory per device never grows with the replica count (ZeRO shards over more replicas; fewer
+    # micro-batches per replica keep fewer in flight), so a configuration that does not fit at its largest
+    # replica count fits at none: test that row first and expand only the configurations that fit.
+    base = np.stack([opts.offer, opts.tp, opts.pp, opts.micro_batch, opts.setting], axis=1)
+    first = np.ones(len(opts), dtype=bool)
+    first[1:] = (base[1:] != base[:-1]).any(axis=1)
+    cfg = np.cumsum(first) - 1
+    last = np.r_[np.flatnonzero(first)[1:] - 1, len(opts) - 1]
+    probe, _ = space.evaluate_full_share(ctx.model, ctx.train, ctx.devices, opts.take(last), ctx.settings,
+                                         ctx.batch)
+    stats["rows"] += len(last)
+    opts = opts.take(np.asarray(probe.fits)[cfg])
     est, k = space.evaluate_full_share(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
     stats["rows"] += len(opts)
     stats["screened"] = True
@@ -246,74 +264,115 @@ def _evaluate(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatAr
                   hours, total, value)
 
 
-def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: FloatArray, power: FloatArray
-                  ) -> tuple[IntArray, IntArray, FloatArray]:
-    """All combinations (setting, members padded with -1) that pass the budget/power caps, with bounds."""
+MULTI_GROUP_SETTINGS = 6
+"""Screened searches: settings kept for multi-group combinations (by their best single-group bound)."""
+MULTI_GROUP_OFFERS = 6
+"""Screened searches: offers per setting kept for multi-group combinations (by their best bound)."""
+
+
+def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: FloatArray, power: FloatArray,
+                  stats: dict[str, Any]) -> tuple[IntArray, IntArray, FloatArray]:
+    """Combinations (members padded with -1, setting, bound) that pass the budget/power caps.
+
+    Single groups are bounded all at once. Multi-group combinations are enumerated per (setting, offer set);
+    in screened searches only the most promising settings and offers (by their best single-group bound)
+    are combined, and each (setting, offer set) gets an equal share of ``MAX_COMBINATIONS``.
+    """
     max_g = ctx.job.search.max_groups
     price_opt = opts.num_devices * np.array([o.price_per_hour for o in ctx.pool.offers])[opts.offer]
     lam_opt = opts.num_devices * np.array([o.interruptions_per_hour for o in ctx.pool.offers])[opts.offer]
     dpn = np.array([o.devices_per_node for o in ctx.pool.offers])[opts.offer]
     nodes_opt = np.ceil(opts.num_devices / dpn)
+    gran_opt = np.array([o.billing_granularity_s for o in ctx.pool.offers])[opts.offer]
     accs = [o.accelerator for o in ctx.pool.offers]
     c = ctx.job.constraints
     tokens = ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS
-    out_members: list[IntArray] = []
-    out_setting: list[IntArray] = []
-    out_bound: list[FloatArray] = []
     sync_by_pp = {g: np.array([_sync_s(ctx, g, p) for p in range(int(opts.pp.max()) + 1)])
                   for g in range(1, max_g + 1)}
-    for si in np.unique(opts.setting):
+
+    def bounds(grid: IntArray) -> tuple[IntArray, FloatArray]:
+        """Rows of ``grid`` (option indices, one column per group) within the caps, and their bounds."""
+        g = grid.shape[1]
+        price = price_opt[grid].sum(axis=1)
+        ok = np.ones(grid.shape[0], dtype=bool)
+        if ctx.budget_per_hour is not None:
+            ok &= price <= ctx.budget_per_hour * (1 + 1e-9)
+        if c.max_power_kw is not None:
+            ok &= power[grid].sum(axis=1) <= c.max_power_kw * (1 + 1e-9)
+        grid, price = grid[ok], price[ok]
+        f = _spot_factor(ctx, lam_opt[grid].sum(axis=1), nodes_opt[grid].sum(axis=1))
+        # step ≥ max(B / Σρ, slowest group's shortest step) + the cross-group sync (an exact lower bound)
+        with np.errstate(divide="ignore"):
+            t_lb = np.maximum(ctx.batch / rate[grid].sum(axis=1), t_min[grid].max(axis=1))
+        t_lb = t_lb + sync_by_pp[g][opts.pp[grid].min(axis=1)]
+        tps_ub = ctx.batch * ctx.seq_len / t_lb / f
+        with np.errstate(divide="ignore"):
+            hours_lb = tokens / tps_ub / 3600.0
+        total_lb = np.zeros_like(hours_lb)
+        for j in range(g):
+            total_lb += price_opt[grid[:, j]] * _billed(hours_lb, gran_opt[grid[:, j]])
+        bound = score(ctx.job.objective, tps_ub, price, total_lb, hours_lb)
+        ok = np.isfinite(bound) & (tps_ub > 0)
+        if c.deadline_hours is not None:
+            ok &= hours_lb <= c.deadline_hours
+        if ctx.max_total_cost is not None:
+            ok &= total_lb <= ctx.max_total_cost
+        return grid[ok], bound[ok]
+
+    members: list[IntArray] = []
+    bound_parts: list[FloatArray] = []
+    single, single_bound = bounds(np.arange(len(opts), dtype=np.int64)[:, None])
+    padded = np.full((single.shape[0], max_g), -1, dtype=np.int64)
+    padded[:, :1] = single
+    members.append(padded)
+    bound_parts.append(single_bound)
+
+    # what each (setting, offer) can do on its own, to pick what to combine in screened searches
+    best_alone: dict[tuple[int, int], float] = {}
+    for i, b in zip(single[:, 0], single_bound, strict=True):
+        key = (int(opts.setting[i]), int(opts.offer[i]))
+        best_alone[key] = max(best_alone.get(key, -np.inf), float(b))
+    screened = bool(stats["screened"])
+    settings_all = [int(x) for x in np.unique(opts.setting)]
+    if screened:
+        by_setting: dict[int, float] = {}
+        for (si, _), b in best_alone.items():
+            by_setting[si] = max(by_setting.get(si, -np.inf), b)
+        settings_all = sorted(by_setting, key=lambda x: -by_setting[x])[:MULTI_GROUP_SETTINGS]
+    jobs: list[tuple[tuple[int, ...], list[IntArray]]] = []
+    for si in settings_all:
         in_set = np.flatnonzero(opts.setting == si)
         per_offer = {int(o): in_set[opts.offer[in_set] == o] for o in np.unique(opts.offer[in_set])}
         offers = sorted(per_offer)
-        for g in range(1, min(max_g, len(offers)) + 1):
+        if screened:
+            offers = sorted(sorted(offers, key=lambda o: -best_alone.get((si, o), -np.inf))[:MULTI_GROUP_OFFERS])
+        for g in range(2, min(max_g, len(offers)) + 1):
             for subset in itertools.combinations(offers, g):
                 if len({accs[o] for o in subset}) < g:
                     continue  # one group per accelerator: the plan's pricing is per accelerator
-                lists = [per_offer[o] for o in subset]
-                size = math.prod(len(x) for x in lists)
-                if size > MAX_COMBINATIONS // 4:
-                    # shorten each list to its best-rate members (screened searches only)
-                    per = max(2, int((MAX_COMBINATIONS // 4) ** (1.0 / g)))
-                    lists = [x[np.argsort(-rate[x])[:per]] for x in lists]
-                grid = np.stack([a.ravel() for a in np.meshgrid(*lists, indexing="ij")], axis=1)
-                price = price_opt[grid].sum(axis=1)
-                pw = power[grid].sum(axis=1)
-                ok = np.ones(grid.shape[0], dtype=bool)
-                if ctx.budget_per_hour is not None:
-                    ok &= price <= ctx.budget_per_hour * (1 + 1e-9)
-                if c.max_power_kw is not None:
-                    ok &= pw <= c.max_power_kw * (1 + 1e-9)
-                grid, price = grid[ok], price[ok]
-                if grid.shape[0] == 0:
-                    continue
-                f = _spot_factor(ctx, lam_opt[grid].sum(axis=1), nodes_opt[grid].sum(axis=1))
-                # step ≥ max(B / Σρ, slowest group's shortest step) + the cross-group sync (exact bound)
-                with np.errstate(divide="ignore"):
-                    t_lb = np.maximum(ctx.batch / rate[grid].sum(axis=1), t_min[grid].max(axis=1))
-                sync = sync_by_pp[g]
-                t_lb = t_lb + sync[opts.pp[grid].min(axis=1)]
-                tps_ub = ctx.batch * ctx.seq_len / t_lb / f
-                with np.errstate(divide="ignore"):
-                    hours_lb = tokens / tps_ub / 3600.0
-                total_lb = np.zeros_like(hours_lb)
-                for j in range(g):
-                    o = ctx.pool.offers[int(opts.offer[grid[0, j]])]
-                    total_lb += price_opt[grid[:, j]] * billed_hours(hours_lb, o.billing_granularity_s)
-                bound = score(ctx.job.objective, tps_ub, price, total_lb, hours_lb)
-                ok = np.isfinite(bound) & (tps_ub > 0)
-                if c.deadline_hours is not None:
-                    ok &= hours_lb <= c.deadline_hours
-                if ctx.max_total_cost is not None:
-                    ok &= total_lb <= ctx.max_total_cost
-                padded = np.full((int(ok.sum()), max_g), -1, dtype=np.int64)
-                padded[:, :g] = grid[ok]
-                out_members.append(padded)
-                out_setting.append(np.full(padded.shape[0], si, dtype=np.int64))
-                out_bound.append(bound[ok])
-    if not out_members:
-        return np.zeros((0, max_g), dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0)
-    return np.concatenate(out_members), np.concatenate(out_setting), np.concatenate(out_bound)
+                jobs.append((subset, [per_offer[o] for o in subset]))
+    total = sum(math.prod(len(x) for x in lists) for _, lists in jobs)
+    share = MAX_COMBINATIONS / max(len(jobs), 1)
+    for subset, lists in jobs:
+        g = len(subset)
+        if total > MAX_COMBINATIONS and math.prod(len(x) for x in lists) > share:
+            per = max(1, int(share ** (1.0 / g)))  # shorten each list to its best-rate members
+            lists = [x[np.argsort(-rate[x], kind="stable")[:per]] for x in lists]
+            stats["screened"] = True
+        grid = np.stack([a.ravel() for a in np.meshgrid(*lists, indexing="ij")], axis=1)
+        grid, bound = bounds(grid)
+        padded = np.full((grid.shape[0], max_g), -1, dtype=np.int64)
+        padded[:, :g] = grid
+        members.append(padded)
+        bound_parts.append(bound)
+    all_members = np.concatenate(members)
+    return all_members, opts.setting[all_members[:, 0]], np.concatenate(bound_parts)
+
+
+def _billed(hours: FloatArray, granularity_s: IntArray) -> FloatArray:
+    """``policy.billed_hours`` with a per-row granularity."""
+    g = np.maximum(granularity_s, 1) / 3600.0
+    return np.where(granularity_s <= 1, hours, np.ceil(hours / g - 1e-9) * g)
 
 
 def _branch_and_bound(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatArray, top: int,
@@ -321,7 +380,7 @@ def _branch_and_bound(ctx: _Ctx, opts: space.Options, tables: FloatArray, power:
     """Exact evaluation of combinations in decreasing bound order until the bound closes."""
     rate = combine.rate_bound(tables)
     t_min = tables.min(axis=1)
-    members, sets, bound = _combinations(ctx, opts, rate, t_min, power)
+    members, sets, bound = _combinations(ctx, opts, rate, t_min, power, stats)
     stats["combinations"] += len(bound)
     order = np.argsort(-bound, kind="stable")
     # best plan per rented device set: the top list shows different device mixes, not the same mix with a

@@ -93,16 +93,16 @@ def pp_depths(num_layers: int, max_depth: int) -> list[int]:
     return sorted(d for d in cand if d <= min(num_layers, max_depth))
 
 
-def replica_counts(max_replicas: int, dense_up_to: int = 32) -> list[int]:
-    """Replica counts: every value up to ``dense_up_to``, then a ~1.25× geometric grid, always the maximum.
+def replica_counts(max_replicas: int, dense_up_to: int = 32, growth: float = 1.25) -> list[int]:
+    """Replica counts: every value up to ``dense_up_to``, then a geometric grid, always the maximum.
 
     Small pools are thus searched completely; on large ones the grid keeps the search fast while the step
-    between neighbours (≤ 25 %) bounds how far from the best replica count the search can land.
+    between neighbours (``growth``) bounds how far from the best replica count the search can land.
     """
     vals = set(range(1, min(max_replicas, dense_up_to) + 1))
     x = float(dense_up_to)
     while x < max_replicas:
-        x *= 1.25
+        x *= growth
         vals.add(min(round(x), max_replicas))
     vals.add(max_replicas)
     return sorted(v for v in vals if v >= 1)
@@ -141,7 +141,7 @@ class Options:
 
 def enumerate_options(spec: Any, global_batch: int, offers: Sequence[Any], setting_list: Sequence[Setting],
                       fixed_micro_batch: int | None = None, max_devices: Sequence[int] | None = None,
-                      dense_replicas_up_to: int = 32) -> Options:
+                      dense_replicas_up_to: int = 32, growth: float = 1.25) -> Options:
     """Every (offer, tp, pp, replicas, micro-batch, setting) the space holds, before any evaluation.
 
     ``max_devices[i]`` caps offer ``i`` (its count, or less when the budget allows fewer). Replica counts
@@ -166,7 +166,7 @@ def enumerate_options(spec: Any, global_batch: int, offers: Sequence[Any], setti
         z = np.zeros(0, dtype=np.int64)
         return Options(z, z, z, z, z, z)
     b = np.asarray(base, dtype=np.int64)
-    grid = np.asarray(replica_counts(int(b[:, 5].max()), dense_replicas_up_to), dtype=np.int64)
+    grid = np.asarray(replica_counts(int(b[:, 5].max()), dense_replicas_up_to, growth), dtype=np.int64)
     # the grid's points below each row's maximum, plus that maximum itself
     mask = grid[None, :] < b[:, 5:6]
     rows, cols = np.nonzero(mask)

@@ -1,0 +1,190 @@
+"""Planner speed and plan quality; prints ONE JSON object.
+
+- ``search_s_median``: ``planner.search`` for Llama-2-70B over 6 offers x 1,024 devices (RTX 4090, A100-80G,
+  H100, TPU v5e, Ascend 910B, L40S); target <= 1 s. ``search_vs_target`` = 1 s / median (>= 1 meets it).
+- ``cli_s_median``: the whole ``starverse plan ... --json`` process on the same files; target <= 3 s.
+- ``scaling``: search time for 1, 2, 4, 8, 16 offers x 10,000 devices, and ``growth`` relative to 1 offer.
+- ``vs_best_single`` / ``vs_even_split``: for the brief's scenarios (examples/), the chosen plan's objective
+  against the best single-accelerator plan and against the same devices with the batch split evenly per
+  device (ignoring speed), both measured in this run; > 1 means the chosen plan is better.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+SIX = ("rtx-4090", "a100-80gb-sxm", "h100-80gb-sxm", "tpu-v5e", "ascend-910b", "l40s")
+SIXTEEN = ("rtx-4090", "a100-80gb-sxm", "h100-80gb-sxm", "tpu-v5e", "ascend-910b", "l40s", "a100-40gb-sxm",
+           "a100-40gb-pcie", "a100-80gb-pcie", "h100-80gb-pcie", "h200-141gb-sxm", "b200", "mi300x", "rtx-3090",
+           "tpu-v5p", "tpu-v6e")
+JOB70 = {"model": "llama-2-70b", "train": {"seq_len": 4096, "global_batch": 1024, "tokens": 1.0e10},
+         "objective": "cost-performance"}
+
+
+def pool_of(catalog: Any, ids: tuple[str, ...], count: int) -> dict[str, Any]:
+    """A pool of ``count`` devices per accelerator; price: the catalog's cheapest on-demand offer, else
+    a stand-in of 0.004 $/h per dense bf16 TFLOP/s (speed-only runs; the price only steers the ranking)."""
+    from starverse.catalog import convert
+
+    offers = []
+    for acc_id in ids:
+        prices = [convert(o.price_per_hour, o.currency, "USD") for o in catalog.offers if o.accelerator == acc_id]
+        price = min(prices) if prices else round(0.004 * catalog.accelerator(acc_id).bf16_tflops, 3)
+        offers.append({"accelerator": acc_id, "count": count, "price_per_hour": price})
+    return {"currency": "USD", "offers": offers, "cross_offer_gbps": 100}
+
+
+def timed_search(job: Any, pool: Any, catalog: Any) -> tuple[float, Any]:
+    from starverse.planner import search
+
+    t0 = time.perf_counter()
+    r = search(job, pool, catalog, top=3)
+    return time.perf_counter() - t0, r
+
+
+def ratio(objective: str, chosen: float, other: float) -> float:
+    """> 1 when ``chosen`` is better (objective values are "higher is better"; cost/time are negative)."""
+    if objective in ("cost", "time"):
+        return other / chosen
+    return chosen / other
+
+
+def even_split_value(rp: Any, job: Any, pool: Any, catalog: Any, spec: Any) -> float | None:
+    """Objective of the chosen plan's devices with each device given the same share of the batch."""
+    from starverse.planner.search import rank_plan
+
+    plan = rp.plan
+    if len(plan.groups) == 1:
+        return rp.objective_value
+    b = plan.train.global_batch
+    devs = np.array([g.num_devices for g in plan.groups], dtype=float)
+    target = b * devs / devs.sum()
+    units = [g.replicas * (g.micro_batch or 1) for g in plan.groups]
+    best = None
+    # integer shares (multiples of replicas x micro-batch) closest to the per-device even split
+    grids = np.meshgrid(*[np.arange(u, b + 1, u) for u in units[:-1]], indexing="ij")
+    for combo in zip(*(g.ravel() for g in grids), strict=True):
+        last = b - sum(combo)
+        if last < units[-1] or last % units[-1]:
+            continue
+        shares = [*combo, last]
+        err = float(np.abs(np.array(shares) - target).sum())
+        if best is None or err < best[0]:
+            best = (err, shares)
+    if best is None:
+        return None
+    groups = [g.model_copy(update={"batch_share": s / b}) for g, s in zip(plan.groups, best[1], strict=True)]
+    even = plan.model_copy(update={"groups": groups})
+    free = job.model_copy(update={"constraints": job.constraints.model_copy(update={"deadline_hours": None,
+                                                                                    "max_total_cost": None})})
+    other = rank_plan(free, pool, catalog, spec, even, dict(rp.devices), rp.kind, rp.alternative)
+    return None if other is None else other.objective_value
+
+
+SCENARIOS = (
+    ("1: llama-2-70b, 16x4090 + 3xTPUv5e (CNY)", "scenario1-mixed-70b/job.yaml", "scenario1-mixed-70b/pool-mixed.yaml"),
+    ("1b: same, LoRA", "scenario1-mixed-70b/job-lora.yaml", "scenario1-mixed-70b/pool-mixed.yaml"),
+    ("1c: 4090 + TPU v5e + Ascend 910B", "scenario1-mixed-70b/job.yaml", "scenario1-mixed-70b/pool-three-arch.yaml"),
+    ("2: ~100B, A100 + H100 PCIe + 4090", "scenario2-100b/job.yaml", "scenario2-100b/pool-all.yaml"),
+    ("3: ~100B, 10 kW cap, TPU v5p + 4090", "scenario3-power-cap/job.yaml", "scenario3-power-cap/pool-both.yaml"),
+    ("hetero-dp: 7B throughput within $12/h", "hetero-dp/job.yaml", "hetero-dp/pool.yaml"),
+)
+
+
+def scenario_ratios(catalog: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from starverse.errors import InfeasiblePlanError
+    from starverse.models import load_model
+    from starverse.planner import load_job, load_pool, search
+
+    vs_single, vs_even = [], []
+    for name, job_path, pool_path in SCENARIOS:
+        job = load_job(EXAMPLES / job_path)
+        pool = load_pool(EXAMPLES / pool_path, catalog)
+        spec = load_model(job.model)
+        try:
+            chosen = search(job, pool, catalog, top=1).best
+        except InfeasiblePlanError as e:
+            vs_single.append({"scenario": name, "ratio": None, "why": str(e)[:200]})
+            vs_even.append({"scenario": name, "ratio": None, "why": "no plan"})
+            continue
+        single_job = job.model_copy(update={"search": job.search.model_copy(
+            update={"max_groups": 1, "hetero_pipelines": False})})
+        try:
+            single = search(single_job, pool, catalog, top=1).best
+            r = ratio(str(job.objective), chosen.objective_value, single.objective_value)
+            vs_single.append({"scenario": name, "ratio": round(r, 4), "chosen": chosen.layout(),
+                              "chosen_devices": dict(chosen.devices), "best_single": single.layout(),
+                              "best_single_devices": dict(single.devices), "objective": str(job.objective),
+                              "mode": chosen.mode})
+        except InfeasiblePlanError:
+            vs_single.append({"scenario": name, "ratio": None, "chosen": chosen.layout(),
+                              "why": "no single-accelerator plan exists"})
+        even = even_split_value(chosen, job, pool, catalog, spec)
+        vs_even.append({"scenario": name, "ratio": None if even is None else round(
+            ratio(str(job.objective), chosen.objective_value, even), 4), "groups": len(chosen.plan.groups),
+            "note": "single group: an even split is the same plan" if len(chosen.plan.groups) == 1 else ""})
+    return vs_single, vs_even
+
+
+def main() -> None:
+    from starverse.catalog import load_catalog
+    from starverse.planner import job_from_dict, pool_from_dict
+
+    catalog = load_catalog(profile="")
+    job = job_from_dict(JOB70)
+    six = pool_of(catalog, SIX, 1024)
+    pool = pool_from_dict(six, catalog)
+    timed_search(job, pool, catalog)  # warm-up (imports, caches)
+    times = [timed_search(job, pool, catalog)[0] for _ in range(5)]
+    search_s = statistics.median(times)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jp, pp = Path(tmp) / "job.yaml", Path(tmp) / "pool.yaml"
+        jp.write_text(yaml.safe_dump(JOB70))
+        pp.write_text(yaml.safe_dump(six))
+        exe = Path(sys.executable).parent / "starverse"
+        cli = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            subprocess.run([str(exe), "plan", str(jp), "--pool", str(pp), "--json"], check=True,
+                           capture_output=True)
+            cli.append(time.perf_counter() - t0)
+    cli_s = statistics.median(cli)
+
+    scaling = []
+    for n in (1, 2, 4, 8, 16):
+        p = pool_from_dict(pool_of(catalog, SIXTEEN[:n], 10_000), catalog)
+        s, r = timed_search(job, p, catalog)
+        scaling.append({"offers": n, "devices_per_offer": 10_000, "search_s": round(s, 3),
+                        "combinations": r.stats.combinations, "proven_optimal": r.stats.proven_optimal})
+    for row in scaling:
+        row["growth_vs_1_offer"] = round(row["search_s"] / scaling[0]["search_s"], 2)
+
+    vs_single, vs_even = scenario_ratios(catalog)
+    print(json.dumps({
+        "search_s_median": round(search_s, 3),
+        "search_vs_target": round(1.0 / search_s, 3),
+        "cli_s_median": round(cli_s, 3),
+        "cli_vs_target": round(3.0 / cli_s, 3),
+        "scaling": scaling,
+        "vs_best_single": vs_single,
+        "vs_even_split": vs_even,
+        "load_average_1min": float(Path("/proc/loadavg").read_text().split()[0]) if Path("/proc/loadavg").exists()
+        else None,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
