@@ -62,7 +62,7 @@ METRICS: tuple[MetricDef, ...] = (
               ("currency",)),
     MetricDef("starverse_preemptions_total", "counter", "Preemptions recorded for the job."),
     MetricDef("starverse_checkpoints_total", "counter", "Checkpoints written by this run."),
-    MetricDef("starverse_checkpoint_seconds", "gauge", "Time the last checkpoint took."),
+    MetricDef("starverse_last_checkpoint_seconds", "gauge", "Time the last checkpoint took."),
     MetricDef("starverse_checkpoint_seconds_total", "counter", "Time spent writing checkpoints in this run."),
 )
 """Every family the exporter defines (the dashboard may use only these)."""
@@ -157,7 +157,7 @@ class JobCollector(Collector):
             put("starverse_budget_remaining", s.budget_remaining, s.currency)
         put("starverse_preemptions_total", s.preemptions)
         put("starverse_checkpoints_total", s.checkpoints)
-        put("starverse_checkpoint_seconds", s.checkpoint_s)
+        put("starverse_last_checkpoint_seconds", s.checkpoint_s)
         put("starverse_checkpoint_seconds_total", s.checkpoint_s_total)
         yield from fams.values()
 
