@@ -145,7 +145,7 @@ def test_infeasible_explains_memory_and_suggests(catalog):
     assert "full training of llama-2-70b needs ≥ 1.1 TB of weights+gradients+Adam state; the pool has 432 GB" in msg
     assert "rtx-4090: 16×24 GB = 384 GB" in msg and "tpu-v5e: 3×16 GB = 48 GB" in msg
     assert re.search(r"rent up to \d+ rtx-4090 \(have 16\) → \d+×rtx-4090: [\d,]+ tokens/s at [\d.]+ CNY/h", msg)
-    assert "let the planner choose ZeRO-3 and offload → 16×rtx-4090" in msg
+    assert re.search(r"let the planner choose ZeRO-3 and offload → \d+×rtx-4090: [\d,]+ tokens/s", msg)
     assert "fine-tune with LORA instead → " in msg and "tokens/s" in msg
     assert "\n" not in msg
 
