@@ -68,7 +68,7 @@ def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanE
     c = job.constraints
     ccy = c.currency or pool.currency
     if c.max_budget_per_hour is not None:
-        budget = convert(c.max_budget_per_hour, ccy, pool.currency)
+        budget = convert(c.max_budget_per_hour, ccy, pool.currency, catalog=catalog)
         cheapest = min(o.price_per_hour for o in pool.offers)
         affordable = ", ".join(f"{o.name}: {min(o.count, math.floor(budget / o.price_per_hour + 1e-9))} of {o.count}"
                                for o in pool.offers)

@@ -149,7 +149,7 @@ def _cheapest(catalog: Any, acc_id: str, currency: str, spot: bool) -> float | N
             continue
         p = off.spot_price_per_hour if spot else off.price_per_hour
         if p is not None:
-            prices.append(convert(p, off.currency, currency))
+            prices.append(convert(p, off.currency, currency, catalog=catalog))
     return min(prices) if prices else None
 
 
@@ -163,7 +163,7 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
         return ConfigError(f"{where}: {format_loc(loc)}: {msg}")
 
     try:
-        convert(1.0, spec.currency, "USD")
+        convert(1.0, spec.currency, "USD", catalog=catalog)
     except CatalogError as e:
         raise fail(("currency",), str(e)) from None
     offers = []
@@ -174,7 +174,7 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
             raise fail(("offers", i, "accelerator"), str(e)) from None
         ccy = o.currency or spec.currency
         try:
-            rate = convert(1.0, ccy, spec.currency)
+            rate = convert(1.0, ccy, spec.currency, catalog=catalog)
         except CatalogError as e:
             raise fail(("offers", i, "currency"), str(e)) from None
         spot = o.pricing == Pricing.SPOT

@@ -128,8 +128,8 @@ def _context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> _Ctx:
     )
     c = job.constraints
     ccy = c.currency or pool.currency
-    budget = convert(c.max_budget_per_hour, ccy, pool.currency) if c.max_budget_per_hour else None
-    max_cost = convert(c.max_total_cost, ccy, pool.currency) if c.max_total_cost else None
+    budget = convert(c.max_budget_per_hour, ccy, pool.currency, catalog=catalog) if c.max_budget_per_hour else None
+    max_cost = convert(c.max_total_cost, ccy, pool.currency, catalog=catalog) if c.max_total_cost else None
     trainable = trainable_params(spec, mode, t.lora_rank)
     # A checkpoint holds the trained weights (bf16) and their fp32 master copy + Adam moments; a frozen
     # base is reloaded from its original files, not re-written.
@@ -497,13 +497,13 @@ def rank_plan(job: Job, pool: Pool, catalog: Any, spec: Any, plan: Plan, devices
                       for o in offers))
     c = job.constraints
     ccy = c.currency or pool.currency
-    if c.max_budget_per_hour is not None and price > convert(c.max_budget_per_hour, ccy, pool.currency) * (1 + 1e-9):
+    if c.max_budget_per_hour is not None and price > convert(c.max_budget_per_hour, ccy, pool.currency, catalog=catalog) * (1 + 1e-9):
         return None
     if c.max_power_kw is not None and float(est.power_kw) > c.max_power_kw * (1 + 1e-9):
         return None
     if c.deadline_hours is not None and hours > c.deadline_hours:
         return None
-    if c.max_total_cost is not None and total > convert(c.max_total_cost, ccy, pool.currency):
+    if c.max_total_cost is not None and total > convert(c.max_total_cost, ccy, pool.currency, catalog=catalog):
         return None
     value = float(score(job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
                         np.asarray(hours)))
