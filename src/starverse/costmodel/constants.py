@@ -1,9 +1,10 @@
 """Every constant of the cost model, with where its value comes from (see docs/costmodel.md).
 
 There is no global MFU constant. Achievable compute follows from the accelerator's dense peak, the
-fraction of it that large matmuls reach on that architecture (measured, below), and the shape of each
-matmul (:data:`GEMM_HALF_DIM`); memory-bound work runs at a fraction of the memory bandwidth; collectives
-at a fraction of the link bandwidth. None of these was fitted to a validation case.
+fraction of it that large matmuls reach on that architecture (measured MAMF, below), how much of that
+survives in a real multi-device run (:data:`SUSTAINED_FRACTION`, the one fitted value), and the shape of
+each matmul (:data:`GEMM_HALF_DIM_PER_FLOP_PER_BYTE`); memory-bound work runs at a fraction of the memory
+bandwidth; collectives at a fraction of the link bandwidth. Nothing is fitted per case or per source.
 """
 
 from __future__ import annotations
@@ -63,15 +64,17 @@ machine balance (peak FLOP/s / memory bytes/s): D = 0.84 * balance (A100: 153 FL
 A matmul of M x N x K runs at ``gemm_efficiency / (1 + D/M + D/N + D/K)`` of peak. D is the tile edge
 of tensor-core GEMM kernels (CUTLASS/cuBLAS 128x128 and 128x256 CTA tiles): a dimension of D means about
 one tile's prologue/epilogue and partial wave per tile of work (wave quantization, pipeline fill of the
-K loop). Gives ~0.80 x MAMF at 768 x 768 x 16k and >0.97 x MAMF above 8k per side, consistent with
+K loop). Gives ~0.75 x MAMF at 768 x 768 x 16k and >0.95 x MAMF above 8k per side, consistent with
 NVIDIA's "Matrix Multiplication Background User's Guide" (efficiency vs dimension figures).
 """
 
 ATTENTION_HEAD_DIM_HALF = 48.0
-"""Fused (Flash) attention runs at ``gemm_efficiency * d / (d + 48)`` of peak for head dim d.
+"""Fused (Flash) attention runs at ``gemm_efficiency * d / (d + 48)`` for head dim d: a fraction of what
+large matmuls reach on the same device.
 
-FlashAttention-2 (Dao 2023, Fig. 4-6, A100, causal, seq 2k, forward+backward): ~0.50 of peak at
-d=64 and ~0.63 at d=128; with A100's MAMF 0.869 that is d/(d+48) within a few percent at both points.
+FlashAttention-2 (Dao 2023, Fig. 4-6, A100, causal, forward+backward counted as 3.5x forward): ~0.50 of
+peak at d=64 and ~0.63 at d=128, i.e. 0.58 and 0.72 of the A100 MAMF (0.869); d/(d+48) gives 0.57 and
+0.73. The softmax's non-matmul work per score is fixed while the matmul work grows with d.
 """
 
 EAGER_SCORE_BYTES = 8.0
@@ -81,10 +84,6 @@ EAGER_SCORE_BYTES = 8.0
 
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
-
-CAUSAL_FRACTION = 0.5
-"""Causal attention computes only the lower triangle of the s x s score matrix (FlashAttention skips
-masked blocks); exact fraction s(s+1)/(2 s^2) is used where s is known, this is its limit."""
 
 # --- memory-bound work ---------------------------------------------------------------------------------
 
@@ -157,9 +156,8 @@ BYTES_PER_VALUE: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 2.0, "fp32
 """Bytes of a stored activation/weight/gradient value by compute precision (fp8 training keeps bf16
 weights and activations and casts per matmul, as Transformer Engine does)."""
 
-QLORA_BYTES_PER_PARAM = 0.5 + 0.127 / 8 * 4
-"""NF4 base weights: 4 bits + double-quantised constants (0.127 bits/param, Dettmers et al. 2023 §2),
-rounded up to the 16-bit dequantisation buffer amortised: ~0.56 bytes."""
+QLORA_BYTES_PER_PARAM = 0.5 + 0.127 / 8
+"""NF4 base weights: 4 bits plus double-quantised constants (0.127 bits/param, Dettmers et al. 2023 §2)."""
 
 
 NO_FUSED_ATTENTION: frozenset[str] = frozenset(
