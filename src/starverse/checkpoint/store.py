@@ -223,8 +223,8 @@ class CheckpointStore:
         """Raise a clear CheckpointError when the store has no complete checkpoint at all."""
         if not self.root.exists():
             raise CheckpointError(
-                f"{self.root}: no such checkpoint directory. To fix: check the run directory "
-                "(`starverse checkpoints list RUN_DIR`), or start without --resume-from."
+                f"{self.root}: no such checkpoint directory. To fix: pass the run directory of a "
+                "`starverse train` job (it holds checkpoints/)."
             )
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: is a file, not a checkpoint directory.")

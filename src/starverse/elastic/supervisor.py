@@ -218,6 +218,9 @@ class Supervisor:
             **fit_kwargs: Any) -> SupervisedResult:
         """Train until ``fit_kwargs['max_steps']``; ``model_factory(cluster)`` builds the (initial) model."""
         resume = self.resume_path(resume_from)
+        first_model = model_factory(self.cluster)
+        if resume is not None:
+            self._check_model(first_model, resume)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         attempts: list[Attempt] = []
         errors = 0
@@ -233,7 +236,8 @@ class Supervisor:
                                   **self.trainer_options)
                 kinds = tuple(r.device_kind for r in self.cluster.ranks)
                 try:
-                    fit = trainer.fit(model_factory(self.cluster), dataset, resume_from=resume, **fit_kwargs)
+                    model = first_model if number == 1 else model_factory(self.cluster)
+                    fit = trainer.fit(model, dataset, resume_from=resume, **fit_kwargs)
                 except DistributedError as e:
                     progress = read_progress(self.run_dir)
                     last = progress["step"] if progress else None
@@ -274,6 +278,19 @@ class Supervisor:
                 resume = self._latest_or_none(resume)
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def _check_model(self, model: Any, resume: Path) -> None:
+        """Refuse a checkpoint of another model before launching anything (the ranks check it again)."""
+        from starverse.checkpoint.state import fingerprint
+
+        info = CheckpointStore(resume.parent).get(int(resume.name.split("-", 1)[1]))
+        fp, num = fingerprint(model)
+        if fp != info.model_fingerprint:
+            raise CheckpointError(
+                f"{info.path}: written for a different model ({info.num_params:,} parameters, fingerprint "
+                f"{info.model_fingerprint}; this job's model has {num:,}, fingerprint {fp}). To fix: use the "
+                "model it was written for, or another run_dir."
+            )
 
     def _drop(self, lost_ranks: Sequence[int], why: str) -> None:
         lost = [r for r in self.cluster.ranks if r.rank in set(lost_ranks)]
