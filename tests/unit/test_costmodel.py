@@ -328,3 +328,14 @@ def test_attention_auto_is_eager_only_without_fused_kernels() -> None:
     auto, flash, eager = run("auto"), run("flash"), run("eager")
     assert auto.step_time_s[0] == eager.step_time_s[0] and auto.step_time_s[1] == flash.step_time_s[1]
     assert auto.activations_gb[0] == eager.activations_gb[0] > flash.activations_gb[0]
+
+
+def test_batch_shares_must_split_into_micro_batches() -> None:
+    a = {"replicas": 2, "batch_share": 0.5, "stages": [{"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 80}]}
+    b = {"replicas": 3, "batch_share": 0.5, "stages": [{"accelerator": "h100-80gb-sxm", "tp": 8, "layers": 80}]}
+    with pytest.raises(ConfigError) as exc:
+        estimate(plan([a, b], global_batch=64, recompute="full", zero_stage=1), CAT)
+    assert ("groups[1].batch_share: 0.5 of train.global_batch=64 is 32 sequences, not a multiple of "
+            "replicas x micro_batch = 3") in str(exc.value)
+    ok = estimate(plan([a, b | {"replicas": 4}], global_batch=64, recompute="full", zero_stage=1), CAT)
+    assert [g.sequences_per_step for g in ok.groups] == [32, 32]

@@ -92,6 +92,11 @@ def estimate(
                         f"{s.optimizer_gb:.1f}", f"{s.activations_gb:.1f}", f"{s.total_gb:.1f}",
                         f"{s.capacity_gb:.1f}", f"{s.margin_gb:.1f}")
     con.print(mem)
+    for g in est.groups:
+        sched = g.schedule + (f" (v={g.virtual_stages})" if g.schedule == "interleaved" else "")
+        con.print(f"group {g.index}: {g.num_devices} devices, {g.sequences_per_step} sequences per step "
+                  f"({g.batch_share:.1%}), micro-batch {g.micro_batch} x {g.num_micro_batches}, {sched}, "
+                  f"{g.step_time_s:.3f} s")
     for w in est.warnings:
         con.print(f"[yellow]warning:[/yellow] {w}")
 

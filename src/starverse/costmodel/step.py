@@ -314,6 +314,8 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
         unit = g.replicas * (g.micro_batch or 1)
         exact = share * gb
         n = round(exact / unit) * unit
+        if g.batch_share is None:
+            n = max(n, unit)  # every group gets at least one micro-batch per replica
         if g.batch_share is not None and abs(n - exact) > 1e-6:
             raise ConfigError(
                 f"groups[{gi}].batch_share: {g.batch_share} of train.global_batch={gb} is {exact:g} sequences, "
