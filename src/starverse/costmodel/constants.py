@@ -37,8 +37,8 @@ best shape, kernel-launch gaps and framework work between kernels.
 
 This is the one constant of the model whose value is FITTED: 0.76 makes the mean error over the 37
 published runs in data/validation zero. Its leave-one-source-out refits (Korthikanti 2022, Megatron-LM
-2021, Megatron-Core H100, MosaicML llm-foundry) land at 0.76-0.78, i.e. it is not specific to one
-software stack; held-out errors: median 9 %, p90 18 % (docs/costmodel.md). For comparison, Bekman
+2021, Megatron-Core H100, MosaicML llm-foundry) land at 0.74-0.78, i.e. it is not specific to one
+software stack; held-out errors: median 7.6 %, p90 17.3 %, max 33 % (docs/costmodel.md). For comparison, Bekman
 quotes ~150-180 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training
 reached; 0.76 x MAMF is the matmul-only part of that."""
 
