@@ -82,11 +82,11 @@ def _uniform(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, **kw: o
     base, rem = divmod(layers, pp)
     stages = [{"accelerator": acc, "tp": tp, "layers": base + (1 if i < rem else 0)} for i in range(pp)]
     p = plan([{"replicas": replicas, "micro_batch": mb, "stages": stages}],
-             global_batch=replicas * mb * m, schedule="1f1b", **kw)
+             global_batch=replicas * mb * m, **({"schedule": "1f1b"} | kw))
     cand = Candidates.make(accelerator=0, tp=tp, pp=pp, replicas=replicas, micro_batch=mb, num_micro_batches=m,
                            zero_stage=kw.get("zero_stage", 0), recompute=RECOMPUTE_CODES[kw.get("recompute", "none")],
                            sequence_parallel=kw.get("sequence_parallel", False))
-    dev = DeviceTable.from_catalog(CAT, [acc], "bf16")
+    dev = DeviceTable.from_catalog(CAT, [acc], p.train.precision)
     return p, spec, dev, cand
 
 
@@ -97,6 +97,8 @@ def _uniform(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, **kw: o
         ("h100-80gb-sxm", 8, 3, 4, 2, 8, {"recompute": "full"}),  # 80 layers over 3 stages: 27, 27, 26
         ("rtx-4090", 4, 7, 2, 1, 14, {"recompute": "full", "zero_stage": 1}),  # 12,12,12,11,11,11,11
         ("a100-80gb-sxm", 8, 1, 16, 1, 4, {"zero_stage": 3, "recompute": "full"}),
+        ("h100-80gb-sxm", 4, 4, 2, 1, 8, {"schedule": "interleaved", "virtual_stages": 5, "recompute": "selective"}),
+        ("v100-32gb-sxm", 8, 8, 1, 2, 8, {"schedule": "gpipe", "recompute": "selective", "precision": "fp16"}),
     ],
 )
 def test_scalar_and_batch_agree(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, kw: dict) -> None:
