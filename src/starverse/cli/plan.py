@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
 import math
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -122,6 +122,7 @@ def plan_cmd(
     from starverse.catalog import load_catalog
     from starverse.plan import save_plan
     from starverse.planner import load_job, load_pool, search
+    from starverse.planner.policy import describe
 
     catalog = load_catalog(catalog_file)
     job = load_job(job_file)
@@ -142,6 +143,7 @@ def plan_cmd(
     best = result.best
     for n in best.notes:
         console.print(f"  plan 1: {n}")
+    console.print(f"chosen: plan 1, {describe(result.objective, best.objective_value, result.currency)}")
     s = result.stats
     opt = "proven optimal over the searched space" if s.proven_optimal else f"bound gap {s.bound_gap:.1%}"
     console.print(f"searched {s.options:,} group options, {s.combinations:,} combinations, "

@@ -31,13 +31,12 @@ import numpy.typing as npt
 
 from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross_group_sync_s
 from starverse.costmodel.constants import BYTES_PER_VALUE, NETWORK_EFFICIENCY
-from starverse.errors import InfeasiblePlanError
+from starverse.errors import ConfigError
 from starverse.plan import Group, Network, Plan, Pricing, Stage, TrainSpec
 from starverse.planner import combine, space
 from starverse.planner.job import Job, Objective
 from starverse.planner.policy import billed_hours, checkpoint_seconds, score, spot_factor
 from starverse.planner.pool import Pool
-from starverse.planner.pool import Pricing as OfferPricing
 from starverse.planner.result import FrontierPoint, PlanResult, RankedPlan, SearchStats
 
 FloatArray = npt.NDArray[np.float64]
@@ -45,6 +44,10 @@ IntArray = npt.NDArray[np.int64]
 
 EXACT_TABLE_CELLS = 400_000
 """Up to this many (option, micro-batch count) rows, every fitting option gets a time table (exact search)."""
+EXACT_SMALL_POOL_DEVICES = 16
+"""Pools of at most this many devices are always searched exactly (up to ``EXACT_SMALL_POOL_CELLS`` rows)."""
+EXACT_SMALL_POOL_CELLS = 4_000_000
+"""Row limit of the exact search on small pools (a few seconds)."""
 KEEP_PER_SETTING = 10
 """Large spaces: options kept per (offer, setting) after screening."""
 MAX_COMBINATIONS = 600_000
@@ -190,7 +193,9 @@ def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArra
     if len(opts) == 0:
         return opts, np.zeros((0, ctx.batch + 1)), np.zeros(0)
     kmax = ctx.batch // (opts.replicas * opts.micro_batch)
-    if int(kmax.sum()) <= EXACT_TABLE_CELLS:
+    cells = int(kmax.sum())
+    if cells <= EXACT_TABLE_CELLS or (pool.num_devices <= EXACT_SMALL_POOL_DEVICES
+                                      and cells <= EXACT_SMALL_POOL_CELLS):
         tables, power = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
         stats["rows"] += int(kmax.sum())
         ok = np.isfinite(tables).any(axis=1)
@@ -630,7 +635,7 @@ def plan_for(model_id: str, policy: str | Objective = Objective.COST_PERFORMANCE
 
     catalog = catalog if catalog is not None else load_catalog()
     if pool is None:
-        raise InfeasiblePlanError("plan_for needs a pool", ["pass pool= (a pool.yaml path or mapping)"])
+        raise ConfigError("plan_for: no pool given; pass pool= a pool.yaml path, a mapping in its format or a Pool")
     if isinstance(pool, Pool):
         pool_obj = pool
     elif isinstance(pool, dict):
@@ -647,4 +652,4 @@ def plan_for(model_id: str, policy: str | Objective = Objective.COST_PERFORMANCE
     return search(job_from_dict(data, "<plan_for>"), pool_obj, catalog, top)
 
 
-__all__ = ["OfferPricing", "plan_for", "rank_plan", "search"]
+__all__ = ["best_combinations", "plan_for", "rank_plan", "search"]
