@@ -75,6 +75,7 @@ def test_table_output(tmp_path):
                 "bottleneck"):
         assert col in r.stdout
     assert "proven optimal" in r.stdout
+    assert "chosen: plan 1," in r.stdout and "M tokens per USD" in r.stdout
 
 
 def test_mixed_currency_scenario_plan(tmp_path):

@@ -117,9 +117,9 @@ def brute_force(job, pool, catalog, spec) -> float:
     return best
 
 
-def random_case(seed: int):
+def random_case(seed: int, max_kinds: int = 3, batches: tuple[int, ...] = (6, 8, 12)):
     rng = random.Random(seed)
-    kinds = rng.sample(KINDS, rng.randint(1, 3))
+    kinds = rng.sample(KINDS, rng.randint(1, max_kinds))
     total = rng.randint(len(kinds), 16)
     counts = [1] * len(kinds)
     for _ in range(total - len(kinds)):
@@ -135,7 +135,7 @@ def random_case(seed: int):
     pool = {"currency": "USD", "offers": offers, "cross_offer_gbps": rng.choice([100, 400])}
     model = "llama-tiny" if seed % 3 else "llama-1b"
     fixed = {"zero_stage": rng.choice([0, 1]), "recompute": rng.choice(["none", "full"]), "offload": "none"}
-    train = {"seq_len": rng.choice([2048, 4096]), "global_batch": rng.choice([6, 8, 12]), "tokens": 1e8, **fixed}
+    train = {"seq_len": rng.choice([2048, 4096]), "global_batch": rng.choice(batches), "tokens": 1e8, **fixed}
     if seed % 2:
         train["micro_batch"] = 1
     job = {"model": model, "train": train, "objective": rng.choice(["cost-performance", "throughput", "cost", "time"])}
@@ -159,6 +159,23 @@ def test_search_matches_brute_force(seed, catalog):
         assert combos == []
         return
     assert combos, f"brute force found {expected} but the search found nothing"
+    assert combos[0].value == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(100, 106))
+def test_search_matches_brute_force_larger_batches(seed, catalog):
+    """Global batches of 24-48 sequences: many more integer splits per combination."""
+    job_d, pool_d = random_case(seed, max_kinds=2, batches=(24, 32, 48))
+    job_d["train"]["micro_batch"] = 2
+    job = job_from_dict(job_d)
+    pool = pool_from_dict(pool_d, catalog)
+    spec = load_model(job.model)
+    combos, _, stats = best_combinations(job, pool, catalog, spec, job.train.mode, top=1)
+    expected = brute_force(job, pool, catalog, spec)
+    assert not stats["screened"] and stats["proven"]
+    if not math.isfinite(expected):
+        assert combos == []
+        return
     assert combos[0].value == pytest.approx(expected, rel=1e-9)
 
 

@@ -211,3 +211,10 @@ def test_memory_never_grows_with_replicas(catalog):
         order = rows[np.argsort(opts.replicas[rows])]
         assert np.all(np.diff(mem[order]) <= 1e-9)
     assert 0 < int(np.sum(est.fits)) < len(opts)  # the space has both fitting and non-fitting rows
+
+
+def test_plan_for_needs_a_pool(catalog):
+    from starverse.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"plan_for: no pool given; pass pool= a pool\.yaml path"):
+        plan_for("llama-2-7b", catalog=catalog)
