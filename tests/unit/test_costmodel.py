@@ -341,3 +341,9 @@ def test_batch_shares_must_split_into_micro_batches() -> None:
             "replicas x micro_batch = 3") in str(exc.value)
     ok = estimate(plan([a, b | {"replicas": 4}], global_batch=64, recompute="full", zero_stage=1), CAT)
     assert [g.sequences_per_step for g in ok.groups] == [32, 32]
+
+
+def test_geforce_without_peer_to_peer_halves_tp_bandwidth() -> None:
+    dev = DeviceTable.from_catalog(CAT, ["rtx-4090", "l40s"], "bf16")
+    assert dev.intra_node_gb_per_s[0] == CAT.accelerator("rtx-4090").intra_node_gb_per_s / 2
+    assert dev.intra_node_gb_per_s[1] == CAT.accelerator("l40s").intra_node_gb_per_s

@@ -180,7 +180,8 @@ class DeviceTable:
     memory_bw_gb_per_s: FloatArray
     """Device memory bandwidth (GB/s)."""
     intra_node_gb_per_s: FloatArray
-    """Per-device, one-direction intra-node link bandwidth (GB/s)."""
+    """Per-device, one-direction intra-node bandwidth usable by collectives (GB/s): the catalog's link,
+    halved for cards without peer-to-peer (``constants.intra_node_gb_per_s``)."""
     devices_per_node: IntArray
     """Devices per node."""
     inter_node_gbps: FloatArray
@@ -203,7 +204,7 @@ class DeviceTable:
         price_per_hour: Sequence[float | None] | None = None,
     ) -> DeviceTable:
         """One row per ``catalog.Accelerator``; optional per-row overrides (pool offers)."""
-        from starverse.costmodel.constants import gemm_efficiency, has_flash_attention
+        from starverse.costmodel.constants import gemm_efficiency, has_flash_attention, intra_node_gb_per_s
 
         k = len(accelerators)
         dpn = [a.devices_per_node for a in accelerators] if devices_per_node is None else list(devices_per_node)
@@ -215,7 +216,7 @@ class DeviceTable:
             gemm_efficiency=np.array([gemm_efficiency(a) for a in accelerators], dtype=np.float64),
             memory_gb=np.array([a.memory_gb for a in accelerators], dtype=np.float64),
             memory_bw_gb_per_s=np.array([a.memory_bw_gb_per_s for a in accelerators], dtype=np.float64),
-            intra_node_gb_per_s=np.array([a.intra_node_gb_per_s for a in accelerators], dtype=np.float64),
+            intra_node_gb_per_s=np.array([intra_node_gb_per_s(a) for a in accelerators], dtype=np.float64),
             devices_per_node=np.array(dpn, dtype=np.int64),
             inter_node_gbps=np.array(nic, dtype=np.float64),
             tdp_w=np.array([a.tdp_w for a in accelerators], dtype=np.float64),

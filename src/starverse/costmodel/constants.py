@@ -129,6 +129,19 @@ one CTA each, i.e. ~15-30 % of an A100's 108 or an H100's 132 SMs while a collec
 Overlapped communication therefore slows compute by this fraction of its own duration (the
 compute/communication interference measured e.g. by Rashidi et al. 2021 and Pati et al. 2024, 10-25 %)."""
 
+NO_PEER_TO_PEER: frozenset[str] = frozenset({"rtx-2080", "rtx-3090", "rtx-4090", "titan-rtx"})
+"""GeForce/Titan cards whose drivers disable PCIe peer-to-peer: NCCL falls back to its shared-memory
+transport, so every byte crosses PCIe twice through host memory (device -> host -> device) and the
+usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport" / NCCL_P2P_DISABLE;
+the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
+
+
+def intra_node_gb_per_s(acc: Any) -> float:
+    """Device-to-device bandwidth a collective can use inside a node (halved without peer-to-peer)."""
+    bw = float(acc.intra_node_gb_per_s)
+    return bw / 2.0 if acc.id in NO_PEER_TO_PEER else bw
+
+
 PCIE_HOST_GB_PER_S = 25.0
 """Host<->device copy bandwidth for CPU offload (PCIe 4.0 x16: 32 GB/s line rate, ~25 GB/s achieved)."""
 

@@ -203,7 +203,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         gemm_efficiency=col([C.gemm_efficiency(a) for a in accs]),
         memory_gb=col([a.memory_gb for a in accs]),
         memory_bw_gb_per_s=col([a.memory_bw_gb_per_s for a in accs]),
-        intra_node_gb_per_s=col([a.intra_node_gb_per_s for a in accs]),
+        intra_node_gb_per_s=col([C.intra_node_gb_per_s(a) for a in accs]),
         devices_per_node=col([float(d) for d in dpn]),
         inter_node_gbps=col([float(x) for x in nic]),
         tp=col([float(s.tp) for s in stages]),
