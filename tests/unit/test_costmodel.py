@@ -347,3 +347,20 @@ def test_geforce_without_peer_to_peer_halves_tp_bandwidth() -> None:
     dev = DeviceTable.from_catalog(CAT, ["rtx-4090", "l40s"], "bf16")
     assert dev.intra_node_gb_per_s[0] == CAT.accelerator("rtx-4090").intra_node_gb_per_s / 2
     assert dev.intra_node_gb_per_s[1] == CAT.accelerator("l40s").intra_node_gb_per_s
+
+
+def test_fp8_uses_its_own_peak_and_efficiency() -> None:
+    from starverse.costmodel.constants import SUSTAINED_FRACTION
+
+    h100 = CAT.accelerator("h100-80gb-sxm")
+    bf16 = DeviceTable.from_catalog(CAT, ["h100-80gb-sxm"], "bf16")
+    fp8 = DeviceTable.from_catalog(CAT, ["h100-80gb-sxm"], "fp8")
+    assert fp8.peak_tflops[0] == h100.fp8_tflops
+    assert fp8.gemm_efficiency[0] == pytest.approx(0.709 * SUSTAINED_FRACTION)
+    assert bf16.gemm_efficiency[0] == pytest.approx(0.803 * SUSTAINED_FRACTION)
+    shape = ModelShape.from_spec(load_model("llama-2-70b"))
+    cand = Candidates.make(accelerator=0, tp=8, pp=1, replicas=8, micro_batch=1, num_micro_batches=8,
+                           zero_stage=3, recompute=2)
+    t_bf16 = estimate_batch(shape, TrainShape(seq_len=4096), bf16, cand).step_time_s[0]
+    t_fp8 = estimate_batch(shape, TrainShape(seq_len=4096, precision="fp8"), fp8, cand).step_time_s[0]
+    assert 1.2 < t_bf16 / t_fp8 < 2.0  # faster, but far from the 2x of the peaks

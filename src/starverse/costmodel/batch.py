@@ -213,7 +213,7 @@ class DeviceTable:
         return cls(
             ids=tuple(a.id for a in accelerators),
             peak_tflops=np.array([a.peak_tflops(precision) for a in accelerators], dtype=np.float64),
-            gemm_efficiency=np.array([gemm_efficiency(a) for a in accelerators], dtype=np.float64),
+            gemm_efficiency=np.array([gemm_efficiency(a, precision) for a in accelerators], dtype=np.float64),
             memory_gb=np.array([a.memory_gb for a in accelerators], dtype=np.float64),
             memory_bw_gb_per_s=np.array([a.memory_bw_gb_per_s for a in accelerators], dtype=np.float64),
             intra_node_gb_per_s=np.array([intra_node_gb_per_s(a) for a in accelerators], dtype=np.float64),

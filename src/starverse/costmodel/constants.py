@@ -42,6 +42,18 @@ software stack; held-out errors: median 7.6 %, p90 17.3 %, max 33 % (docs/costmo
 quotes ~150-180 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training
 reached; 0.76 x MAMF is the matmul-only part of that."""
 
+GEMM_EFFICIENCY_FP8: dict[str, float] = {
+    # FP8 (e4m3) MAMF / dense FP8 peak, same table (Bekman)
+    "h100-80gb-sxm": 0.709,  # 1402.6 / 1979
+    "h200-141gb-sxm": 0.734,  # 1453.4 / 1979
+    "b200": 0.763,  # 3432.5 / 4500
+}
+"""Achievable fraction of the dense FP8 peak for large matmuls, where measured."""
+
+FP8_VS_BF16_EFFICIENCY = 0.88
+"""FP8 matmuls reach a smaller fraction of their (2x) peak than BF16 ones: H100 0.709 vs 0.803 in the same
+MAMF table (ratio 0.88); used for accelerators with an FP8 peak but no FP8 measurement."""
+
 GEMM_EFFICIENCY_BY_STACK: dict[str, float] = {
     # No MAMF measurement in the table above: the median of the measured NVIDIA parts (0.80) for CUDA
     # (consumer cards run at their boost clock and reach their dense fp32-accumulate peak similarly),
@@ -188,10 +200,12 @@ def has_flash_attention(acc: Any) -> bool:
     return acc.id not in NO_FUSED_ATTENTION
 
 
-def gemm_efficiency(acc: Any) -> float:
+def gemm_efficiency(acc: Any, precision: str = "bf16") -> float:
     """Large-matmul fraction of peak a ``catalog.Accelerator`` sustains in training (MAMF x sustained)."""
     if acc.id in GEMM_EFFICIENCY:
         mamf = GEMM_EFFICIENCY[acc.id]
     else:
         mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
+    if precision == "fp8" and getattr(acc, "fp8_tflops", None) is not None:
+        mamf = GEMM_EFFICIENCY_FP8.get(acc.id, mamf * FP8_VS_BF16_EFFICIENCY)
     return mamf * SUSTAINED_FRACTION

@@ -200,7 +200,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
     pp = len(stages)
     return StageRows(
         peak_tflops=col([a.peak_tflops(precision) for a in accs]),
-        gemm_efficiency=col([C.gemm_efficiency(a) for a in accs]),
+        gemm_efficiency=col([C.gemm_efficiency(a, precision) for a in accs]),
         memory_gb=col([a.memory_gb for a in accs]),
         memory_bw_gb_per_s=col([a.memory_bw_gb_per_s for a in accs]),
         intra_node_gb_per_s=col([C.intra_node_gb_per_s(a) for a in accs]),
