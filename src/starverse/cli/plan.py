@@ -83,6 +83,8 @@ def plot_frontier(result: Any, path: Path) -> None:
     pts = result.frontier
     if pts:
         ax.plot([p.hours for p in pts], [p.cost for p in pts], "o-", color="tab:blue", label="Pareto frontier")
+        for p in pts[:: max(1, len(pts) // 12)]:
+            ax.annotate(p.label, (p.hours, p.cost), fontsize=7, xytext=(4, 4), textcoords="offset points")
     others = result.plans[1:]
     def cost_of(rp: Any) -> tuple[float, float]:
         h = rp.hours if rp.hours is not None else 1e9 / rp.effective_tokens_per_s / 3600

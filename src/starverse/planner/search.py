@@ -380,9 +380,42 @@ def _billed(hours: FloatArray, granularity_s: IntArray) -> FloatArray:
     return np.where(granularity_s <= 1, hours, np.ceil(hours / g - 1e-9) * g)
 
 
+def _single_frontier(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatArray,
+                     stats: dict[str, Any]) -> None:
+    """Add the time-vs-cost Pareto front of every single-group option (each one exact at the full batch) to
+    the frontier points, so the plot shows the whole trade-off, not only what branch and bound visited."""
+    step = tables[:, ctx.batch]
+    n = opts.num_devices
+    price = n * np.array([o.price_per_hour for o in ctx.pool.offers])[opts.offer]
+    lam = n * np.array([o.interruptions_per_hour for o in ctx.pool.offers])[opts.offer]
+    dpn = np.array([o.devices_per_node for o in ctx.pool.offers])[opts.offer]
+    gran = np.array([o.billing_granularity_s for o in ctx.pool.offers])[opts.offer]
+    f = _spot_factor(ctx, lam, np.ceil(n / dpn))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        hours = (ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS) * step * f / (ctx.batch * ctx.seq_len) / 3600
+    total = price * _billed(hours, gran)
+    ok = np.isfinite(hours) & np.isfinite(total)
+    c = ctx.job.constraints
+    if ctx.budget_per_hour is not None:
+        ok &= price <= ctx.budget_per_hour * (1 + 1e-9)
+    if c.max_power_kw is not None:
+        ok &= power <= c.max_power_kw * (1 + 1e-9)
+    if c.deadline_hours is not None:
+        ok &= hours <= c.deadline_hours
+    idx = np.flatnonzero(ok)
+    idx = idx[np.lexsort((total[idx], hours[idx]))]
+    best = np.inf
+    for i in idx:
+        if total[i] < best * (1 - 1e-9):
+            best = float(total[i])
+            label = f"{int(n[i])}×{ctx.pool.offers[int(opts.offer[i])].name}"
+            stats["frontier_points"].append((float(hours[i]), best, label))
+
+
 def _branch_and_bound(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatArray, top: int,
                       stats: dict[str, Any]) -> list[_Combo]:
     """Exact evaluation of combinations in decreasing bound order until the bound closes."""
+    _single_frontier(ctx, opts, tables, power, stats)
     rate = combine.rate_bound(tables)
     t_min = tables.min(axis=1)
     members, sets, bound = _combinations(ctx, opts, rate, t_min, power, stats)
