@@ -90,7 +90,8 @@ def test_check_passes_then_catches_a_doubled_charge(run_dir: Path, tmp_path: Pat
     copy = tmp_path / "ledger.sqlite"
     copy.write_bytes((run_dir / "ledger.sqlite").read_bytes())
     conn = sqlite3.connect(copy)
-    conn.execute("INSERT INTO charges SELECT lease_id, seq + 10, job_id, mode, kind, start_s, end_s, day, seconds, "
+    conn.execute("INSERT INTO charges (lease_id, seq, job_id, mode, kind, start_s, end_s, day, seconds, "
+                 "price_micros, ticks) SELECT lease_id, seq + 10, job_id, mode, kind, start_s, end_s, day, seconds, "
                  "price_micros, ticks FROM charges WHERE lease_id = 1 AND seq = 0")
     conn.commit()
     conn.close()

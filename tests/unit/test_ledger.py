@@ -235,7 +235,8 @@ def test_check_finds_tampering_double_charges_and_overlaps(ledger: Ledger):
     ledger.execute("UPDATE charges SET ticks = ticks + 1")
     assert any("differ from its rating" in p for p in check_ledger(ledger).problems)
     ledger.execute("UPDATE charges SET ticks = ticks - 1")
-    ledger.execute("INSERT INTO charges SELECT lease_id, seq + 1, job_id, mode, kind, start_s, end_s, day, seconds, "
+    ledger.execute("INSERT INTO charges (lease_id, seq, job_id, mode, kind, start_s, end_s, day, seconds, "
+                   "price_micros, ticks) SELECT lease_id, seq + 1, job_id, mode, kind, start_s, end_s, day, seconds, "
                    "price_micros, ticks FROM charges")
     assert any("2 stored charge rows" in p for p in check_ledger(ledger).problems)
     ledger.execute("DELETE FROM charges WHERE seq = 1")
@@ -271,7 +272,7 @@ def test_newer_schema_is_refused_untouched(tmp_path: Path):
     conn.execute("INSERT INTO schema_version VALUES (99, 0, 'future')")
     conn.close()
     digest = sha(path)
-    with pytest.raises(BillingError, match=r"ledger schema version 99 is newer than this Starverse \(2\); left untouched"):
+    with pytest.raises(BillingError, match=rf"ledger schema version 99 is newer than this Starverse \({SCHEMA_VERSION}\); left untouched"):
         Ledger.open(path)
     assert sha(path) == digest
 

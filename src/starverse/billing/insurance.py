@@ -93,20 +93,9 @@ class PricedLease:
     segments: Sequence[Segment]
 
 
-def compute_credits(job_id: int, job_start_s: int, events: Sequence[Event],
-                    leases: Sequence[PricedLease]) -> list[Credit]:
-    """Itemised credits (one line per lease and interval) of one job from its events and leases."""
-
-    credits: list[Credit] = []
-
-    def credit(kind: CreditKind, preemption: Event, a: int, b: int) -> None:
-        for le in leases:
-            ticks = interval_ticks(le.mode, le.start_s, le.end_s, le.segments, a, b)
-            if ticks > 0:
-                lo = max(a, le.start_s)
-                hi = b if le.end_s is None else min(b, le.end_s)
-                credits.append(Credit(job_id, le.id, kind, preemption.id, lo, hi, ticks))
-
+def credit_intervals(job_start_s: int, events: Sequence[Event]) -> list[tuple[CreditKind, Event, int, int]]:
+    """``(kind, preemption, start_s, end_s)`` of every interval the job is insured for, from its events."""
+    out: list[tuple[CreditKind, Event, int, int]] = []
     safe_s = job_start_s  # work before this time is safe (checkpointed, or from before the last resume)
     down: Event | None = None  # the preemption the job has not resumed from yet
     for ev in sorted(events, key=lambda e: (e.at_s, e.id)):
@@ -114,9 +103,25 @@ def compute_credits(job_id: int, job_start_s: int, events: Sequence[Event],
             safe_s = max(safe_s, ev.at_s)
         elif ev.kind == EventKind.PREEMPTION and down is None:
             down = ev
-            credit(CreditKind.REDO, ev, safe_s, ev.at_s)
+            if ev.at_s > safe_s:
+                out.append((CreditKind.REDO, ev, safe_s, ev.at_s))
         elif ev.kind == EventKind.RESUME and down is not None:
-            credit(CreditKind.RESTART, down, down.at_s, ev.at_s)
+            if ev.at_s > down.at_s:
+                out.append((CreditKind.RESTART, down, down.at_s, ev.at_s))
             safe_s = max(safe_s, ev.at_s)
             down = None
+    return out
+
+
+def compute_credits(job_id: int, job_start_s: int, events: Sequence[Event],
+                    leases: Sequence[PricedLease]) -> list[Credit]:
+    """Itemised credits (one line per lease and interval) of one job from its events and leases."""
+    credits: list[Credit] = []
+    for kind, preemption, a, b in credit_intervals(job_start_s, events):
+        for le in leases:
+            ticks = interval_ticks(le.mode, le.start_s, le.end_s, le.segments, a, b)
+            if ticks > 0:
+                lo = max(a, le.start_s)
+                hi = b if le.end_s is None else min(b, le.end_s)
+                credits.append(Credit(job_id, le.id, kind, preemption.id, lo, hi, ticks))
     return credits

@@ -29,7 +29,14 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 from typing import Any
 
-from starverse.billing.insurance import Credit, Event, EventKind, PricedLease, compute_credits
+from starverse.billing.insurance import (
+    Credit,
+    Event,
+    EventKind,
+    PricedLease,
+    compute_credits,
+    credit_intervals,
+)
 from starverse.billing.money import (
     TICKS_PER_MICRO,
     fx_rate,
@@ -313,7 +320,8 @@ class Ledger:
                  str(rate), pricing.granularity_s, start, start))
             lease_id = int(cur.lastrowid or 0)
             c.execute("INSERT INTO price_segments VALUES (?,?,?)", (lease_id, start, micros))
-            return _lease(c.execute(f"SELECT {_LEASE_COLS} FROM leases WHERE id = ?", (lease_id,)).fetchone())
+            return Lease(lease_id, j.id, device, accelerator, provider, offer, pricing.mode,
+                         micros_to_decimal(offer_micros), offer_ccy, rate, pricing.granularity_s, start, None, start)
 
     def _burn_micros(self, c: sqlite3.Connection, job_id: int) -> int:
         """What the job's open leases cost per hour now (last price of each)."""
@@ -356,12 +364,15 @@ class Ledger:
     def record_prices(self, lease: Lease | int, prices: Iterable[tuple[int, Decimal | str | int | float]]) -> None:
         """Several spot price changes ``(at_s, price)`` in one transaction (e.g. a provider's price trace)."""
         with self._tx() as c:
-            le = self.lease(lease)
+            row = c.execute(f"SELECT {_LEASE_COLS}, (SELECT MAX(start_s) FROM price_segments s WHERE s.lease_id = "
+                            "leases.id) FROM leases WHERE id = ?", (_id(lease),)).fetchone()
+            if row is None:
+                raise BillingError(f"no lease {_id(lease)} in {self.path}")
+            le, last = _lease(row), int(row[-1])
             if le.mode != PricingMode.SPOT:
                 raise BillingError(f"lease {le.id} is {le.mode.value}: its price is fixed; only spot prices change")
             if le.end_s is not None:
                 raise BillingError(f"lease {le.id} closed at {le.end_s}; a price change after that is not billable")
-            last = c.execute("SELECT MAX(start_s) FROM price_segments WHERE lease_id = ?", (le.id,)).fetchone()[0]
             rows = []
             for at_s, price in prices:
                 t = int(at_s)
@@ -411,8 +422,9 @@ class Ledger:
             raise BillingError(f"lease {le.id} of {le.device!r} cannot end at {end}: lease {later[0]} of the same "
                                f"device starts at {later[1]}")
         rows = rate_lease(le.mode, le.start_s, end, segs, le.granularity_s)
-        c.executemany("INSERT INTO charges VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                      [(le.id, r.seq, le.job_id, le.mode.value, r.kind.value, r.start_s, r.end_s, r.day,
+        c.executemany("INSERT INTO charges (lease_id, day, seq, job_id, mode, kind, start_s, end_s, seconds, "
+                      "price_micros, ticks) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                      [(le.id, r.day, r.seq, le.job_id, le.mode.value, r.kind.value, r.start_s, r.end_s,
                         r.seconds, r.price_micros, r.ticks) for r in rows])
         c.execute("UPDATE leases SET end_s = ?, last_seen_s = MAX(last_seen_s, ?) WHERE id = ?", (end, end, le.id))
         return rows
@@ -476,9 +488,20 @@ class Ledger:
     def credits(self, job: Job | int) -> list[Credit]:
         """Itemised insurance credits of the job (see ``insurance``)."""
         j = self.job(job)
-        priced = [PricedLease(le.id, le.mode, le.start_s, le.end_s, self.segments(le.id)) for le in self.leases(j.id)]
-        start = min([le.start_s for le in priced], default=j.created_s)
-        return compute_credits(j.id, min(start, j.created_s), self.events(j.id), priced)
+        leases = self.leases(j.id)
+        start = min([le.start_s for le in leases] + [j.created_s])
+        events = self.events(j.id)
+        intervals = credit_intervals(start, events)
+        if not intervals:
+            return []
+
+        def overlaps(le: Lease) -> bool:
+            return any(le.start_s < b and (le.end_s is None or le.end_s > a) for _, _, a, b in intervals)
+
+        # only the leases running in an insured interval need their price segments read
+        priced = [PricedLease(le.id, le.mode, le.start_s, le.end_s, self.segments(le.id))
+                  for le in leases if overlaps(le)]
+        return compute_credits(j.id, start, events, priced)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
         """Read-only SQL for reports (``report`` module); not for writes."""

@@ -126,23 +126,15 @@ def make_bill(ledger: Ledger, by: GroupBy | str = GroupBy.JOB, *, currency: str 
     lease_rows = ledger.execute("SELECT id, job_id, device, mode FROM leases").fetchall()
     leases = {r[0]: r for r in lease_rows}
     sums: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
-    if group == GroupBy.DEVICE:
-        rows = _sum_grouped(ledger, "SELECT lease_id, SUM(seconds), SUM(ticks) FROM charges GROUP BY lease_id")
-        for lease_id, secs, ticks in rows:
-            _, job_id, device, _mode = leases[lease_id]
-            acc = sums[(device, jobs[job_id].currency)]
-            acc[0] += secs
-            acc[1] += ticks
-    else:
-        col = {GroupBy.JOB: "NULL", GroupBy.MODE: "mode", GroupBy.DAY: "day"}[group]
-        rows = _sum_grouped(ledger, f"SELECT job_id, {col}, SUM(seconds), SUM(ticks) FROM charges "
-                                    f"GROUP BY job_id, {col}")
-        for job_id, k, secs, ticks in rows:
-            job = jobs[job_id]
-            key = job.name if group == GroupBy.JOB else (_day(k) if group == GroupBy.DAY else k)
-            acc = sums[(key, job.currency)]
-            acc[0] += secs
-            acc[1] += ticks
+    # one pass in key order (lease, day): no sort of the charge rows; every grouping derives from it
+    rows = _sum_grouped(ledger, "SELECT lease_id, day, SUM(seconds), SUM(ticks) FROM charges GROUP BY lease_id, day")
+    for lease_id, day, secs, ticks in rows:
+        _, job_id, device, mode = leases[lease_id]
+        job = jobs[job_id]
+        key = {GroupBy.JOB: job.name, GroupBy.DEVICE: device, GroupBy.MODE: mode, GroupBy.DAY: _day(day)}[group]
+        acc = sums[(key, job.currency)]
+        acc[0] += secs
+        acc[1] += ticks
     credits = [c for j in jobs.values() for c in ledger.credits(j.id)]
     for c in credits:
         _, job_id, device, mode = leases[c.lease_id]

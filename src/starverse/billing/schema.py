@@ -95,10 +95,35 @@ def _rate_closed_leases(conn: sqlite3.Connection) -> None:
             "SELECT start_s, price_micros FROM price_segments WHERE lease_id = ? ORDER BY start_s", (lease_id,))]
         rows = rate_lease(PricingMode(mode), start_s, end_s, segs, gran)
         conn.executemany(
-            "INSERT INTO charges VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT INTO charges (lease_id, seq, job_id, mode, kind, start_s, end_s, day, seconds, price_micros, "
+            "ticks) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             [(lease_id, r.seq, job_id, mode, r.kind.value, r.start_s, r.end_s, r.day, r.seconds,
               r.price_micros, r.ticks) for r in rows],
         )
+
+
+# Charges keyed by (lease, day, seq): a bill groups by lease and UTC day in key order, without sorting a
+# million rows. A day is a function of the row, so the key still refuses the same charge row twice.
+_V3 = """
+CREATE TABLE charges_v3 (
+    lease_id INTEGER NOT NULL REFERENCES leases(id),
+    day INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    job_id INTEGER NOT NULL,
+    mode TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('usage', 'rounding', 'package')),
+    start_s INTEGER NOT NULL,
+    end_s INTEGER NOT NULL CHECK (end_s >= start_s),
+    seconds INTEGER NOT NULL CHECK (seconds >= 0),
+    price_micros INTEGER NOT NULL CHECK (price_micros >= 0),
+    ticks INTEGER NOT NULL CHECK (ticks >= 0),
+    PRIMARY KEY (lease_id, day, seq)
+) WITHOUT ROWID;
+INSERT INTO charges_v3 SELECT lease_id, day, seq, job_id, mode, kind, start_s, end_s, seconds, price_micros, ticks
+    FROM charges;
+DROP TABLE charges;
+ALTER TABLE charges_v3 RENAME TO charges
+"""
 
 
 @dataclass(frozen=True)
@@ -114,6 +139,7 @@ class Migration:
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "jobs, leases, price segments, events", _V1),
     Migration(2, "stored charge rows (rated when a lease closes)", _V2, _rate_closed_leases),
+    Migration(3, "charges keyed by lease, UTC day and position (bills without sorting)", _V3),
 )
 """Ordered; a ledger at version N gets migrations N+1.. applied when opened."""
 SCHEMA_VERSION = MIGRATIONS[-1].version
