@@ -9,6 +9,7 @@ measured in the same run on the same disk: a plain one-row-per-commit INSERT loo
 from __future__ import annotations
 
 import json
+import os
 import random
 import sqlite3
 import subprocess
@@ -33,7 +34,7 @@ def bench_events(path: Path) -> dict[str, float]:
         open_leases: dict[str, int] = {}
         t = T0
         n = 0
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.process_time()
         while n < NUM_EVENTS:
             t += 1
             dev = f"d{rng.randrange(64)}"
@@ -49,11 +50,11 @@ def bench_events(path: Path) -> dict[str, float]:
                 else:
                     led.record_event(job, EventKind.CHECKPOINT, at_s=t)
             n += 1
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
         sync = led.execute("PRAGMA synchronous").fetchone()[0]
         mode = led.execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal" and sync >= 1, (mode, sync)  # 1 = NORMAL
-    return {"events_per_s": n / elapsed}
+    return {"events_per_s": n / elapsed, "events_per_cpu_s": n / cpu}
 
 
 def bench_plain_inserts(path: Path) -> float:
@@ -94,6 +95,9 @@ def main() -> None:
         ev = bench_events(tmp / "events.sqlite")
         base = bench_plain_inserts(tmp / "plain.sqlite")
         out["events_per_s"] = round(ev["events_per_s"])
+        # on a shared machine the wall figure is mostly waiting for a core: the CPU-time rate says what one
+        # free core would do (load average printed below)
+        out["events_per_cpu_s"] = round(ev["events_per_cpu_s"])
         out["plain_insert_per_s"] = round(base)
         out["events_vs_plain_insert_ratio"] = round(ev["events_per_s"] / base, 3)
         out["events_target_met"] = ev["events_per_s"] >= 5000
@@ -129,6 +133,8 @@ def main() -> None:
         out["bill_1m_rows_minus_startup_s"] = round(cli_s - startup, 3)
         out["bill_vs_raw_scan_ratio"] = round(out["bill_job_inprocess_s"] / raw, 2)  # type: ignore[operator]
         out["bill_target_met"] = cli_s <= 1.0
+    out["load_average_1m"] = round(os.getloadavg()[0], 2)
+    out["cpus"] = os.cpu_count()
     print(json.dumps(out))
 
 
