@@ -364,3 +364,18 @@ def test_fp8_uses_its_own_peak_and_efficiency() -> None:
     t_bf16 = estimate_batch(shape, TrainShape(seq_len=4096), bf16, cand).step_time_s[0]
     t_fp8 = estimate_batch(shape, TrainShape(seq_len=4096, precision="fp8"), fp8, cand).step_time_s[0]
     assert 1.2 < t_bf16 / t_fp8 < 2.0  # faster, but far from the 2x of the peaks
+
+
+def test_pipeline_across_accelerator_types_sends_over_the_cross_link() -> None:
+    def mixed(gbps: float) -> Plan:
+        return parse(Plan, {"model": "llama-2-70b", "train": {"seq_len": 4096, "global_batch": 16, "recompute": "full",
+                                                              "zero_stage": 1, "schedule": "1f1b"},
+                            "groups": [{"replicas": 1, "micro_batch": 1, "stages": [
+                                {"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 60},
+                                {"accelerator": "h100-80gb-sxm", "tp": 8, "layers": 20}]}],
+                            "network": {"cross_group_gbps": gbps}}, "t.yaml")
+
+    slow, fast = estimate(mixed(10), CAT), estimate(mixed(1600), CAT)
+    per_send = 4096 * 8192 * 2 / 8 / (10 / 8 * 0.9 / 8 * 1e9)
+    assert slow.breakdown["pp_comm"] == pytest.approx(2 * (16 + 2 - 1) * per_send, rel=0.01)
+    assert fast.breakdown["pp_comm"] < slow.breakdown["pp_comm"] / 50

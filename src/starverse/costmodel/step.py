@@ -253,6 +253,25 @@ def _schedule_options(plan: Plan, g: Group) -> list[tuple[str, int]]:
     return opts
 
 
+def _cross_accelerator_p2p(plan: Plan, g: Group, catalog: Any, mn: Any, mbs: np.ndarray,
+                           p2p: np.ndarray) -> np.ndarray:
+    """Pipeline sends between stages on different accelerators leave the node over the cross-type link
+    (``network.cross_group_gbps``, default the slower NIC), shared by the stage's TP ranks."""
+    stages = g.expanded_stages()
+    out = p2p.copy()
+    for i in range(len(stages) - 1):
+        a, b = stages[i], stages[i + 1]
+        if a.accelerator == b.accelerator:
+            continue
+        nics = [plan.network.inter_node_gbps.get(x, catalog.accelerator(x).inter_node_gbps)
+                for x in (a.accelerator, b.accelerator)]
+        gbps = plan.network.cross_group_gbps or min(nics)
+        per_device = gbps / 8.0 * C.NETWORK_EFFICIENCY / max(a.tp, b.tp) * 1e9
+        send = mbs * mn.seq_len * mn.h * mn.bytes_per_value / a.tp / per_device + C.COLLECTIVE_LATENCY_S
+        out[i] = np.maximum(out[i], send)
+    return out
+
+
 def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences: int) -> _GroupEval:
     per_replica = sequences // g.replicas
     if g.micro_batch is not None:
@@ -267,6 +286,7 @@ def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences:
     for schedule, v in _schedule_options(plan, g):
         mn_s = replace(mn, schedule=schedule, virtual_stages=float(v))
         costs = stage_costs(mn_s, rows)
+        costs["p2p"] = _cross_accelerator_p2p(plan, g, catalog, mn_s, mbs, costs["p2p"])
         per_stage = [{key: val[i] for key, val in costs.items()} for i in range(pp)]
         ones = np.ones(rows.tp.shape[1])
         out = combine(mn_s, per_stage, [ones] * pp, rows.pp[0], rows.num_micro_batches[0])
