@@ -98,6 +98,7 @@ SCENARIOS = (
     ("1b: same, LoRA", "scenario1-mixed-70b/job-lora.yaml", "scenario1-mixed-70b/pool-mixed.yaml"),
     ("1c: 4090 + TPU v5e + Ascend 910B", "scenario1-mixed-70b/job.yaml", "scenario1-mixed-70b/pool-three-arch.yaml"),
     ("2: ~100B, A100 + H100 PCIe + 4090", "scenario2-100b/job.yaml", "scenario2-100b/pool-all.yaml"),
+    ("2b: same, fastest (throughput)", "scenario2-100b/job-throughput.yaml", "scenario2-100b/pool-all.yaml"),
     ("3: ~100B, 10 kW cap, TPU v5p + 4090", "scenario3-power-cap/job.yaml", "scenario3-power-cap/pool-both.yaml"),
     ("extra, hetero-dp: 7B throughput within $12/h", "hetero-dp/job.yaml", "hetero-dp/pool.yaml"),
     ("extra, hetero-dp: 7B throughput within $20/h", "hetero-dp/job-20.yaml", "hetero-dp/pool-16.yaml"),
