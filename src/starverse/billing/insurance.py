@@ -94,22 +94,36 @@ class PricedLease:
 
 
 def credit_intervals(job_start_s: int, events: Sequence[Event]) -> list[tuple[CreditKind, Event, int, int]]:
-    """``(kind, preemption, start_s, end_s)`` of every interval the job is insured for, from its events."""
+    """``(kind, preemption, start_s, end_s)`` of every interval the job is insured for, from its events.
+
+    The redone work starts at the checkpoint the job resumed from when the resume event names its step
+    and a checkpoint of that step was recorded before the preemption (a checkpoint that was still being
+    written when the job died is not the one it resumes from); else at the last checkpoint or resume.
+    """
     out: list[tuple[CreditKind, Event, int, int]] = []
     safe_s = job_start_s  # work before this time is safe (checkpointed, or from before the last resume)
+    resumed_s = job_start_s
+    checkpoints: list[Event] = []
     down: Event | None = None  # the preemption the job has not resumed from yet
     for ev in sorted(events, key=lambda e: (e.at_s, e.id)):
         if ev.kind == EventKind.CHECKPOINT and down is None:
             safe_s = max(safe_s, ev.at_s)
+            checkpoints.append(ev)
         elif ev.kind == EventKind.PREEMPTION and down is None:
             down = ev
-            if ev.at_s > safe_s:
-                out.append((CreditKind.REDO, ev, safe_s, ev.at_s))
         elif ev.kind == EventKind.RESUME and down is not None:
+            start = safe_s
+            used = [c for c in checkpoints if ev.step is not None and c.step == ev.step]
+            if used:
+                start = max(used[-1].at_s, resumed_s)
+            if down.at_s > start:
+                out.append((CreditKind.REDO, down, start, down.at_s))
             if ev.at_s > down.at_s:
                 out.append((CreditKind.RESTART, down, down.at_s, ev.at_s))
-            safe_s = max(safe_s, ev.at_s)
+            safe_s = resumed_s = max(safe_s, ev.at_s)
             down = None
+    if down is not None and down.at_s > safe_s:  # not resumed (yet): the lost work is already known
+        out.append((CreditKind.REDO, down, safe_s, down.at_s))
     return out
 
 

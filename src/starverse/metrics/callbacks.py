@@ -4,12 +4,18 @@ and :class:`MetricsCallback` (Prometheus exporter).
 Both act on rank 0 only (every rank runs a copy; the others return at once) and are picklable: the ledger
 and the HTTP server are opened in ``on_fit_start`` inside the rank process.
 
-How they learn about checkpoints: whoever writes one (the checkpoint callback) puts
-``ctx.extra["checkpoint"] = {"step": int, "seconds": float, "at_s": float}`` on rank 0 before these
-callbacks' ``on_step_end`` runs (so list them after it). Preemptions: a relaunch that finds leases of the
-job still open knows the previous run died; it records the preemption at their last heartbeat, closes
-them there, and records the resume, which is what the insurance credits need. An explicit preemption
-(a provider's notice) can be recorded with :meth:`BillingCallback.record_preemption`.
+Wiring with checkpoints and preemption notices (list the checkpoint callback first)::
+
+    billing = BillingCallback(budget_total=50)
+    ckpt = CheckpointCallback(billing_cursor=billing.checkpoint_cursor, resume_from="latest")
+    Trainer(cluster, callbacks=[PreemptionCallback(), ckpt, billing, MetricsCallback(checkpoints=ckpt)])
+
+``checkpoint_cursor`` records a checkpoint event each time a checkpoint is taken (and returns the cursor
+saved in its manifest). A run stopped by a preemption notice records a preemption instead of a stop. A
+relaunch that finds leases of the job still open knows the previous run died: it records the preemption
+at their last heartbeat and closes them there. A resumed run records the resume with the step it resumed
+from. These events are what the insurance credits are computed from. Without a checkpoint callback,
+``ctx.extra["checkpoint"] = {"step": int, "seconds": float, "at_s": float}`` does the same.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 from starverse.billing import EventKind, LeasePricing, Ledger, PricingMode, next_interval_exceeds
 from starverse.billing.ledger import LEDGER_FILE, Job
 from starverse.billing.money import ticks_to_decimal
+from starverse.checkpoint.callback import NOTICE_KEY
 from starverse.metrics.exporter import JobState, MetricsExporter, RankState
 from starverse.runtime.callbacks import Callback, TrainContext
 
@@ -137,6 +144,17 @@ class BillingCallback(Callback):
         self._last_ckpt_step = ctx.step
         self._publish(ctx, now)
 
+    def checkpoint_cursor(self, ctx: TrainContext) -> dict[str, Any]:
+        """For ``CheckpointCallback(billing_cursor=...)``: record a checkpoint of ``ctx.step`` taken now, and
+        return the cursor stored in the checkpoint's manifest (job, step, time, ledger)."""
+        now = self._now()
+        cursor: dict[str, Any] = {"step": ctx.step, "at_s": now}
+        if ctx.rank == 0 and self._ledger is not None and self._job is not None:
+            self._ledger.record_event(self._job, EventKind.CHECKPOINT, at_s=now, step=ctx.step)
+            self._last_ckpt_step = ctx.step
+            cursor.update(job=self._job.name, ledger=str(self._ledger.path))
+        return cursor
+
     def record_preemption(self, ctx: TrainContext, detail: Mapping[str, Any] | None = None) -> None:
         """Record a preemption now (e.g. on a provider's notice), on rank 0."""
         if ctx.rank == 0 and self._ledger is not None and self._job is not None:
@@ -171,7 +189,11 @@ class BillingCallback(Callback):
         now = self._now()
         for lease_id in self._leases:
             self._ledger.close_lease(lease_id, now)
-        if not self.budget_stopped:
+        notice = ctx.extra.get(NOTICE_KEY)
+        if notice is not None:  # stopped by a preemption notice: the relaunch will resume
+            self._ledger.record_event(self._job, EventKind.PREEMPTION, at_s=now, step=ctx.step,
+                                      detail={"notice": str(getattr(notice, "source", notice))})
+        elif not self.budget_stopped:
             self._ledger.record_event(self._job, EventKind.STOP, at_s=now, step=ctx.step)
         self._publish(ctx, now)
         self._ledger.close()
@@ -198,8 +220,12 @@ class MetricsCallback(Callback):
     training ends (for a last scrape). Money comes from :class:`BillingCallback` (list it first).
     """
 
-    def __init__(self, *, job: str | None = None, host: str = "127.0.0.1", port: int = 0, linger_s: float = 0.0):
+    def __init__(self, *, job: str | None = None, host: str = "127.0.0.1", port: int = 0, linger_s: float = 0.0,
+                 checkpoints: Any = None):
+        """``checkpoints``: the run's ``CheckpointCallback`` (its ``checkpointer.stats`` give the checkpoint
+        count and seconds); without it, ``ctx.extra["checkpoint"]`` is read."""
         self.job_name = job
+        self.checkpoints = checkpoints
         self.host = host
         self.port = port
         self.linger_s = linger_s
@@ -252,11 +278,18 @@ class MetricsCallback(Callback):
                 r, acc, m.step_times_s[r] if r < len(m.step_times_s) else m.step_time_s,
                 m.compute_times_s[r] if r < len(m.compute_times_s) else None,
                 shares[r] if r < len(shares) else 0, (shares[r] if r < len(shares) else 0) / total_share))
-        info = _checkpoint_info(ctx)
-        if info is not None and info != self._last_ckpt:
-            self._last_ckpt = dict(info)
-            self._checkpoints += 1
-            self._checkpoint_s_total += float(info.get("seconds", 0.0))
+        stats = getattr(getattr(self.checkpoints, "checkpointer", None), "stats", None)
+        if stats is not None:
+            # saves are asynchronous: the time training waited is what a checkpoint cost the run
+            self._checkpoints = int(stats.num_saves)
+            self._checkpoint_s_total = float(stats.blocked_s)
+            self._last_ckpt = {"seconds": float(stats.last_write_s)} if stats.num_saves else None
+        else:
+            info = _checkpoint_info(ctx)
+            if info is not None and info != self._last_ckpt:
+                self._last_ckpt = dict(info)
+                self._checkpoints += 1
+                self._checkpoint_s_total += float(info.get("seconds", 0.0))
         bill = ctx.extra.get("billing") or {}
         spent = bill.get("spent")
         budget = bill.get("budget_total")

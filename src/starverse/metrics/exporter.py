@@ -62,8 +62,9 @@ METRICS: tuple[MetricDef, ...] = (
               ("currency",)),
     MetricDef("starverse_preemptions_total", "counter", "Preemptions recorded for the job."),
     MetricDef("starverse_checkpoints_total", "counter", "Checkpoints written by this run."),
-    MetricDef("starverse_last_checkpoint_seconds", "gauge", "Time the last checkpoint took."),
-    MetricDef("starverse_checkpoint_seconds_total", "counter", "Time spent writing checkpoints in this run."),
+    MetricDef("starverse_last_checkpoint_seconds", "gauge", "Start-to-commit seconds of the last checkpoint."),
+    MetricDef("starverse_checkpoint_seconds_total", "counter",
+              "Seconds training waited for checkpoints in this run (asynchronous saves overlap training)."),
 )
 """Every family the exporter defines (the dashboard may use only these)."""
 
