@@ -159,23 +159,29 @@ def _sync_s(ctx: _Ctx, num_groups: int, min_pp: int) -> float:
 
 
 def _screen(ctx: _Ctx, opts: space.Options, rate: FloatArray) -> IntArray:
-    """Large spaces: per (offer, setting) the options on the (devices ↑, rate ↑) front, thinned."""
-    keep: list[int] = []
+    """Large spaces: per (offer, setting), the options on the (devices ↑, rate ↑) Pareto front, thinned.
+
+    Two fronts are kept: one over all options (for combinations, where a group takes part of the batch)
+    and one over the options that can take the whole batch alone (``replicas × micro_batch`` divides it).
+    """
     n = opts.num_devices
     key = opts.offer * 10_000 + opts.setting
+    whole = (ctx.batch % (opts.replicas * opts.micro_batch)) == 0
+    keep: set[int] = set()
     for k in np.unique(key):
-        idx = np.flatnonzero(key == k)
-        order = idx[np.lexsort((-rate[idx], n[idx]))]
-        front = []
-        best = -1.0
-        for i in order:
-            if rate[i] > best * (1 + 1e-9):
-                front.append(int(i))
-                best = float(rate[i])
-        if len(front) > KEEP_PER_SETTING:
-            pick = np.unique(np.round(np.linspace(0, len(front) - 1, KEEP_PER_SETTING)).astype(int))
-            front = [front[p] for p in pick]
-        keep.extend(front)
+        for mask in (key == k, (key == k) & whole):
+            idx = np.flatnonzero(mask)
+            order = idx[np.lexsort((-rate[idx], n[idx]))]
+            front = []
+            best = -1.0
+            for i in order:
+                if rate[i] > best * (1 + 1e-9):
+                    front.append(int(i))
+                    best = float(rate[i])
+            if len(front) > KEEP_PER_SETTING:
+                pick = np.unique(np.round(np.linspace(0, len(front) - 1, KEEP_PER_SETTING)).astype(int))
+                front = [front[p] for p in pick]
+            keep.update(front)
     return np.asarray(sorted(keep), dtype=np.int64)
 
 
