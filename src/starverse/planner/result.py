@@ -51,17 +51,26 @@ class RankedPlan:
         return sum(self.devices.values())
 
     def layout(self) -> str:
-        """Compact layout: ``4090: 2×[tp4 pp2 20+20] mb1`` per group, then ZeRO/recompute/offload."""
+        """Compact layout, e.g. ``rtx-4090: 2×[tp4 pp2 40L] mb1 | ZeRO-1 rc:full``; a heterogeneous pipeline
+        lists its stage runs: ``1×[rtx-4090 tp8 19+19 → tpu-v5e tp2 6] mb1``."""
         parts = []
         for g in self.plan.groups:
             stages = g.expanded_stages()
-            accs = {s.accelerator for s in stages}
-            acc = "+".join(sorted(accs))
-            counts = [s.layers for s in stages]
-            layers = f"{counts[0]}L" if len(set(counts)) == 1 else "+".join(str(c) for c in counts)
-            tps = sorted({s.tp for s in stages})
-            tp = "tp" + "/".join(str(t) for t in tps)
-            parts.append(f"{acc}: {g.replicas}×[{tp} pp{len(stages)} {layers}] mb{g.micro_batch}")
+            if len({s.accelerator for s in stages}) == 1:
+                counts = [s.layers for s in stages]
+                layers = f"{counts[0]}L" if len(set(counts)) == 1 else "+".join(str(c) for c in counts)
+                tp = stages[0].tp
+                parts.append(f"{stages[0].accelerator}: {g.replicas}×[tp{tp} pp{len(stages)} {layers}] "
+                             f"mb{g.micro_batch}")
+                continue
+            runs: list[tuple[str, int, list[int]]] = []
+            for s in stages:
+                if runs and runs[-1][0] == s.accelerator and runs[-1][1] == s.tp:
+                    runs[-1][2].append(s.layers)
+                else:
+                    runs.append((s.accelerator, s.tp, [s.layers]))
+            body = " → ".join(f"{a} tp{t} {'+'.join(map(str, ls))}" for a, t, ls in runs)
+            parts.append(f"{g.replicas}×[{body}] mb{g.micro_batch}")
         t = self.plan.train
         tail = f"ZeRO-{t.zero_stage} rc:{t.recompute}" + (f" off:{t.offload}" if t.offload != "none" else "")
         return "; ".join(parts) + " | " + tail
