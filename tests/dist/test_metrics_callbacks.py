@@ -132,3 +132,37 @@ def test_non_zero_ranks_do_nothing(tmp_path: Path):
     cb.on_step_end(ctx)
     cb.on_fit_end(ctx)
     assert not (tmp_path / "ledger.sqlite").exists()
+
+
+def test_notice_stop_is_a_preemption_and_checkpoint_stats_feed_the_metrics(tmp_path: Path):
+    from types import SimpleNamespace
+
+    from starverse.checkpoint.callback import NOTICE_KEY
+
+    clock = Clock()
+    ctx = make_ctx(tmp_path)
+    stats = SimpleNamespace(num_saves=0, blocked_s=0.0, last_write_s=0.0)
+    ckpt = SimpleNamespace(checkpointer=SimpleNamespace(stats=stats))  # what CheckpointCallback exposes
+    billing = BillingCallback(job="n", clock=clock)
+    metrics = MetricsCallback(job="n", checkpoints=ckpt)
+    billing.on_fit_start(ctx)
+    metrics.on_fit_start(ctx)
+    try:
+        step(ctx, clock, [billing, metrics])
+        cursor = billing.checkpoint_cursor(ctx)  # CheckpointCallback calls this when it saves
+        stats.num_saves, stats.blocked_s, stats.last_write_s = 1, 0.25, 1.5
+        step(ctx, clock, [billing, metrics])
+        state = metrics.exporter.collector.state
+        assert (state.checkpoints, state.checkpoint_s_total, state.checkpoint_s) == (1, 0.25, 1.5)
+        ctx.extra[NOTICE_KEY] = SimpleNamespace(source="SIGTERM")
+    finally:
+        billing.on_fit_end(ctx)
+        metrics.on_fit_end(ctx)
+    assert cursor == {"step": 1, "at_s": T0 + 10, "job": "n", "ledger": str(tmp_path / "ledger.sqlite")}
+    with Ledger.open(tmp_path / "ledger.sqlite") as led:
+        evs = led.events(led.job("n"))
+        assert [(e.kind, e.at_s - T0, e.step) for e in evs] == [
+            (EventKind.CHECKPOINT, 10, 1), (EventKind.PREEMPTION, 20, 2)]
+        assert evs[1].detail == {"notice": "SIGTERM"}
+        # the redo (checkpoint -> notice) is insured even before the job resumes
+        assert [(c.kind, c.seconds) for c in led.credits(led.job("n"))] == [(CreditKind.REDO, 10)] * 2
