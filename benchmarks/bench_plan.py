@@ -63,7 +63,7 @@ def ratio(objective: str, chosen: float, other: float) -> float:
 
 def even_split_value(rp: Any, job: Any, pool: Any, catalog: Any, spec: Any) -> float | None:
     """Objective of the chosen plan's devices with each device given the same share of the batch."""
-    from starverse.planner.search import rank_plan
+    from starverse.planner.build import rank_plan
 
     plan = rp.plan
     if len(plan.groups) == 1:

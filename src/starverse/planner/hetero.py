@@ -94,7 +94,7 @@ def _pipelines(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, alterna
                subset: Sequence[Any], accs: Sequence[Any], tps: list[int], settings: list[space.Setting],
                num_layers: int, batch: int) -> list[RankedPlan]:
     """Pipelines over the offers of ``subset`` with TP degrees ``tps``, for each replica count."""
-    from starverse.planner.search import network_for, pricing_for, rank_plan, train_spec
+    from starverse.planner.build import network_for, pricing_for, rank_plan, train_spec
 
     out: list[RankedPlan] = []
     for r in [d for d in space.divisors(batch) if d <= MAX_REPLICAS]:
