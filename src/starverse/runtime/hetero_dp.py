@@ -19,6 +19,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -115,12 +116,18 @@ class Rebalancer:
 
 
 class GradientSync:
-    """Sums the gradients of ``params`` over all ranks through a mesh, in flat buckets."""
+    """Sums the gradients of ``params`` over all ranks through a mesh, in flat buckets.
+
+    With :meth:`arm` called before the last micro-batch's backward, each bucket's all-reduce starts as
+    soon as all its gradients are accumulated (post-accumulate-grad hooks), overlapping communication
+    with the rest of the backward as DDP does; :meth:`finish` starts what is left and waits. Buckets are
+    started strictly in order, so every rank issues the same collectives in the same order.
+    """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], mesh: object, bucket_mb: float = 25.0):
         self.params = [p for p in params if p.requires_grad]
         self.mesh = mesh
-        # Reverse order: the last layers' gradients are ready first (useful when overlapping).
+        # Reverse order: the last layers' gradients are ready first during backward.
         self.buckets: list[list[torch.nn.Parameter]] = []
         cur: list[torch.nn.Parameter] = []
         size = 0
@@ -133,15 +140,41 @@ class GradientSync:
                 cur, size = [], 0
         if cur:
             self.buckets.append(cur)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self._armed = False
+        self._pending: list[tuple[list[torch.nn.Parameter], torch.Tensor, Any]] = []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def all_reduce(self) -> None:
-        """Sum every parameter's ``.grad`` over all ranks in place (missing grads count as zero)."""
-        pending = []
-        for bucket in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            pending.append((bucket, flat, self.mesh.all_reduce_async(flat)))  # type: ignore[attr-defined]
-        for bucket, flat, work in pending:
+    def arm(self) -> None:
+        """The next backward is the step's last: start each bucket's all-reduce as soon as it is ready."""
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self._armed = True
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
+        b = self._bucket_of[id(p)]
+        self._ready[b] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        self._pending.append((bucket, flat, self.mesh.all_reduce_async(flat)))  # type: ignore[attr-defined]
+
+    def finish(self) -> None:
+        """Start the buckets not started yet, wait for all, and write the sums back into ``.grad``."""
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        self._armed = False
+        for bucket, flat, work in self._pending:
             work.wait()
             offset = 0
             for p in bucket:
@@ -152,3 +185,10 @@ class GradientSync:
                 else:
                     p.grad.copy_(chunk)
                 offset += n
+        self._pending.clear()
+
+    def all_reduce(self) -> None:
+        """Sum every parameter's ``.grad`` over all ranks in place, without overlap (missing grads count as zero)."""
+        self._armed = True
+        self._next = 0
+        self.finish()

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,6 +99,8 @@ class FitResult:
     """The run directory."""
     step_time_s: float
     """Median step time of this fit (first step excluded)."""
+    step_times_s: tuple[float, ...] = ()
+    """Wall time of every step of this fit (slowest rank), in order."""
 
     def summary_lines(self) -> list[str]:
         """Human-readable summary (the CLI prints these)."""
@@ -362,13 +364,13 @@ def _summarise(results: list[dict[str, Any]], job: _FitJob, ranks: list[RankSpec
         ranks=tuple(per_rank), shares_history=tuple((s, tuple(sh)) for s, sh in r0["shares_history"]),
         micro_batch=job.micro_batch, global_batch=job.global_batch, seq_len=job.seq_len,
         stop_reason=r0["stop_reason"], run_dir=job.run_dir, step_time_s=step_s,
+        step_times_s=tuple(r0["step_times"]),
     )
 
 
 @dataclass
 class _Timer:
     device: torch.device
-    marks: list[float] = field(default_factory=list)
 
     def now(self) -> float:
         if self.device.type == "cuda":
@@ -436,11 +438,13 @@ def _train_rank(env: RankEnv, job: _FitJob) -> dict[str, Any]:
             x = torch.from_numpy(data.batch(mine[k * job.micro_batch : (k + 1) * job.micro_batch])).to(device)
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 loss = batch_loss(model, x, job.loss_fn)
+            if k == ctx.shares[rank] - 1:
+                grads.arm()  # the last backward: overlap the gradient all-reduce with it
             (loss * scale).backward()
             loss_sum += loss.detach().double().cpu() * scale
             callbacks.on_micro_batch_end(ctx, timer.now() - tm)
         compute_s = timer.now() - t0
-        grads.all_reduce()
+        grads.finish()
         norm = torch.nn.utils.clip_grad_norm_(params, job.grad_clip) if job.grad_clip > 0 else _grad_norm(params)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
