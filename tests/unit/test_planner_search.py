@@ -173,6 +173,7 @@ def test_hetero_pipeline_when_no_single_kind_holds_the_model(catalog):
     assert {s.accelerator for s in stages} == {"rtx-4090", "a100-40gb-sxm"}
     assert sum(s.layers for s in stages) == 40
     assert len({s.layers for s in stages}) > 1  # uneven split
+    assert "rtx-4090 tp" in best.layout() and " → a100-40gb-sxm tp" in best.layout()
     assert estimate(best.plan, catalog).fits
 
 
@@ -218,3 +219,11 @@ def test_plan_for_needs_a_pool(catalog):
 
     with pytest.raises(ConfigError, match=r"plan_for: no pool given; pass pool= a pool\.yaml path"):
         plan_for("llama-2-7b", catalog=catalog)
+
+
+def test_layer_runs_in_layouts():
+    from starverse.planner.result import _layers
+
+    assert _layers([10] * 8) == "10L"
+    assert _layers([11, 11, 10]) == "11+11+10"
+    assert _layers([3] * 24 + [2] * 8) == "3L×24+2L×8"

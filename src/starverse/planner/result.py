@@ -57,8 +57,7 @@ class RankedPlan:
         for g in self.plan.groups:
             stages = g.expanded_stages()
             if len({s.accelerator for s in stages}) == 1:
-                counts = [s.layers for s in stages]
-                layers = f"{counts[0]}L" if len(set(counts)) == 1 else "+".join(str(c) for c in counts)
+                layers = _layers([s.layers for s in stages])
                 tp = stages[0].tp
                 parts.append(f"{stages[0].accelerator}: {g.replicas}×[tp{tp} pp{len(stages)} {layers}] "
                              f"mb{g.micro_batch}")
@@ -69,11 +68,27 @@ class RankedPlan:
                     runs[-1][2].append(s.layers)
                 else:
                     runs.append((s.accelerator, s.tp, [s.layers]))
-            body = " → ".join(f"{a} tp{t} {'+'.join(map(str, ls))}" for a, t, ls in runs)
+            body = " → ".join(f"{a} tp{t} {_layers(ls)}" for a, t, ls in runs)
             parts.append(f"{g.replicas}×[{body}] mb{g.micro_batch}")
         t = self.plan.train
         tail = f"ZeRO-{t.zero_stage} rc:{t.recompute}" + (f" off:{t.offload}" if t.offload != "none" else "")
         return "; ".join(parts) + " | " + tail
+
+
+def _layers(counts: list[int]) -> str:
+    """Layers per stage, runs folded: ``[10, 10, 10]`` -> ``10L``, ``[3, 3, 2]`` -> ``3+3+2``,
+    ``[3]*24 + [2]*8`` -> ``3L×24+2L×8``."""
+    if len(set(counts)) == 1:
+        return f"{counts[0]}L"
+    if len(counts) <= 6:
+        return "+".join(str(c) for c in counts)
+    runs: list[list[int]] = []
+    for c in counts:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return "+".join(f"{c}L×{n}" if n > 1 else f"{c}L" for c, n in runs)
 
 
 @dataclass(frozen=True)
