@@ -15,10 +15,13 @@ folder to ``step-N`` (see ``store.py``). Collectives of a background save run on
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +113,9 @@ class Checkpointer:
         self._last_info: CheckpointInfo | None = None
         self._hooked: set[int] = set()
         self._hooks: list[Any] = []
+        self._crcs: dict[str, tuple[int, int]] = {}
+        self._purge_lock = threading.Lock()
+        self._purge_thread: threading.Thread | None = None
 
     def _agree_attempt(self) -> str:
         # One id per launch, shared by all ranks: names the partial folders this attempt writes.
@@ -175,16 +181,20 @@ class Checkpointer:
             torch.save(small["rng"], partial / f"rng-{self.rank}.pt")
             if self.rank == 0:
                 torch.save(small["extras"], partial / "extras.pt")
+            self._crcs.clear()
             writer = (self.writer_factory or self._fs_writer)(partial)
             import torch.distributed.checkpoint as dcp
 
             dcp.save(staged, storage_writer=writer, process_group=self.group, no_dist=self.world_size == 1)
+            crcs = self._gather_crcs()
             if self.rank == 0:
                 manifest["device_kinds"] = self.device_kinds
-                info = self.store.commit(partial, step, manifest)
+                info = self.store.commit(partial, step, manifest, known=crcs)
                 self.stats.last_bytes = info.size_bytes
                 self._last_info = info
-                self.store.purge()
+                # Retention is housekeeping, not part of making this checkpoint durable: off the save path.
+                self._purge_thread = threading.Thread(target=self._purge, name="ckpt-purge", daemon=True)
+                self._purge_thread.start()
                 log.info("checkpoint step-%d committed (%.1f MB, %.2f s, %s)", step, info.size_bytes / 1e6,
                          time.perf_counter() - t0, manifest.get("reason"))
             write_s = time.perf_counter() - t0
@@ -194,6 +204,22 @@ class Checkpointer:
             self._error = e
             log.error("checkpoint of step %d failed on rank %d: %s", step, self.rank, e)
 
+    def _purge(self) -> None:
+        with self._purge_lock:
+            try:
+                self.store.purge()
+            except OSError as e:  # a failed deletion never fails training; the next purge retries
+                log.warning("checkpoint retention failed: %s", e)
+
+    def _gather_crcs(self) -> dict[str, tuple[int, int]]:
+        """(bytes, CRC-32) of the data files every rank wrote, computed while writing (no re-read)."""
+        mine = dict(self._crcs)
+        if self.world_size == 1:
+            return mine
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return {k: v for d in everyone for k, v in (d or {}).items()}
+
     def _gather_kinds(self) -> list[str]:
         if self.world_size == 1:
             return [self.device_kind]
@@ -202,9 +228,7 @@ class Checkpointer:
         return [str(k) for k in kinds]
 
     def _fs_writer(self, path: Path) -> Any:
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        return FileSystemWriter(path, thread_count=self.io_threads, sync_files=True, overwrite=False)
+        return crc_writer(path, self._crcs, thread_count=self.io_threads)
 
     def _hook(self, optimizer: torch.optim.Optimizer | None) -> None:
         if optimizer is None or id(optimizer) in self._hooked:
@@ -246,14 +270,16 @@ class Checkpointer:
         )
 
     def wait(self) -> CheckpointInfo | None:
-        """Wait for the save in flight; return the committed checkpoint on rank 0 (None elsewhere/none)."""
+        """Wait for the save in flight (and its retention pass); return the committed checkpoint on rank 0."""
         self._join()
+        if self._purge_thread is not None:
+            self._purge_thread.join()
         return self._last_info if self.rank == 0 else None
 
     def close(self) -> None:
         """Finish the save in flight and remove the optimizer hooks."""
         try:
-            self._join()
+            self.wait()
         finally:
             for h in self._hooks:
                 h.remove()
@@ -294,3 +320,64 @@ class Checkpointer:
             ) from None
         restore_rng(rng)
         return LoadedState(info=info, extras=extras, resharded=info.world_size != self.world_size)
+
+
+class _CrcStream:
+    """A write stream that computes the CRC-32 of what passes through it (DCP only appends)."""
+
+    def __init__(self, f: Any, name: str, out: dict[str, tuple[int, int]]):
+        self.f, self.name, self.out = f, name, out
+        self.crc = 0
+        self.nbytes = 0
+
+    def write(self, b: Any) -> int:
+        n = self.f.write(b)
+        self.crc = zlib.crc32(b, self.crc)
+        self.nbytes += memoryview(b).nbytes
+        return n
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def close(self) -> None:
+        if not self.f.closed:
+            self.f.close()
+            if self.nbytes == self.f_size():
+                self.out[self.name] = (self.nbytes, self.crc)
+
+    def f_size(self) -> int:
+        return os.stat(self.f.name).st_size
+
+    def __enter__(self) -> _CrcStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def crc_writer(path: Path, out: dict[str, tuple[int, int]], thread_count: int = 1) -> Any:
+    """DCP's FileSystemWriter whose data files record (bytes, CRC-32) into ``out`` as they are written,
+    so the manifest's checksums cost no second read of the checkpoint."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _CrcFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Any:
+            p = Path(path)
+            if mode != "wb" or p.suffix != ".distcp":
+                with super().create_stream(path, mode) as s:
+                    yield s
+                return
+            with _CrcStream(open(p, "wb"), p.name, out) as s:
+                yield s
+
+    writer = FileSystemWriter(path, thread_count=thread_count, sync_files=True, overwrite=False)
+    writer.fs = _CrcFileSystem()
+    return writer

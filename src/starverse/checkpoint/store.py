@@ -100,12 +100,16 @@ def file_crc32(path: Path) -> int:
     return crc
 
 
-def describe_files(folder: Path) -> dict[str, dict[str, int]]:
-    """Size and CRC-32 of every file in ``folder`` (the manifest's integrity record)."""
+def describe_files(folder: Path, known: Mapping[str, tuple[int, int]] | None = None) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of every file in ``folder`` (the manifest's integrity record); ``known`` holds
+    (bytes, CRC-32) computed while the files were written, used when the size on disk agrees."""
     out: dict[str, dict[str, int]] = {}
     for p in sorted(folder.iterdir()):
         if p.is_file() and p.name != MANIFEST_NAME:
-            out[p.name] = {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
+            size = p.stat().st_size
+            rec = (known or {}).get(p.name)
+            crc = rec[1] if rec is not None and rec[0] == size else file_crc32(p)
+            out[p.name] = {"bytes": size, "crc32": crc}
     return out
 
 
@@ -267,7 +271,9 @@ class CheckpointStore:
         """Where a checkpoint of ``step`` is written before it is committed."""
         return self.root / f"{_PARTIAL_PREFIX}{step}-{attempt}"
 
-    def commit(self, partial: Path, step: int, manifest: Mapping[str, Any]) -> CheckpointInfo:
+    def commit(
+        self, partial: Path, step: int, manifest: Mapping[str, Any], known: Mapping[str, tuple[int, int]] | None = None
+    ) -> CheckpointInfo:
         """Record sizes and checksums, write the manifest last, fsync, and rename ``partial`` to ``step-N``.
 
         A crash before the rename leaves only a partial folder (ignored); after it, a complete checkpoint.
@@ -281,7 +287,7 @@ class CheckpointStore:
             )
         full = dict(manifest)
         full.update(format=FORMAT, version=FORMAT_VERSION, step=step, created_at=_utc_now())
-        full["files"] = describe_files(partial)
+        full["files"] = describe_files(partial, known)
         tmp = partial / (MANIFEST_NAME + ".tmp")
         with open(tmp, "w") as f:
             json.dump(full, f, indent=1, sort_keys=True)
@@ -307,7 +313,10 @@ class CheckpointStore:
             if self.keep_every and info.step % self.keep_every == 0:
                 continue
             doomed = self.root / f".deleting-{info.path.name}-{time.time_ns()}"
-            info.path.rename(doomed)
+            try:
+                info.path.rename(doomed)
+            except FileNotFoundError:  # moved by a concurrent rollback or purge
+                continue
             shutil.rmtree(doomed, ignore_errors=True)
             removed.append(info.step)
         if removed:

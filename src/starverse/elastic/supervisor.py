@@ -67,6 +67,8 @@ class Attempt:
     """The error or notice text."""
     wall_s: float = 0.0
     """Duration of the attempt."""
+    ended_at: float = 0.0
+    """``time.time()`` when the supervisor saw the attempt end (a loss: when it noticed)."""
 
 
 @dataclass(frozen=True)
@@ -244,7 +246,7 @@ class Supervisor:
                     lost = _lost_rank(str(e))
                     outcome = "lost" if lost is not None else "error"
                     attempts.append(Attempt(number, kinds, resumed_step, outcome, last, str(e),
-                                            time.monotonic() - t0))
+                                            time.monotonic() - t0, time.time()))
                     if self._job_notice is not None:
                         raise self._preempted(attempts) from None
                     if lost is None:
@@ -264,14 +266,14 @@ class Supervisor:
                 noticed = sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / NOTICES_DIR).glob("rank-*.json"))
                 if self._job_notice is not None:
                     attempts.append(Attempt(number, kinds, resumed_step, "preempted", fit.steps, self._job_notice,
-                                            time.monotonic() - t0))
+                                            time.monotonic() - t0, time.time()))
                     raise self._preempted(attempts)
                 if fit.steps >= fit_kwargs.get("max_steps", fit.steps) or not noticed:
                     attempts.append(Attempt(number, kinds, resumed_step, "completed", fit.steps, fit.stop_reason or "",
-                                            time.monotonic() - t0))
+                                            time.monotonic() - t0, time.time()))
                     return SupervisedResult(fit, tuple(attempts), fit.steps)
                 attempts.append(Attempt(number, kinds, resumed_step, "notice", fit.steps,
-                                        f"notice on ranks {noticed}", time.monotonic() - t0))
+                                        f"notice on ranks {noticed}", time.monotonic() - t0, time.time()))
                 if len(noticed) == len(self.cluster.ranks):
                     raise self._preempted(attempts)
                 self._drop(noticed, f"preemption notice on ranks {noticed}")
