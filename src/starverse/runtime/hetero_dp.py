@@ -41,12 +41,14 @@ def proportional_shares(num_micro: int, weights: Sequence[float]) -> list[int]:
     if any(w <= 0 for w in weights):
         raise ConfigError(f"share weights must be > 0 (got {list(weights)}).")
     total = float(sum(weights))
-    spare = num_micro - n
-    exact = [spare * w / total for w in weights]
-    shares = [1 + int(e) for e in exact]
-    order = sorted(range(n), key=lambda i: (exact[i] - int(exact[i])), reverse=True)
-    for i in order[: num_micro - sum(shares)]:
+    exact = [num_micro * w / total for w in weights]
+    shares = [max(1, int(e)) for e in exact]
+    while sum(shares) < num_micro:
+        i = max(range(n), key=lambda r: (exact[r] - shares[r], -r))
         shares[i] += 1
+    while sum(shares) > num_micro:
+        i = max((r for r in range(n) if shares[r] > 1), key=lambda r: (shares[r] - exact[r], r))
+        shares[i] -= 1
     return shares
 
 

@@ -86,7 +86,8 @@ def scale_config(config: Any, max_params: int, vocab_size: int = 8192, max_posit
     """A same-architecture copy of ``config`` with at most ``max_params`` parameters (largest rung that fits).
 
     Keeps the family and every architectural switch; sets layers/hidden from a fixed ladder (head_dim
-    64), scales the MLP width and the KV-head count by the original ratios, caps the vocabulary at
+    64), scales the MLP width and the KV-head count by the original ratios (at least as many query heads as
+    the grouped-query ratio, with narrower heads if needed), caps the vocabulary at
     ``vocab_size`` and positions at ``max_positions``, and at most 4 experts (same top-k) for MoE models.
     """
     cfg = hf_config_dict(config)
@@ -116,6 +117,11 @@ def _scaled(cfg: dict[str, Any], layers: int, hidden: int, vocab: int, positions
     _, hidden0 = _get(cfg, "hidden")
     _, heads0 = _get(cfg, "heads")
     heads = max(1, hidden // 64)
+    kvkey, kv0 = _get(cfg, "kv_heads")
+    ratio = max(1, heads0 // kv0) if kvkey is not None and kv0 else 1
+    # Keep the grouped-query ratio: at least `ratio` query heads (narrower heads if needed).
+    if ratio > heads and hidden % ratio == 0:
+        heads = ratio
     for key in _ALIASES["layers"]:
         if key in cfg:
             out[key] = layers
@@ -125,9 +131,7 @@ def _scaled(cfg: dict[str, Any], layers: int, hidden: int, vocab: int, positions
     for key in _ALIASES["heads"]:
         if key in cfg:
             out[key] = heads
-    kvkey, kv0 = _get(cfg, "kv_heads")
     if kvkey is not None and kv0:
-        ratio = max(1, heads0 // kv0)
         out[kvkey] = max(1, heads // ratio)
     ffnkey, ffn0 = _get(cfg, "ffn")
     if ffnkey is not None and ffn0:

@@ -1,0 +1,225 @@
+"""Runtime logic without processes: shares and rebalancing, plans vs devices, bad input, scaled models, hooks."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from starverse.errors import ConfigError, ModelError
+from starverse.plan import Group, Plan, Stage, TrainSpec
+from starverse.providers.local import accelerator_id, cpu_rank_count, local_ranks
+from starverse.runtime.callbacks import TrainContext
+from starverse.runtime.cluster import Cluster, check_plan_fits_ranks, local_plan
+from starverse.runtime.hetero_dp import Rebalancer, balanced_shares, predicted_step_s, proportional_shares
+from starverse.runtime.launch import RankSpec
+from starverse.runtime.steps import batch_loss, flops_per_token, make_optimizer, make_schedule
+from starverse.runtime.trainer import Trainer
+
+CPU2 = (RankSpec(0, "cpu", "cpu", 1), RankSpec(1, "cpu", "cpu", 1))
+
+
+def test_proportional_shares_round_by_largest_remainder_with_one_each():
+    assert proportional_shares(8, [1, 3]) == [2, 6]
+    assert proportional_shares(8, [1, 1, 2]) == [2, 2, 4]
+    assert proportional_shares(5, [100, 1]) == [4, 1]  # the slow rank still gets its one micro-batch
+    assert sum(proportional_shares(17, [0.3, 0.5, 0.2])) == 17
+    with pytest.raises(ConfigError, match=r"holds 1 micro-batch\(es\) for 2 ranks; every rank needs at least one"):
+        proportional_shares(1, [1, 1])
+
+
+def test_balanced_shares_minimise_the_slowest_rank():
+    assert balanced_shares(16, [1.0, 3.0]) == [12, 4]
+    assert predicted_step_s([12, 4], [1.0, 3.0]) == 12.0
+    assert balanced_shares(4, [1.0, 1.0, 1.0]) == [2, 1, 1]
+    assert balanced_shares(8, [0.5, 1.0, 2.0]) == [5, 2, 1]
+
+
+def test_rebalancer_waits_for_its_period_and_applies_hysteresis():
+    rb = Rebalancer(num_micro=16, every=4, hysteresis=0.1)
+    rb.observe([8, 8], [8.0, 8.5])  # ~equal speeds: [8, 8] is already best or nearly
+    assert rb.propose(4, [8, 8]) is None
+    rb = Rebalancer(num_micro=16, every=4, hysteresis=0.1)
+    for _ in range(3):
+        rb.observe([8, 8], [8.0, 24.0])  # rank 1 three times slower
+    assert rb.propose(3, [8, 8]) is None  # not a rebalance step
+    assert rb.propose(4, [8, 8]) == [12, 4]
+    assert rb._history == type(rb._history)()  # fresh measurements after a change
+    # A 4 % gain is inside the 10 % hysteresis: keep the shares (no oscillation on noise).
+    rb.observe([12, 4], [12.0, 12.5])
+    assert rb.propose(8, [12, 4]) is None
+
+
+def test_accelerator_ids_from_device_names():
+    assert accelerator_id("NVIDIA H100 80GB HBM3", 85) == "h100-80gb-sxm"
+    assert accelerator_id("NVIDIA H100 PCIe", 85) == "h100-80gb-pcie"
+    assert accelerator_id("NVIDIA A100-SXM4-40GB", 42) == "a100-40gb-sxm"
+    assert accelerator_id("NVIDIA A100-SXM4-80GB", 85) == "a100-80gb-sxm"
+    assert accelerator_id("NVIDIA GeForce RTX 4090", 25) == "rtx-4090"
+    assert accelerator_id("NVIDIA H200", 150) == "h200-141gb-sxm"
+    assert accelerator_id("Weird GPU 9000", 8) == "cuda-weird-gpu-9000"
+
+
+def test_cpu_rank_count(monkeypatch):
+    monkeypatch.delenv("STARVERSE_CPU_RANKS", raising=False)
+    assert cpu_rank_count() == 2
+    assert cpu_rank_count(3) == 3
+    monkeypatch.setenv("STARVERSE_CPU_RANKS", "4")
+    assert cpu_rank_count() == 4
+    assert [r.device_kind for r in local_ranks(use_gpus=False)] == ["cpu"] * 4
+    monkeypatch.setenv("STARVERSE_CPU_RANKS", "x")
+    with pytest.raises(ConfigError, match=r"\$STARVERSE_CPU_RANKS must be an integer \(got 'x'\)"):
+        cpu_rank_count()
+    with pytest.raises(ConfigError, match=r"number of CPU ranks must be >= 1 \(got 0\)"):
+        cpu_rank_count(0)
+
+
+def _plan(groups):
+    return Plan(model="m", train=TrainSpec(seq_len=8, global_batch=8), groups=groups)
+
+
+def test_plan_must_match_the_devices():
+    ok = _plan([Group(replicas=2, stages=[Stage(accelerator="cpu", layers=2)])])
+    check_plan_fits_ranks(ok, CPU2)
+    three = _plan([Group(replicas=3, stages=[Stage(accelerator="cpu", layers=2)])])
+    with pytest.raises(ConfigError, match=r"p.yaml: the plan uses 3 devices but the provider has 2 \(2 x cpu\)"):
+        check_plan_fits_ranks(three, CPU2, "p.yaml")
+    gpu = _plan([Group(replicas=2, stages=[Stage(accelerator="rtx-4090", layers=2)])])
+    with pytest.raises(ConfigError, match=r"the plan wants \{'rtx-4090': 2\} but the provider has \{'cpu': 2\}"):
+        check_plan_fits_ranks(gpu, CPU2)
+    tp = _plan([Group(replicas=1, stages=[Stage(accelerator="cpu", tp=2, layers=2)])])
+    with pytest.raises(ConfigError, match=r"groups\[0\].stages\[0\]: the runtime runs data parallelism only"):
+        check_plan_fits_ranks(tp, CPU2)
+
+
+class _NoParams(torch.nn.Module):
+    def forward(self, x):
+        return x.float().mean()
+
+
+class _Lin(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 4)
+        self.out = torch.nn.Linear(4, 11)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def _trainer(tmp_path):
+    return Trainer(Cluster(plan=local_plan(CPU2, "m", 1, 8, 8, "fp32"), ranks=CPU2), run_dir=tmp_path)
+
+
+def test_bad_fit_input_is_one_clear_error_each(tmp_path):
+    t = _trainer(tmp_path)
+    data = [torch.arange(200) % 11]
+    with pytest.raises(ConfigError, match=r"the model \(_NoParams\) has no trainable parameters"):
+        t.fit(_NoParams(), dataset=data, per_device_batch_size=2, max_steps=1)
+    with pytest.raises(ConfigError, match=r"per_device_batch_size must be > 0 \(got 0\)"):
+        t.fit(_Lin(), dataset=data, per_device_batch_size=0, max_steps=1)
+    with pytest.raises(ConfigError, match=r"max_steps must be > 0 \(got -1\)"):
+        t.fit(_Lin(), dataset=data, per_device_batch_size=2, max_steps=-1)
+    with pytest.raises(ConfigError, match=r"dataset '.*missing' does not exist"):
+        t.fit(_Lin(), dataset=tmp_path / "missing", per_device_batch_size=2, max_steps=1)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"dataset .*empty.txt is empty"):
+        t.fit(_Lin(), dataset=tmp_path / "empty.txt", per_device_batch_size=2, max_steps=1)
+    with pytest.raises(ConfigError, match=r"global batch 8 is not a multiple of per_device_batch_size 3"):
+        t.fit(_Lin(), dataset=data, per_device_batch_size=3, max_steps=1)
+    with pytest.raises(ConfigError, match=r"shares \[1, 2\] must give each of the 2 ranks >= 1 micro-batch and sum to 4"):
+        t.fit(_Lin(), dataset=data, per_device_batch_size=2, max_steps=1, shares=[1, 2])
+    with pytest.raises(ConfigError, match=r"tokenizer produces 300 token ids but the model has 11"):
+        t.fit(_Lin(), dataset=[torch.tensor([299] * 100)], per_device_batch_size=2, max_steps=1)
+    with pytest.raises(ConfigError, match=r"lr must be > 0"):
+        Trainer(lr=0)
+
+
+def test_accelerate_rejects_a_plan_for_other_devices(tmp_path, monkeypatch):
+    from starverse.runtime.cluster import accelerate
+
+    monkeypatch.delenv("STARVERSE_CPU_RANKS", raising=False)
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(_plan([Group(replicas=4, stages=[Stage(accelerator="cpu", layers=2)])]).to_yaml())
+    with pytest.raises(ConfigError, match=r"plan.yaml: the plan uses 4 devices but the provider has 2 \(2 x cpu\)"):
+        accelerate(plan=plan_file, use_gpus=False)
+    with pytest.raises(ConfigError, match=r"only the local provider is implemented"):
+        accelerate(pool="pool.yaml")
+
+
+def test_scaled_copy_keeps_the_architecture_and_fits():
+    from starverse.runtime.modeling import count_params, scale_config
+
+    llama70 = {
+        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+    }
+    small = scale_config(llama70, 10_000_000)
+    assert small["model_type"] == "llama" and small["tie_word_embeddings"] is False
+    assert small["num_attention_heads"] // small["num_key_value_heads"] == 8  # GQA ratio kept
+    assert small["intermediate_size"] / small["hidden_size"] == pytest.approx(28672 / 8192, rel=0.05)
+    assert count_params(small) <= 10_000_000
+    assert small["num_hidden_layers"] < 80 and small["vocab_size"] == 8192
+    gpt2 = scale_config({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+                         "n_positions": 1024}, 3_000_000)
+    assert (gpt2["n_layer"], gpt2["n_embd"], gpt2["n_head"]) == (2, 128, 2)
+    with pytest.raises(ModelError, match=r"even the smallest copy of this model .* has more than 1,000 parameters"):
+        scale_config(llama70, 1000)
+
+
+def test_loss_of_plain_modules_hf_models_and_flops():
+    torch.manual_seed(0)
+    m = _Lin()
+    ids = torch.randint(0, 11, (2, 6))
+    logits = m(ids)
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(batch_loss(m, ids), want)
+    # 6 x matmul params (Linear 4*11+11) + no attention term; the embedding lookup is not counted.
+    assert flops_per_token(m, 6) == 6 * 55
+
+
+def test_schedule_warms_up_then_decays_to_min_ratio():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = make_optimizer(torch.nn.Linear(2, 2), 1.0, 0.1)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # no decay on the bias
+    opt = torch.optim.AdamW([p], lr=1.0)
+    sched = make_schedule(opt, warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(14):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[9] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_train_context_state_round_trip_restores_rng_and_shares():
+    m = _Lin()
+    opt = make_optimizer(m, 1e-3, 0.0)
+    ctx = TrainContext(rank=0, world_size=2, plan=None, run_dir=None, step=7, model=m, optimizer=opt,
+                       lr_scheduler=None, sampler=None, group=None, device_kind="cpu", shares=[3, 5])
+    sd = ctx.state_dict()
+    expected = torch.rand(3)
+    torch.rand(5)
+    other = TrainContext(rank=0, world_size=2, plan=None, run_dir=None, step=0, model=_Lin(), optimizer=make_optimizer(_Lin(), 1e-3, 0.0),
+                         lr_scheduler=None, sampler=None, group=None, device_kind="cpu", shares=[4, 4])
+    other.optimizer = make_optimizer(other.model, 1e-3, 0.0)
+    other.load_state_dict(sd)
+    assert other.step == 7 and other.shares == [3, 5]
+    assert torch.equal(torch.rand(3), expected)
+    for k, v in m.state_dict().items():
+        assert torch.equal(other.model.state_dict()[k], v)
+    other.request_stop("preempted")
+    other.request_stop("second reason is ignored")
+    assert other.stop_reason == "preempted"
+
+
+def test_import_starverse_does_not_import_torch():
+    code = "import sys, starverse; starverse.__version__; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
