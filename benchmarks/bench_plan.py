@@ -5,8 +5,9 @@
 - ``cli_s_median``: the whole ``starverse plan ... --json`` process on the same files; target <= 3 s.
 - ``scaling``: search time for 1, 2, 4, 8, 16 offers x 10,000 devices, and ``growth`` relative to 1 offer.
 - ``vs_best_single`` / ``vs_even_split``: for the brief's scenarios (examples/), the chosen plan's objective
-  against the best single-accelerator plan and against the same devices with the batch split evenly per
-  device (ignoring speed), both measured in this run; > 1 means the chosen plan is better.
+  against the best single-accelerator plan and against the same devices split evenly, ignoring speed (the
+  batch evenly per device for groups; the layers evenly per stage for a heterogeneous pipeline), both measured
+  in this run; > 1 means the chosen plan is better.
 """
 
 from __future__ import annotations
@@ -66,8 +67,18 @@ def even_split_value(rp: Any, job: Any, pool: Any, catalog: Any, spec: Any) -> f
     from starverse.planner.build import rank_plan
 
     plan = rp.plan
+    free = job.model_copy(update={"constraints": job.constraints.model_copy(update={"deadline_hours": None,
+                                                                                    "max_total_cost": None})})
     if len(plan.groups) == 1:
-        return rp.objective_value
+        stages = plan.groups[0].expanded_stages()
+        if len({st.accelerator for st in stages}) == 1:
+            return rp.objective_value
+        # heterogeneous pipeline: the even baseline splits the layers evenly over its stages
+        base, extra = divmod(sum(st.layers for st in stages), len(stages))
+        even_stages = [st.model_copy(update={"layers": base + (1 if i < extra else 0)}) for i, st in enumerate(stages)]
+        even = plan.model_copy(update={"groups": [plan.groups[0].model_copy(update={"stages": even_stages})]})
+        other = rank_plan(free, pool, catalog, spec, even, dict(rp.devices), rp.kind, rp.alternative)
+        return None if other is None else other.objective_value
     b = plan.train.global_batch
     devs = np.array([g.num_devices for g in plan.groups], dtype=float)
     target = b * devs / devs.sum()
@@ -87,8 +98,6 @@ def even_split_value(rp: Any, job: Any, pool: Any, catalog: Any, spec: Any) -> f
         return None
     groups = [g.model_copy(update={"batch_share": s / b}) for g, s in zip(plan.groups, best[1], strict=True)]
     even = plan.model_copy(update={"groups": groups})
-    free = job.model_copy(update={"constraints": job.constraints.model_copy(update={"deadline_hours": None,
-                                                                                    "max_total_cost": None})})
     other = rank_plan(free, pool, catalog, spec, even, dict(rp.devices), rp.kind, rp.alternative)
     return None if other is None else other.objective_value
 
@@ -96,6 +105,8 @@ def even_split_value(rp: Any, job: Any, pool: Any, catalog: Any, spec: Any) -> f
 SCENARIOS = (
     ("1: llama-2-70b, 16x4090 + 3xTPUv5e (CNY)", "scenario1-mixed-70b/job.yaml", "scenario1-mixed-70b/pool-mixed.yaml"),
     ("1b: same, LoRA", "scenario1-mixed-70b/job-lora.yaml", "scenario1-mixed-70b/pool-mixed.yaml"),
+    ("1d: same pool on spot (p3 trace loss rate)", "scenario1-mixed-70b/job.yaml",
+     "scenario1-mixed-70b/pool-mixed-spot.yaml"),
     ("1c: 4090 + TPU v5e + Ascend 910B", "scenario1-mixed-70b/job.yaml", "scenario1-mixed-70b/pool-three-arch.yaml"),
     ("2: ~100B, A100 + H100 PCIe + 4090", "scenario2-100b/job.yaml", "scenario2-100b/pool-all.yaml"),
     ("2b: same, fastest (throughput)", "scenario2-100b/job-throughput.yaml", "scenario2-100b/pool-all.yaml"),
@@ -134,9 +145,15 @@ def scenario_ratios(catalog: Any) -> tuple[list[dict[str, Any]], list[dict[str, 
             vs_single.append({"scenario": name, "ratio": None, "chosen": chosen.layout(),
                               "why": "no single-accelerator plan exists"})
         even = even_split_value(chosen, job, pool, catalog, spec)
+        hetero_pipe = chosen.kind == "hetero-pipeline"
+        note = ("heterogeneous pipeline: baseline = the same stages with an even layer split" if hetero_pipe
+                else "single group: an even split is the same plan" if len(chosen.plan.groups) == 1
+                else "baseline = the same groups with the batch split evenly per device")
+        if even is None:
+            note += " (the even baseline does not fit in memory)"
         vs_even.append({"scenario": name, "ratio": None if even is None else round(
             ratio(str(job.objective), chosen.objective_value, even), 4), "groups": len(chosen.plan.groups),
-            "note": "single group: an even split is the same plan" if len(chosen.plan.groups) == 1 else ""})
+            "kind": chosen.kind, "note": note})
     return vs_single, vs_even
 
 
