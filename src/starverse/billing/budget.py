@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 from starverse.billing.ledger import Job, Ledger
 from starverse.billing.money import TICKS_PER_MICRO, fx_rate, price_to_micros, ticks_to_decimal, to_decimal
 from starverse.errors import BudgetExceededError
-from starverse.plan import Plan
+
+if TYPE_CHECKING:
+    from starverse.plan import Plan
 
 
 def plan_cost_per_hour(plan: Plan, currency: str = "USD",

@@ -8,13 +8,13 @@ charges. ``Decimal`` is the API type; floats never touch money.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from pathlib import Path
 
-from starverse.config import did_you_mean
 from starverse.errors import BillingError
 
 MICROS_PER_UNIT = 1_000_000
@@ -85,7 +85,9 @@ def normalize_currency(code: str, rates: Mapping[str, Decimal] | None = None) ->
     norm = str(code).strip().upper()
     if norm in table or (rates is None and _catalog_rate(norm, norm) is not None):
         return norm
-    hint = did_you_mean(norm, sorted(table))
+    # difflib, not starverse.config: `starverse bill` must not pay for importing pydantic
+    close = difflib.get_close_matches(norm, sorted(table), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise BillingError(
         f"unknown currency {code!r}.{hint} Known: {', '.join(sorted(table))}. "
         "To add one: give its rate under 'currencies:' in a catalog file ($STARVERSE_CATALOG), or its "
