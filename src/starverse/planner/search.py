@@ -197,8 +197,8 @@ def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArra
     cells = int(kmax.sum())
     if cells <= EXACT_TABLE_CELLS or (pool.num_devices <= EXACT_SMALL_POOL_DEVICES
                                       and cells <= EXACT_SMALL_POOL_CELLS):
-        tables, power = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
-        stats["rows"] += int(kmax.sum())
+        tables, power, rows = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
+        stats["rows"] += rows
         ok = np.isfinite(tables).any(axis=1)
         stats["options"] += len(opts)
         return opts.take(ok), tables[ok], power[ok]
@@ -226,9 +226,9 @@ def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArra
     opts, rate = opts.take(fits), rate[fits]
     keep = _screen(ctx, opts, rate)
     opts = opts.take(keep)
-    kept = ctx.batch // (opts.replicas * opts.micro_batch)
-    stats["rows"] += int(kept.sum())
-    tables, power = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
+    tables, power, rows = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch,
+                                            dense_k_up_to=SCREENED_DENSE_MICRO_BATCHES)
+    stats["rows"] += rows
     ok = np.isfinite(tables).any(axis=1)
     return opts.take(ok), tables[ok], power[ok]
 
@@ -270,6 +270,9 @@ def _evaluate(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatAr
                   hours, total, value)
 
 
+SCREENED_DENSE_MICRO_BATCHES = 16
+"""Screened searches tabulate every micro-batch count per replica up to this, then a ×1.25 grid (the
+batch split of a combination can then only use those counts)."""
 MULTI_GROUP_SETTINGS = 6
 """Screened searches: settings kept for multi-group combinations (by their best single-group bound)."""
 MULTI_GROUP_OFFERS = 6

@@ -197,24 +197,31 @@ def evaluate_full_share(model: ModelShape, train: TrainShape, devices: DeviceTab
     return estimate_batch(model, train, devices, candidates_for(opts, setting_list, k)), k
 
 
-def time_tables(model: ModelShape, train: TrainShape, devices: DeviceTable, opts: Options,
-                setting_list: Sequence[Setting], global_batch: int) -> tuple[FloatArray, FloatArray]:
-    """``T[option, s]`` for ``s = 0..B`` (inf where unreachable or not fitting) and the power per option.
+def micro_batch_counts(kmax: int, dense_up_to: int | None) -> IntArray:
+    """Micro-batch counts per replica whose step time is tabulated: all of ``1..kmax``, or (screened
+    searches) every count up to ``dense_up_to``, then a ×1.25 grid, always ``kmax`` itself."""
+    if dense_up_to is None or kmax <= dense_up_to:
+        return np.arange(1, kmax + 1, dtype=np.int64)
+    return np.asarray(replica_counts(kmax, dense_up_to, 1.25), dtype=np.int64)
 
-    One batch-API call over every (option, k) pair.
-    """
+
+def time_tables(model: ModelShape, train: TrainShape, devices: DeviceTable, opts: Options,
+                setting_list: Sequence[Setting], global_batch: int, dense_k_up_to: int | None = None
+                ) -> tuple[FloatArray, FloatArray, int]:
+    """``T[option, s]`` for ``s = 0..B`` (inf where unreachable, not tabulated or not fitting), the power per
+    option, and the number of rows evaluated. One batch-API call over every (option, k) pair."""
     n = len(opts)
     table = np.full((n, global_batch + 1), np.inf)
     power = np.zeros(n)
     if n == 0:
-        return table, power
+        return table, power, 0
     gran = opts.replicas * opts.micro_batch
     kmax = global_batch // gran
-    rows = np.repeat(np.arange(n), kmax)
-    starts = np.cumsum(kmax) - kmax
-    k = np.arange(rows.shape[0]) - np.repeat(starts, kmax) + 1
+    ks = [micro_batch_counts(int(k), dense_k_up_to) for k in kmax]
+    rows = np.repeat(np.arange(n), [len(k) for k in ks])
+    k = np.concatenate(ks)
     est = estimate_batch(model, train, devices, candidates_for(opts.take(rows), setting_list, k))
     t = np.where(est.fits, est.step_time_s, np.inf)
     table[rows, gran[rows] * k] = t
     power[rows] = est.power_kw
-    return table, power
+    return table, power, int(rows.shape[0])
