@@ -125,7 +125,7 @@ def demo(
     import starverse
     from starverse.runtime.trainer import Trainer
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = starverse.accelerate(
         model_id=DEMO_MODEL, num_cpu_ranks=ranks, seq_len=seq_len, global_batch=global_batch, max_params=max_params
