@@ -132,8 +132,11 @@ def scenario_ratios(catalog: Any) -> tuple[list[dict[str, Any]], list[dict[str, 
             vs_single.append({"scenario": name, "ratio": None, "why": str(e)[:200]})
             vs_even.append({"scenario": name, "ratio": None, "why": "no plan"})
             continue
-        single_job = job.model_copy(update={"search": job.search.model_copy(
-            update={"max_groups": 1, "hetero_pipelines": False})})
+        # same training mode as the chosen plan (a LoRA alternative is no baseline for full training)
+        single_job = job.model_copy(update={
+            "train": job.train.model_copy(update={"mode": chosen.mode}),
+            "search": job.search.model_copy(update={"max_groups": 1, "hetero_pipelines": False,
+                                                    "alternatives": False})})
         try:
             single = search(single_job, pool, catalog, top=1).best
             r = ratio(str(job.objective), chosen.objective_value, single.objective_value)
@@ -143,7 +146,8 @@ def scenario_ratios(catalog: Any) -> tuple[list[dict[str, Any]], list[dict[str, 
                               "mode": chosen.mode})
         except InfeasiblePlanError:
             vs_single.append({"scenario": name, "ratio": None, "chosen": chosen.layout(),
-                              "why": "no single-accelerator plan exists"})
+                              "chosen_devices": dict(chosen.devices),
+                              "why": f"no single-accelerator plan exists for {chosen.mode} training"})
         even = even_split_value(chosen, job, pool, catalog, spec)
         hetero_pipe = chosen.kind == "hetero-pipeline"
         note = ("heterogeneous pipeline: baseline = the same stages with an even layer split" if hetero_pipe
