@@ -77,8 +77,15 @@ def test_power_cap_and_deadline(catalog):
     free = search(job_from_dict({**JOB7B, "constraints": {}}), pool, catalog, top=1).best
     capped = search(job_from_dict({**JOB7B, "constraints": {"max_power_kw": 1.5}}), pool, catalog, top=1).best
     assert free.power_kw > 1.5 >= capped.power_kw
-    with pytest.raises(InfeasiblePlanError, match="the deadline is 1 h"):
+    with pytest.raises(InfeasiblePlanError, match="the deadline is 1 h") as e:
         search(job_from_dict({**JOB7B, "constraints": {"deadline_hours": 1}}), pool, catalog)
+    # the remedy comes with its own numbers: without the deadline the job takes longer than 1 h
+    m = re.search(r"drop the budget/power/deadline limits → .*?, ([\d.,]+) h", str(e.value))
+    assert m and float(m.group(1).replace(",", "")) > 1
+    # contradictory limits: a deadline that needs a fast plan and a total-cost cap that forbids it
+    with pytest.raises(InfeasiblePlanError, match="the job may cost at most 1 USD"):
+        search(job_from_dict({**JOB7B, "constraints": {"deadline_hours": 100, "max_total_cost": 1}}), pool,
+               catalog)
 
 
 def test_budget_in_another_currency(catalog):

@@ -81,6 +81,8 @@ def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanE
         reasons.append(f"the power cap is {c.max_power_kw:g} kW")
     if c.deadline_hours is not None:
         reasons.append(f"the deadline is {c.deadline_hours:g} h")
+    if c.max_total_cost is not None:
+        reasons.append(f"the job may cost at most {c.max_total_cost:g} {ccy}")
 
     suggestions: list[str] = []
     # more devices of one kind: from what the state alone needs, growing until a plan fits (activations,
