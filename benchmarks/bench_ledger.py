@@ -23,6 +23,7 @@ from starverse.billing import EventKind, LeasePricing, Ledger, PricingMode, make
 
 T0 = 1_700_000_000
 NUM_EVENTS = 6000
+REPEATS = 3
 BILL_LEASES, BILL_SEGMENTS = 2000, 500  # 1,000,000 price segments -> >= 1,000,000 charge rows
 
 
@@ -92,8 +93,11 @@ def main() -> None:
     out: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        ev = bench_events(tmp / "events.sqlite")
-        base = bench_plain_inserts(tmp / "plain.sqlite")
+        # best of 3 for every timed figure, baseline included: on a shared machine the minimum is the
+        # least disturbed run
+        evs = [bench_events(tmp / f"events{i}.sqlite") for i in range(REPEATS)]
+        ev = max(evs, key=lambda e: e["events_per_s"])
+        base = max(bench_plain_inserts(tmp / f"plain{i}.sqlite") for i in range(REPEATS))
         out["events_per_s"] = round(ev["events_per_s"])
         # on a shared machine the wall figure is mostly waiting for a core: the CPU-time rate says what one
         # free core would do (load average printed below)
@@ -108,24 +112,31 @@ def main() -> None:
         out["bill_build_s"] = round(time.perf_counter() - t, 2)
         out["charge_rows"] = rows
         conn = sqlite3.connect(db)
-        t = time.perf_counter()
-        conn.execute("SELECT SUM(ticks), SUM(seconds) FROM charges").fetchone()
-        raw = time.perf_counter() - t
+        raw = float("inf")
+        for _ in range(REPEATS):
+            t = time.perf_counter()
+            conn.execute("SELECT SUM(ticks), SUM(seconds) FROM charges").fetchone()
+            raw = min(raw, time.perf_counter() - t)
         conn.close()
         out["raw_sum_scan_s"] = round(raw, 4)
         with Ledger.open(db) as led:
             for by in ("job", "device", "mode", "day"):
-                t = time.perf_counter()
-                make_bill(led, by)
-                out[f"bill_{by}_inprocess_s"] = round(time.perf_counter() - t, 4)
+                best = float("inf")
+                for _ in range(REPEATS):
+                    t = time.perf_counter()
+                    make_bill(led, by)
+                    best = min(best, time.perf_counter() - t)
+                out[f"bill_{by}_inprocess_s"] = round(best, 4)
         cli = str(Path(sys.executable).with_name("starverse"))
         subprocess.run([cli, "version"], check=True, capture_output=True)  # warm the page cache / imports
-        t = time.perf_counter()
-        subprocess.run([cli, "version"], check=True, capture_output=True)
-        startup = time.perf_counter() - t
-        t = time.perf_counter()
-        res = subprocess.run([cli, "bill", "--db", str(db), "--json"], check=True, capture_output=True, text=True)
-        cli_s = time.perf_counter() - t
+        startup = cli_s = float("inf")
+        for _ in range(REPEATS):
+            t = time.perf_counter()
+            subprocess.run([cli, "version"], check=True, capture_output=True)
+            startup = min(startup, time.perf_counter() - t)
+            t = time.perf_counter()
+            res = subprocess.run([cli, "bill", "--db", str(db), "--json"], check=True, capture_output=True, text=True)
+            cli_s = min(cli_s, time.perf_counter() - t)
         total = json.loads(res.stdout)["totals"][0]["charge_ticks"]
         assert total > 0
         out["bill_1m_rows_s"] = round(cli_s, 3)
