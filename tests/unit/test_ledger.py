@@ -308,3 +308,25 @@ def test_foreign_and_corrupted_files_are_refused_and_never_modified(tmp_path: Pa
     with pytest.raises(BillingError, match="no ledger here"):
         Ledger.open(tmp_path / "none.sqlite", create=False)
     assert not (tmp_path / "none.sqlite").exists()
+
+
+def test_totals_beyond_64_bits_stay_exact(ledger: Ledger):
+    # two charges of 2e9 currency units each: SQLite's SUM overflows, the ledger does not
+    job = ledger.start_job("big")
+    huge = 2_000_000_000 * 1_000_000  # 2e9 per hour, in micros
+    leases = []
+    for dev in ("a", "b"):
+        le = ledger.open_lease(job, dev, "cpu", od(str(Decimal(huge) / 1_000_000)), at_s=T0)
+        ledger.close_lease(le, T0 + 3600)
+        leases.append(le)
+    want = 2 * huge * 3600
+    assert want > 2**63
+    assert ledger.spent_ticks(job) == want
+    assert make_bill(ledger, "job").totals[0].charge_ticks == want
+    assert make_bill(ledger, "device").totals[0].charge_ticks == want
+    # one row past 64 bits (6400 s to UTC midnight at 2e9/h) is refused clearly; the lease stays open
+    le = ledger.open_lease(job, "c", "cpu", od(str(Decimal(huge) / 1_000_000)), at_s=T0)
+    with pytest.raises(BillingError, match=r"lease 3: a charge row of 3555555555.555556 exceeds the ledger's "
+                                           r"per-row limit"):
+        ledger.close_lease(le, T0 + 7200)
+    assert ledger.lease(le).end_s is None

@@ -422,6 +422,11 @@ class Ledger:
             raise BillingError(f"lease {le.id} of {le.device!r} cannot end at {end}: lease {later[0]} of the same "
                                f"device starts at {later[1]}")
         rows = rate_lease(le.mode, le.start_s, end, segs, le.granularity_s)
+        for r in rows:
+            if r.ticks >= 2**63:
+                raise BillingError(f"lease {le.id}: a charge row of {ticks_to_decimal(r.ticks)} exceeds the ledger's "
+                                   "per-row limit (~2.5e9 currency units). To fix: close and reopen the lease "
+                                   "more often")
         c.executemany("INSERT INTO charges (lease_id, day, seq, job_id, mode, kind, start_s, end_s, seconds, "
                       "price_micros, ticks) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                       [(le.id, r.day, r.seq, le.job_id, le.mode.value, r.kind.value, r.start_s, r.end_s,
@@ -475,8 +480,16 @@ class Ledger:
         """Charges of the job's closed leases plus what its open leases have accrued by ``at_s``."""
         jid = _id(job)
         now = _now() if at_s is None else int(at_s)
-        total = int(self._conn.execute("SELECT COALESCE(SUM(ticks), 0) FROM charges WHERE job_id = ?",
-                                       (jid,)).fetchone()[0])
+        # by the job's leases (PK prefix of charges), not a scan of every job's charges
+        where = "WHERE lease_id IN (SELECT id FROM leases WHERE job_id = ? AND end_s IS NOT NULL)"
+        try:
+            total = int(self._conn.execute(f"SELECT COALESCE(SUM(ticks), 0) FROM charges {where}",
+                                           (jid,)).fetchone()[0])
+        except sqlite3.OperationalError as e:
+            if "overflow" not in str(e):
+                raise
+            # beyond 64 bits (~2.5e9 currency units): Python integers do not overflow
+            total = sum(t for (t,) in self._conn.execute(f"SELECT ticks FROM charges {where}", (jid,)))
         for le in self.leases(jid, open_only=True):
             total += accrued_ticks(le.mode, le.start_s, now, self.segments(le.id), le.granularity_s)
         return total

@@ -103,15 +103,21 @@ def _day(d: int) -> str:
     return datetime.fromtimestamp(d * DAY_S, UTC).strftime("%Y-%m-%d")
 
 
-def _sum_grouped(ledger: Ledger, sql: str) -> list[tuple]:
-    """Run an aggregate; on 64-bit overflow (totals beyond ~2.5e9 currency units) sum in Python instead."""
+def _sum_by_lease_day(ledger: Ledger) -> list[tuple[int, int, int, int]]:
+    """``(lease, day, seconds, ticks)`` sums in key order; past 64 bits (~2.5e9 currency units in one
+    group) SQLite's SUM overflows, and the rows are summed in Python instead (exact, slower)."""
     try:
-        return ledger.execute(sql).fetchall()
-    except OverflowError:
-        raise BillingError("a total overflows SQLite's 64-bit integers (beyond ~2.5 billion currency units); "
-                           "split the ledger by job (--db per run)") from None
-    except sqlite3.DatabaseError as e:
-        raise BillingError(f"{ledger.path}: cannot read the charges ({e}); run `starverse bill --check`") from None
+        return ledger.execute("SELECT lease_id, day, SUM(seconds), SUM(ticks) FROM charges "
+                              "GROUP BY lease_id, day").fetchall()
+    except sqlite3.OperationalError as e:
+        if "overflow" not in str(e):
+            raise BillingError(f"{ledger.path}: cannot read the charges ({e}); run `starverse bill --check`") from None
+    sums: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
+    for lease_id, day, secs, ticks in ledger.execute("SELECT lease_id, day, seconds, ticks FROM charges"):
+        acc = sums[(lease_id, day)]
+        acc[0] += secs
+        acc[1] += ticks
+    return [(k[0], k[1], v[0], v[1]) for k, v in sums.items()]
 
 
 def make_bill(ledger: Ledger, by: GroupBy | str = GroupBy.JOB, *, currency: str | None = None,
@@ -127,8 +133,7 @@ def make_bill(ledger: Ledger, by: GroupBy | str = GroupBy.JOB, *, currency: str 
     leases = {r[0]: r for r in lease_rows}
     sums: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     # one pass in key order (lease, day): no sort of the charge rows; every grouping derives from it
-    rows = _sum_grouped(ledger, "SELECT lease_id, day, SUM(seconds), SUM(ticks) FROM charges GROUP BY lease_id, day")
-    for lease_id, day, secs, ticks in rows:
+    for lease_id, day, secs, ticks in _sum_by_lease_day(ledger):
         _, job_id, device, mode = leases[lease_id]
         job = jobs[job_id]
         key = {GroupBy.JOB: job.name, GroupBy.DEVICE: device, GroupBy.MODE: mode, GroupBy.DAY: _day(day)}[group]
