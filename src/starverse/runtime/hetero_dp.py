@@ -126,8 +126,11 @@ class GradientSync:
     started strictly in order, so every rank issues the same collectives in the same order.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], mesh: object, bucket_mb: float = 25.0):
-        self.params = [p for p in params if p.requires_grad]
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], mesh: object, bucket_mb: float = 25.0, world_size: int = 2
+    ):
+        # One rank has nothing to sum: no buckets, no hooks.
+        self.params = [p for p in params if p.requires_grad] if world_size > 1 else []
         self.mesh = mesh
         # Reverse order: the last layers' gradients are ready first during backward.
         self.buckets: list[list[torch.nn.Parameter]] = []

@@ -176,22 +176,30 @@ def describe_config(config: Any) -> str:
     return ", ".join(parts)
 
 
-def build_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_model(
+    config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+) -> torch.nn.Module:
     """A freshly initialised ``transformers`` causal LM for ``config`` (no weights are downloaded).
 
     ``config``: a registry id / HF id / config.json path, a ``ModelSpec``, a ``PretrainedConfig`` or a
     dict. Initialisation is seeded (``seed``), so the same call gives the same weights everywhere.
+    ``attn_implementation``: ``sdpa`` (fused kernels where the device has them) falls back to ``eager``
+    for families that do not support it.
     """
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config_dict(config)
     pcfg = _to_pretrained(cfg)
-    # Eager attention: the same kernel on every device, and the one that supports every family.
-    pcfg._attn_implementation = "eager"
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(pcfg, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(pcfg, dtype=dtype, attn_implementation=attn_implementation)
+        except ValueError:
+            if attn_implementation == "eager":
+                raise
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(pcfg, dtype=dtype, attn_implementation="eager")
     except (ValueError, TypeError) as e:
         raise ConfigError(f"transformers cannot build {cfg.get('model_type')!r} from this config: {e}") from None
     finally:

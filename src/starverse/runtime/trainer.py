@@ -415,7 +415,7 @@ def _train_rank(env: RankEnv, job: _FitJob) -> dict[str, Any]:
             ctx.load_state_dict(torch.load(job.resume_from, map_location=device, weights_only=False))
     callbacks.on_fit_start(ctx)
 
-    grads = GradientSync(list(model.parameters()), mesh, job.bucket_mb)
+    grads = GradientSync(list(model.parameters()), mesh, job.bucket_mb, world)
     params = [p for p in model.parameters() if p.requires_grad]
     rebalancer = Rebalancer(sum(ctx.shares), every=job.rebalance_every, hysteresis=job.hysteresis)
     amp = autocast_dtype(job.precision, device)

@@ -1,0 +1,102 @@
+"""Prepared GPU check: ``Trainer.fit`` of a ~1B-parameter Llama in bf16 on one CUDA GPU, MFU vs measured peak.
+
+Run on a machine with a CUDA GPU (nothing is downloaded; the model is built from its config with fresh
+weights and trained on synthetic tokens)::
+
+    .venv/bin/python benchmarks/gpu_check.py [--steps 20] [--batch 4] [--seq-len 2048]
+
+Prints ONE JSON object: the measured dense bf16 matmul peak of the GPU, the training throughput, and
+``mfu_vs_measured_peak`` = model FLOP/s (6N + attention, as in ``FitResult``) / measured peak
+(target >= 0.40), plus ``mfu_vs_datasheet`` when the catalog knows the device. Without CUDA it prints
+``{"skipped": "no CUDA device"}`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+# TinyLlama-1.1B's shape: 22 layers, hidden 2048, GQA 32/4 heads, SwiGLU 5632, vocab 32000.
+LLAMA_1B = {
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--accum", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--dry-run-cpu", action="store_true",
+                        help="check this script's logic on one CPU rank with a tiny model (no figures of value)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    import numpy as np
+    import torch
+
+    dry = args.dry_run_cpu
+    if not torch.cuda.is_available() and not dry:
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return 0
+    config = dict(LLAMA_1B)
+    if dry:
+        config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=300)
+
+    import starverse
+    from starverse.runtime.probe import matmul_tflops
+    from starverse.runtime.steps import flops_per_token
+    from starverse.runtime.trainer import Trainer
+
+    device = torch.device("cpu" if dry else "cuda:0")
+    peak = max(matmul_tflops(device, torch.bfloat16, n=512 if dry else 8192, min_s=0.2 if dry else 1.0) for _ in range(2))
+    cluster = starverse.accelerate(
+        num_cpu_ranks=1, use_gpus=not dry, seq_len=args.seq_len, global_batch=args.batch * args.accum
+    )
+    # One GPU: train on rank 0 only (a multi-GPU machine still gets one rank here, as the check asks).
+    if cluster.world_size > 1:
+        from starverse.runtime.cluster import Cluster, local_plan
+
+        ranks = cluster.ranks[:1]
+        cluster = Cluster(plan=local_plan(ranks, "llama-1b", 22, args.seq_len, args.batch * args.accum), ranks=ranks)
+    model = starverse.build_model(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config["vocab_size"], size=args.seq_len * args.batch * args.accum * (args.steps + 2))
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    res = Trainer(cluster, run_dir=run_dir, lr=3e-4, rebalance_every=0).fit(
+        model, dataset=[torch.from_numpy(tokens)], per_device_batch_size=args.batch, max_steps=args.steps,
+        seq_len=args.seq_len, global_batch=args.batch * args.accum, precision="bf16", tokenizer="bytes",
+    )
+    r0 = res.ranks[0]
+    fpt = flops_per_token(model, args.seq_len)
+    achieved_tflops = res.tokens_per_s * fpt / 1e12
+    out = {
+        "device": "cpu (dry run)" if dry else torch.cuda.get_device_name(device),
+        "device_kind": r0.device_kind,
+        "params": n_params,
+        "seq_len": args.seq_len,
+        "global_batch": args.batch * args.accum,
+        "steps": res.steps,
+        "final_loss": res.final_loss,
+        "tokens_per_s": res.tokens_per_s,
+        "step_time_s": res.step_time_s,
+        "measured_bf16_peak_tflops": peak,
+        "achieved_tflops": achieved_tflops,
+        "mfu_vs_measured_peak": achieved_tflops / peak,
+        "mfu_vs_datasheet": res.mfu,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
