@@ -72,20 +72,23 @@ def search_pipelines(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, t
     out: list[RankedPlan] = []
     offers = list(pool.offers)
     for g in range(2, min(3, len(offers)) + 1):
-        for subset in itertools.combinations(offers, g):
-            if len({o.accelerator for o in subset}) < g:
+        for combo in itertools.combinations(offers, g):
+            if len({o.accelerator for o in combo}) < g:
                 continue
-            accs = [catalog.accelerator(o.accelerator) for o in subset]
-            choices = []
-            for o in subset:
-                valid = space.tp_degrees(spec, o.devices_per_node, o.count)
-                # the TP degrees that leave the fewest devices idle (then the wider one: fewer stages)
-                count = o.count
-                valid.sort(key=lambda tp: (-(count // tp) * tp, -tp))
-                choices.append(valid[:2])
-            for tps in itertools.product(*choices):
-                out.extend(_pipelines(job, pool, catalog, spec, mode, alternative, subset, accs, list(tps),
-                                      settings, num_layers, batch))
+            # 1F1B keeps the most micro-batches in flight on the first stages: try the big memories first
+            # and last (layers are split by memory too, so either can be the one that fits)
+            for subset in (sorted(combo, key=lambda o: -o.memory_gb), sorted(combo, key=lambda o: o.memory_gb)):
+                accs = [catalog.accelerator(o.accelerator) for o in subset]
+                choices = []
+                for o in subset:
+                    valid = space.tp_degrees(spec, o.devices_per_node, o.count)
+                    # the TP degrees that leave the fewest devices idle (then the wider one: fewer stages)
+                    count = o.count
+                    valid.sort(key=lambda tp: (-(count // tp) * tp, -tp))
+                    choices.append(valid[:2])
+                for tps in itertools.product(*choices):
+                    out.extend(_pipelines(job, pool, catalog, spec, mode, alternative, subset, accs, list(tps),
+                                          settings, num_layers, batch))
     out.sort(key=lambda r: -r.objective_value)
     return out[:top]
 
@@ -94,33 +97,57 @@ def _pipelines(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, alterna
                subset: Sequence[Any], accs: Sequence[Any], tps: list[int], settings: list[space.Setting],
                num_layers: int, batch: int) -> list[RankedPlan]:
     """Pipelines over the offers of ``subset`` with TP degrees ``tps``, for each replica count."""
+
+    out: list[RankedPlan] = []
+    budget = None
+    if job.constraints.max_budget_per_hour is not None:
+        from starverse.catalog import convert
+
+        budget = convert(job.constraints.max_budget_per_hour, job.constraints.currency or pool.currency,
+                         pool.currency, catalog=catalog)
+    for r in [d for d in space.divisors(batch) if d <= MAX_REPLICAS]:
+        full = [o.count // tp // r for o, tp in zip(subset, tps, strict=True)]
+        variants = [full]
+        price = sum(s * tp * r * o.price_per_hour for o, s, tp in zip(subset, full, tps, strict=True))
+        if budget is not None and price > budget:
+            # also the same mix scaled down to what the budget rents
+            scale = budget / price
+            variants.append([max(1, int(s * scale)) for s in full])
+        for stages_per in variants:
+            out.extend(_one_pipeline(job, pool, catalog, spec, mode, alternative, subset, accs, tps, settings,
+                                     num_layers, r, stages_per))
+    return out
+
+
+def _one_pipeline(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, alternative: bool,
+                  subset: Sequence[Any], accs: Sequence[Any], tps: list[int], settings: list[space.Setting],
+                  num_layers: int, r: int, stages_per: list[int]) -> list[RankedPlan]:
+    """Plans for ``r`` replicas of one pipeline with ``stages_per[i]`` stages on offer ``subset[i]``."""
     from starverse.planner.build import network_for, pricing_for, rank_plan, train_spec
 
     out: list[RankedPlan] = []
-    for r in [d for d in space.divisors(batch) if d <= MAX_REPLICAS]:
-        stages_per = [o.count // tp // r for o, tp in zip(subset, tps, strict=True)]
-        if any(s < 1 for s in stages_per) or sum(stages_per) > num_layers:
+    if any(s < 1 for s in stages_per) or sum(stages_per) > num_layers:
+        return out
+    per_stage = [(o.accelerator, tp, a) for o, tp, a, s in zip(subset, tps, accs, stages_per, strict=True)
+                 for _ in range(s)]
+    mem = [a.memory_gb * tp for _, tp, a in per_stage]
+    flops = [a.peak_tflops(job.train.precision) * tp for _, tp, a in per_stage]
+    blend = [m / sum(mem) + f / sum(flops) for m, f in zip(mem, flops, strict=True)]
+    splits = {tuple(split_layers(w, num_layers)) for w in (mem, flops, blend)}
+    devices = {o.name: s * tp * r for o, s, tp in zip(subset, stages_per, tps, strict=True)}
+    for layers, setting in itertools.product(sorted(splits), settings):
+        plan = Plan(
+            model=job.model,
+            train=train_spec(job, mode, setting, any(tp > 1 for tp in tps)),
+            groups=[Group(replicas=r, micro_batch=1, stages=_stage_runs(
+                [a for a, _, _ in per_stage], [tp for _, tp, _ in per_stage], list(layers)))],
+            network=network_for(pool, list(devices)), pricing=pricing_for(pool, list(devices)),
+        )
+        try:
+            rp = rank_plan(job, pool, catalog, spec, plan, devices, "hetero-pipeline", alternative,
+                           ("stages on different accelerators, layers split unevenly",))
+        except StarverseError:
             continue
-        per_stage = [(o.accelerator, tp, a) for o, tp, a, s in zip(subset, tps, accs, stages_per, strict=True)
-                     for _ in range(s)]
-        mem = [a.memory_gb * tp for _, tp, a in per_stage]
-        flops = [a.peak_tflops(job.train.precision) * tp for _, tp, a in per_stage]
-        blend = [m / sum(mem) + f / sum(flops) for m, f in zip(mem, flops, strict=True)]
-        splits = {tuple(split_layers(w, num_layers)) for w in (mem, flops, blend)}
-        devices = {o.name: s * tp * r for o, s, tp in zip(subset, stages_per, tps, strict=True)}
-        for layers, setting in itertools.product(sorted(splits), settings):
-            plan = Plan(
-                model=job.model,
-                train=train_spec(job, mode, setting, any(tp > 1 for tp in tps)),
-                groups=[Group(replicas=r, micro_batch=1, stages=_stage_runs(
-                    [a for a, _, _ in per_stage], [tp for _, tp, _ in per_stage], list(layers)))],
-                network=network_for(pool, list(devices)), pricing=pricing_for(pool, list(devices)),
-            )
-            try:
-                rp = rank_plan(job, pool, catalog, spec, plan, devices, "hetero-pipeline", alternative,
-                               ("stages on different accelerators, layers split unevenly",))
-            except StarverseError:
-                continue
-            if rp is not None:
-                out.append(rp)
+        if rp is not None:
+            out.append(rp)
     return out
