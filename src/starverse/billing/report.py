@@ -20,7 +20,7 @@ from pathlib import Path
 from starverse.billing.insurance import Credit
 from starverse.billing.ledger import LEDGER_FILE, Ledger
 from starverse.billing.money import TICKS_PER_UNIT, fx_rate, normalize_currency, ticks_to_decimal
-from starverse.billing.rating import DAY_S, Segment, accrued_ticks, rate_lease
+from starverse.billing.rating import DAY_S, accrued_ticks, rate_lease
 from starverse.errors import BillingError
 
 
@@ -204,6 +204,10 @@ class CheckResult:
         return not self.problems
 
 
+_CHARGE_FIELDS = ("lease_id", "seq", "job_id", "mode", "kind", "start_s", "end_s", "day", "seconds", "price_micros",
+                  "ticks")
+
+
 def check_ledger(ledger: Ledger) -> CheckResult:
     """Verify the ledger: SQLite integrity, no overlapping leases per device, closed leases end >= start,
     every closed lease's stored charges equal a fresh rating of it (so none is missing, torn or doubled),
@@ -230,7 +234,7 @@ def check_ledger(ledger: Ledger) -> CheckResult:
     charges: dict[int, list[tuple]] = defaultdict(list)
     num_charges = 0
     for row in ledger.execute("SELECT lease_id, seq, job_id, mode, kind, start_s, end_s, day, seconds, "
-                              "price_micros, ticks FROM charges ORDER BY lease_id, seq"):
+                              "price_micros, ticks FROM charges ORDER BY lease_id, day, seq"):  # key order: no sort
         charges[row[0]].append(row)
         num_charges += 1
     by_id = {le.id: le for le in leases}
@@ -247,14 +251,19 @@ def check_ledger(ledger: Ledger) -> CheckResult:
             if stored:
                 problems.append(f"lease {le.id} is open but has {len(stored)} charge rows")
             continue
-        expected = rate_lease(le.mode, le.start_s, le.end_s, [Segment(s.start_s, s.price_micros) for s in segs],
-                              le.granularity_s)
-        want = [(le.id, r.seq, le.job_id, le.mode.value, r.kind.value, r.start_s, r.end_s, r.day, r.seconds,
+        expected = rate_lease(le.mode, le.start_s, le.end_s, segs, le.granularity_s)
+        want = [(le.id, r.seq, le.job_id, le.mode, r.kind, r.start_s, r.end_s, r.day, r.seconds,
                  r.price_micros, r.ticks) for r in expected]
-        if [tuple(s) for s in stored] != want:
-            got = sum(s[10] for s in stored)
-            problems.append(f"lease {le.id}: {len(stored)} stored charge rows totalling "
-                            f"{ticks_to_decimal(got)} differ from its rating ({len(want)} rows, "
-                            f"{ticks_to_decimal(sum(w[10] for w in want))})")
+        have = [tuple(s) for s in stored]
+        if have != want:
+            got, rated = ticks_to_decimal(sum(s[10] for s in have)), ticks_to_decimal(sum(w[10] for w in want))
+            if len(have) != len(want):
+                problems.append(f"lease {le.id}: {len(have)} stored charge rows totalling {got} differ from its "
+                                f"rating ({len(want)} rows, {rated})")
+            else:
+                i = next(i for i, (a, b) in enumerate(zip(have, want, strict=True)) if a != b)
+                f = next(f for f in range(len(_CHARGE_FIELDS)) if have[i][f] != want[i][f])
+                problems.append(f"lease {le.id}: charge row {want[i][1]} has {_CHARGE_FIELDS[f]} {have[i][f]}, its "
+                                f"rating {want[i][f]} (stored total {got}, rated {rated})")
     jobs = ledger.jobs()
     return CheckResult(problems, len(jobs), len(leases), num_charges)
