@@ -234,6 +234,7 @@ class Supervisor:
                 (self.run_dir / NOTICES_DIR).mkdir(parents=True, exist_ok=True)
                 for old in (self.run_dir / NOTICES_DIR).glob("rank-*.json"):
                     old.unlink()
+                (self.run_dir / PROGRESS_FILE).unlink(missing_ok=True)  # a stale one would misreport losses
                 trainer = Trainer(self.cluster, callbacks=self._attempt_callbacks(number), run_dir=self.run_dir,
                                   **self.trainer_options)
                 kinds = tuple(r.device_kind for r in self.cluster.ranks)
