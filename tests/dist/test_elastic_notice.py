@@ -157,6 +157,7 @@ def test_notice_stops_at_the_step_boundary_with_an_emergency_checkpoint(tmp_path
     assert NOTICE_KEY in ctx.extra
     store = CheckpointStore(tmp_path / "checkpoints")
     assert [(i.step, i.reason) for i in store.list()] == [(7, "notice")]
+    assert ctx.extra["checkpoint"]["step"] == 7 and ctx.extra["checkpoint"]["reason"] == "notice"
     expected = {k: v.clone() for k, v in ctx.model.state_dict().items()}
     # Resume in a fresh context: step, LR schedule and weights continue where the notice stopped.
     ctx2 = _ctx(tmp_path)
@@ -183,3 +184,7 @@ def test_automatic_interval_from_measured_save_cost_is_logged_with_its_reason(tm
     assert steps[0] == 1 and steps[-1] == 40
     info = CheckpointStore(tmp_path / "checkpoints").get(40)
     assert info.reason == "final" and "Young/Daly" in info.manifest["interval"]["reason"]
+    # What the billing and metrics callbacks read: the last committed checkpoint.
+    published = ctx.extra["checkpoint"]
+    assert published["step"] == 40 and published["reason"] == "final" and published["path"] == str(info.path)
+    assert abs(published["at_s"] - info.path.stat().st_mtime) < 120 and published["seconds"] > 0

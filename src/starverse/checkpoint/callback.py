@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,9 @@ INTERVAL_KEY = "starverse.checkpoint_interval"
 """``ctx.extra`` key holding the current :class:`IntervalChoice`."""
 RESUMED_KEY = "starverse.resumed_from"
 """``ctx.extra`` key holding the :class:`LoadedState` a run resumed from (None for a fresh start)."""
+CHECKPOINT_KEY = "checkpoint"
+"""``ctx.extra`` key (rank 0) describing the last *committed* checkpoint: ``{"step", "at_s", "seconds",
+"path", "reason"}`` (read by the billing and metrics callbacks, which come after this one)."""
 
 
 class CheckpointCallback(Callback):
@@ -171,6 +174,7 @@ class CheckpointCallback(Callback):
             del self._step_times[:-20]
         if self._pending is not None and not ck.in_flight:
             self._measured(ctx)
+        self._publish(ctx)
         if NOTICE_KEY in ctx.extra:
             return  # the stop is agreed; on_fit_end writes the emergency checkpoint
         due = (
@@ -192,6 +196,7 @@ class CheckpointCallback(Callback):
                 self._save(ctx, "notice" if notice is not None else "final", blocking=True)
             else:
                 ck.wait()
+            self._publish(ctx)
             if notice is not None:
                 elapsed = time.monotonic() - notice.received_at
                 grace = ctx.extra.get("starverse.grace_s", 30.0)
@@ -243,6 +248,23 @@ class CheckpointCallback(Callback):
         if self.choice is None or choice.steps != self.choice.steps:
             self.choice = choice
             self._announce(ctx)
+
+    def _publish(self, ctx: TrainContext) -> None:
+        """Tell later callbacks (billing, metrics) about the last committed checkpoint (rank 0)."""
+        ck = self.checkpointer
+        info = ck.last_committed if ck is not None else None
+        if info is None or ctx.rank != 0:
+            return
+        current = ctx.extra.get(CHECKPOINT_KEY)
+        if isinstance(current, Mapping) and current.get("step") == info.step:
+            return
+        ctx.extra[CHECKPOINT_KEY] = {
+            "step": info.step,
+            "at_s": int(datetime.fromisoformat(info.created_at).timestamp()),
+            "seconds": float(ck.stats.last_write_s),
+            "path": str(info.path),
+            "reason": info.reason,
+        }
 
     def _announce(self, ctx: TrainContext) -> None:
         assert self.choice is not None

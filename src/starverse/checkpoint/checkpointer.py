@@ -237,6 +237,11 @@ class Checkpointer:
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_staged()))
 
     @property
+    def last_committed(self) -> CheckpointInfo | None:
+        """The last checkpoint this rank committed (rank 0 only; None elsewhere or before the first)."""
+        return self._last_info
+
+    @property
     def in_flight(self) -> bool:
         """True while a background save is still running."""
         return self._thread is not None and self._thread.is_alive()
