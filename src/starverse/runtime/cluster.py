@@ -239,12 +239,10 @@ def accelerate(
         gb = global_batch or 8 * len(ordered)
         # The plan names what is really trained: a scaled copy is written out as a config.json.
         plan_model = str(model_id) if model_id and not scaled else str(_save_config(hf_cfg))
-        the_plan = _planner_plan(model_ref, ordered, policy, max_budget, seq_len, gb, notes)
+        precision = "fp32" if all(r.device == "cpu" for r in ordered) else "bf16"
+        the_plan = _planner_plan(plan_model, ordered, policy, max_budget, seq_len, gb, notes, precision)
         if the_plan is None:
-            the_plan = local_plan(
-                ordered, plan_model, spec_layers, seq_len, gb,
-                precision="fp32" if all(r.device == "cpu" for r in ordered) else "bf16",
-            )
+            the_plan = local_plan(ordered, plan_model, spec_layers, seq_len, gb, precision=precision)
             notes.append("plan: local devices, one data-parallel group per device kind")
     estimate = _estimate(the_plan, hf_cfg)
     cluster = Cluster(
@@ -318,27 +316,35 @@ def _choose_model(
 
 def _planner_plan(
     model_ref: Any, ranks: tuple[RankSpec, ...], policy: str, max_budget: float | None, seq_len: int,
-    global_batch: int, notes: list[str],
+    global_batch: int, notes: list[str], precision: str = "bf16",
 ) -> Plan | None:
-    """The planner's best plan for these devices, when the planner offers a helper for it."""
+    """The planner's best plan that uses exactly these devices with data parallelism, if it finds one.
+
+    The local devices become a pool (one offer per device kind, prices from the catalog); the best
+    ranked plan the runtime can run as is (all devices, tp 1, one stage per group) wins.
+    """
     try:
-        from starverse import planner
+        from starverse.planner import plan_for
     except ImportError:
         return None
-    helper = getattr(planner, "plan_for_devices", None)
-    if helper is None:
-        return None
+    kinds = Counter(r.device_kind for r in ranks)
+    pool = {"offers": [{"accelerator": k, "count": n, "devices_per_node": n} for k, n in kinds.items()]}
+    overrides = {"train": {"seq_len": seq_len, "global_batch": global_batch, "precision": precision}}
     try:
-        plan = helper(
-            model=str(model_ref), devices=dict(Counter(r.device_kind for r in ranks)), objective=policy,
-            max_budget_per_hour=max_budget, seq_len=seq_len, global_batch=global_batch,
-        )
-        check_plan_fits_ranks(plan, list(ranks), "planner")
-    except Exception as e:  # the planner not handling local devices is not fatal: fall back to the local plan
+        result = plan_for(str(model_ref), policy, max_budget_per_hour=max_budget, pool=pool, job_overrides=overrides,
+                          top=10)
+    except Exception as e:  # no price for a local device, infeasible, ...: fall back to the local plan
         notes.append(f"planner: not used ({e.__class__.__name__}: {e})")
         return None
-    notes.append(f"plan: chosen by the planner (objective {policy})")
-    return plan
+    for ranked in result.plans:
+        try:
+            check_plan_fits_ranks(ranked.plan, list(ranks), "planner")
+        except ConfigError:
+            continue
+        notes.append(f"plan: chosen by the planner (objective {policy}, rank {result.plans.index(ranked) + 1})")
+        return ranked.plan
+    notes.append("planner: no ranked plan uses all local devices with data parallelism only")
+    return None
 
 
 def _estimate(plan: Plan, hf_cfg: dict[str, Any]) -> Any:
