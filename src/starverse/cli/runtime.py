@@ -148,9 +148,13 @@ def demo(
     for line in result.summary_lines():
         console.print(f"  {line}", markup=False)
     if est is not None and result.step_time_s > 0:
+        from starverse.catalog import PROFILE_ENV, default_profile_path
+
+        profiled = bool(os.environ.get(PROFILE_ENV)) or default_profile_path().is_file()
+        basis = "probe profile" if profiled else "datasheet defaults; run `starverse probe` for measured figures"
         console.print(
             f"  cost model: predicted step {est.step_time_s:.3f} s vs measured {result.step_time_s:.3f} s "
-            f"({est.step_time_s / result.step_time_s - 1:+.0%})",
+            f"({est.step_time_s / result.step_time_s - 1:+.0%}; {basis})",
             markup=False,
         )
     sys.stdout.flush()
