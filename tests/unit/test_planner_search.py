@@ -235,3 +235,10 @@ def test_layer_runs_in_layouts():
     assert _layers([10] * 8) == "10L"
     assert _layers([11, 11, 10]) == "11+11+10"
     assert _layers([3] * 24 + [2] * 8) == "3L×24+2L×8"
+
+
+def test_json_output_has_no_infinities():
+    from starverse.cli.plan import _finite
+
+    assert _finite({"gap": math.inf, "plans": [{"x": 1.5, "y": math.nan}], "n": 3}) == {
+        "gap": None, "plans": [{"x": 1.5, "y": None}], "n": 3}

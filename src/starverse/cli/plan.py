@@ -135,7 +135,7 @@ def plan_cmd(
     if plot is not None:
         plot_frontier(result, plot)
     if as_json:
-        typer.echo(json.dumps(result_to_json(result), indent=2, allow_nan=False, default=_nan_safe))
+        typer.echo(json.dumps(_finite(result_to_json(result)), indent=2, allow_nan=False, default=str))
         return
     # wide enough for the table when piped (rich falls back to 80 columns without a terminal)
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 170)
@@ -157,8 +157,15 @@ def plan_cmd(
         console.print(f"wrote {plot}")
 
 
-def _nan_safe(x: Any) -> Any:
-    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+def _finite(x: Any) -> Any:
+    """JSON has no inf/NaN: non-finite floats become null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def register(app: typer.Typer) -> None:
