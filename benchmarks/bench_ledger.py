@@ -19,7 +19,7 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-from starverse.billing import EventKind, LeasePricing, Ledger, PricingMode, make_bill
+from starverse.billing import EventKind, LeasePricing, Ledger, PricingMode, check_ledger, make_bill
 
 T0 = 1_700_000_000
 NUM_EVENTS = 6000
@@ -127,6 +127,9 @@ def main() -> None:
                     make_bill(led, by)
                     best = min(best, time.perf_counter() - t)
                 out[f"bill_{by}_inprocess_s"] = round(best, 4)
+            t = time.perf_counter()
+            assert check_ledger(led).ok
+            out["check_1m_rows_s"] = round(time.perf_counter() - t, 2)  # re-rates every lease in Python
         cli = str(Path(sys.executable).with_name("starverse"))
         subprocess.run([cli, "version"], check=True, capture_output=True)  # warm the page cache / imports
         startup = cli_s = float("inf")
