@@ -242,3 +242,16 @@ def test_json_output_has_no_infinities():
 
     assert _finite({"gap": math.inf, "plans": [{"x": 1.5, "y": math.nan}], "n": 3}) == {
         "gap": None, "plans": [{"x": 1.5, "y": None}], "n": 3}
+
+
+def test_infeasible_budget_and_power_reasons(catalog):
+    job = job_from_dict({"model": "llama-2-70b", "train": {"seq_len": 4096, "global_batch": 32},
+                         "constraints": {"max_budget_per_hour": 3, "max_power_kw": 5},
+                         "search": {"alternatives": False}})
+    with pytest.raises(InfeasiblePlanError) as e:
+        search(job, pool_from_dict(SCEN1_POOL, catalog), catalog)
+    msg = str(e.value)
+    assert "the budget of 3 CNY/h rents at most: rtx-4090: 2 of 16, tpu-v5e: 1 of 3" in msg
+    assert "the power cap is 5 kW" in msg
+    assert "ZeRO-3, full recompute and CPU offload were already searched: not enough" in msg
+    assert re.search(r"drop the budget/power/deadline limits → \d+×rtx-4090", msg)

@@ -67,6 +67,8 @@ def test_pool_resolves_prices_and_defaults(tmp_path, catalog):
         ("offers:\n  - {accelerator: rtx-4090, count: 2, price_per_hour: 1}\n"
          "  - {accelerator: rtx-4090, count: 4, price_per_hour: 2}\n",
          "two offers are called 'rtx-4090'; give each a distinct `name:`"),
+        ("offers:\n  - {accelerator: rtx-4090, count: 2, price_per_hour: 1, currency: XXX}\n",
+         "pool.yaml:2: offers[0].currency:"),
         ("offers:\n  - {accelerator: tpu-v6e, count: 2, pricing: spot}\n",
          "no spot_price_per_hour given and the catalog has no spot price for 'tpu-v6e'"),
     ],
