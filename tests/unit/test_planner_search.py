@@ -154,6 +154,7 @@ def test_infeasible_explains_memory_and_suggests(catalog):
     assert re.search(r"rent up to \d+ rtx-4090 \(have 16\) → \d+×rtx-4090: [\d,]+ tokens/s at [\d.]+ CNY/h", msg)
     assert re.search(r"let the planner choose ZeRO-3 and offload → \d+×rtx-4090: [\d,]+ tokens/s", msg)
     assert "fine-tune with LORA instead → " in msg and "tokens/s" in msg
+    assert "train on sequences of 2048 tokens → " in msg
     assert "\n" not in msg
 
 
@@ -253,5 +254,6 @@ def test_infeasible_budget_and_power_reasons(catalog):
     msg = str(e.value)
     assert "the budget of 3 CNY/h rents at most: rtx-4090: 2 of 16, tpu-v5e: 1 of 3" in msg
     assert "the power cap is 5 kW" in msg
+    assert re.search(r"even \d+ rtx-4090 give no plan within the constraints", msg)
     assert "ZeRO-3, full recompute and CPU offload were already searched: not enough" in msg
     assert re.search(r"drop the budget/power/deadline limits → \d+×rtx-4090", msg)
