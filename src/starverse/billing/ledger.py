@@ -297,9 +297,10 @@ class Ledger:
             rate = fx_rate(offer_ccy, j.currency)
             offer_micros = price_to_micros(pricing.price, "price")
             micros = price_to_micros((pricing.price * rate).quantize(Decimal("0.000001"), ROUND_HALF_EVEN))
-            clash = c.execute("SELECT id, job_id, start_s, end_s FROM leases WHERE device = ? AND "
-                              "(end_s IS NULL OR end_s > ?) LIMIT 1", (device, start)).fetchone()
-            if clash is not None:
+            # leases of a device never overlap: only the one that starts last can overlap a new open lease
+            clash = c.execute("SELECT id, job_id, start_s, end_s FROM leases WHERE device = ? "
+                              "ORDER BY start_s DESC LIMIT 1", (device,)).fetchone()
+            if clash is not None and (clash[2] >= start or clash[3] is None or clash[3] > start):
                 until = "still open" if clash[3] is None else f"until {clash[3]}"
                 raise BillingError(f"device {device!r} already has lease {clash[0]} (job {clash[1]}) from "
                                    f"{clash[2]} {until}, overlapping a new lease from {start}. To fix: close "

@@ -126,6 +126,15 @@ ALTER TABLE charges_v3 RENAME TO charges
 """
 
 
+# Leases of one device never overlap, so the one that starts last decides whether a new lease may open;
+# (device, start_s) finds it in O(log n) however often the device was leased, and closing a lease (an
+# update of end_s) no longer rewrites an index.
+_V4 = """
+DROP INDEX leases_device_end;
+CREATE INDEX leases_device_start ON leases(device, start_s)
+"""
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: SQL, then an optional data step, applied in one transaction."""
@@ -140,6 +149,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "jobs, leases, price segments, events", _V1),
     Migration(2, "stored charge rows (rated when a lease closes)", _V2, _rate_closed_leases),
     Migration(3, "charges keyed by lease, UTC day and position (bills without sorting)", _V3),
+    Migration(4, "leases indexed by device and start (overlap checks in O(log n))", _V4),
 )
 """Ordered; a ledger at version N gets migrations N+1.. applied when opened."""
 SCHEMA_VERSION = MIGRATIONS[-1].version
