@@ -112,3 +112,21 @@ def test_sampler_is_deterministic_covers_each_epoch_and_resumes_exactly():
     assert DeterministicSampler(10, seed=4).next_indices(10).tolist() != DeterministicSampler(10, seed=3).next_indices(10).tolist()
     with pytest.raises(ConfigError, match=r"saved data position is for 10 sequences, this dataset has 12"):
         DeterministicSampler(12).load_state_dict(saved)
+
+
+class _FakeDataset:
+    """Duck-typed like datasets.Dataset: column_names and column access."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.column_names = list(rows[0])
+
+    def __getitem__(self, key):
+        return [r[key] for r in self.rows]
+
+
+def test_hf_style_dataset_text_column():
+    c = tokenize_corpus(_FakeDataset([{"text": "ab", "n": 1}, {"text": "c", "n": 2}]), tokenizer="bytes")
+    assert c.tokens.tolist() == [97, 98, 256, 99, 256]
+    with pytest.raises(ConfigError, match=r"the Dataset has no 'text' column \(columns: body\)"):
+        tokenize_corpus(_FakeDataset([{"body": "x"}]))

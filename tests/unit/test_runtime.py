@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,27 @@ def test_import_starverse_does_not_import_torch():
     code = "import sys, starverse; starverse.__version__; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_accelerate_scales_a_model_that_cannot_train_here_and_says_so(tmp_path, monkeypatch):
+    import json
+
+    from starverse.runtime.cluster import CPU_MAX_PARAMS, accelerate
+    from starverse.runtime.modeling import count_params
+
+    monkeypatch.setenv("STARVERSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("STARVERSE_CPU_RANKS", raising=False)
+    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    cluster = accelerate(model_id=cfg, use_gpus=False, seq_len=64, global_batch=8)
+    assert cluster.scaled and cluster.world_size == 2
+    assert cluster.model_config["model_type"] == "llama"
+    assert count_params(cluster.model_config) <= CPU_MAX_PARAMS
+    note = next(n for n in cluster.notes if n.startswith("model:"))
+    assert note.startswith("model: the given llama config has 6,738,415,616 parameters and cannot be trained here")
+    assert "scaled-down copy of the same architecture" in note
+    # The plan names what really runs: the copy's config, written to the cache.
+    assert json.loads(Path(cluster.plan.model).read_text()) == json.loads(json.dumps(cluster.model_config, default=str))
+    assert [(g.replicas, g.stages[0].accelerator) for g in cluster.plan.groups] == [(2, "cpu")]
+    assert cluster.plan.train.global_batch == 8 and cluster.plan.train.precision == "fp32"

@@ -238,7 +238,8 @@ def accelerate(
     if the_plan is None:
         gb = global_batch or 8 * len(ordered)
         # The plan names what is really trained: a scaled copy is written out as a config.json.
-        plan_model = str(model_id) if model_id and not scaled else str(_save_config(hf_cfg))
+        named = isinstance(model_id, (str, Path)) and not scaled
+        plan_model = str(model_id) if named else str(_save_config(hf_cfg))
         precision = "fp32" if all(r.device == "cpu" for r in ordered) else "bf16"
         the_plan = _planner_plan(plan_model, ordered, policy, max_budget, seq_len, gb, notes, precision)
         if the_plan is None:
@@ -288,6 +289,7 @@ def _choose_model(
         cfg = dict(_SMALL_LLAMA)
         return cfg, cfg["num_hidden_layers"], [f"model: small Llama ({describe_config(cfg)})"], False
     cfg = hf_config_dict(model_ref)
+    name = str(model_ref) if isinstance(model_ref, (str, Path)) else f"the given {cfg.get('model_type')} config"
     n = count_params(cfg)
     num_cpu = sum(1 for r in ranks if r.device == "cpu")
     mem_gb = min(_memory_per_rank_gb(r, num_cpu) for r in ranks)
@@ -302,11 +304,11 @@ def _choose_model(
         limit = min(limit, max_params)
     layers = next((cfg[k] for k in ("num_hidden_layers", "n_layer", "n_layers") if cfg.get(k)), 1)
     if n <= limit:
-        return cfg, int(layers), [f"model: {model_ref} as requested ({n:,} parameters)"], False
+        return cfg, int(layers), [f"model: {name} as requested ({n:,} parameters)"], False
     small = scale_config(cfg, limit)
     m = count_params(small)
     note = (
-        f"model: {model_ref} has {n:,} parameters and cannot be trained here ({why}); training a scaled-down copy "
+        f"model: {name} has {n:,} parameters and cannot be trained here ({why}); training a scaled-down copy "
         f"of the same architecture instead: {describe_config(small)}, {m:,} parameters"
     )
     log.info("%s", note)
