@@ -33,14 +33,14 @@ def _env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def _job(tmp: Path, steps: int, hidden: int = 32, extra: str = "") -> Path:
+def _job(tmp: Path, steps: int, hidden: int = 32, extra: str = "", ranks: int = 2) -> Path:
     (tmp / "tiny.json").write_text(json.dumps(TINY | {"hidden_size": hidden}))
     (tmp / "corpus.txt").write_text(Path(os.__file__).read_text()[:40000])
     job = tmp / "job.yaml"
     job.write_text(
         "model: tiny.json\ndataset: corpus.txt\nrun_dir: run\n"
         f"train: {{steps: {steps}, seq_len: 32, global_batch: 8, micro_batch: 2, rebalance_every: 0}}\n"
-        "devices: {cpu_ranks: 2}\n"
+        f"devices: {{cpu_ranks: {ranks}}}\n"
         "checkpoint: {interval_steps: 50, keep_last: 5}\n" + extra
     )
     return job
@@ -84,8 +84,9 @@ def test_sigterm_checkpoints_and_exits_3_then_rerun_resumes_and_rollback(tmp_pat
     assert steps[-1] == stopped >= seen and listing["checkpoints"][-1]["reason"] == "notice"
     assert 50 in steps
 
-    # Rerun the same command (fewer total steps so it ends soon): resumes from the notice checkpoint.
-    job = _job(tmp_path, steps=stopped + 3)
+    # Rerun (fewer total steps so it ends soon, on one rank: resharded 2 -> 1): resumes from the notice
+    # checkpoint.
+    job = _job(tmp_path, steps=stopped + 3, ranks=1)
     out = _run(["train", str(job), "--json"], tmp_path)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
@@ -110,7 +111,7 @@ def test_sigterm_checkpoints_and_exits_3_then_rerun_resumes_and_rollback(tmp_pat
     other = _job(tmp_path, steps=10, hidden=64)
     out = _run(["train", str(other)], tmp_path)
     assert out.returncode == 2 and "written for a different model" in out.stderr and out.stderr.count("\n") == 1
-    _job(tmp_path, steps=10)
+    _job(tmp_path, steps=10, ranks=1)
     data = next((tmp_path / "run" / "checkpoints" / "step-50").glob("*.distcp"))
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0x1
