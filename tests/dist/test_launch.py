@@ -49,8 +49,9 @@ def test_launch_runs_real_ranks_and_returns_in_rank_order():
 
 def test_killed_rank_fails_fast_naming_rank_and_signal():
     t0 = time.monotonic()
-    with pytest.raises(DistributedError, match=r"rank 1 \(cpu, cpu\) killed by signal SIGKILL"):
+    with pytest.raises(DistributedError, match=r"rank 1 \(cpu, cpu\) killed by signal SIGKILL") as err:
         launch(_die, _ranks(2), timeout_s=100, args=(1, "signal"), collective_timeout_s=60)
+    assert (err.value.failed_rank, err.value.rank_exitcode) == (1, -signal.SIGKILL)
     # Far below the collective timeout: the launcher noticed the death itself.
     assert time.monotonic() - t0 < 50
 

@@ -304,10 +304,11 @@ def _failure(
         if getattr(p, "_starverse_killed_by_us", False) or spec.rank in errors or spec.rank in values:
             continue
         if p.exitcode is not None:
-            return DistributedError(
+            return _rank_error(
                 f"rank {spec.rank} ({spec.device_kind}, {spec.device}) {_describe_exit(p.exitcode)} without "
                 "reporting a result; the other ranks were stopped. To fix: check that rank's log and memory "
-                "(an out-of-memory kill shows as SIGKILL)."
+                "(an out-of-memory kill shows as SIGKILL).",
+                spec.rank, p.exitcode,
             )
     if errors:
         rank = min(errors)
@@ -315,10 +316,19 @@ def _failure(
         if tb:
             log.error("rank %d traceback:\n%s", rank, tb)
         spec = ranks[rank]
-        return DistributedError(
-            f"rank {rank} ({spec.device_kind}, {spec.device}) failed: {text}; the other ranks were stopped."
+        return _rank_error(
+            f"rank {rank} ({spec.device_kind}, {spec.device}) failed: {text}; the other ranks were stopped.",
+            rank, procs[rank].exitcode,
         )
     return DistributedError("a rank exited without a result; the other ranks were stopped.")
+
+
+def _rank_error(message: str, rank: int, exitcode: int | None) -> DistributedError:
+    """A DistributedError carrying ``failed_rank`` and ``rank_exitcode`` (negative: killed by that signal)."""
+    err = DistributedError(message)
+    err.failed_rank = rank  # type: ignore[attr-defined]
+    err.rank_exitcode = exitcode  # type: ignore[attr-defined]
+    return err
 
 
 def _stop_all(procs: list[Any], grace_s: float) -> None:
