@@ -74,3 +74,23 @@ def test_job_timeout_stops_all_ranks():
 def test_rank_numbers_must_be_contiguous():
     with pytest.raises(DistributedError, match=r"ranks must be 0..1, got \[0, 2\]"):
         launch(_sum_ranks, [RankSpec(0, "cpu"), RankSpec(2, "cpu")], timeout_s=5, args=(0,))
+
+
+def _hang(env):
+    import torch
+    import torch.distributed as dist
+
+    if env.rank == 1:
+        time.sleep(120)  # alive but stuck: only the collective timeout can end the peer's wait
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_hung_peer_ends_in_a_collective_timeout_not_a_hang():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank 0 \(cpu, cpu\) failed: .*(?i:timed? ?out)") as err:
+        launch(_hang, _ranks(2), timeout_s=100, collective_timeout_s=3)
+    assert err.value.failed_rank == 0
+    assert "A peer did not join a collective within collective_timeout_s" in str(err.value)
+    assert time.monotonic() - t0 < 60

@@ -316,8 +316,14 @@ def _failure(
         if tb:
             log.error("rank %d traceback:\n%s", rank, tb)
         spec = ranks[rank]
+        hint = ""
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            hint = (
+                " A peer did not join a collective within collective_timeout_s: it hung or is far slower. "
+                "To fix: look at the other ranks' logs, or raise collective_timeout_s."
+            )
         return _rank_error(
-            f"rank {rank} ({spec.device_kind}, {spec.device}) failed: {text}; the other ranks were stopped.",
+            f"rank {rank} ({spec.device_kind}, {spec.device}) failed: {text}; the other ranks were stopped.{hint}",
             rank, procs[rank].exitcode,
         )
     return DistributedError("a rank exited without a result; the other ranks were stopped.")
