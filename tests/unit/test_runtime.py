@@ -220,10 +220,17 @@ def test_train_context_state_round_trip_restores_rng_and_shares():
     assert other.stop_reason == "preempted"
 
 
-def test_import_starverse_does_not_import_torch():
-    code = "import sys, starverse; starverse.__version__; print('torch' in sys.modules)"
+def test_import_starverse_does_not_import_torch_and_loads_the_api_lazily():
+    code = (
+        "import sys, starverse; starverse.__version__; print('torch' in sys.modules); "
+        "from starverse.runtime.trainer import Trainer; print(starverse.Trainer is Trainer)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split() == ["False", "True"]
+    import starverse
+
+    with pytest.raises(AttributeError, match="module 'starverse' has no attribute 'Trainr'"):
+        starverse.Trainr  # noqa: B018
 
 
 def test_accelerate_scales_a_model_that_cannot_train_here_and_says_so(tmp_path, monkeypatch):
