@@ -166,3 +166,31 @@ def test_notice_stop_is_a_preemption_and_checkpoint_stats_feed_the_metrics(tmp_p
         assert evs[1].detail == {"notice": "SIGTERM"}
         # the redo (checkpoint -> notice) is insured even before the job resumes
         assert [(c.kind, c.seconds) for c in led.credits(led.job("n"))] == [(CreditKind.REDO, 10)] * 2
+
+
+def test_checkpoint_recorded_once_whether_seen_at_capture_or_at_commit(tmp_path: Path):
+    # the cursor fires when a save starts; CheckpointCallback publishes ctx.extra["checkpoint"] once the
+    # save committed, a step or more later, while the next save may already have started
+    clock = Clock()
+    ctx = make_ctx(tmp_path)
+    billing = BillingCallback(job="c", clock=clock)
+    billing.on_fit_start(ctx)
+
+    def committed(step: int) -> None:
+        ctx.extra["checkpoint"] = {"step": step, "seconds": 0.1, "at_s": T0 + 10 * step}
+
+    step(ctx, clock, [billing])
+    billing.checkpoint_cursor(ctx)  # step 1 captured
+    step(ctx, clock, [billing])
+    committed(1)
+    step(ctx, clock, [billing])
+    billing.checkpoint_cursor(ctx)  # step 3 captured while step 1 is the last committed
+    step(ctx, clock, [billing])
+    committed(3)
+    step(ctx, clock, [billing])
+    committed(5)  # a save the cursor did not see (e.g. another checkpoint callback) is still recorded
+    step(ctx, clock, [billing])
+    billing.on_fit_end(ctx)
+    with Ledger.open(tmp_path / "ledger.sqlite") as led:
+        got = [(e.step, e.at_s - T0) for e in led.events(led.job("c")) if e.kind == EventKind.CHECKPOINT]
+    assert got == [(1, 10), (3, 30), (5, 50)]

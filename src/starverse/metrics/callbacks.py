@@ -88,7 +88,8 @@ class BillingCallback(Callback):
         self._ledger: Ledger | None = None
         self._job: Job | None = None
         self._leases: list[int] = []
-        self._last_ckpt_step: int | None = None
+        self._ckpt_steps: set[int] = set()
+        """Steps whose checkpoint this run recorded (the cursor at capture, ctx.extra once committed)."""
         self.budget_stopped = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -141,7 +142,7 @@ class BillingCallback(Callback):
             for lease_id in self._leases:  # a refused lease must not leave the others running up charges
                 ledger.close_lease(lease_id, now)
             raise
-        self._last_ckpt_step = ctx.step
+        self._ckpt_steps = {ctx.step}  # the checkpoint resumed from (or step 0) is on record already
         self._publish(ctx, now)
 
     def checkpoint_cursor(self, ctx: TrainContext) -> dict[str, Any]:
@@ -150,8 +151,9 @@ class BillingCallback(Callback):
         now = self._now()
         cursor: dict[str, Any] = {"step": ctx.step, "at_s": now}
         if ctx.rank == 0 and self._ledger is not None and self._job is not None:
-            self._ledger.record_event(self._job, EventKind.CHECKPOINT, at_s=now, step=ctx.step)
-            self._last_ckpt_step = ctx.step
+            if ctx.step not in self._ckpt_steps:
+                self._ledger.record_event(self._job, EventKind.CHECKPOINT, at_s=now, step=ctx.step)
+                self._ckpt_steps.add(ctx.step)
             cursor.update(job=self._job.name, ledger=str(self._ledger.path))
         return cursor
 
@@ -168,8 +170,8 @@ class BillingCallback(Callback):
         ledger, job, now = self._ledger, self._job, self._now()
         ledger.heartbeat(job, at_s=now)
         info = _checkpoint_info(ctx)
-        if info is not None and info["step"] != self._last_ckpt_step:
-            self._last_ckpt_step = int(info["step"])
+        if info is not None and int(info["step"]) not in self._ckpt_steps:
+            self._ckpt_steps.add(int(info["step"]))
             ledger.record_event(job, EventKind.CHECKPOINT, at_s=int(info.get("at_s", now)), step=int(info["step"]),
                                 detail={"seconds": float(info.get("seconds", 0.0))})
         status = next_interval_exceeds(ledger, job, now, ctx.metrics.step_time_s, self.checkpoint_s)
