@@ -14,8 +14,9 @@ Wiring with checkpoints and preemption notices (list the checkpoint callback fir
 saved in its manifest). A run stopped by a preemption notice records a preemption instead of a stop. A
 relaunch that finds leases of the job still open knows the previous run died: it records the preemption
 at their last heartbeat and closes them there. A resumed run records the resume with the step it resumed
-from. These events are what the insurance credits are computed from. Without a checkpoint callback,
-``ctx.extra["checkpoint"] = {"step": int, "seconds": float, "at_s": float}`` does the same.
+from. These events are what the insurance credits are computed from. ``CheckpointCallback`` also
+publishes each committed checkpoint as ``ctx.extra["checkpoint"] = {"step", "at_s", "seconds", ...}``; a
+checkpoint is recorded once, whichever is seen first (other checkpointing code may publish the same dict).
 """
 
 from __future__ import annotations
