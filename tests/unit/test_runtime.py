@@ -255,3 +255,25 @@ def test_accelerate_scales_a_model_that_cannot_train_here_and_says_so(tmp_path, 
     assert json.loads(Path(cluster.plan.model).read_text()) == json.loads(json.dumps(cluster.model_config, default=str))
     assert [(g.replicas, g.stages[0].accelerator) for g in cluster.plan.groups] == [(2, "cpu")]
     assert cluster.plan.train.global_batch == 8 and cluster.plan.train.precision == "fp32"
+
+
+def test_test_facility_slows_and_kills_only_the_chosen_rank(monkeypatch):
+    import os
+    import signal
+    import types
+
+    import starverse.testing as facility
+
+    slept, killed = [], []
+    monkeypatch.setattr(facility.time, "sleep", slept.append)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    slow = facility.SlowRank(rank=1, factor=3.0)
+    slow.on_micro_batch_end(types.SimpleNamespace(rank=0), 0.5)
+    slow.on_micro_batch_end(types.SimpleNamespace(rank=1), 0.5)
+    assert slept == [1.0]  # (3 - 1) x 0.5 s: the micro-batch takes 3x its compute time
+    kill = facility.KillRank(rank=2, step=5, signal=signal.SIGTERM)
+    for rank, step in [(2, 4), (1, 5), (2, 5)]:
+        kill.on_step_end(types.SimpleNamespace(rank=rank, step=step))
+    assert killed == [(os.getpid(), signal.SIGTERM)]
+    with pytest.raises(ValueError, match=r"SlowRank.factor must be >= 1 \(got 0.5\)"):
+        facility.SlowRank(0, 0.5)
