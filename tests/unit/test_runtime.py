@@ -61,6 +61,9 @@ def test_accelerator_ids_from_device_names():
     assert accelerator_id("NVIDIA A100-SXM4-80GB", 85) == "a100-80gb-sxm"
     assert accelerator_id("NVIDIA GeForce RTX 4090", 25) == "rtx-4090"
     assert accelerator_id("NVIDIA H200", 150) == "h200-141gb-sxm"
+    assert accelerator_id("NVIDIA H100 NVL", 94) == "h100-94gb-nvl"
+    assert accelerator_id("NVIDIA A100-PCIE-40GB", 40) == "a100-40gb-pcie"
+    assert accelerator_id("NVIDIA A100 80GB PCIe", 80) == "a100-80gb-pcie"
     assert accelerator_id("Weird GPU 9000", 8) == "cuda-weird-gpu-9000"
 
 

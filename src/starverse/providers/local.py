@@ -21,10 +21,12 @@ DEFAULT_CPU_RANKS = 2
 # (pattern on the lower-cased CUDA device name, memory threshold GB or None, accelerator id). First match wins.
 _CUDA_NAMES: tuple[tuple[str, float | None, str], ...] = (
     (r"h200", None, "h200-141gb-sxm"),
+    (r"h100.*nvl", None, "h100-94gb-nvl"),
     (r"h100.*pcie", None, "h100-80gb-pcie"),
     (r"h100", None, "h100-80gb-sxm"),
     (r"b200", None, "b200"),
-    (r"a100.*pcie", None, "a100-80gb-pcie"),
+    (r"a100.*pcie", 60.0, "a100-80gb-pcie"),
+    (r"a100.*pcie", None, "a100-40gb-pcie"),
     (r"a100", 60.0, "a100-80gb-sxm"),
     (r"a100", None, "a100-40gb-sxm"),
     (r"l40s", None, "l40s"),
