@@ -273,7 +273,7 @@ def test_user_currency_rate(tmp_path: Path) -> None:
     [
         (
             "accelerators:\n  rtx-4090:\n    bf16_tflops: 1\n   tdp_w: 3\n",
-            r"mine\.yaml:4: malformed YAML: expected <block end>, but found '<block mapping start>'",
+            r"mine\.yaml:4: malformed YAML: did not find expected key",
         ),
         (
             "offers:\n  - {provider: x, accelerator: rtx-4090, price_per_hour: -1, as_of: '1', source: s}\n",
