@@ -57,7 +57,12 @@ def test_pool_resolves_prices_and_defaults(tmp_path, catalog):
         ("offers:\n  - {accelerator: rtx-4909, count: 2, price_per_hour: 1}\n",
          "pool.yaml:2: offers[0].accelerator: unknown accelerator 'rtx-4909'"),
         ("offers:\n  - {accelerator: rtx-4090, count: 2, price_per_hour: -1}\n",
-         "pool.yaml:2: offers[0].price_per_hour: must be greater than 0 (got -1)"),
+         "pool.yaml:2: offers[0].price_per_hour: must be greater than or equal to 0 (got -1)"),
+        ("offers:\n  - {accelerator: rtx-4090, count: 2, price_per_hour: 0}\n",
+         "pool.yaml:2: offers[0]: price_per_hour is 0 but the offer is not owned; rented devices have a price. "
+         "For devices you own, add owned: true"),
+        ("offers:\n  - {accelerator: rtx-4090, count: 2, owned: true, pricing: spot, spot_price_per_hour: 1}\n",
+         "pool.yaml:2: offers[0]: an owned offer cannot be priced as spot"),
         ("offers:\n  - {accelerator: rtx-4090, count: 2, price_per_hour: 1, interruptions_per_hour: 0.2}\n",
          "interruptions_per_hour is set but pricing is 'on-demand'"),
         ("offers:\n  - {accelerator: rtx-4090, count: 2, price_per_hour: 1, pricng: spot}\n",

@@ -5,8 +5,9 @@ One attempt is one ``Trainer.fit`` over the current cluster. It ends in one of f
 - **completed**: ``max_steps`` reached; done.
 - **hard loss**: a rank killed (SIGKILL, OOM, node gone). ``launch`` notices within its polling period and
   the collective timeout, stops the other ranks and names the dead rank; the supervisor drops that
-  device, re-plans on the survivors (same global batch, so the trajectory continues), relaunches and
-  resumes from the last complete checkpoint. Work lost: at most one checkpoint interval.
+  device, re-plans on the survivors with the planner (``replan_with_planner``: same global batch, so the
+  trajectory continues; one group per device kind if the planner fails), relaunches and resumes from the
+  last complete checkpoint. Work lost: at most one checkpoint interval.
 - **notice on some ranks** (SIGTERM or another notice source in a rank): the ranks stop together at a
   step boundary and write an emergency checkpoint; the noticed devices are dropped, the rest resume from
   that checkpoint. Work lost: none.
@@ -38,7 +39,13 @@ from starverse.checkpoint.store import CheckpointStore
 from starverse.errors import CheckpointError, DistributedError, PreemptedError, StarverseError
 from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback, TrainContext
-from starverse.runtime.cluster import Cluster, local_plan
+from starverse.runtime.cluster import (
+    Cluster,
+    check_plan_fits_ranks,
+    estimate_or_none,
+    local_plan,
+    order_ranks_like_plan,
+)
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.trainer import FitResult, Trainer
 
@@ -124,37 +131,59 @@ def read_progress(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def replan_local(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence[RankSpec]) -> Cluster:
-    """The default re-plan: the planner's plan for the surviving devices when it offers one, else one
-    data-parallel group per device kind; same model, sequence length and **global batch** (so the loss
-    trajectory continues), ranks renumbered."""
+def replan_local(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence[RankSpec], why: str = "") -> Cluster:
+    """The re-plan without the planner: one data-parallel group per surviving device kind; same model,
+    sequence length and **global batch** (so the loss trajectory continues), ranks renumbered. ``why``: what
+    the note says about the planner not being used."""
     ranks = tuple(RankSpec(i, r.device_kind, r.device, r.num_threads, r.env) for i, r in enumerate(survivors))
     old = cluster.plan
-    plan: Plan | None = None
-    how = "one data-parallel group per device kind"
-    try:
-        from starverse import planner
+    plan = local_plan(
+        ranks, old.model, old.groups[0].stages[0].layers, old.train.seq_len, old.train.global_batch,
+        precision=old.train.precision,
+    )
+    how = "one data-parallel group per device kind" + (f" (planner not used: {why})" if why else "")
+    return _replanned(cluster, plan, ranks, lost, how, estimate_or_none(plan))
 
-        helper = getattr(planner, "plan_for_devices", None)
-        if helper is not None:
-            plan = helper(
-                model=old.model, devices=dict(Counter(r.device_kind for r in ranks)), objective=cluster.policy,
-                max_budget_per_hour=None, seq_len=old.train.seq_len, global_batch=old.train.global_batch,
-            )
-            how = "the planner's plan"
-    except Exception as e:  # the planner not handling these devices is not fatal
-        log.info("planner not used for the re-plan (%s: %s)", e.__class__.__name__, e)
-        plan = None
-    if plan is None or plan.num_devices != len(ranks):
-        plan = local_plan(
-            ranks, old.model, old.groups[0].stages[0].layers, old.train.seq_len, old.train.global_batch,
-            precision=old.train.precision,
+
+def replan_with_planner(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence[RankSpec]) -> Cluster:
+    """The default re-plan: :func:`starverse.planner.plan_for_devices` on the surviving devices, within what
+    the runtime executes, for the same model (the cluster's config, scaled copy included), sequence length,
+    precision and **global batch**, with the cluster's policy. Falls back to :func:`replan_local` only when
+    the planner fails (unknown model or device, a batch that does not split over the survivors...), logged
+    with the planner's reason."""
+    from starverse.planner import RUNTIME_CAPS, plan_for_devices
+
+    ranks = tuple(RankSpec(i, r.device_kind, r.device, r.num_threads, r.env) for i, r in enumerate(survivors))
+    old = cluster.plan
+    model = cluster.model_config if cluster.model_config is not None else old.model
+    try:
+        result = plan_for_devices(
+            model, dict(Counter(r.device_kind for r in ranks)), policy=cluster.policy, model_name=old.model,
+            train={"seq_len": old.train.seq_len, "global_batch": old.train.global_batch,
+                   "precision": old.train.precision},
+            runtime_caps=RUNTIME_CAPS, top=1,
         )
-        how = "one data-parallel group per device kind"
+        best = result.best
+        check_plan_fits_ranks(best.plan, ranks, "the planner's re-plan")
+    except StarverseError as e:
+        reason = " ".join(str(e).split())
+        log.warning("planner not used for the re-plan (%s: %s); one data-parallel group per device kind",
+                    e.__class__.__name__, reason)
+        return replan_local(cluster, survivors, lost, f"{e.__class__.__name__}: {reason}")
+    est = best.estimate
+    how = (f"planned by the planner (objective {result.objective}): {best.layout()}; estimate: step "
+           f"{est.step_time_s:.4g} s, {best.tokens_per_s:,.0f} tokens/s")
+    ordered = order_ranks_like_plan(best.plan, list(ranks))
+    return _replanned(cluster, best.plan, ordered, lost, how, est)
+
+
+def _replanned(cluster: Cluster, plan: Plan, ranks: tuple[RankSpec, ...], lost: Sequence[RankSpec], how: str,
+               estimate: Any) -> Cluster:
     gone = ", ".join(f"{r.device_kind} (rank {r.rank})" for r in lost)
-    note = f"re-planned after losing {gone}: {len(ranks)} ranks, {how}, global batch {old.train.global_batch}"
+    note = f"re-planned after losing {gone}: {len(ranks)} ranks, {how}, global batch {plan.train.global_batch}"
     log.warning("%s", note)
-    return dataclasses.replace(cluster, plan=plan, ranks=ranks, weights=(), notes=(*cluster.notes, note))
+    return dataclasses.replace(cluster, plan=plan, ranks=ranks, weights=(), estimate=estimate,
+                               notes=(*cluster.notes, note))
 
 
 class Supervisor:
@@ -170,7 +199,7 @@ class Supervisor:
         callbacks: Sequence[Callback] | Callable[[int], Sequence[Callback]] = (),
         trainer_options: dict[str, Any] | None = None,
         max_restarts: int = 5,
-        replan: Callable[[Cluster, Sequence[RankSpec], Sequence[RankSpec]], Cluster] = replan_local,
+        replan: Callable[[Cluster, Sequence[RankSpec], Sequence[RankSpec]], Cluster] = replan_with_planner,
     ):
         """``checkpoint``/``preemption``: the insurance callbacks (their settings apply to every attempt);
         ``callbacks``: other callbacks, or a function of the attempt number returning them (tests inject

@@ -60,10 +60,12 @@ def network_for(pool: Pool, offer_names: Sequence[str]) -> Network:
     )
 
 
-def pricing_for(pool: Pool, offer_names: Sequence[str]) -> Pricing:
-    """The plan's pricing section (prices paid, pool currency)."""
-    return Pricing(currency=pool.currency,
-                   price_per_hour={pool.offer(n).accelerator: pool.offer(n).price_per_hour for n in offer_names})
+def pricing_for(pool: Pool, offer_names: Sequence[str]) -> Pricing | None:
+    """The plan's pricing section (prices paid, pool currency); None when every device used is free."""
+    # The plan format has no zero price (it would read as a missing one): owned devices at 0 are left out.
+    prices = {pool.offer(n).accelerator: pool.offer(n).price_per_hour for n in offer_names
+              if pool.offer(n).price_per_hour > 0}
+    return Pricing(currency=pool.currency, price_per_hour=prices) if prices else None
 
 
 def train_spec(job: Job, mode: str, setting: space.Setting, sequence_parallel: bool) -> TrainSpec:
@@ -122,7 +124,10 @@ def rank_plan(job: Job, pool: Pool, catalog: Any, spec: Any, plan: Plan, devices
     if len(stacks) > 1:
         all_notes.append(f"mixes software stacks ({', '.join(sorted(stacks))}): cross-group sync goes through "
                          "the host network")
-    all_notes.extend(getattr(est, "warnings", ()) or ())
+    owned_free = {o.accelerator for o in offers if o.owned and o.price_per_hour == 0}
+    # "no price for X" is expected for owned devices at 0: the pool, not the catalog, prices them
+    all_notes.extend(w for w in (getattr(est, "warnings", ()) or ())
+                     if not any(w.startswith(f"no price for '{a}'") for a in owned_free))
     return RankedPlan(
         plan=plan, estimate=est, kind=kind, mode=mode, alternative=alternative, devices=dict(devices),
         cost_per_hour=price, tokens_per_s=tps, effective_tokens_per_s=tps_eff, spot_factor=factor,

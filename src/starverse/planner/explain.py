@@ -40,11 +40,53 @@ def _try(fn: Callable[[], list[RankedPlan]]) -> RankedPlan | None:
     return ranked[0] if ranked else None
 
 
+def batch_sizes_that_split(job: Job, pool: Pool, spec: Any, up_to: int) -> list[int]:
+    """Global batches ``1..up_to`` that a plan using every device (``search.use_all_devices``) can split: each
+    offer's group takes a whole number of micro-batches on each of its equal replicas."""
+    from starverse.planner import space
+
+    so, t = job.search, job.train
+    reach = {0}
+    for o in pool.offers:
+        grains: set[int] = set()
+        for tp in space.tp_degrees(spec, o.devices_per_node, o.count):
+            if so.max_tp is not None and tp > so.max_tp:
+                continue
+            max_pp = o.count // tp if so.max_pipeline_stages is None else min(o.count // tp, so.max_pipeline_stages)
+            for pp in space.pp_depths(int(spec.num_layers), max_pp):
+                if o.count % (tp * pp) == 0:
+                    grains.update(o.count // (tp * pp) * mb for mb in ([t.micro_batch] if t.micro_batch
+                                                                        else space.MICRO_BATCHES))
+        shares = {k * g for g in grains for k in range(1, up_to // g + 1)}
+        reach = {a + b for a in reach for b in shares if a + b <= up_to}
+    return sorted(reach - {0})
+
+
+def _unsplittable_batch(job: Job, pool: Pool, spec: Any) -> str | None:
+    """Why a plan that must use every device cannot take the global batch, or None when it can."""
+    b = job.train.global_batch
+    ok = batch_sizes_that_split(job, pool, spec, 2 * b + 16)
+    if b in ok:
+        return None
+    below = [x for x in ok if x < b][-1:]
+    above = [x for x in ok if x > b][:1]
+    devices = " + ".join(f"{o.count}×{o.name}" for o in pool.offers)
+    near = " or ".join(str(x) for x in below + above)
+    return (f"every device must be used ({devices}, one group per kind, equal replicas within a group, whole "
+            f"micro-batches), and a global batch of {b} sequences cannot be split that way; to fix: a global batch "
+            f"of {near}" + ("" if near else " (none up to twice this one works)") + ", or use fewer devices")
+
+
 def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanError:
     """Build the error for a job that has no plan on ``pool``: what is missing, per offer and in total,
     and what would make it feasible, each option with its own estimate."""
     from starverse.catalog import convert
     from starverse.planner.search import new_stats, search_mode
+
+    if job.search.use_all_devices:
+        why = _unsplittable_batch(job, pool, spec)
+        if why is not None:  # nothing else matters until the batch splits over the devices
+            return InfeasiblePlanError(f"no plan for {job.model} on {pool.source}:", [why])
 
     def plan(j: Job, p: Pool, mode: str | None = None) -> list[RankedPlan]:
         j = j.model_copy(update={"search": j.search.model_copy(update={"alternatives": False})})
@@ -70,8 +112,9 @@ def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanE
     if c.max_budget_per_hour is not None:
         budget = convert(c.max_budget_per_hour, ccy, pool.currency, catalog=catalog)
         cheapest = min(o.price_per_hour for o in pool.offers)
-        affordable = ", ".join(f"{o.name}: {min(o.count, math.floor(budget / o.price_per_hour + 1e-9))} of {o.count}"
-                               for o in pool.offers)
+        affordable = ", ".join(
+            f"{o.name}: {min(o.count, math.floor(budget / o.price_per_hour + 1e-9)) if o.price_per_hour else o.count}"
+            f" of {o.count}" for o in pool.offers)
         if budget < cheapest:
             reasons.append(f"the budget of {c.max_budget_per_hour:g} {ccy}/h excludes every offer (the cheapest "
                            f"device costs {cheapest:.3g} {pool.currency}/h)")

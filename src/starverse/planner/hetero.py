@@ -81,7 +81,8 @@ def search_pipelines(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, t
                 accs = [catalog.accelerator(o.accelerator) for o in subset]
                 choices = []
                 for o in subset:
-                    valid = space.tp_degrees(spec, o.devices_per_node, o.count)
+                    valid = [tp for tp in space.tp_degrees(spec, o.devices_per_node, o.count)
+                             if job.search.max_tp is None or tp <= job.search.max_tp]
                     # the TP degrees that leave the fewest devices idle (then the wider one: fewer stages)
                     count = o.count
                     valid.sort(key=lambda tp: (-(count // tp) * tp, -tp))
@@ -127,6 +128,8 @@ def _one_pipeline(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, alte
 
     out: list[RankedPlan] = []
     if any(s < 1 for s in stages_per) or sum(stages_per) > num_layers:
+        return out
+    if job.search.max_pipeline_stages is not None and sum(stages_per) > job.search.max_pipeline_stages:
         return out
     per_stage = [(o.accelerator, tp, a) for o, tp, a, s in zip(subset, tps, accs, stages_per, strict=True)
                  for _ in range(s)]

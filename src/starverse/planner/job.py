@@ -96,6 +96,13 @@ class SearchOptions(FrozenModel):
     """Checkpoint write bandwidth per node, GB/s (for the spot overhead)."""
     restart_s: float = Field(default=300.0, ge=0)
     """Time to get going again after a spot loss (re-acquire, relaunch, load), seconds."""
+    max_tp: int | None = Field(default=None, gt=0)
+    """Largest tensor-parallel degree tried (1: no tensor parallelism, for a runtime that does not run it)."""
+    max_pipeline_stages: int | None = Field(default=None, gt=0)
+    """Deepest pipeline tried, heterogeneous pipelines included (1: no pipeline parallelism)."""
+    use_all_devices: bool = False
+    """Use every device of every offer, one group per offer (a fixed set of ranks such as this machine's):
+    the planner then chooses only the layout, not what to rent."""
 
 
 class Job(FrozenModel):

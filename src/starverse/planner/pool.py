@@ -38,8 +38,9 @@ class OfferSpec(FrozenModel):
     """Who rents it (informative)."""
     devices_per_node: int | None = Field(default=None, gt=0)
     """Devices per node (default: the catalog's); tensor parallelism stays inside one node."""
-    price_per_hour: float | None = Field(default=None, gt=0)
-    """On-demand price per device-hour; omitted = the catalog's cheapest on-demand offer."""
+    price_per_hour: float | None = Field(default=None, ge=0)
+    """On-demand price per device-hour; omitted = the catalog's cheapest on-demand offer (0 for an ``owned``
+    offer). 0 only with ``owned: true``."""
     spot_price_per_hour: float | None = Field(default=None, gt=0)
     """Spot price per device-hour (needed when ``pricing: spot``; else the catalog's cheapest spot price)."""
     currency: str | None = None
@@ -53,9 +54,18 @@ class OfferSpec(FrozenModel):
     """NIC bandwidth per node in Gbit/s (default: the catalog's)."""
     billing_granularity_s: int = Field(default=1, gt=0)
     """Billing unit in seconds (3600 = started hours are billed in full); used by the ``cost`` objective."""
+    owned: bool = False
+    """Devices you already have (this machine, your own cluster): nothing is rented, the price defaults to 0
+    (give ``price_per_hour`` for an amortised cost) and the catalog's prices are not used."""
 
     @model_validator(mode="after")
     def _spot_fields(self) -> OfferSpec:
+        if self.owned and self.pricing == Pricing.SPOT:
+            raise ValueError("an owned offer cannot be priced as spot (nobody takes your own devices back); "
+                             "remove pricing: spot, or owned: true")
+        if self.price_per_hour == 0 and not self.owned:
+            raise ValueError("price_per_hour is 0 but the offer is not owned; rented devices have a price. For "
+                             "devices you own, add owned: true")
         if self.interruptions_per_hour and self.pricing != Pricing.SPOT:
             raise ValueError(
                 "interruptions_per_hour is set but pricing is 'on-demand'; on-demand devices are not "
@@ -111,6 +121,8 @@ class Offer:
     """Billing unit, seconds."""
     memory_gb: float
     """Device memory, GB."""
+    owned: bool = False
+    """Devices already owned (price 0 unless an amortised cost was given)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,11 @@ class Pool:
     def num_devices(self) -> int:
         """Devices over all offers."""
         return sum(o.count for o in self.offers)
+
+    @property
+    def free(self) -> bool:
+        """True when no offer costs anything (every device owned, price 0)."""
+        return all(o.price_per_hour == 0 for o in self.offers)
 
     def offer(self, name: str) -> Offer:
         """The offer called ``name``."""
@@ -179,6 +196,8 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
             raise fail(("offers", i, "currency"), str(e)) from None
         spot = o.pricing == Pricing.SPOT
         given = o.spot_price_per_hour if spot else o.price_per_hour
+        if given is None and o.owned:
+            given = 0.0
         price = given * rate if given is not None else _cheapest(catalog, acc.id, spec.currency, spot)
         if price is None:
             field = "spot_price_per_hour" if spot else "price_per_hour"
@@ -199,6 +218,7 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
                 inter_node_gbps=o.inter_node_gbps or acc.inter_node_gbps,
                 billing_granularity_s=o.billing_granularity_s,
                 memory_gb=acc.memory_gb,
+                owned=o.owned,
             )
         )
     return Pool(spec.currency, tuple(offers), spec.cross_offer_gbps, source)

@@ -186,11 +186,13 @@ def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArra
     caps = []
     for o in pool.offers:
         cap = o.count
-        if ctx.budget_per_hour is not None:
+        if ctx.budget_per_hour is not None and o.price_per_hour > 0:
             cap = min(cap, math.floor(ctx.budget_per_hour / o.price_per_hour + 1e-9))
         caps.append(cap)
-    opts = space.enumerate_options(ctx.spec, ctx.batch, pool.offers, ctx.settings,
-                                   ctx.job.train.micro_batch, caps)
+    so = ctx.job.search
+    opts = space.enumerate_options(ctx.spec, ctx.batch, pool.offers, ctx.settings, ctx.job.train.micro_batch,
+                                   caps, max_tp=so.max_tp, max_pipeline_stages=so.max_pipeline_stages,
+                                   use_all_devices=so.use_all_devices)
     if len(opts) == 0:
         return opts, np.zeros((0, ctx.batch + 1)), np.zeros(0)
     kmax = ctx.batch // (opts.replicas * opts.micro_batch)
@@ -204,7 +206,8 @@ def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArra
         return opts.take(ok), tables[ok], power[ok]
     # large space: a coarser replica grid (every count to 8, then ×1.5) for the screening pass
     opts = space.enumerate_options(ctx.spec, ctx.batch, pool.offers, ctx.settings, ctx.job.train.micro_batch,
-                                   caps, dense_replicas_up_to=8, growth=1.5)
+                                   caps, dense_replicas_up_to=8, growth=1.5, max_tp=so.max_tp,
+                                   max_pipeline_stages=so.max_pipeline_stages, use_all_devices=so.use_all_devices)
     stats["options"] += len(opts)
     # Memory per device never grows with the replica count (ZeRO shards over more replicas; fewer
     # micro-batches per replica keep fewer in flight), so a configuration that does not fit at its largest
@@ -319,7 +322,7 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
             hours_lb = tokens / tps_ub / 3600.0
         total_lb = np.zeros_like(hours_lb)
         for j in range(g):
-            total_lb += price_opt[grid[:, j]] * _billed(hours_lb, gran_opt[grid[:, j]])
+            total_lb += _paid(price_opt[grid[:, j]], _billed(hours_lb, gran_opt[grid[:, j]]))
         bound = score(ctx.job.objective, tps_ub, price, total_lb, hours_lb)
         ok = np.isfinite(bound) & (tps_ub > 0)
         if c.deadline_hours is not None:
@@ -330,7 +333,11 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
 
     members: list[IntArray] = []
     bound_parts: list[FloatArray] = []
+    use_all = ctx.job.search.use_all_devices
+    num_offers = len(ctx.pool.offers)
     single, single_bound = bounds(np.arange(len(opts), dtype=np.int64)[:, None])
+    if use_all and num_offers > 1:  # a single group leaves the other offers' devices idle
+        single, single_bound = single[:0], single_bound[:0]
     padded = np.full((single.shape[0], max_g), -1, dtype=np.int64)
     padded[:, :1] = single
     members.append(padded)
@@ -359,6 +366,8 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
             for subset in itertools.combinations(offers, g):
                 if len({accs[o] for o in subset}) < g:
                     continue  # one group per accelerator: the plan's pricing is per accelerator
+                if use_all and g < num_offers:
+                    continue  # every offer takes part
                 jobs.append((subset, [per_offer[o] for o in subset]))
     total = sum(math.prod(len(x) for x in lists) for _, lists in jobs)
     share = MAX_COMBINATIONS / max(len(jobs), 1)
@@ -378,6 +387,12 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
     return all_members, opts.setting[all_members[:, 0]], np.concatenate(bound_parts)
 
 
+def _paid(price: FloatArray, hours: FloatArray) -> FloatArray:
+    """``price × hours``, where free (owned) devices cost 0 even for unbounded hours (no 0 × inf = nan)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(price > 0, price * hours, 0.0)
+
+
 def _billed(hours: FloatArray, granularity_s: IntArray) -> FloatArray:
     """``policy.billed_hours`` with a per-row granularity."""
     g = np.maximum(granularity_s, 1) / 3600.0
@@ -388,6 +403,8 @@ def _single_frontier(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: 
                      stats: dict[str, Any]) -> None:
     """Add the time-vs-cost Pareto front of every single-group option (each one exact at the full batch) to
     the frontier points, so the plot shows the whole trade-off, not only what branch and bound visited."""
+    if ctx.job.search.use_all_devices and len(ctx.pool.offers) > 1:
+        return  # single groups are not plans when every offer must take part
     step = tables[:, ctx.batch]
     n = opts.num_devices
     price = n * np.array([o.price_per_hour for o in ctx.pool.offers])[opts.offer]
@@ -397,7 +414,7 @@ def _single_frontier(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: 
     f = _spot_factor(ctx, lam, np.ceil(n / dpn))
     with np.errstate(divide="ignore", invalid="ignore"):
         hours = (ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS) * step * f / (ctx.batch * ctx.seq_len) / 3600
-    total = price * _billed(hours, gran)
+    total = _paid(price, _billed(hours, gran))
     ok = np.isfinite(hours) & np.isfinite(total)
     c = ctx.job.constraints
     if ctx.budget_per_hour is not None:
@@ -489,6 +506,7 @@ def best_combinations(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, 
     """The search core without the final scalar re-estimate: best combinations, the options they index,
     and the statistics (used by :func:`search_mode` and by the exactness test against brute force)."""
     stats: dict[str, Any] = new_stats()
+    job, _ = resolve_objective(job, pool)
     ctx = _context(job, pool, catalog, spec, mode)
     opts, tables, power = _options(ctx, stats)
     combos = _branch_and_bound(ctx, opts, tables, power, max(top, 1), stats) if len(opts) else []
@@ -517,25 +535,56 @@ def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: i
         rp = rank_plan(job, pool, catalog, spec, plan, devices, kind, alternative)
         if rp is not None:
             ranked.append(rp)
-    if job.search.hetero_pipelines and not any(r.kind == "single" for r in ranked):
+    so = job.search
+    pipelines_allowed = not so.use_all_devices and (so.max_pipeline_stages is None or so.max_pipeline_stages > 1)
+    if so.hetero_pipelines and pipelines_allowed and not any(r.kind == "single" for r in ranked):
         ranked.extend(hetero.search_pipelines(job, pool, catalog, spec, mode, top, alternative))
     ranked.sort(key=lambda r: -r.objective_value)
     return ranked[:top]
 
 
-def search(job: Job, pool: Pool, catalog: Any = None, top: int = 5) -> PlanResult:
+def resolve_objective(job: Job, pool: Pool) -> tuple[Job, str | None]:
+    """The objective the search really ranks by, and why when it differs from the job's.
+
+    On a pool where every device is owned (price 0), tokens per unit of money is unbounded for every plan,
+    so ``cost-performance`` ranks by throughput, and every plan costs nothing, so ``cost`` ranks by time.
+    ``cost-performance`` on a pool that mixes free and priced offers is refused when a plan could use the
+    free offers alone (that plan would be infinitely cost-effective, whatever its speed).
+    """
+    if not any(o.price_per_hour == 0 for o in pool.offers):
+        return job, None
+    objective = job.objective
+    if pool.free and objective in (Objective.COST_PERFORMANCE, Objective.COST):
+        new = Objective.THROUGHPUT if objective == Objective.COST_PERFORMANCE else Objective.TIME
+        why = "tokens per unit of money is unbounded" if new == Objective.THROUGHPUT else "every plan costs nothing"
+        note = (f"every device is owned (price 0): {why}, so objective '{objective}' ranks plans by "
+                f"{'throughput' if new == Objective.THROUGHPUT else 'time'}")
+        return job.model_copy(update={"objective": new}), note
+    if objective == Objective.COST_PERFORMANCE and not job.search.use_all_devices:
+        free = ", ".join(o.name for o in pool.offers if o.price_per_hour == 0)
+        raise ConfigError(
+            f"{pool.source}: objective 'cost-performance' is undefined when some offers are free ({free}) and "
+            "others are not: a plan on the free devices alone would win whatever its speed. To fix: use objective "
+            "throughput, time or cost, or give the owned offers an amortised price_per_hour"
+        )
+    return job, None
+
+
+def search(job: Job, pool: Pool, catalog: Any = None, top: int = 5, spec: Any = None) -> PlanResult:
     """Ranked plans for ``job`` on ``pool`` (best first), or ``InfeasiblePlanError`` saying why and what
-    would help. Pure numpy (no torch)."""
+    would help. Pure numpy (no torch). ``spec``: the model's ``ModelSpec`` when ``job.model`` only names it
+    (e.g. a config dict given to :func:`~starverse.planner.devices.plan_for_devices`)."""
     from starverse.catalog import load_catalog
     from starverse.models import load_model
     from starverse.planner import explain
 
     t0 = time.perf_counter()
     catalog = catalog if catalog is not None else load_catalog()
-    spec = load_model(job.model)
+    spec = spec if spec is not None else load_model(job.model)
+    job, objective_note = resolve_objective(job, pool)
     stats = new_stats()
     ranked = search_mode(job, pool, catalog, spec, job.train.mode, top, stats)
-    notes: list[str] = []
+    notes: list[str] = [objective_note] if objective_note else []
     if not ranked and job.train.mode == "full" and job.search.alternatives:
         for alt in ("lora", "qlora"):
             alt_ranked = search_mode(job, pool, catalog, spec, alt, top, stats)
@@ -597,4 +646,4 @@ def plan_for(model_id: str, policy: str | Objective = Objective.COST_PERFORMANCE
     return search(job_from_dict(data, "<plan_for>"), pool_obj, catalog, top)
 
 
-__all__ = ["best_combinations", "plan_for", "rank_plan", "search"]
+__all__ = ["best_combinations", "plan_for", "rank_plan", "resolve_objective", "search"]

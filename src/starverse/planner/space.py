@@ -141,11 +141,14 @@ class Options:
 
 def enumerate_options(spec: Any, global_batch: int, offers: Sequence[Any], setting_list: Sequence[Setting],
                       fixed_micro_batch: int | None = None, max_devices: Sequence[int] | None = None,
-                      dense_replicas_up_to: int = 32, growth: float = 1.25) -> Options:
+                      dense_replicas_up_to: int = 32, growth: float = 1.25, max_tp: int | None = None,
+                      max_pipeline_stages: int | None = None, use_all_devices: bool = False) -> Options:
     """Every (offer, tp, pp, replicas, micro-batch, setting) the space holds, before any evaluation.
 
     ``max_devices[i]`` caps offer ``i`` (its count, or less when the budget allows fewer). Replica counts
-    follow :func:`replica_counts` per row (vectorised: one mask over a shared grid).
+    follow :func:`replica_counts` per row (vectorised: one mask over a shared grid). ``max_tp`` and
+    ``max_pipeline_stages`` bound TP and pipeline depth; ``use_all_devices`` keeps only the options that use
+    every device of their offer (``tp × pp × replicas = count``).
     """
     base: list[tuple[int, int, int, int, int, int]] = []
     mbs = [fixed_micro_batch] if fixed_micro_batch else [m for m in MICRO_BATCHES if m <= global_batch]
@@ -153,19 +156,28 @@ def enumerate_options(spec: Any, global_batch: int, offers: Sequence[Any], setti
     all_settings = list(range(len(setting_list)))
     for oi, off in enumerate(offers):
         cap = off.count if max_devices is None else min(off.count, max_devices[oi])
-        if cap < 1:
+        if cap < 1 or (use_all_devices and cap < off.count):
             continue
         for tp in tp_degrees(spec, off.devices_per_node, cap):
-            for pp in pp_depths(int(spec.num_layers), cap // tp):
+            if max_tp is not None and tp > max_tp:
+                continue
+            max_pp = cap // tp if max_pipeline_stages is None else min(cap // tp, max_pipeline_stages)
+            for pp in pp_depths(int(spec.num_layers), max_pp):
+                if use_all_devices and cap % (tp * pp):
+                    continue
                 sets = all_settings if pp == 1 else pipe_settings
                 for mb in mbs:
                     rmax = min(cap // (tp * pp), global_batch // mb)
+                    if use_all_devices and rmax * tp * pp != cap:
+                        continue  # all the devices cannot take a micro-batch each
                     if rmax >= 1:
                         base.extend((oi, tp, pp, mb, si, rmax) for si in sets)
     if not base:
         z = np.zeros(0, dtype=np.int64)
         return Options(z, z, z, z, z, z)
     b = np.asarray(base, dtype=np.int64)
+    if use_all_devices:  # one replica count per row: all of the offer's devices
+        return Options(b[:, 0], b[:, 1], b[:, 2], b[:, 5], b[:, 3], b[:, 4])
     grid = np.asarray(replica_counts(int(b[:, 5].max()), dense_replicas_up_to, growth), dtype=np.int64)
     # the grid's points below each row's maximum, plus that maximum itself
     mask = grid[None, :] < b[:, 5:6]

@@ -1,11 +1,13 @@
 """``accelerate()`` -> :class:`Cluster`: the devices to run on, the plan for them, and the model to build.
 
-``accelerate`` takes the provider's devices (the local machine when ``pool`` is None), asks the planner
-for the best plan on them when a planner helper is available, and otherwise builds the local plan
-itself: one data-parallel group per device kind. An explicit ``plan=`` always wins. When the requested
-model cannot be trained on these devices (training state does not fit, or CPU ranks that would take
-hours per step), ``cluster.model_config`` is an honest scaled-down copy of the same architecture, and
-``cluster.notes`` says so.
+``accelerate`` takes the provider's devices (the local machine when ``pool`` is None) and asks the planner
+(:func:`starverse.planner.plan_for_devices`) for the best plan on exactly those devices, restricted to what
+this runtime executes (:data:`RUNTIME_CAPS`: data parallelism across device kinds, batch split by the
+planner's speed model). Only when the planner fails (unknown device, nothing fits) does it fall back to one
+data-parallel group per device kind, with the planner's one-line reason in ``cluster.notes``. An explicit
+``plan=`` always wins. When the requested model cannot be trained on these devices (training state does not
+fit, or CPU ranks that would take hours per step), ``cluster.model_config`` is an honest scaled-down copy of
+the same architecture, the planner plans that copy, and ``cluster.notes`` says so.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from starverse.errors import ConfigError
+from starverse.errors import ConfigError, StarverseError
 from starverse.plan import Group, Plan, Stage, TrainSpec, load_plan
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.mesh import MeshLayout
@@ -155,7 +157,7 @@ def check_plan_fits_ranks(plan: Plan, ranks: tuple[RankSpec, ...] | list[RankSpe
         )
 
 
-def _order_ranks_like_plan(plan: Plan, ranks: list[RankSpec]) -> tuple[RankSpec, ...]:
+def order_ranks_like_plan(plan: Plan, ranks: list[RankSpec]) -> tuple[RankSpec, ...]:
     """Renumber ranks so consecutive ranks follow the plan's groups (group by group)."""
     want = [plan.groups[g].stages[0].accelerator for g in _rank_groups(plan)]
     pool = list(ranks)
@@ -226,7 +228,7 @@ def accelerate(
         source = str(plan) if not isinstance(plan, Plan) else "plan"
         the_plan = plan if isinstance(plan, Plan) else load_plan(plan)
         check_plan_fits_ranks(the_plan, ranks, source)
-        ordered = _order_ranks_like_plan(the_plan, ranks)
+        ordered = order_ranks_like_plan(the_plan, ranks)
         model_ref: Any = model_id or the_plan.model
         notes.append(f"plan: given explicitly ({source})")
     else:
@@ -235,17 +237,22 @@ def accelerate(
         model_ref = model_id or "llama"
     hf_cfg, spec_layers, notes_m, scaled = _choose_model(model_ref, ordered, max_params)
     notes.extend(notes_m)
+    estimate = None
     if the_plan is None:
         gb = global_batch or 8 * len(ordered)
         # The plan names what is really trained: a scaled copy is written out as a config.json.
         named = isinstance(model_id, (str, Path)) and not scaled
         plan_model = str(model_id) if named else str(_save_config(hf_cfg))
         precision = "fp32" if all(r.device == "cpu" for r in ordered) else "bf16"
-        the_plan = _planner_plan(plan_model, ordered, policy, max_budget, seq_len, gb, notes, precision)
-        if the_plan is None:
+        planned = _planner_plan(hf_cfg, plan_model, ordered, policy, max_budget, seq_len, gb, notes, precision)
+        if planned is not None:
+            the_plan, estimate = planned
+            ordered = order_ranks_like_plan(the_plan, list(ordered))
+        else:
             the_plan = local_plan(ordered, plan_model, spec_layers, seq_len, gb, precision=precision)
             notes.append("plan: local devices, one data-parallel group per device kind")
-    estimate = _estimate(the_plan, hf_cfg)
+    if estimate is None:
+        estimate = estimate_or_none(the_plan)
     cluster = Cluster(
         plan=the_plan, ranks=ordered, model_config=hf_cfg, model_id=str(model_ref), scaled=scaled,
         notes=tuple(notes), policy=policy, estimate=estimate,
@@ -317,39 +324,43 @@ def _choose_model(
 
 
 def _planner_plan(
-    model_ref: Any, ranks: tuple[RankSpec, ...], policy: str, max_budget: float | None, seq_len: int,
-    global_batch: int, notes: list[str], precision: str = "bf16",
-) -> Plan | None:
-    """The planner's best plan that uses exactly these devices with data parallelism, if it finds one.
+    model_cfg: dict[str, Any], plan_model: str, ranks: tuple[RankSpec, ...], policy: str, max_budget: float | None,
+    seq_len: int, global_batch: int, notes: list[str], precision: str = "bf16",
+) -> tuple[Plan, Any] | None:
+    """The planner's best plan on exactly these devices within what this runtime executes, and its estimate;
+    None (with the planner's one-line reason in ``notes``) when the planner fails.
 
-    The local devices become a pool (one offer per device kind, prices from the catalog); the best
-    ranked plan the runtime can run as is (all devices, tp 1, one stage per group) wins.
+    ``model_cfg`` is the config really trained (a scaled copy when scaled); ``plan_model`` names it in the
+    plan (a saved config.json for a copy), so ``starverse estimate`` on the plan gives the same numbers.
     """
+    from starverse.planner import RUNTIME_CAPS, plan_for_devices
+
+    devices = dict(Counter(r.device_kind for r in ranks))
     try:
-        from starverse.planner import plan_for
-    except ImportError:
+        result = plan_for_devices(
+            model_cfg, devices, policy=policy, max_budget_per_hour=max_budget, model_name=plan_model,
+            train={"seq_len": seq_len, "global_batch": global_batch, "precision": precision},
+            runtime_caps=RUNTIME_CAPS, top=1,
+        )
+        best = result.best
+        check_plan_fits_ranks(best.plan, list(ranks), "the planner's plan")
+    except StarverseError as e:  # unknown device, nothing fits, ...: the per-kind plan, and why
+        reason = " ".join(str(e).split())
+        log.warning("planner not used: %s", reason)
+        notes.append(f"planner: not used ({e.__class__.__name__}: {reason})")
         return None
-    kinds = Counter(r.device_kind for r in ranks)
-    pool = {"offers": [{"accelerator": k, "count": n, "devices_per_node": n} for k, n in kinds.items()]}
-    overrides = {"train": {"seq_len": seq_len, "global_batch": global_batch, "precision": precision}}
-    try:
-        result = plan_for(str(model_ref), policy, max_budget_per_hour=max_budget, pool=pool, job_overrides=overrides,
-                          top=10)
-    except Exception as e:  # no price for a local device, infeasible, ...: fall back to the local plan
-        notes.append(f"planner: not used ({e.__class__.__name__}: {e})")
-        return None
-    for ranked in result.plans:
-        try:
-            check_plan_fits_ranks(ranked.plan, list(ranks), "planner")
-        except ConfigError:
-            continue
-        notes.append(f"plan: chosen by the planner (objective {policy}, rank {result.plans.index(ranked) + 1})")
-        return ranked.plan
-    notes.append("planner: no ranked plan uses all local devices with data parallelism only")
-    return None
+    est = best.estimate
+    objective = str(result.objective) + ("" if str(result.objective) == str(policy) else f", for '{policy}'")
+    notes.append(
+        f"plan: planned by the planner (objective {objective}): {best.layout()}; estimate: step "
+        f"{est.step_time_s:.4g} s, {best.tokens_per_s:,.0f} tokens/s, bottleneck {est.bottleneck}"
+    )
+    notes.extend(f"planner: {n}" for n in result.notes)
+    return best.plan, est
 
 
-def _estimate(plan: Plan, hf_cfg: dict[str, Any]) -> Any:
+def estimate_or_none(plan: Plan) -> Any:
+    """The cost model's estimate of ``plan`` (informative: None, logged, when it cannot be estimated)."""
     try:
         from starverse.costmodel import estimate
     except ImportError:
