@@ -75,6 +75,54 @@ def list_checkpoints(
         raise typer.Exit(1)
 
 
+def job_bill(ledger_path: str | Path, job_name: str) -> dict[str, Any]:
+    """The bill of one job of a ledger: charges per lease (device), insurance credits apart, exact ticks."""
+    from starverse.billing import Ledger, ticks_to_decimal
+
+    with Ledger.open(ledger_path, create=False) as ledger:
+        job = ledger.job(job_name)
+        leases = []
+        for le in ledger.leases(job):
+            rows = ledger.charges(le.id)
+            ticks = sum(r.ticks for r in rows)
+            leases.append({
+                "lease": le.id, "device": le.device, "accelerator": le.accelerator, "mode": le.mode.value,
+                "price_per_hour": f"{le.offer_price.normalize():f}", "price_currency": le.offer_currency,
+                "seconds": sum(r.seconds for r in rows) if le.end_s is not None else None,
+                "charges": str(ticks_to_decimal(ticks)), "charge_ticks": ticks, "open": le.end_s is None,
+            })
+        credits = [{"lease": c.lease_id, "kind": c.kind.value, "seconds": c.seconds, "amount": str(c.amount),
+                    "ticks": c.ticks} for c in ledger.credits(job)]
+        events = [{"kind": e.kind.value, "step": e.step} for e in ledger.events(job)]
+    charge_ticks = sum(x["charge_ticks"] for x in leases)
+    credit_ticks = sum(c["ticks"] for c in credits)
+    return {
+        "ledger": str(ledger_path), "job": job.name, "currency": job.currency, "leases": leases,
+        "charges": str(ticks_to_decimal(charge_ticks)), "charge_ticks": charge_ticks, "credits": credits,
+        "credit": str(ticks_to_decimal(credit_ticks)), "credit_ticks": credit_ticks,
+        "net": str(ticks_to_decimal(charge_ticks - credit_ticks)), "events": events,
+        "open_leases": sum(1 for x in leases if x["open"]),
+    }
+
+
+def print_bill(console: Console, bill: dict[str, Any]) -> None:
+    """The job's bill as the CLI shows it after training: one line per lease, the credits, the totals."""
+    ccy = bill["currency"]
+    console.print(f"[bold]bill[/bold] (job '{bill['job']}', {ccy})")
+    for x in bill["leases"]:
+        dur = "open" if x["open"] else f"{x['seconds']} s"
+        console.print(f"  lease {x['lease']}: {x['device']} ({x['accelerator']}, {x['mode']} "
+                      f"{x['price_per_hour']} {x['price_currency']}/h), {dur}: {x['charges']}", markup=False)
+    for c in bill["credits"]:
+        console.print(f"  insurance credit ({c['kind']}, lease {c['lease']}, {c['seconds']} s): "
+                      f"-{c['amount']}", markup=False)
+    console.print(f"  charges {bill['charges']} {ccy}, insurance credits {bill['credit']} {ccy}, net "
+                  f"{bill['net']} {ccy}", markup=False)
+    if bill["open_leases"]:
+        console.print(f"  {bill['open_leases']} lease(s) left open by a run that died: closed and credited "
+                      "when the job is run again", markup=False)
+
+
 def train(
     job_file: Annotated[Path, typer.Argument(help="Job file (model, dataset, run_dir, train, checkpoint, ...).")],
     resume_from: Annotated[
@@ -83,13 +131,15 @@ def train(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON.")] = False,
 ) -> None:
-    """Run a training job under the supervisor: checkpoints, preemption notices, re-plan and resume on loss.
+    """Run a training job under the supervisor: checkpoints, preemption notices, re-plan and resume on loss,
+    a per-second ledger with budgets and insurance credits, and Prometheus metrics on 127.0.0.1.
 
     SIGTERM writes an emergency checkpoint and exits with code 3; run the same command again to resume.
     """
     import starverse
+    from starverse.billing.ledger import LEDGER_FILE
     from starverse.checkpoint.callback import CheckpointCallback
-    from starverse.elastic.job import job_mtbf, load_job
+    from starverse.elastic.job import job_mtbf, job_prices, load_job
     from starverse.elastic.notice import (
         FileNotice,
         HttpNotice,
@@ -99,6 +149,7 @@ def train(
     )
     from starverse.elastic.preemption import PreemptionCallback
     from starverse.elastic.supervisor import Supervisor
+    from starverse.metrics.callbacks import ENDPOINT_FILE, BillingCallback, MetricsCallback
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     job = load_job(job_file)
@@ -109,6 +160,17 @@ def train(
     )
     kinds = [r.device_kind for r in cluster.ranks]
     mtbf_s, mtbf_why = job_mtbf(job, kinds)
+    run_dir = Path(job.run_dir)
+    bill_cfg = job.billing
+    billing: BillingCallback | None = None
+    prices = None
+    if bill_cfg.enabled:
+        prices = job_prices(job, kinds, str(job_file))  # refuses a job above max_budget_per_hour before launch
+        billing = BillingCallback(
+            job=bill_cfg.job or run_dir.name, ledger_path=bill_cfg.ledger or run_dir / LEDGER_FILE,
+            currency=prices.currency, budget_total=bill_cfg.budget_total,
+            max_budget_per_hour=bill_cfg.max_budget_per_hour, prices=prices.prices,
+        )
     ck = job.checkpoint
     sources: list[Any] = [SignalNotice()]
     if ck.notice_file:
@@ -119,14 +181,21 @@ def train(
         sources.append(gcp_preemption_notice())
     elif ck.notice_url:
         sources.append(HttpNotice(ck.notice_url, lambda status, body: status == 200))
-    run_dir = Path(job.run_dir)
+    checkpoint = CheckpointCallback(
+        ck.dir, interval_steps=ck.interval_steps, mtbf_s=mtbf_s, max_interval_s=ck.max_interval_s,
+        keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save,
+        billing_cursor=billing.checkpoint_cursor if billing is not None else None,
+    )
+    # billing after the checkpoint callback (it records the checkpoint taken in the same step), metrics last
+    accounting: list[Any] = [billing] if billing is not None else []
+    if job.metrics.enabled:
+        accounting.append(MetricsCallback(job=billing.job_name if billing else None, port=job.metrics.port,
+                                          linger_s=job.metrics.linger_s, checkpoints=checkpoint))
     sup = Supervisor(
         cluster, run_dir,
-        checkpoint=CheckpointCallback(
-            ck.dir, interval_steps=ck.interval_steps, mtbf_s=mtbf_s, max_interval_s=ck.max_interval_s,
-            keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save,
-        ),
+        checkpoint=checkpoint,
         preemption=PreemptionCallback(sources, grace_s=ck.grace_s),
+        callbacks=accounting,
         trainer_options={"lr": job.train.lr, "seed": job.train.seed, "rebalance_every": job.train.rebalance_every},
         max_restarts=job.max_restarts,
     )
@@ -140,6 +209,17 @@ def train(
         + (f"; resuming from {resume_path.name}" if resume_path else "; fresh start"),
         markup=False,
     )
+    if billing is not None and prices is not None:
+        budget = ", ".join(f"{k} {v} {prices.currency}" for k, v in (
+            ("total budget", bill_cfg.budget_total), ("max per hour", bill_cfg.max_budget_per_hour)) if v)
+        console.print(f"  ledger: {billing.ledger_path} (job '{billing.job_name}'); devices cost "
+                      f"{prices.cost_per_hour.normalize():f} {prices.currency}/h" + (f"; {budget}" if budget else ""),
+                      markup=False)
+        for line in prices.lines:
+            console.print(f"    {line}", markup=False)
+    if job.metrics.enabled:
+        console.print(f"  metrics: Prometheus on 127.0.0.1:{job.metrics.port or '<free port>'} while training "
+                      f"(URL in {run_dir / ENDPOINT_FILE})", markup=False)
 
     def model_factory(c: Any) -> Any:
         with c.mixed_mesh():
@@ -152,12 +232,17 @@ def train(
     )
     latest = sup.store.latest()
     interval = (latest.manifest.get("interval") or {}).get("reason") if latest else None
+    bill = job_bill(billing.ledger_path, billing.job_name) if billing is not None and billing.ledger_path else None
+    endpoint = run_dir / ENDPOINT_FILE
+    metrics_url = json.loads(endpoint.read_text()).get("url") if job.metrics.enabled and endpoint.is_file() else None
+    stop = out.fit.stop_reason if out.fit else None
     if as_json:
         typer.echo(json.dumps({
             "final_step": out.final_step, "lost_steps": out.lost_steps,
-            "final_loss": out.fit.final_loss if out.fit else None,
+            "final_loss": out.fit.final_loss if out.fit else None, "stop_reason": stop,
             "attempts": [a.__dict__ | {"device_kinds": list(a.device_kinds)} for a in out.attempts],
-            "checkpoint_interval": interval,
+            "checkpoint_interval": interval, "run_dir": str(run_dir), "checkpoints": str(sup.store.root),
+            "metrics_url": metrics_url, "bill": bill,
         }, indent=2))
         return
     for a in out.attempts:
@@ -170,6 +255,10 @@ def train(
         for line in out.fit.summary_lines():
             console.print(f"  {line}", markup=False)
     console.print(f"  steps redone after losses: {out.lost_steps}", markup=False)
+    if bill is not None:
+        print_bill(console, bill)
+    console.print(f"run dir: {run_dir}  checkpoints: {sup.store.root}"
+                  + (f"  ledger: {bill['ledger']} (`starverse bill {run_dir}`)" if bill else ""), markup=False)
     sys.stdout.flush()
 
 

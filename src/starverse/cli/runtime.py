@@ -118,18 +118,45 @@ def demo(
     batch: Annotated[int, typer.Option("--batch", help="Sequences per micro-batch.")] = 2,
     global_batch: Annotated[int, typer.Option("--global-batch", help="Sequences per step.")] = 16,
     max_params: Annotated[int, typer.Option("--max-params", help="Largest model to train here.")] = 3_000_000,
-    run_dir: Annotated[Path, typer.Option("--run-dir", help="Where the run writes its files.")] = Path("runs/demo"),
+    run_dir: Annotated[Path | None, typer.Option(
+        "--run-dir", help="Where the run writes its files (default: a new runs/demo/<UTC time>).",
+        show_default=False)] = None,
     corpus_mb: Annotated[float, typer.Option("--corpus-mb", help="MB of stdlib source to train on.")] = 2.0,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1,
+                                                  help="Steps between checkpoints.")] = 50,
+    pool: Annotated[Path | None, typer.Option(
+        "--pool", help="Price the local devices from this pool file (e.g. examples/train/pool.yaml); "
+                       "default: free (your own machine).", show_default=False)] = None,
+    metrics_port: Annotated[int, typer.Option("--metrics-port", min=0, max=65535,
+                                              help="Prometheus on 127.0.0.1 (0: a free port).")] = 0,
 ) -> None:
-    """Plan on the local devices, train a small Llama-style model with hetero DP, print the summary."""
+    """The main job end to end on this machine: plan on the local devices, train a small Llama-style model with
+    hetero DP (checkpoints, per-second ledger, Prometheus metrics), print the summary and the bill."""
+    from datetime import UTC, datetime
+
     import starverse
+    from starverse.billing.ledger import LEDGER_FILE
+    from starverse.checkpoint.callback import CheckpointCallback
+    from starverse.cli.checkpoints import job_bill, print_bill
+    from starverse.elastic.job import lease_prices
+    from starverse.errors import ConfigError
+    from starverse.metrics.callbacks import ENDPOINT_FILE, BillingCallback, MetricsCallback
     from starverse.runtime.trainer import Trainer
 
     console = Console(highlight=False, soft_wrap=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    run_dir = (run_dir or Path("runs") / "demo" / stamp).resolve()
+    if any((run_dir / "checkpoints").glob("step-*")):
+        raise ConfigError(
+            f"{run_dir}: already holds the checkpoints of an earlier run; the demo trains from scratch. "
+            "To fix: pass another --run-dir, or omit it (each demo then gets its own runs/demo/<UTC time>)."
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = starverse.accelerate(
         model_id=DEMO_MODEL, num_cpu_ranks=ranks, seq_len=seq_len, global_batch=global_batch, max_params=max_params
     )
+    prices = lease_prices([r.device_kind for r in cluster.ranks], pool=str(pool) if pool else None,
+                          source="--pool")
     console.print("[bold]cluster[/bold]")
     for line in cluster.summary_lines():
         console.print(f"  {line}", markup=False)
@@ -139,10 +166,21 @@ def demo(
             f"  estimate: step {est.step_time_s:.3f} s, {est.tokens_per_s:,.0f} tokens/s, bottleneck {est.bottleneck}",
             markup=False,
         )
+    console.print(f"  leases: {prices.cost_per_hour.normalize():f} {prices.currency}/h; "
+                  + "; ".join(prices.lines), markup=False)
     with cluster.mixed_mesh():
         model = starverse.build_model(cluster.model_config)
     corpus = _demo_corpus(run_dir, int(corpus_mb * 1e6))
-    trainer = Trainer(cluster, callbacks=[RichProgress()], run_dir=run_dir, lr=1e-3, rebalance_every=20)
+    billing = BillingCallback(job=f"demo-{stamp}", ledger_path=run_dir / LEDGER_FILE, currency=prices.currency,
+                              prices=prices.prices)
+    ckpt = CheckpointCallback(run_dir / "checkpoints", interval_steps=checkpoint_every, keep_last=2,
+                              billing_cursor=billing.checkpoint_cursor)
+    metrics = MetricsCallback(job=billing.job_name, port=metrics_port, checkpoints=ckpt)
+    console.print(f"  metrics: Prometheus on 127.0.0.1:{metrics_port or '<free port>'} while training "
+                  f"(URL in {run_dir / ENDPOINT_FILE})", markup=False)
+    # billing after the checkpoint callback (it records the checkpoint of the same step), metrics after billing
+    trainer = Trainer(cluster, callbacks=[ckpt, billing, metrics, RichProgress()], run_dir=run_dir, lr=1e-3,
+                      rebalance_every=20)
     result = trainer.fit(model, dataset=corpus, per_device_batch_size=batch, max_steps=steps, seq_len=seq_len)
     console.print("[bold]summary[/bold]")
     for line in result.summary_lines():
@@ -157,6 +195,12 @@ def demo(
             f"({est.step_time_s / result.step_time_s - 1:+.0%}; {basis})",
             markup=False,
         )
+    print_bill(console, job_bill(run_dir / LEDGER_FILE, billing.job_name))
+    console.print("[bold]files[/bold]")
+    console.print(f"  run dir:     {run_dir}", markup=False)
+    console.print(f"  checkpoints: {run_dir / 'checkpoints'}  (starverse checkpoints list {run_dir})", markup=False)
+    console.print(f"  ledger:      {run_dir / LEDGER_FILE}  (starverse bill {run_dir})", markup=False)
+    console.print(f"  model:       {run_dir / 'final_model.pt'}", markup=False)
     sys.stdout.flush()
 
 

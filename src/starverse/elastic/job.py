@@ -11,19 +11,24 @@ checkpoint:
   trace: ../data/traces/bamboo/p3-trace.csv   # or interruptions_per_hour: 0.6, or the pool's offers
   keep_last: 3
   grace_s: 30
+pool: pool.yaml                   # prices the leases (devices it does not offer are free: your own machine)
+billing: {budget_total: 5.0, max_budget_per_hour: 1.0}   # ledger at RUN_DIR/ledger.sqlite
+metrics: {port: 0}                # Prometheus on 127.0.0.1 (0: a free port, see RUN_DIR/metrics.json)
 ```
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
-from starverse.config import FrozenModel, load_file
-from starverse.errors import ConfigError
+from starverse.config import FrozenModel, _line_of, parse, read_yaml
+from starverse.errors import BillingError, BudgetExceededError, ConfigError
 
 
 class TrainSettings(FrozenModel):
@@ -83,6 +88,35 @@ class CheckpointSettings(FrozenModel):
     """Also poll a metadata endpoint: ``aws``, ``gcp``, or a URL that answers 200 when preempted."""
 
 
+class BillingSettings(FrozenModel):
+    """The job's per-second ledger and budgets (leases are priced from ``pool``; see :func:`job_prices`)."""
+
+    enabled: bool = True
+    """Keep a ledger of the run (leases, checkpoint/preemption/resume events, insurance credits)."""
+    ledger: str | None = None
+    """Ledger file (default ``RUN_DIR/ledger.sqlite``; relative to this file). Several jobs may share one."""
+    job: str | None = None
+    """The job's name in the ledger (default: the run directory's folder name); a rerun continues it."""
+    currency: str | None = None
+    """Currency the job is billed in (default: the pool's, else USD); other prices are converted."""
+    budget_total: Decimal | None = Field(default=None, gt=0)
+    """Total budget of the job (all runs of it): before the next interval would exceed it, the job writes a
+    checkpoint and stops cleanly (overshoot: at most one billing interval)."""
+    max_budget_per_hour: Decimal | None = Field(default=None, gt=0)
+    """Most the job's devices may cost per hour together; a job above it is refused before it starts."""
+
+
+class MetricsSettings(FrozenModel):
+    """The Prometheus exporter of the run (served by rank 0, bound to 127.0.0.1 only)."""
+
+    enabled: bool = True
+    """Serve ``/metrics`` while the job trains (on by default: it binds to 127.0.0.1 only)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port on 127.0.0.1; 0 picks a free one (written to ``RUN_DIR/metrics.json``). Fix it for a scrape config."""
+    linger_s: float = Field(default=0.0, ge=0)
+    """Keep serving this long after training ends (a last scrape)."""
+
+
 class TrainJob(FrozenModel):
     """A training job run by ``starverse train`` under the supervisor."""
 
@@ -95,7 +129,8 @@ class TrainJob(FrozenModel):
     plan: str | None = None
     """A plan file for these devices (default: planned on the local devices)."""
     pool: str | None = None
-    """A pool file: the interruption rates of its offers set the checkpoint interval."""
+    """A pool file: its offers price the leases of the job's devices (by accelerator id; a device it does not
+    offer is free: your own machine) and their interruption rates set the checkpoint interval."""
     train: TrainSettings = Field(default_factory=TrainSettings)
     """Steps, batch and optimiser settings."""
     devices: DeviceSettings = Field(default_factory=DeviceSettings)
@@ -104,6 +139,10 @@ class TrainJob(FrozenModel):
     """Checkpoint insurance."""
     max_restarts: int = Field(default=5, ge=0)
     """Relaunches allowed after losses before giving up."""
+    billing: BillingSettings = Field(default_factory=BillingSettings)
+    """Ledger and budgets."""
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    """Prometheus exporter."""
 
 
 def _rel(base: Path, value: str | None) -> str | None:
@@ -115,7 +154,8 @@ def _rel(base: Path, value: str | None) -> str | None:
 
 def load_job(path: str | Path) -> TrainJob:
     """Load and validate a job file; relative paths become absolute (relative to the file)."""
-    job = load_file(TrainJob, path)
+    data, node = read_yaml(path)
+    job = parse(TrainJob, data, str(path), node)
     base = Path(path).resolve().parent
     model = job.model
     if model.endswith(".json") or (base / model).is_file():
@@ -130,10 +170,89 @@ def load_job(path: str | Path) -> TrainJob:
         "trace": _rel(base, job.checkpoint.trace),
         "notice_file": _rel(base, job.checkpoint.notice_file),
     })
+    billing = job.billing
+    if billing.currency is not None:
+        from starverse.billing.money import normalize_currency
+
+        try:
+            billing = billing.model_copy(update={"currency": normalize_currency(billing.currency)})
+        except BillingError as e:
+            line = _line_of(node, ("billing", "currency"))
+            raise ConfigError(f"{path}:{line}: billing.currency: {e}") from None
+    billing = billing.model_copy(update={"ledger": _rel(base, billing.ledger)})
     return job.model_copy(update={
         "model": model, "dataset": _rel(base, job.dataset), "run_dir": _rel(base, job.run_dir),
-        "plan": _rel(base, job.plan), "pool": _rel(base, job.pool), "checkpoint": ck,
+        "plan": _rel(base, job.plan), "pool": _rel(base, job.pool), "checkpoint": ck, "billing": billing,
     })
+
+
+@dataclass(frozen=True)
+class JobPrices:
+    """What the job's devices cost: the lease pricing per accelerator id and how it was found."""
+
+    currency: str
+    """The job's billing currency."""
+    prices: dict[str, Any]
+    """Accelerator id -> ``starverse.billing.LeasePricing`` (free for a device the pool does not offer)."""
+    cost_per_hour: Decimal
+    """All the job's devices together, per hour, in ``currency``."""
+    lines: tuple[str, ...]
+    """One line per accelerator: count, price, mode and source (for the CLI)."""
+
+
+def job_prices(job: TrainJob, device_kinds: list[str], source: str = "job") -> JobPrices:
+    """The leases of ``job`` on these devices: :func:`lease_prices` with the job's pool and billing settings."""
+    return lease_prices(device_kinds, pool=job.pool, currency=job.billing.currency,
+                        max_budget_per_hour=job.billing.max_budget_per_hour, source=source)
+
+
+def lease_prices(device_kinds: list[str], *, pool: str | None = None, currency: str | None = None,
+                 max_budget_per_hour: Decimal | None = None, source: str = "job") -> JobPrices:
+    """Price one lease per rank from a pool file (the first offer of each accelerator id: its pricing mode,
+    price and billing granularity); an accelerator the pool does not offer, or no pool at all, is the
+    user's own machine and free. ``currency``: the job's (default: the pool's, else USD). Raises
+    :class:`BudgetExceededError` when the devices together cost more than ``max_budget_per_hour`` (checked
+    before anything is launched)."""
+    from collections import Counter
+
+    from starverse.billing import LeasePricing, PricingMode
+    from starverse.billing.money import convert
+
+    offers: dict[str, Any] = {}
+    pool_currency = "USD"
+    if pool is not None:
+        from starverse.planner.pool import load_pool
+
+        loaded = load_pool(pool)
+        pool_currency = loaded.currency
+        for o in loaded.offers:
+            offers.setdefault(o.accelerator, o)
+    currency = currency or pool_currency
+    prices: dict[str, Any] = {}
+    lines: list[str] = []
+    total = Decimal(0)
+    for acc, n in Counter(device_kinds).items():
+        o = offers.get(acc)
+        if o is None:
+            prices[acc] = LeasePricing.free()
+            where = f"not offered by {Path(pool).name}" if pool else "no pool"
+            lines.append(f"{n} x {acc}: free ({where}: your own device)")
+            continue
+        # the pool resolves prices to floats in its currency; the ledger keeps micro-units
+        price = Decimal(repr(o.price_per_hour)).quantize(Decimal("0.000001"))
+        mode = PricingMode.SPOT if str(o.pricing) == "spot" else PricingMode.ON_DEMAND
+        prices[acc] = LeasePricing(mode, price, pool_currency, o.billing_granularity_s)
+        total += n * convert(price, pool_currency, currency)
+        lines.append(f"{n} x {acc}: {price.normalize():f} {pool_currency}/h each, {mode.value} (offer '{o.name}' "
+                     f"of {Path(str(pool)).name})")
+    cap = max_budget_per_hour
+    if cap is not None and total > cap:
+        raise BudgetExceededError(
+            f"{source}: billing.max_budget_per_hour: the job's devices cost {total.normalize():f} {currency}/h "
+            f"({'; '.join(lines)}), above the cap of {cap} {currency}/h. To fix: raise max_budget_per_hour, run "
+            "fewer ranks (devices.cpu_ranks) or use cheaper offers in the pool."
+        )
+    return JobPrices(currency, prices, total, tuple(lines))
 
 
 def job_mtbf(job: TrainJob, device_kinds: list[str]) -> tuple[float, str]:
