@@ -28,6 +28,7 @@ from starverse.planner.search import (
     _spot_factor,
     _sync_s,
     best_combinations,
+    resolve_objective,
 )
 
 KINDS = ("rtx-4090", "a100-80gb-sxm", "t4", "l40s", "rtx-3090", "tpu-v5e")
@@ -39,17 +40,23 @@ def catalog():
 
 
 def brute_force(job, pool, catalog, spec) -> float:
+    job, _ = resolve_objective(job, pool)  # the definition of the objective on free (owned) devices
     ctx = _context(job, pool, catalog, spec, job.train.mode)
     b = job.train.global_batch
     mbs = [job.train.micro_batch] if job.train.micro_batch else [m for m in space.MICRO_BATCHES if m <= b]
     heads, kv, layers = spec.num_heads, spec.num_kv_heads, spec.num_layers
+    so = job.search
     options, rows = [], []
     for oi, o in enumerate(pool.offers):
         for tp in range(1, o.count + 1):
-            if heads % tp or kv % tp or tp > o.devices_per_node:
+            if heads % tp or kv % tp or tp > o.devices_per_node or (so.max_tp and tp > so.max_tp):
                 continue
             for pp in space.pp_depths(layers, o.count // tp):
+                if so.max_pipeline_stages and pp > so.max_pipeline_stages:
+                    continue
                 for r in range(1, o.count // (tp * pp) + 1):
+                    if so.use_all_devices and tp * pp * r != o.count:
+                        continue
                     for mb in mbs:
                         for si, st in enumerate(ctx.settings):
                             if (pp > 1 and st.zero_stage > 1) or r * mb > b:
@@ -57,6 +64,8 @@ def brute_force(job, pool, catalog, spec) -> float:
                             options.append((oi, tp, pp, r, mb, si))
                             for k in range(1, b // (r * mb) + 1):
                                 rows.append((len(options) - 1, k))
+    if not rows:
+        return -math.inf  # nothing in the space (e.g. every device must be used and cannot be)
     opt = np.array(options)
     idx = np.array([r[0] for r in rows])
     ks = np.array([r[1] for r in rows])
@@ -80,6 +89,8 @@ def brute_force(job, pool, catalog, spec) -> float:
     for g in range(1, min(job.search.max_groups, n_off) + 1):
         for subset in itertools.combinations(range(n_off), g):
             if len({pool.offers[x].accelerator for x in subset}) < g:
+                continue
+            if so.use_all_devices and g < n_off:
                 continue
             for si in range(len(ctx.settings)):
                 lists = [by_offer_setting.get((x, si), []) for x in subset]
@@ -178,6 +189,60 @@ def test_search_matches_brute_force_larger_batches(seed, catalog):
         assert combos == []
         return
     assert combos[0].value == pytest.approx(expected, rel=1e-9)
+
+
+def restricted_case(seed: int):
+    """A random case restricted to what a runtime executes (search.max_tp / max_pipeline_stages /
+    use_all_devices, fixed memory settings), on owned devices (price 0) or rented ones."""
+    job, pool = random_case(seed, max_kinds=3, batches=(6, 8, 12, 16))
+    rng = random.Random(seed * 7 + 1)
+    job["search"] = {"max_tp": rng.choice([1, 1, 2]), "max_pipeline_stages": rng.choice([1, 1, 2]),
+                     "use_all_devices": rng.random() < 0.6, "max_groups": 3}
+    job["train"].update(zero_stage=0, recompute="none", offload="none")
+    job.pop("constraints", None)
+    if rng.random() < 0.5:  # owned devices: every offer free, no spot
+        for o in pool["offers"]:
+            for k in ("spot_price_per_hour", "interruptions_per_hour", "pricing", "price_per_hour"):
+                o.pop(k, None)
+            o["owned"] = True
+    return job, pool
+
+
+@pytest.mark.parametrize("seed", range(200, 224))
+def test_restricted_search_matches_brute_force(seed, catalog):
+    """Exactness holds within the runtime's restrictions, on owned (price 0) and rented devices."""
+    job_d, pool_d = restricted_case(seed)
+    job = job_from_dict(job_d)
+    pool = pool_from_dict(pool_d, catalog)
+    spec = load_model(job.model)
+    combos, opts, stats = best_combinations(job, pool, catalog, spec, job.train.mode, top=1)
+    expected = brute_force(job, pool, catalog, spec)
+    assert not stats["screened"] and stats["proven"]
+    if not math.isfinite(expected):
+        assert combos == []
+        return
+    assert combos[0].value == pytest.approx(expected, rel=1e-9)
+    so = job.search
+    for i in combos[0].options:  # the chosen plan respects the restrictions
+        assert int(opts.tp[i]) <= so.max_tp and int(opts.pp[i]) <= so.max_pipeline_stages
+    if so.use_all_devices:
+        used = {int(opts.offer[i]): int(opts.num_devices[i]) for i in combos[0].options}
+        assert used == {k: o.count for k, o in enumerate(pool.offers)}
+
+
+def test_restricted_cases_cover_owned_mixed_and_all_devices(catalog):
+    """The restricted cases above must include owned pools, mixed plans that use every device, and
+    infeasible ones (a batch that cannot split over all devices), or the test is weak."""
+    owned = mixed_all = infeasible = 0
+    for seed in range(200, 224):
+        job_d, pool_d = restricted_case(seed)
+        job = job_from_dict(job_d)
+        pool = pool_from_dict(pool_d, catalog)
+        combos, _, _ = best_combinations(job, pool, catalog, load_model(job.model), job.train.mode)
+        owned += pool.free
+        mixed_all += bool(combos) and job.search.use_all_devices and len(combos[0].options) > 1
+        infeasible += not combos
+    assert owned >= 5 and mixed_all >= 3 and infeasible >= 1
 
 
 def test_random_cases_cover_mixed_pools_and_memory_limits(catalog):

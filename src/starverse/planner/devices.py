@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from starverse.errors import ConfigError
+from starverse.errors import CatalogError, ConfigError
 from starverse.planner.job import Objective, job_from_dict
 from starverse.planner.pool import pool_from_dict
 from starverse.planner.result import PlanResult
@@ -95,6 +95,11 @@ def plan_for_devices(
     if not devices or any(int(n) < 1 for n in devices.values()):
         raise ConfigError(f"plan_for_devices: devices must map accelerator ids to counts >= 1 (got {dict(devices)})")
     catalog = catalog if catalog is not None else load_catalog()
+    for acc in devices:
+        try:
+            catalog.accelerator(acc)
+        except CatalogError as e:
+            raise CatalogError(f"plan_for_devices: devices: {e}") from None
     spec = load_model(model)
     if model_name is None:
         if not isinstance(model, str):
