@@ -25,7 +25,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from starverse.config import FrozenModel, _line_of, parse, read_yaml
 from starverse.errors import BillingError, BudgetExceededError, ConfigError
@@ -104,6 +104,13 @@ class BillingSettings(FrozenModel):
     checkpoint and stops cleanly (overshoot: at most one billing interval)."""
     max_budget_per_hour: Decimal | None = Field(default=None, gt=0)
     """Most the job's devices may cost per hour together; a job above it is refused before it starts."""
+
+    @model_validator(mode="after")
+    def _budgets_need_the_ledger(self) -> BillingSettings:
+        if not self.enabled and (self.budget_total is not None or self.max_budget_per_hour is not None):
+            raise ValueError("budgets are enforced from the ledger, which enabled: false turns off; "
+                             "remove budget_total/max_budget_per_hour or set enabled: true")
+        return self
 
 
 class MetricsSettings(FrozenModel):
