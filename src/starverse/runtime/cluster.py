@@ -346,7 +346,7 @@ def _planner_plan(
         check_plan_fits_ranks(best.plan, list(ranks), "the planner's plan")
     except StarverseError as e:  # unknown device, nothing fits, ...: the per-kind plan, and why
         reason = " ".join(str(e).split())
-        log.warning("planner not used: %s", reason)
+        log.info("planner not used: %s", reason)
         notes.append(f"planner: not used ({e.__class__.__name__}: {reason})")
         return None
     est = best.estimate
