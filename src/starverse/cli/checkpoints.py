@@ -152,6 +152,8 @@ def train(
     from starverse.metrics.callbacks import ENDPOINT_FILE, BillingCallback, MetricsCallback
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # accelerate's warnings are also in cluster.notes, printed with the summary: once is enough
+    logging.getLogger("starverse.runtime.cluster").setLevel(logging.ERROR)
     job = load_job(job_file)
     console = Console(highlight=False, stderr=as_json, soft_wrap=True)
     cluster = starverse.accelerate(
