@@ -180,3 +180,36 @@ def test_prices_come_from_the_first_offer_of_each_accelerator_converted_to_the_j
     job = load_job(_write(tmp_path, "pool: pool.yaml\nbilling: {currency: USD}\n"))
     p = job_prices(job, ["cpu"])
     assert p.currency == "USD" and p.prices["cpu"].currency == "CNY" and 0 < p.cost_per_hour < Decimal("0.5")
+
+
+@pytest.mark.slow
+def test_demo_prints_the_bill_and_where_the_files_are_and_never_reuses_a_run_dir(tmp_path):
+    (tmp_path / "pool.yaml").write_text("currency: USD\noffers:\n  - {accelerator: cpu, count: 2, "
+                                        "price_per_hour: 3.6}\n")
+    args = [*CLI, "demo", "--steps", "4", "--checkpoint-every", "2", "--corpus-mb", "0.05", "--pool", "pool.yaml",
+            "--run-dir", "run"]
+    out = subprocess.run(args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    text = out.stdout
+    assert "leases: 7.2 USD/h; 2 x cpu: 3.6 USD/h each, on-demand (offer 'cpu' of pool.yaml)" in text
+    assert "steps 4, final loss" in text
+    assert f"ledger:      {run / 'ledger.sqlite'}  (starverse bill {run})" in text
+    assert f"checkpoints: {run / 'checkpoints'}  (starverse checkpoints list {run})" in text
+    with Ledger.open(run / "ledger.sqlite", create=False) as led:
+        (job,) = led.jobs()
+        leases = led.leases(job)
+        ticks = sum(r.ticks for le in leases for r in led.charges(le.id))
+        assert len(leases) == 2 and all(le.end_s is not None for le in leases)
+        assert ticks == 3_600_000 * sum(le.end_s - le.start_s for le in leases)  # 3.6/h = 3.6e6 micros/h
+        assert [(e.kind.value, e.step) for e in led.events(job)] == [("checkpoint", 2), ("checkpoint", 4),
+                                                                      ("stop", 4)]
+    assert f"bill (job '{job.name}', USD)" in text and f"charges {Decimal(ticks) / 3_600_000_000:.6f} USD" in text
+    listed = subprocess.run([*CLI, "checkpoints", "list", "run", "--json"], cwd=tmp_path, env=_env(tmp_path),
+                            capture_output=True, text=True, timeout=60)
+    assert [c["step"] for c in json.loads(listed.stdout)["checkpoints"]] == [2, 4]
+
+    again = subprocess.run(args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and again.stderr == (
+        f"error: {run}: already holds the checkpoints of an earlier run; the demo trains from scratch. To fix: "
+        "pass another --run-dir, or omit it (each demo then gets its own runs/demo/<UTC time>).\n")

@@ -196,6 +196,9 @@ def demo(
             markup=False,
         )
     print_bill(console, job_bill(run_dir / LEDGER_FILE, billing.job_name))
+    if pool is None:
+        console.print("  (your own devices are free; `starverse demo --pool examples/train/pool.yaml` prices them "
+                      "as rented spot CPUs)", markup=False)
     console.print("[bold]files[/bold]")
     console.print(f"  run dir:     {run_dir}", markup=False)
     console.print(f"  checkpoints: {run_dir / 'checkpoints'}  (starverse checkpoints list {run_dir})", markup=False)
