@@ -232,8 +232,8 @@ def lease_prices(device_kinds: list[str], *, pool: str | None = None, currency: 
 
         loaded = load_pool(pool)
         pool_currency = loaded.currency
-        for o in loaded.offers:
-            offers.setdefault(o.accelerator, o)
+        for offer in loaded.offers:
+            offers.setdefault(offer.accelerator, offer)
     currency = currency or pool_currency
     prices: dict[str, Any] = {}
     lines: list[str] = []
