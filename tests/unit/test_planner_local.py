@@ -151,7 +151,9 @@ def test_plan_for_devices_with_prices_and_unrestricted(catalog):
                          catalog=catalog, runtime_caps=None)
     g = r.best.plan.groups[0]
     assert g.num_stages > 1 or g.stages[0].tp > 1
-    with pytest.raises(InfeasiblePlanError):
+    with pytest.raises(InfeasiblePlanError, match=r"needs ≥ 1\.1 TB of weights\+gradients\+Adam state plus "
+                                                  r"activations; the pool has 1\.28 TB .* \(searched only what the "
+                                                  r"runtime executes: TP ≤ 1, "):
         plan_for_devices("llama-2-70b", {"a100-80gb-sxm": 16}, train={"seq_len": 4096, "global_batch": 64},
                          catalog=catalog, runtime_caps=RUNTIME_CAPS)
     assert UNRESTRICTED.search_options(2)["use_all_devices"] is False
@@ -164,7 +166,8 @@ def test_plan_for_devices_errors_say_what_to_do(catalog):
     assert str(e.value) == (
         "no plan for small on <devices>: every device must be used (3×cpu, one group per kind, equal replicas "
         "within a group, whole micro-batches), and a global batch of 16 sequences cannot be split that way; to "
-        "fix: a global batch of 15 or 18, or use fewer devices")
+        "fix: a global batch of 15 or 18, or use fewer devices (searched only what the runtime executes: TP ≤ 1, "
+        "≤ 1 pipeline stage, ZeRO-0, recompute none, offload none, full training, every device used)")
     with pytest.raises(ConfigError, match=r"^plan_for_devices: devices must map accelerator ids to counts >= 1"):
         plan_for_devices(SMALL, {}, train=TRAIN, catalog=catalog)
     with pytest.raises(ConfigError, match=r"^plan_for_devices: prices given for h100-80gb-sxm, which are not among"):

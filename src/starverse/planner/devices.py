@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from starverse.errors import CatalogError, ConfigError
+from starverse.errors import CatalogError, ConfigError, InfeasiblePlanError
 from starverse.planner.job import Objective, job_from_dict
 from starverse.planner.pool import pool_from_dict
 from starverse.planner.result import PlanResult
@@ -49,6 +49,25 @@ class RuntimeCaps:
             "max_groups": min(max(num_kinds, 1), 4) if self.use_all_devices else 3,
             "hetero_pipelines": self.max_pipeline_stages is None or self.max_pipeline_stages > 1,
         }
+
+    def describe(self) -> str:
+        """What these caps allow, in words (``TP ≤ 1, 1 pipeline stage, ZeRO-0, ...``); empty when unrestricted."""
+        parts = []
+        if self.max_tp is not None:
+            parts.append(f"TP ≤ {self.max_tp}")
+        if self.max_pipeline_stages is not None:
+            parts.append(f"≤ {self.max_pipeline_stages} pipeline stage{'s' if self.max_pipeline_stages > 1 else ''}")
+        if self.zero_stage is not None:
+            parts.append(f"ZeRO-{self.zero_stage}")
+        if self.recompute is not None:
+            parts.append(f"recompute {self.recompute}")
+        if self.offload is not None:
+            parts.append(f"offload {self.offload}")
+        if not self.fine_tuning:
+            parts.append("full training")
+        if self.use_all_devices:
+            parts.append("every device used")
+        return ", ".join(parts)
 
     def train_fixes(self) -> dict[str, Any]:
         """The ``train:`` settings these caps fix."""
@@ -133,7 +152,16 @@ def plan_for_devices(
     if max_budget_per_hour is not None:
         job_d["constraints"] = {"max_budget_per_hour": max_budget_per_hour}
     job = job_from_dict(job_d, "<plan_for_devices>")
-    return search(job, pool, catalog, top, spec=spec)
+    try:
+        return search(job, pool, catalog, top, spec=spec)
+    except InfeasiblePlanError as e:
+        limits = caps.describe()
+        if not limits:
+            raise
+        # say what was searched: the remedies the error lists may be beyond what the runtime executes
+        err = InfeasiblePlanError(f"{e} (searched only what the runtime executes: {limits})")
+        err.reasons = e.reasons
+        raise err from None
 
 
 __all__ = ["RUNTIME_CAPS", "UNRESTRICTED", "RuntimeCaps", "plan_for_devices"]
