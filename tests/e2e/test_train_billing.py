@@ -79,6 +79,24 @@ def test_total_budget_checkpoints_and_stops_within_one_interval(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert json.loads(listed.stdout)["checkpoints"][-1]["step"] == res["final_step"]
 
+    # the budget is spent: running the job again is refused before anything is launched; nothing changes
+    ledger = tmp_path / "run" / "ledger.sqlite"
+    before = ledger.read_bytes()
+    again = subprocess.run([*CLI, "train", str(job)], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 2 and again.stderr == (
+        f"error: {job}: billing.budget_total: job 'run' has spent {bill['charges']} USD of its total budget "
+        f"0.06 USD ({ledger}). To fix: raise billing.budget_total to continue it, or name another job "
+        "(billing.job).\n")
+    assert ledger.read_bytes() == before
+    # another currency for the same job is refused too
+    job.write_text(job.read_text().replace("budget_total: 0.06}", "budget_total: 1, currency: EUR}"))
+    again = subprocess.run([*CLI, "train", str(job)], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 2 and again.stderr == (
+        f"error: {job}: billing.currency: job 'run' in {ledger} is billed in USD, not EUR. To fix: set "
+        "billing.currency: USD (other prices are converted), or name another job (billing.job).\n")
+
 
 @pytest.mark.slow
 def test_hourly_cap_refuses_the_job_before_anything_runs(tmp_path):

@@ -105,6 +105,38 @@ def job_bill(ledger_path: str | Path, job_name: str) -> dict[str, Any]:
     }
 
 
+def check_ledger_job(ledger_path: Path, name: str, currency: str, budget_total: Any, source: str) -> None:
+    """Before launching: a job already in the ledger must keep its currency and have budget left."""
+    from starverse.billing import Ledger
+    from starverse.errors import BillingError, BudgetExceededError
+
+    if not ledger_path.is_file():
+        return
+    with Ledger.open(ledger_path, create=False) as ledger:
+        try:
+            job = ledger.job(name)
+        except BillingError:
+            return  # a new job in an existing ledger
+        if job.currency != currency:
+            raise BillingError(
+                f"{source}: billing.currency: job '{name}' in {ledger_path} is billed in {job.currency}, not "
+                f"{currency}. To fix: set billing.currency: {job.currency} (other prices are converted), or "
+                "name another job (billing.job)."
+            )
+        budget = budget_total if budget_total is not None else job.budget_total
+        if budget is None:
+            return
+        # leases a dead run left open are closed at their last heartbeat when the job starts: count them so
+        open_leases = ledger.leases(job, open_only=True)
+        spent = ledger.spent(job, at_s=max((le.last_seen_s for le in open_leases), default=None))
+    if spent >= budget:
+        raise BudgetExceededError(
+            f"{source}: billing.budget_total: job '{name}' has spent {spent} {currency} of its total budget "
+            f"{budget} {currency} ({ledger_path}). To fix: raise billing.budget_total to continue it, or name "
+            "another job (billing.job)."
+        )
+
+
 def print_bill(console: Console, bill: dict[str, Any]) -> None:
     """The job's bill as the CLI shows it after training: one line per lease, the credits, the totals."""
     ccy = bill["currency"]
@@ -168,8 +200,11 @@ def train(
     prices = None
     if bill_cfg.enabled:
         prices = job_prices(job, kinds, str(job_file))  # refuses a job above max_budget_per_hour before launch
+        ledger_path = Path(bill_cfg.ledger or run_dir / LEDGER_FILE)
+        check_ledger_job(ledger_path, bill_cfg.job or run_dir.name, prices.currency, bill_cfg.budget_total,
+                         str(job_file))
         billing = BillingCallback(
-            job=bill_cfg.job or run_dir.name, ledger_path=bill_cfg.ledger or run_dir / LEDGER_FILE,
+            job=bill_cfg.job or run_dir.name, ledger_path=ledger_path,
             currency=prices.currency, budget_total=bill_cfg.budget_total,
             max_budget_per_hour=bill_cfg.max_budget_per_hour, prices=prices.prices,
         )
