@@ -284,7 +284,8 @@ def train(
         return
     for a in out.attempts:
         resumed = f"from step {a.resumed_from}" if a.resumed_from is not None else "fresh"
-        console.print(f"  attempt {a.number}: {len(a.device_kinds)} ranks, {resumed}, {a.outcome} at step "
+        n = len(a.device_kinds)
+        console.print(f"  attempt {a.number}: {n} rank{'' if n == 1 else 's'}, {resumed}, {a.outcome} at step "
                       f"{a.last_step} ({a.wall_s:.1f} s){': ' + a.detail if a.detail else ''}", markup=False)
     if interval:
         console.print(f"  checkpoint interval: {interval}", markup=False)
