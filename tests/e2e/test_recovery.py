@@ -28,7 +28,7 @@ TINY = {
 
 def _env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(STARVERSE_CACHE=str(tmp / "cache"), STARVERSE_PROFILE=str(tmp / "no-profile.json"))
+    env.update(STARVERSE_CACHE=str(tmp / "cache"), STARVERSE_PROFILE="")  # no probe profile: datasheet figures
     env.pop("STARVERSE_CATALOG", None)
     return env
 
