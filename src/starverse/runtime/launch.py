@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from starverse.errors import DistributedError, StarverseError
+from starverse.errors import ConfigError, DistributedError, StarverseError
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,55 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+LAUNCHERS = ("local", "ray")
+"""Launchers known by name (``Trainer(launcher=...)``, ``launch(launcher=...)``)."""
+
+
+class Launcher(Protocol):
+    """Something that runs ``fn`` once per rank with :func:`launch`'s contract (e.g. ``RayLauncher``)."""
+
+    def launch(
+        self,
+        fn: Callable[..., Any],
+        ranks: Sequence[RankSpec],
+        *,
+        timeout_s: float,
+        args: tuple[Any, ...] = (),
+        collective_timeout_s: float = 120.0,
+        grace_s: float = 3.0,
+    ) -> list[Any]:
+        """Run ``fn(rank_env, *args)`` on every rank; the results in rank order."""
+        ...
+
+
+def resolve_launcher(launcher: str | Launcher) -> Launcher | None:
+    """The launcher object for a name or object; None for ``"local"`` (the spawn path of :func:`launch`).
+
+    Raises ConfigError for an unknown name, and (from the Ray provider) when ``"ray"`` is asked for
+    without Ray installed, so a wrong choice fails before any data is prepared.
+    """
+    if isinstance(launcher, str):
+        if launcher == "local":
+            return None
+        if launcher == "ray":
+            from starverse.providers.ray import RayLauncher, import_ray
+
+            import_ray()
+            return RayLauncher()
+        from starverse.config import did_you_mean
+
+        raise ConfigError(
+            f"unknown launcher {launcher!r}: expected one of {', '.join(map(repr, LAUNCHERS))} or an object with "
+            f"a launch() method.{did_you_mean(launcher, LAUNCHERS)}"
+        )
+    if not callable(getattr(launcher, "launch", None)):
+        raise ConfigError(
+            f"launcher {type(launcher).__name__} has no launch() method: expected one of "
+            f"{', '.join(map(repr, LAUNCHERS))} or an object like starverse.providers.ray.RayLauncher."
+        )
+    return launcher
+
+
 def launch(
     fn: Callable[..., Any],
     ranks: Sequence[RankSpec],
@@ -203,6 +252,7 @@ def launch(
     args: tuple[Any, ...] = (),
     collective_timeout_s: float = 120.0,
     grace_s: float = 3.0,
+    launcher: str | Launcher = "local",
 ) -> list[Any]:
     """Run ``fn(rank_env, *args)`` in one spawned process per rank; return the results in rank order.
 
@@ -212,7 +262,15 @@ def launch(
     Raises :class:`DistributedError` when a rank raises, exits non-zero or is killed (naming the rank
     and exit code/signal; the other ranks are terminated), or when the job exceeds ``timeout_s``. A
     :class:`StarverseError` raised inside a rank (bad input found there) is re-raised as itself.
+
+    ``launcher``: ``"local"`` (this function's spawned processes), ``"ray"`` (one Ray actor per rank, see
+    :mod:`starverse.providers.ray`) or any :class:`Launcher`; all keep the contract above.
     """
+    other = resolve_launcher(launcher)
+    if other is not None:
+        return other.launch(
+            fn, ranks, timeout_s=timeout_s, args=args, collective_timeout_s=collective_timeout_s, grace_s=grace_s
+        )
     import torch.distributed as dist
 
     ranks = sorted(ranks, key=lambda r: r.rank)

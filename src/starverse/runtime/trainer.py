@@ -27,7 +27,7 @@ from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback, CallbackList, TrainContext
 from starverse.runtime.data import DeterministicSampler, PackedDataset, pack, tokenize_corpus
 from starverse.runtime.hetero_dp import GradientSync, Rebalancer, proportional_shares
-from starverse.runtime.launch import RankEnv, RankSpec, launch
+from starverse.runtime.launch import Launcher, RankEnv, RankSpec, launch, resolve_launcher
 from starverse.runtime.steps import (
     LossFn,
     autocast_dtype,
@@ -182,8 +182,13 @@ class Trainer:
     """The whole fit must end within this (all ranks are stopped after it)."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective: a dead peer fails the step after at most this long."""
+    launcher: str | Launcher = "local"
+    """How ranks are started: ``"local"`` (spawned processes on this machine), ``"ray"`` (one Ray actor per
+    rank; joins ``$RAY_ADDRESS`` if set, else a private single-node Ray) or a launcher object such as
+    ``starverse.providers.ray.RayLauncher(address=...)``. See docs/ray.md."""
 
     def __post_init__(self) -> None:
+        resolve_launcher(self.launcher)  # an unknown name or a missing Ray fails here, before data is prepared
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0 (got {self.lr}).")
         if self.grad_clip < 0:
@@ -285,7 +290,8 @@ class Trainer:
             world, gb, num_micro, per_device_batch_size, init_shares, max_steps, seq_len,
         )
         results = launch(
-            _train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s
+            _train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
+            launcher=self.launcher,
         )
         final = run_dir / "final_model.pt"
         if final.is_file():

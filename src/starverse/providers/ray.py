@@ -1,0 +1,489 @@
+"""The Ray provider: run a job's ranks as Ray actors, on one machine or across a Ray cluster's nodes.
+
+Each rank is one Ray actor (its own worker process) with its own ``torch.distributed`` rank, exactly as a
+process of the local launcher (:func:`starverse.runtime.launch.launch`): same ``RankEnv``, same default
+process group, same fail-fast rules and the same :class:`~starverse.errors.DistributedError` (with
+``failed_rank``) when a rank raises, dies or the job overruns ``timeout_s``.
+
+What differs is where processes come from and where they meet:
+
+* The ranks are gang-scheduled with a placement group (one bundle per rank: ``num_cpus_per_rank`` CPUs,
+  plus one GPU for a CUDA rank); a cluster that cannot hold them all fails after ``placement_timeout_s``
+  with what it lacks, instead of leaving half the ranks waiting.
+* The rendezvous store lives in rank 0's actor, on rank 0's node IP (``MASTER_ADDR``), so ranks on other
+  nodes can reach it; the port is chosen by the OS, so jobs never race for one.
+* ``address`` (else ``$RAY_ADDRESS``) joins an existing cluster; without one a private single-node Ray is
+  started, bound to 127.0.0.1 only, and shut down when the job ends. A Ray session the caller had already
+  initialised is left running; only this job's actors and placement group are removed.
+
+``ray`` is an optional dependency (``pip install 'starverse[ray]'``); this module imports it lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from starverse.errors import ConfigError, DistributedError, StarverseError
+from starverse.runtime.launch import LOOPBACK, RankEnv, RankSpec, _rank_error, _world_backend
+
+log = logging.getLogger(__name__)
+
+# Ray maps a node IP of 127.0.0.1 to the machine's outward address and binds its servers on every
+# interface unless it believes clustering is off; this switch (Ray's own) keeps a private session on the
+# loopback interface. It is only set for a session this module starts, never for a cluster it joins.
+_RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+_ROOT_CAUSE_WAIT_S = 3.0
+"""After the first failure, how long to wait for the rank that caused it to report (peers fail first on a
+closed connection, the dead rank's actor is declared dead by Ray a moment later)."""
+
+
+def import_ray() -> Any:
+    """Import Ray, or raise a ConfigError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "launcher='ray' needs Ray, which is not installed. To fix: pip install 'starverse[ray]' "
+            "(or launcher='local' to run the ranks on this machine without Ray)."
+        ) from None
+    return ray
+
+
+@contextlib.contextmanager
+def _loopback_only(ray: Any) -> Iterator[None]:
+    """While a private session runs, make Ray keep it on 127.0.0.1; restore the caller's setting after.
+
+    Ray reads the switch at import (driver) and from the environment (its daemons and workers, which
+    inherit ours), so both are set.
+    """
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    old_env = os.environ.get(_RAY_LOOPBACK_ENV)
+    old_const = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[_RAY_LOOPBACK_ENV] = "0"
+    if old_const is not None:
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        if old_env is None:
+            os.environ.pop(_RAY_LOOPBACK_ENV, None)
+        else:
+            os.environ[_RAY_LOOPBACK_ENV] = old_env
+        if old_const is not None:
+            constants.ENABLE_RAY_CLUSTER = old_const  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class RayLauncher:
+    """Runs ``fn(rank_env, *args)`` in one Ray actor per rank (``Trainer(launcher=RayLauncher(...))``).
+
+    ``Trainer(launcher="ray")`` is ``RayLauncher()`` with every default.
+    """
+
+    address: str | None = None
+    """Ray cluster to join (``ray://host:10001`` or ``host:6379``); None: ``$RAY_ADDRESS``, else a private
+    single-node session on 127.0.0.1 started for this job and shut down after it."""
+    num_cpus_per_rank: float = 1.0
+    """CPUs each rank's bundle reserves (CUDA ranks also reserve one GPU)."""
+    placement_timeout_s: float = 60.0
+    """Fail if the cluster cannot place every rank within this long (it lacks CPUs/GPUs)."""
+    local_num_cpus: int | None = None
+    """CPUs a private session advertises (None: this machine's cores, at least enough for every rank)."""
+    object_store_memory_mb: int = 100
+    """Object store of a private session: the ranks exchange tensors through torch.distributed, not Ray,
+    so a small store is enough (Ray's minimum is 75 MB)."""
+    runtime_env: dict[str, Any] | None = None
+    """Ray ``runtime_env`` for the job (e.g. ``{"py_modules": [...]}`` on a cluster whose nodes lack the
+    code); None: the nodes already have starverse and the user's modules installed."""
+
+    def __post_init__(self) -> None:
+        if self.num_cpus_per_rank < 0:
+            raise ConfigError(f"RayLauncher.num_cpus_per_rank must be >= 0 (got {self.num_cpus_per_rank}).")
+        if self.placement_timeout_s <= 0:
+            raise ConfigError(f"RayLauncher.placement_timeout_s must be > 0 (got {self.placement_timeout_s}).")
+        if self.object_store_memory_mb < 75:
+            raise ConfigError(
+                f"RayLauncher.object_store_memory_mb must be >= 75, Ray's minimum (got {self.object_store_memory_mb})."
+            )
+
+    def launch(
+        self,
+        fn: Callable[..., Any],
+        ranks: Sequence[RankSpec],
+        *,
+        timeout_s: float,
+        args: tuple[Any, ...] = (),
+        collective_timeout_s: float = 120.0,
+        grace_s: float = 3.0,
+    ) -> list[Any]:
+        """Run ``fn(rank_env, *args)`` on every rank; return the results in rank order.
+
+        Same contract as :func:`starverse.runtime.launch.launch`: ``fn`` and ``args`` must be picklable;
+        a ``StarverseError`` raised in a rank is re-raised as itself; a rank that raises, whose actor dies
+        (killed, out of memory, node lost) or a job past ``timeout_s`` raises ``DistributedError`` with
+        ``failed_rank`` (``rank_exitcode`` is None for a dead actor: Ray does not report the exit status).
+        """
+        ranks = sorted(ranks, key=lambda r: r.rank)
+        if not ranks:
+            raise DistributedError("no ranks to launch; the provider found no devices. To fix: check `starverse probe`.")
+        if [r.rank for r in ranks] != list(range(len(ranks))):
+            raise DistributedError(f"ranks must be 0..{len(ranks) - 1}, got {[r.rank for r in ranks]}")
+        ray = import_ray()
+        run = functools.partial(_run_job, ray, self, fn, ranks, timeout_s, args, collective_timeout_s, grace_s)
+        if ray.is_initialized():  # the caller's session: use it, leave it running
+            return run()
+        address = self.address or os.environ.get("RAY_ADDRESS") or None
+        if address is not None:
+            # A cluster on this machine's loopback (a local `ray start --head --node-ip-address=127.0.0.1`)
+            # must be joined as one: Ray would otherwise rewrite 127.0.0.1 to the outward address.
+            loopback = _is_loopback(address)
+            with _loopback_only(ray) if loopback else contextlib.nullcontext():
+                _join(ray, self, address)
+                try:
+                    return run()
+                finally:
+                    ray.shutdown()  # disconnects this driver; the cluster keeps running
+        with _loopback_only(ray):
+            _start_private(ray, self, ranks)
+            try:
+                return run()
+            finally:
+                ray.shutdown()  # stops the private session's daemons and workers
+
+
+def _is_loopback(address: str) -> bool:
+    """True for ``127.x.x.x:port``, ``localhost:port`` (optionally ``ray://``)."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0]
+    return host == "localhost" or host.startswith("127.")
+
+
+def _join(ray: Any, opts: RayLauncher, address: str) -> None:
+    """Connect this process to the Ray cluster at ``address`` as a driver."""
+    log.info("joining the Ray cluster at %s", address)
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, runtime_env=opts.runtime_env)
+    except Exception as e:
+        raise DistributedError(
+            f"cannot join the Ray cluster at {address}: {_root_cause(e)}. To fix: start it with `ray start --head` "
+            "and pass its address (RAY_ADDRESS or RayLauncher(address=...)); if the cluster uses token "
+            "authentication (Ray's default once a token exists), set RAY_AUTH_MODE=token with its token in "
+            "~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; or unset RAY_ADDRESS to run on this machine "
+            "only."
+        ) from e
+
+
+def _start_private(ray: Any, opts: RayLauncher, ranks: Sequence[RankSpec]) -> None:
+    """Start a single-node session on 127.0.0.1 big enough for ``ranks``."""
+    want_cpus = math.ceil(opts.num_cpus_per_rank * len(ranks))
+    num_cpus = opts.local_num_cpus or max(os.cpu_count() or 1, want_cpus)
+    num_gpus = sum(1 for r in ranks if r.device.startswith("cuda"))
+    log.info("starting a private Ray session on %s (%d CPUs, %d GPUs)", LOOPBACK, num_cpus, num_gpus)
+    ray.init(
+        # "local": start a new session even where Ray would auto-join one (a `ray start` on this machine,
+        # or a stale record of one in /tmp/ray); joining is only ever asked for with an address.
+        address="local",
+        _node_ip_address=LOOPBACK,
+        include_dashboard=False,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        object_store_memory=opts.object_store_memory_mb * 1024 * 1024,
+        logging_level=logging.WARNING,
+        runtime_env=opts.runtime_env,
+    )
+
+
+class _RankActor:
+    """One rank's process. Methods run one at a time, in call order."""
+
+    def __init__(self, sys_path: list[str]) -> None:
+        # Like multiprocessing's spawn: let the rank import what the caller's process could (a test module
+        # or script directory holding the model class), before any argument is unpickled.
+        for p in reversed(sys_path):
+            if p not in sys.path and os.path.isdir(p):
+                sys.path.insert(0, p)
+        self._store: Any = None
+
+    def node_ip(self) -> str:
+        """The IP of the node this actor runs on (how the other ranks reach it)."""
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def open_store(self, host: str, world: int, timeout_s: float) -> int:
+        """Rank 0 only: own the rendezvous store for the job; returns its port (chosen by the OS)."""
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            host, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        return int(self._store.port)
+
+    def run(
+        self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], master_addr: str, port: int
+    ) -> tuple[str, Any]:
+        """Set up the environment and process group, run ``fn``; report ``("ok", value)`` or ``("error", ...)``.
+
+        Exceptions are caught and reported as data (text, traceback, the error itself if a StarverseError),
+        the same triple the local launcher sends, so the driver applies the same rules to both.
+        """
+        try:
+            return ("ok", _run_rank(fn, env, args, master_addr, port))
+        except BaseException as e:
+            text = "".join(traceback.format_exception_only(type(e), e)).strip()
+            user = e if isinstance(e, StarverseError) else None
+            return ("error", (text, traceback.format_exc(), user))
+
+
+def _run_rank(fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], master_addr: str, port: int) -> Any:
+    """Body of a rank inside its actor: the same set-up as the local launcher's ``_rank_entry``."""
+    import torch
+    import torch.distributed as dist
+
+    spec = env.spec
+    os.environ.update(
+        {
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(port),
+            "RANK": str(spec.rank),
+            "WORLD_SIZE": str(env.world_size),
+            "LOCAL_RANK": str(env.extra.get("local_rank", spec.rank)),
+            "STARVERSE_DEVICE_KIND": spec.device_kind,
+            **dict(spec.env),
+        }
+    )
+    logging.basicConfig(level=os.environ.get("STARVERSE_LOG_LEVEL", "WARNING"))
+    num_cpu = sum(1 for r in env.ranks if r.device == "cpu") or 1
+    torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 1) // num_cpu))
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.device))
+    timeout = timedelta(seconds=env.collective_timeout_s)
+    store = dist.TCPStore(master_addr, port, env.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        _world_backend(env.ranks), store=store, rank=spec.rank, world_size=env.world_size, timeout=timeout
+    )
+    try:
+        return fn(env, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _actor_spec(spec: RankSpec) -> RankSpec:
+    """The spec as seen inside the actor: Ray shows a CUDA rank only its own GPU, as ``cuda:0``."""
+    if spec.device.startswith("cuda"):
+        return dataclasses.replace(spec, device="cuda:0")
+    return spec
+
+
+def _run_job(
+    ray: Any,
+    opts: RayLauncher,
+    fn: Callable[..., Any],
+    ranks: list[RankSpec],
+    timeout_s: float,
+    args: tuple[Any, ...],
+    collective_timeout_s: float,
+    grace_s: float,
+) -> list[Any]:
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    world = len(ranks)
+    deadline = time.monotonic() + timeout_s
+    bundles = [
+        {"CPU": opts.num_cpus_per_rank, **({"GPU": 1.0} if r.device.startswith("cuda") else {})} for r in ranks
+    ]
+    # PACK: ranks of a job share nodes where they fit (fewer cross-node hops), spread when they must.
+    pg = placement_group(bundles, strategy="PACK")
+    actors: list[Any] = []
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=min(opts.placement_timeout_s, timeout_s))
+        if not ready:
+            need_cpu = sum(b["CPU"] for b in bundles)
+            need_gpu = sum(b.get("GPU", 0.0) for b in bundles)
+            have = ray.cluster_resources()
+            raise DistributedError(
+                f"the Ray cluster cannot place {world} ranks within {min(opts.placement_timeout_s, timeout_s):g} s: "
+                f"they need {need_cpu:g} CPUs and {need_gpu:g} GPUs, the cluster has "
+                f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs (some may be in use). To fix: add "
+                "nodes (`ray start --address=...` on each), lower the number of ranks, or lower "
+                "RayLauncher.num_cpus_per_rank."
+            )
+        actor_cls = ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)
+        for i in range(world):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            actors.append(
+                actor_cls.options(
+                    num_cpus=bundles[i]["CPU"],
+                    num_gpus=bundles[i].get("GPU", 0.0),
+                    scheduling_strategy=strategy,
+                ).remote(list(sys.path))
+            )
+        node_ips = _get_before(ray, [a.node_ip.remote() for a in actors], deadline, timeout_s, "start its actors")
+        master_addr = node_ips[0]
+        port = _get_before(
+            ray, [actors[0].open_store.remote(master_addr, world, collective_timeout_s)], deadline, timeout_s,
+            "open the rendezvous store",
+        )[0]
+        log.info("launched %d ranks as Ray actors (store %s:%d, nodes %s)", world, master_addr, port, sorted(set(node_ips)))
+        refs = []
+        for i, (spec, actor) in enumerate(zip(ranks, actors, strict=True)):
+            local_rank = node_ips[:i].count(node_ips[i])
+            env = RankEnv(
+                spec=_actor_spec(spec), ranks=tuple(ranks), collective_timeout_s=collective_timeout_s,
+                extra={"launcher": "ray", "node_ip": node_ips[i], "local_rank": local_rank},
+            )
+            refs.append(actor.run.remote(fn, env, args, master_addr, port))
+        values, errors, dead = _collect(ray, refs, ranks, deadline, timeout_s)
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as e:  # already gone: nothing to stop
+                log.debug("ray.kill: %s", e)
+        try:
+            remove_placement_group(pg)
+        except Exception as e:
+            log.debug("remove_placement_group: %s", e)
+    if len(values) < world:
+        raise _failure(ranks, node_ips, values, errors, dead)
+    return [values[r] for r in range(world)]
+
+
+def _get_before(ray: Any, refs: list[Any], deadline: float, timeout_s: float, what: str) -> list[Any]:
+    """``ray.get`` bounded by the job's deadline; a dead actor at this stage is a start-up failure."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        return list(ray.get(refs, timeout=max(0.1, deadline - time.monotonic())))
+    except GetTimeoutError:
+        raise DistributedError(
+            f"job did not finish within {timeout_s:g} s (0/{len(refs)} ranks done: Ray did not {what} in time); "
+            "all ranks were stopped. To fix: raise the timeout, or check `ray status` for a busy cluster."
+        ) from None
+    except RayActorError as e:
+        raise DistributedError(f"a rank's Ray actor died before training started ({what}): {_first_line(e)}") from e
+
+
+def _collect(
+    ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: float, timeout_s: float
+) -> tuple[dict[int, Any], dict[int, tuple[str, str | None, BaseException | None]], dict[int, str]]:
+    """Wait for every rank; stop waiting shortly after the first failure (see ``_ROOT_CAUSE_WAIT_S``)."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    values: dict[int, Any] = {}
+    errors: dict[int, tuple[str, str | None, BaseException | None]] = {}
+    dead: dict[int, str] = {}
+    rank_of = {ref: spec.rank for ref, spec in zip(refs, ranks, strict=True)}
+    pending = list(refs)
+    failed_at: float | None = None
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=0.1)
+        for ref in done:
+            rank = rank_of[ref]
+            try:
+                status, payload = ray.get(ref)
+            except RayActorError as e:
+                dead[rank] = _first_line(e)
+                continue
+            except RayTaskError as e:  # the actor method itself failed outside fn (e.g. unpickling args)
+                errors[rank] = (_first_line(e), str(e), None)
+                continue
+            if status == "ok":
+                values[rank] = payload
+            else:
+                errors[rank] = payload
+        now = time.monotonic()
+        if (errors or dead) and failed_at is None:
+            failed_at = now
+        if failed_at is not None and now - failed_at > _ROOT_CAUSE_WAIT_S:
+            break
+        if now > deadline:
+            raise DistributedError(
+                f"job did not finish within {timeout_s:g} s ({len(values)}/{len(refs)} ranks done); all ranks "
+                "were stopped. To fix: raise the timeout or lower max_steps."
+            )
+    return values, errors, dead
+
+
+def _failure(
+    ranks: list[RankSpec],
+    node_ips: list[str],
+    values: dict[int, Any],
+    errors: dict[int, tuple[str, str | None, BaseException | None]],
+    dead: dict[int, str],
+) -> BaseException:
+    """The error for a failed job, root cause first, with the local launcher's priorities.
+
+    A user error found in a rank is re-raised as itself; then a rank whose actor died (its peers' errors
+    are only consequences of the lost connection); then the lowest rank that reported an exception.
+    """
+    for rank in sorted(errors):
+        user = errors[rank][2]
+        if user is not None:
+            return user
+    if dead:
+        rank = min(dead)
+        spec = ranks[rank]
+        return _rank_error(
+            f"rank {rank} ({spec.device_kind}, {spec.device}) died on node {node_ips[rank]}: its Ray actor is "
+            f"gone without reporting a result ({dead[rank]}); the other ranks were stopped. To fix: check that "
+            "rank's log (`ray logs`), its memory (an out-of-memory kill ends the worker) and whether its node "
+            "was lost.",
+            rank, None,
+        )
+    if errors:
+        rank = min(errors)
+        text, tb, _ = errors[rank]
+        if tb:
+            log.error("rank %d traceback:\n%s", rank, tb)
+        spec = ranks[rank]
+        hint = ""
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            hint = (
+                " A peer did not join a collective within collective_timeout_s: it hung or is far slower. "
+                "To fix: look at the other ranks' logs, or raise collective_timeout_s."
+            )
+        return _rank_error(
+            f"rank {rank} ({spec.device_kind}, {spec.device}) failed on node {node_ips[rank]}: {text}; the other "
+            f"ranks were stopped.{hint}",
+            rank, None,
+        )
+    return DistributedError("a rank ended without a result; the other ranks were stopped.")
+
+
+def _first_line(e: BaseException) -> str:
+    """The first non-empty line of an error (Ray's messages run to many lines of advice)."""
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return type(e).__name__
+
+
+def _root_cause(e: BaseException) -> str:
+    """The most specific error line of a chain: Ray wraps the useful one (say an ``AuthenticationError``) in
+    generic ones, sometimes only as text inside their message."""
+    chain = [e]
+    while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and inner not in chain:
+        chain.append(inner)
+    for err in reversed(chain):
+        named = [m.group(0) for m in _ERROR_LINE.finditer(str(err))]
+        if named:
+            return named[-1].strip()[:300]
+    return f"{type(chain[-1]).__name__}: {_first_line(chain[-1])}"
+
+
+_ERROR_LINE = re.compile(r"^\s*[\w.]+(?:Error|Exception): .+$", re.MULTILINE)
