@@ -247,7 +247,7 @@ def ray_session():
     """One private loopback session for the tests below (the provider must leave a caller's session up)."""
     with _loopback_only(ray):
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
-                 object_store_memory=100 * 1024 * 1024, logging_level="WARNING")
+                 resources={"kind-a": 1}, object_store_memory=100 * 1024 * 1024, logging_level="WARNING")
         try:
             yield ray
         finally:
@@ -324,4 +324,18 @@ def test_a_cluster_too_small_fails_with_what_it_lacks(ray_session):
     with pytest.raises(DistributedError, match=r"cannot place 3 ranks within 1 s: they need 3 CPUs and 0 GPUs, "
                        r"the cluster has 2 CPUs and 0 GPUs .* To fix: add nodes"):
         launch(_sum_ranks, _ranks(3), timeout_s=60, args=(0,), launcher=RayLauncher(placement_timeout_s=1))
+    assert _wait_until(_all_cpus_free), ray.available_resources()
+
+
+def test_kind_resources_pin_ranks_to_nodes_of_their_kind(ray_session):
+    """A rank pinned to a node resource is placed only where it exists (here: the one node has kind-a)."""
+    pinned = RayLauncher(kind_resources={"cpu": "kind-a"})
+    assert [o[:3] for o in launch(_sum_ranks, _ranks(2), timeout_s=60, args=(0,), launcher=pinned)] == [
+        (0, "127.0.0.1", 1.0), (1, "127.0.0.1", 1.0)
+    ]
+    mixed = [RankSpec(0, "cpu", "cpu", num_threads=1), RankSpec(1, "cpu-b", "cpu", num_threads=1)]
+    nowhere = RayLauncher(kind_resources={"cpu": "kind-a", "cpu-b": "kind-b"}, placement_timeout_s=1)
+    with pytest.raises(DistributedError, match=r"No node has the resource\(s\) \['kind-b'\] that kind_resources "
+                       r"pins ranks to\. To fix: .*correct RayLauncher\.kind_resources"):
+        launch(_sum_ranks, mixed, timeout_s=60, args=(0,), launcher=nowhere)
     assert _wait_until(_all_cpus_free), ray.available_resources()

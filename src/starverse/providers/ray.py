@@ -110,6 +110,12 @@ class RayLauncher:
     """Ray ``runtime_env`` for the job (e.g. ``{"py_modules": [...]}`` on a cluster whose nodes lack the
     code); None: the nodes already have starverse and the user's modules installed."""
 
+    kind_resources: dict[str, str] | None = None
+    """Pin device kinds to nodes: device kind -> a Ray node resource only nodes with that kind have (what Ray
+    detects, e.g. ``{"h100-80gb-sxm": "accelerator_type:H100"}``, or a label given at ``ray start
+    --resources='{"rtx-4090": 8}'``). Each rank of that kind then reserves a sliver of it, so on a mixed
+    cluster it lands on a node of its kind. None: any node with a free CPU (and GPU for CUDA ranks)."""
+
     def __post_init__(self) -> None:
         if self.num_cpus_per_rank < 0:
             raise ConfigError(f"RayLauncher.num_cpus_per_rank must be >= 0 (got {self.num_cpus_per_rank}).")
@@ -281,6 +287,22 @@ def _run_rank(fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], maste
         dist.destroy_process_group()
 
 
+# A rank pinned to a node kind reserves this much of the kind's resource: enough to require it, small
+# enough that any number of ranks fit on a node that has it (Ray resources have 1e-4 granularity).
+_PIN_AMOUNT = 0.001
+
+
+def _bundle(spec: RankSpec, opts: RayLauncher) -> dict[str, float]:
+    """What one rank reserves: CPUs, a GPU for a CUDA rank, a sliver of its kind's node resource if pinned."""
+    bundle = {"CPU": opts.num_cpus_per_rank}
+    if spec.device.startswith("cuda"):
+        bundle["GPU"] = 1.0
+    resource = (opts.kind_resources or {}).get(spec.device_kind)
+    if resource:
+        bundle[resource] = _PIN_AMOUNT
+    return bundle
+
+
 def _actor_spec(spec: RankSpec) -> RankSpec:
     """The spec as seen inside the actor: Ray shows a CUDA rank only its own GPU, as ``cuda:0``."""
     if spec.device.startswith("cuda"):
@@ -303,9 +325,7 @@ def _run_job(
 
     world = len(ranks)
     deadline = time.monotonic() + timeout_s
-    bundles = [
-        {"CPU": opts.num_cpus_per_rank, **({"GPU": 1.0} if r.device.startswith("cuda") else {})} for r in ranks
-    ]
+    bundles = [_bundle(r, opts) for r in ranks]
     # PACK: ranks of a job share nodes where they fit (fewer cross-node hops), spread when they must.
     pg = placement_group(bundles, strategy="PACK")
     actors: list[Any] = []
@@ -315,12 +335,15 @@ def _run_job(
             need_cpu = sum(b["CPU"] for b in bundles)
             need_gpu = sum(b.get("GPU", 0.0) for b in bundles)
             have = ray.cluster_resources()
+            pinned = sorted({k for b in bundles for k in b if k not in ("CPU", "GPU")})
+            missing = [k for k in pinned if have.get(k, 0.0) <= 0]
+            lacking = f" No node has the resource(s) {missing} that kind_resources pins ranks to." if missing else ""
             raise DistributedError(
                 f"the Ray cluster cannot place {world} ranks within {min(opts.placement_timeout_s, timeout_s):g} s: "
                 f"they need {need_cpu:g} CPUs and {need_gpu:g} GPUs, the cluster has "
-                f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs (some may be in use). To fix: add "
-                "nodes (`ray start --address=...` on each), lower the number of ranks, or lower "
-                "RayLauncher.num_cpus_per_rank."
+                f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs (some may be in use).{lacking} To fix: "
+                "add nodes (`ray start --address=...` on each), lower the number of ranks, lower "
+                "RayLauncher.num_cpus_per_rank, or correct RayLauncher.kind_resources."
             )
         actor_cls = ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)
         for i in range(world):
@@ -329,6 +352,7 @@ def _run_job(
                 actor_cls.options(
                     num_cpus=bundles[i]["CPU"],
                     num_gpus=bundles[i].get("GPU", 0.0),
+                    resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
                     scheduling_strategy=strategy,
                 ).remote(list(sys.path))
             )
