@@ -33,6 +33,10 @@ def test_demo_trains_a_scaled_llama_and_prints_the_summary(tmp_path):
     assert re.search(r"rank 0 cpu: share \d+/8 micro-batches", text)
     assert re.search(r"rank 1 cpu: share \d+/8 micro-batches", text)
     assert (tmp_path / "run" / "final_model.pt").is_file()
+    # No profile of this machine yet (fresh HOME): the demo measures it first and plans on measured figures.
+    profile = json.loads((tmp_path / "run" / "profile.json").read_text())
+    assert profile["accelerators"]["cpu"]["fp32_tflops"] > 0
+    assert re.search(r"cost model: predicted step [0-9.]+ s vs measured [0-9.]+ s \([+-]\d+%; probe profile ", text)
 
 
 def test_probe_writes_a_profile_the_catalog_reads(tmp_path):

@@ -96,6 +96,24 @@ def probe(
     console.print(f"profile written to {path}")
 
 
+def _ensure_profile(console: Console, run_dir: Path, ranks: int) -> str:
+    """Plan on measured figures: when no probe profile is in force, measure this machine quickly (a few
+    seconds) into the run dir and use that profile for this run only. Returns what the estimate rests on."""
+    from starverse.catalog import PROFILE_ENV, default_profile_path
+    from starverse.providers.local import local_ranks
+    from starverse.runtime.probe import probe as run_probe
+
+    given = os.environ.get(PROFILE_ENV)
+    if given == "":
+        return "datasheet defaults (no probe profile)"
+    if given or default_profile_path().is_file():
+        return f"probe profile {given or default_profile_path()}"
+    console.print("probe: no profile of this machine yet; measuring it (starverse probe --quick)", markup=False)
+    path = run_probe(local_ranks(ranks), quick=True).write(run_dir / "profile.json")
+    os.environ[PROFILE_ENV] = str(path)
+    return f"probe profile {path} (quick; `starverse probe` for a precise one)"
+
+
 def _demo_corpus(run_dir: Path, max_bytes: int) -> Path:
     """A .jsonl of the Python standard library's own top-level modules (text every machine has)."""
     stdlib = Path(os.__file__).parent
@@ -152,6 +170,7 @@ def demo(
             "To fix: pass another --run-dir, or omit it (each demo then gets its own runs/demo/<UTC time>)."
         )
     run_dir.mkdir(parents=True, exist_ok=True)
+    basis = _ensure_profile(console, run_dir, ranks)
     cluster = starverse.accelerate(
         model_id=DEMO_MODEL, num_cpu_ranks=ranks, seq_len=seq_len, global_batch=global_batch, max_params=max_params
     )
@@ -186,10 +205,6 @@ def demo(
     for line in result.summary_lines():
         console.print(f"  {line}", markup=False)
     if est is not None and result.step_time_s > 0:
-        from starverse.catalog import PROFILE_ENV, default_profile_path
-
-        profiled = bool(os.environ.get(PROFILE_ENV)) or default_profile_path().is_file()
-        basis = "probe profile" if profiled else "datasheet defaults; run `starverse probe` for measured figures"
         console.print(
             f"  cost model: predicted step {est.step_time_s:.3f} s vs measured {result.step_time_s:.3f} s "
             f"({est.step_time_s / result.step_time_s - 1:+.0%}; {basis})",
