@@ -339,3 +339,22 @@ def test_kind_resources_pin_ranks_to_nodes_of_their_kind(ray_session):
                        r"pins ranks to\. To fix: .*correct RayLauncher\.kind_resources"):
         launch(_sum_ranks, mixed, timeout_s=60, args=(0,), launcher=nowhere)
     assert _wait_until(_all_cpus_free), ray.available_resources()
+
+
+def _refuse_to_unpickle():
+    raise RuntimeError("cannot rebuild this argument on the node")
+
+
+class _Unshippable:
+    """An argument that pickles but cannot be rebuilt in the rank (a module missing on the node, say)."""
+
+    def __reduce__(self):
+        return (_refuse_to_unpickle, ())
+
+
+def test_an_argument_the_ranks_cannot_unpickle_names_the_cause(ray_session):
+    with pytest.raises(DistributedError, match=r"rank 0 \(cpu, cpu\) failed on node 127\.0\.0\.1: RuntimeError: "
+                       r"cannot rebuild this argument on the node; the other ranks were stopped") as err:
+        launch(_sum_ranks, _ranks(2), timeout_s=60, args=(_Unshippable(),), launcher="ray")
+    assert err.value.failed_rank == 0
+    assert _wait_until(_all_cpus_free), ray.available_resources()

@@ -142,6 +142,7 @@ class RayLauncher:
         a ``StarverseError`` raised in a rank is re-raised as itself; a rank that raises, whose actor dies
         (killed, out of memory, node lost) or a job past ``timeout_s`` raises ``DistributedError`` with
         ``failed_rank`` (``rank_exitcode`` is None for a dead actor: Ray does not report the exit status).
+        ``grace_s`` is accepted for the contract but unused: actors are killed at once (``ray.kill``).
         """
         ranks = sorted(ranks, key=lambda r: r.rank)
         if not ranks:
@@ -388,18 +389,25 @@ def _run_job(
 
 
 def _get_before(ray: Any, refs: list[Any], deadline: float, timeout_s: float, what: str) -> list[Any]:
-    """``ray.get`` bounded by the job's deadline; a dead actor at this stage is a start-up failure."""
+    """Rank by rank ``ray.get`` bounded by the job's deadline; a dead actor here is a start-up failure."""
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    try:
-        return list(ray.get(refs, timeout=max(0.1, deadline - time.monotonic())))
-    except GetTimeoutError:
-        raise DistributedError(
-            f"job did not finish within {timeout_s:g} s (0/{len(refs)} ranks done: Ray did not {what} in time); "
-            "all ranks were stopped. To fix: raise the timeout, or check `ray status` for a busy cluster."
-        ) from None
-    except RayActorError as e:
-        raise DistributedError(f"a rank's Ray actor died before training started ({what}): {_first_line(e)}") from e
+    out = []
+    for rank, ref in enumerate(refs):
+        try:
+            out.append(ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
+        except GetTimeoutError:
+            raise DistributedError(
+                f"job did not finish within {timeout_s:g} s ({rank}/{len(refs)} ranks ready: Ray did not {what} in "
+                "time); all ranks were stopped. To fix: raise the timeout, or check `ray status` for a busy cluster."
+            ) from None
+        except RayActorError as e:
+            raise _rank_error(
+                f"rank {rank}'s Ray actor died before training started (while trying to {what}): {_first_line(e)}. "
+                "To fix: check that starverse and torch import on its node (`ray logs`).",
+                rank, None,
+            ) from e
+    return out
 
 
 def _collect(
@@ -424,7 +432,8 @@ def _collect(
                 dead[rank] = _first_line(e)
                 continue
             except RayTaskError as e:  # the actor method itself failed outside fn (e.g. unpickling args)
-                errors[rank] = (_first_line(e), str(e), None)
+                named = [m.group(0).strip() for m in _ERROR_LINE.finditer(str(e))]
+                errors[rank] = (named[-1] if named else _first_line(e), str(e), None)
                 continue
             if status == "ok":
                 values[rank] = payload
