@@ -37,7 +37,16 @@ from datetime import timedelta
 from typing import Any
 
 from starverse.errors import ConfigError, DistributedError, StarverseError
-from starverse.runtime.launch import LOOPBACK, RankEnv, RankSpec, _rank_error, _world_backend
+from starverse.runtime.launch import (
+    LOOPBACK,
+    RankEnv,
+    RankErrors,
+    RankSpec,
+    _rank_error,
+    _world_backend,
+    reported_failure,
+    user_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -456,7 +465,7 @@ def _failure(
     ranks: list[RankSpec],
     node_ips: list[str],
     values: dict[int, Any],
-    errors: dict[int, tuple[str, str | None, BaseException | None]],
+    errors: RankErrors,
     dead: dict[int, str],
 ) -> BaseException:
     """The error for a failed job, root cause first, with the local launcher's priorities.
@@ -464,10 +473,9 @@ def _failure(
     A user error found in a rank is re-raised as itself; then a rank whose actor died (its peers' errors
     are only consequences of the lost connection); then the lowest rank that reported an exception.
     """
-    for rank in sorted(errors):
-        user = errors[rank][2]
-        if user is not None:
-            return user
+    user = user_error(errors)
+    if user is not None:
+        return user
     if dead:
         rank = min(dead)
         spec = ranks[rank]
@@ -479,22 +487,7 @@ def _failure(
             rank, None,
         )
     if errors:
-        rank = min(errors)
-        text, tb, _ = errors[rank]
-        if tb:
-            log.error("rank %d traceback:\n%s", rank, tb)
-        spec = ranks[rank]
-        hint = ""
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            hint = (
-                " A peer did not join a collective within collective_timeout_s: it hung or is far slower. "
-                "To fix: look at the other ranks' logs, or raise collective_timeout_s."
-            )
-        return _rank_error(
-            f"rank {rank} ({spec.device_kind}, {spec.device}) failed on node {node_ips[rank]}: {text}; the other "
-            f"ranks were stopped.{hint}",
-            rank, None,
-        )
+        return reported_failure(ranks, errors, where=f" on node {node_ips[min(errors)]}")
     return DistributedError("a rank ended without a result; the other ranks were stopped.")
 
 

@@ -342,11 +342,15 @@ def launch(
     return [values[r] for r in range(world)]
 
 
+RankErrors = dict[int, tuple[str, str | None, BaseException | None]]
+"""rank -> (one-line error, traceback or None, the user error to re-raise as itself or None)."""
+
+
 def _failure(
     ranks: Sequence[RankSpec],
     procs: list[Any],
     values: dict[int, Any],
-    errors: dict[int, tuple[str, str | None, BaseException | None]],
+    errors: RankErrors,
 ) -> BaseException:
     """The error to raise for a failed job: the root-cause rank first.
 
@@ -354,10 +358,9 @@ def _failure(
     a signal or one that exited without reporting (its peers' errors are only consequences); then the
     first rank that reported an exception.
     """
-    for rank in sorted(errors):
-        user = errors[rank][2]
-        if user is not None:
-            return user
+    user = user_error(errors)
+    if user is not None:
+        return user
     for spec, p in zip(ranks, procs, strict=True):
         if getattr(p, "_starverse_killed_by_us", False) or spec.rank in errors or spec.rank in values:
             continue
@@ -370,21 +373,37 @@ def _failure(
             )
     if errors:
         rank = min(errors)
-        text, tb, _ = errors[rank]
-        if tb:
-            log.error("rank %d traceback:\n%s", rank, tb)
-        spec = ranks[rank]
-        hint = ""
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            hint = (
-                " A peer did not join a collective within collective_timeout_s: it hung or is far slower. "
-                "To fix: look at the other ranks' logs, or raise collective_timeout_s."
-            )
-        return _rank_error(
-            f"rank {rank} ({spec.device_kind}, {spec.device}) failed: {text}; the other ranks were stopped.{hint}",
-            rank, procs[rank].exitcode,
-        )
+        return reported_failure(ranks, errors, exitcode=procs[rank].exitcode)
     return DistributedError("a rank exited without a result; the other ranks were stopped.")
+
+
+def user_error(errors: RankErrors) -> BaseException | None:
+    """Bad input found inside a rank (the lowest such rank): re-raised as itself, whatever the launcher."""
+    for rank in sorted(errors):
+        user = errors[rank][2]
+        if user is not None:
+            return user
+    return None
+
+
+def reported_failure(ranks: Sequence[RankSpec], errors: RankErrors, *, where: str = "",
+                     exitcode: int | None = None) -> DistributedError:
+    """The error for the lowest rank that reported an exception (``where``: e.g. " on node 10.0.0.2")."""
+    rank = min(errors)
+    text, tb, _ = errors[rank]
+    if tb:
+        log.error("rank %d traceback:\n%s", rank, tb)
+    spec = ranks[rank]
+    hint = ""
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        hint = (
+            " A peer did not join a collective within collective_timeout_s: it hung or is far slower. "
+            "To fix: look at the other ranks' logs, or raise collective_timeout_s."
+        )
+    return _rank_error(
+        f"rank {rank} ({spec.device_kind}, {spec.device}) failed{where}: {text}; the other ranks were stopped.{hint}",
+        rank, exitcode,
+    )
 
 
 def _rank_error(message: str, rank: int, exitcode: int | None) -> DistributedError:
