@@ -34,7 +34,7 @@ def _env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def _job(tmp: Path, extra: str, steps: int = 4, price: float | None = 36.0) -> Path:
+def _job(tmp: Path, extra: str, steps: int = 4, price: float | None = 36.0, devices: str = "{cpu_ranks: 2}") -> Path:
     """A tiny job on 2 CPU ranks; ``price`` per rank-hour (on-demand) from a pool, or no pool (None)."""
     (tmp / "tiny.json").write_text(json.dumps(TINY))
     (tmp / "corpus.txt").write_text(Path(os.__file__).read_text()[:30000])
@@ -47,7 +47,7 @@ def _job(tmp: Path, extra: str, steps: int = 4, price: float | None = 36.0) -> P
     job.write_text(
         "model: tiny.json\ndataset: corpus.txt\nrun_dir: run\n" + pool
         + f"train: {{steps: {steps}, seq_len: 32, global_batch: 8, micro_batch: 2, rebalance_every: 0}}\n"
-        "devices: {cpu_ranks: 2}\ncheckpoint: {interval_steps: 1000}\n" + extra
+        f"devices: {devices}\ncheckpoint: {{interval_steps: 1000}}\n" + extra
     )
     return job
 
@@ -152,6 +152,21 @@ def test_without_a_pool_local_devices_are_free_and_without_billing_there_is_no_l
     free = job_prices(load_job(job), ["cpu", "cpu"])
     assert free.cost_per_hour == 0 and free.currency == "USD"
     assert free.lines == ("2 x cpu: free (no pool: your own device)",)
+
+
+@pytest.mark.slow
+def test_train_runs_its_ranks_as_ray_actors_when_the_job_asks(tmp_path):
+    pytest.importorskip("ray")
+    job = _job(tmp_path, "billing: {enabled: false}\nmetrics: {enabled: false}\n", steps=2, price=None,
+               devices="{cpu_ranks: 2, launcher: ray}")
+    out = _train(tmp_path, job)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    assert res["final_step"] == 2
+    assert any(p.name.startswith("step-") for p in (tmp_path / "run" / "checkpoints").iterdir())
+    with pytest.raises(ConfigError) as e:
+        load_job(_write(tmp_path, "devices: {launcher: rai}\n"))
+    assert "job.yaml:2: devices.launcher: must be 'local' or 'ray' (got 'rai')" in str(e.value)
 
 
 def _write(tmp: Path, text: str) -> Path:

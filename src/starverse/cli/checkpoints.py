@@ -233,7 +233,8 @@ def train(
         checkpoint=checkpoint,
         preemption=PreemptionCallback(sources, grace_s=ck.grace_s),
         callbacks=accounting,
-        trainer_options={"lr": job.train.lr, "seed": job.train.seed, "rebalance_every": job.train.rebalance_every},
+        trainer_options={"lr": job.train.lr, "seed": job.train.seed, "rebalance_every": job.train.rebalance_every,
+                         "launcher": job.devices.launcher},
         max_restarts=job.max_restarts,
     )
     resume = resume_from if resume_from is not None else "latest"

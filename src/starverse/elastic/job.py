@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -59,6 +59,9 @@ class DeviceSettings(FrozenModel):
     """CPU ranks when there is no GPU (default: $STARVERSE_CPU_RANKS, else 2)."""
     use_gpus: bool | None = None
     """Use CUDA devices when present (default: yes)."""
+    launcher: Literal["local", "ray"] = "local"
+    """How ranks are started: ``local`` processes on this machine, or ``ray`` actors (joins ``$RAY_ADDRESS`` when
+    set, else a private one-node Ray; needs the ``ray`` extra; see docs/ray.md)."""
 
 
 class CheckpointSettings(FrozenModel):
