@@ -63,6 +63,31 @@ def _check_divisible(c: _Cfg, hidden: int, heads: int, what: str) -> None:
         raise ModelError(f"{c.where}: {what} ({hidden}) is not divisible by the number of heads ({heads})")
 
 
+def _spec(raw: Mapping[str, Any], family: str, hidden: int, heads: int, bias: bool, **fields: Any) -> ModelSpec:
+    """A ModelSpec whose fields default to the common case; ``fields`` state what a family changes.
+
+    Defaults: multi-head attention (as many KV heads as heads, head_dim = hidden / heads), a dense
+    non-gated MLP, LayerNorm, and ``bias`` on the QKV, attention-output and MLP projections.
+    """
+    common: dict[str, Any] = {
+        "name": "",
+        "family": family,
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": hidden // heads,
+        "gated_mlp": False,
+        "num_experts": 0,
+        "experts_per_token": 0,
+        "norm": "layernorm",
+        "qkv_bias": bias,
+        "attn_out_bias": bias,
+        "mlp_bias": bias,
+        "hf_config": raw,
+    }
+    return ModelSpec(**{**common, **fields})
+
+
 class _Defaults(NamedTuple):
     """Defaults of a transformers config class for keys a config.json may omit."""
 
@@ -97,12 +122,13 @@ def _llama_like(raw: Mapping[str, Any], where: str, family: str) -> ModelSpec:
     qkv_bias = True if family == "qwen2" else (family == "llama" and c.bool("attention_bias", default=False))
     out_bias = family == "llama" and c.bool("attention_bias", default=False)
     mlp_bias = family == "llama" and c.bool("mlp_bias", default=False)
-    return ModelSpec(
-        name="",
-        family=family,
+    return _spec(
+        raw,
+        family,
+        hidden,
+        heads,
+        qkv_bias,
         num_layers=c.int("num_hidden_layers", default=d.layers),
-        hidden_size=hidden,
-        num_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
         ffn_hidden_size=c.int("intermediate_size", default=d.ffn),
@@ -114,10 +140,8 @@ def _llama_like(raw: Mapping[str, Any], where: str, family: str) -> ModelSpec:
         tie_embeddings=c.bool("tie_word_embeddings", default=False),
         position="rope",
         norm="rmsnorm",
-        qkv_bias=qkv_bias,
         attn_out_bias=out_bias,
         mlp_bias=mlp_bias,
-        hf_config=raw,
         norm_params_per_layer=2 * hidden,
         other_params=hidden,  # final RMSNorm
     )
@@ -132,27 +156,18 @@ def _gpt2(raw: Mapping[str, Any], where: str) -> ModelSpec:
     if c.bool("add_cross_attention", default=False):
         raise ModelError(f"{where}: add_cross_attention: encoder-decoder GPT-2 is not supported (decoder-only)")
     positions = c.int("n_positions", "max_position_embeddings", default=1024)
-    return ModelSpec(
-        name="",
-        family="gpt2",
+    return _spec(
+        raw,
+        "gpt2",
+        hidden,
+        heads,
+        True,
         num_layers=c.int("n_layer", "num_hidden_layers", default=12),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden_size=c.int("n_inner", default=4 * hidden),
         vocab_size=c.int("vocab_size", default=50257),
         max_seq_len=positions,
-        gated_mlp=False,
-        num_experts=0,
-        experts_per_token=0,
         tie_embeddings=c.bool("tie_word_embeddings", default=True),
         position="learned",
-        norm="layernorm",
-        qkv_bias=True,
-        attn_out_bias=True,
-        mlp_bias=True,
-        hf_config=raw,
         num_positions=positions,
         norm_params_per_layer=4 * hidden,
         other_params=2 * hidden,  # ln_f
@@ -166,27 +181,19 @@ def _gpt_neox(raw: Mapping[str, Any], where: str) -> ModelSpec:
     heads = c.int("num_attention_heads", default=64)
     _check_divisible(c, hidden, heads, "hidden_size")
     bias = c.bool("attention_bias", default=True)
-    return ModelSpec(
-        name="",
-        family="gpt_neox",
+    return _spec(
+        raw,
+        "gpt_neox",
+        hidden,
+        heads,
+        bias,
         num_layers=c.int("num_hidden_layers", default=44),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden_size=c.int("intermediate_size", default=24576),
         vocab_size=c.int("vocab_size", default=50432),
         max_seq_len=c.int("max_position_embeddings", default=2048),
-        gated_mlp=False,
-        num_experts=0,
-        experts_per_token=0,
         tie_embeddings=c.bool("tie_word_embeddings", default=False),
         position="rope",
-        norm="layernorm",
-        qkv_bias=bias,
-        attn_out_bias=bias,
         mlp_bias=True,  # transformers' GPT-NeoX MLP always has biases
-        hf_config=raw,
         norm_params_per_layer=4 * hidden,
         other_params=2 * hidden,
         parallel_attn_mlp=c.bool("use_parallel_residual", default=True),
@@ -208,27 +215,18 @@ def _opt(raw: Mapping[str, Any], where: str) -> ModelSpec:
     )
     projections = 2 * hidden * emb if emb != hidden else 0
     positions = c.int("max_position_embeddings", default=2048)
-    return ModelSpec(
-        name="",
-        family="opt",
+    return _spec(
+        raw,
+        "opt",
+        hidden,
+        heads,
+        bias,
         num_layers=c.int("num_hidden_layers", default=12),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden_size=c.int("ffn_dim", default=3072),
         vocab_size=c.int("vocab_size", default=50272),
         max_seq_len=positions,
-        gated_mlp=False,
-        num_experts=0,
-        experts_per_token=0,
         tie_embeddings=c.bool("tie_word_embeddings", default=True),
         position="learned",
-        norm="layernorm",
-        qkv_bias=bias,
-        attn_out_bias=bias,
-        mlp_bias=bias,
-        hf_config=raw,
         # OPT's learned position table has 2 extra rows (ids are offset by 2 for the padding convention)
         num_positions=positions + 2,
         norm_params_per_layer=2 * ln,
@@ -243,27 +241,18 @@ def _bloom(raw: Mapping[str, Any], where: str) -> ModelSpec:
     hidden = c.int("hidden_size", "n_embed", default=64)
     heads = c.int("n_head", "num_attention_heads", default=8)
     _check_divisible(c, hidden, heads, "hidden_size")
-    return ModelSpec(
-        name="",
-        family="bloom",
+    return _spec(
+        raw,
+        "bloom",
+        hidden,
+        heads,
+        True,
         num_layers=c.int("n_layer", "num_hidden_layers", default=2),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden_size=4 * hidden,  # fixed in BLOOM's architecture (no config key)
         vocab_size=c.int("vocab_size", default=250880),
         max_seq_len=c.int("seq_length", "max_position_embeddings", default=2048),
-        gated_mlp=False,
-        num_experts=0,
-        experts_per_token=0,
         tie_embeddings=c.bool("tie_word_embeddings", default=True),
         position="alibi",
-        norm="layernorm",
-        qkv_bias=True,
-        attn_out_bias=True,
-        mlp_bias=True,
-        hf_config=raw,
         norm_params_per_layer=4 * hidden,
         other_params=4 * hidden,  # word_embeddings_layernorm + ln_f
     )
@@ -296,27 +285,18 @@ def _mpt(raw: Mapping[str, Any], where: str) -> ModelSpec:
     bias = not c.bool("no_bias", default=True)
     # LayerNorms carry a bias only when the model has biases (llm-foundry's low_precision_layernorm)
     ln = hidden * (2 if bias else 1)
-    return ModelSpec(
-        name="",
-        family="mpt",
+    return _spec(
+        raw,
+        "mpt",
+        hidden,
+        heads,
+        bias,
         num_layers=c.int("n_layers", "num_hidden_layers", default=24),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden_size=int(ratio * hidden),
         vocab_size=c.int("vocab_size", default=50368),
         max_seq_len=c.int("max_seq_len", default=2048),
-        gated_mlp=False,
-        num_experts=0,
-        experts_per_token=0,
         tie_embeddings=c.bool("tie_word_embeddings", default=True),
         position="alibi",
-        norm="layernorm",
-        qkv_bias=bias,
-        attn_out_bias=bias,
-        mlp_bias=bias,
-        hf_config=raw,
         norm_params_per_layer=2 * ln,
         other_params=ln,
     )
@@ -343,27 +323,19 @@ def _falcon(raw: Mapping[str, Any], where: str) -> ModelSpec:
     num_ln = c.get("num_ln_in_parallel_attn", default=2 if new_arch else None)
     # sequential blocks have 2 norms; parallel ones 1, or 2 (ln_attn, ln_mlp) in the new architecture
     norms = 2 if not parallel or (new_arch and num_ln == 2) else 1
-    return ModelSpec(
-        name="",
-        family="falcon",
+    return _spec(
+        raw,
+        "falcon",
+        hidden,
+        heads,
+        bias,
         num_layers=c.int("num_hidden_layers", "n_layer", default=32),
-        hidden_size=hidden,
-        num_heads=heads,
         num_kv_heads=kv,
-        head_dim=hidden // heads,
         ffn_hidden_size=c.int("ffn_hidden_size", default=4 * hidden),
         vocab_size=c.int("vocab_size", default=65024),
         max_seq_len=c.int("max_position_embeddings", default=2048),
-        gated_mlp=False,
-        num_experts=0,
-        experts_per_token=0,
         tie_embeddings=c.bool("tie_word_embeddings", default=True),
         position="alibi" if c.bool("alibi", default=False) else "rope",
-        norm="layernorm",
-        qkv_bias=bias,
-        attn_out_bias=bias,
-        mlp_bias=bias,
-        hf_config=raw,
         norm_params_per_layer=norms * 2 * hidden,
         other_params=2 * hidden,
         parallel_attn_mlp=parallel,
