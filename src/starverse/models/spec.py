@@ -109,10 +109,8 @@ class ModelSpec:
         """MoE router (a bias-free linear map hidden -> experts); 0 for dense models."""
         return self.hidden_size * self.num_experts if self.num_experts else 0
 
-    @property
-    def params_per_layer(self) -> int:
-        """All parameters of one transformer layer (every expert counted)."""
-        experts = max(self.num_experts, 1)
+    def _layer_params(self, experts: int) -> int:
+        """Parameters of one transformer layer counting ``experts`` MLPs."""
         return (
             self.attn_params_per_layer
             + experts * self.mlp_params_per_expert
@@ -121,15 +119,14 @@ class ModelSpec:
         )
 
     @property
+    def params_per_layer(self) -> int:
+        """All parameters of one transformer layer (every expert counted)."""
+        return self._layer_params(max(self.num_experts, 1))
+
+    @property
     def active_params_per_layer(self) -> int:
         """Parameters one token passes through in one layer (top-k experts for MoE)."""
-        experts = self.experts_per_token if self.num_experts else 1
-        return (
-            self.attn_params_per_layer
-            + experts * self.mlp_params_per_expert
-            + self.router_params_per_layer
-            + self.norm_params_per_layer
-        )
+        return self._layer_params(self.experts_per_token if self.num_experts else 1)
 
     @property
     def embedding_params(self) -> int:
@@ -141,25 +138,19 @@ class ModelSpec:
         """Output projection to the vocabulary; 0 when tied to the input embedding."""
         return 0 if self.tie_embeddings else self.vocab_size * (self.embedding_dim or self.hidden_size)
 
+    def _model_params(self, per_layer: int) -> int:
+        """Embeddings, ``num_layers`` layers of ``per_layer`` parameters, LM head and the rest."""
+        return self.embedding_params + self.num_layers * per_layer + self.lm_head_params + self.other_params
+
     @property
     def num_params(self) -> int:
         """Total parameters, counting a tied matrix once (what transformers' ``parameters()`` yields)."""
-        return (
-            self.embedding_params
-            + self.num_layers * self.params_per_layer
-            + self.lm_head_params
-            + self.other_params
-        )
+        return self._model_params(self.params_per_layer)
 
     @property
     def num_active_params(self) -> int:
         """Parameters one token passes through (all of them for dense models)."""
-        return (
-            self.embedding_params
-            + self.num_layers * self.active_params_per_layer
-            + self.lm_head_params
-            + self.other_params
-        )
+        return self._model_params(self.active_params_per_layer)
 
     @property
     def is_moe(self) -> bool:
