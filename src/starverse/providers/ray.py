@@ -30,20 +30,23 @@ import os
 import re
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from starverse.errors import ConfigError, DistributedError, StarverseError
+from starverse.errors import ConfigError, DistributedError
 from starverse.runtime.launch import (
     LOOPBACK,
     RankEnv,
     RankErrors,
     RankSpec,
+    _error_report,
+    _join_world,
+    _ordered_ranks,
+    _overrun,
+    _rank_environ,
     _rank_error,
-    _world_backend,
     reported_failure,
     user_error,
 )
@@ -153,11 +156,7 @@ class RayLauncher:
         ``failed_rank`` (``rank_exitcode`` is None for a dead actor: Ray does not report the exit status).
         ``grace_s`` is accepted for the contract but unused: actors are killed at once (``ray.kill``).
         """
-        ranks = sorted(ranks, key=lambda r: r.rank)
-        if not ranks:
-            raise DistributedError("no ranks to launch; the provider found no devices. To fix: check `starverse probe`.")
-        if [r.rank for r in ranks] != list(range(len(ranks))):
-            raise DistributedError(f"ranks must be 0..{len(ranks) - 1}, got {[r.rank for r in ranks]}")
+        ranks = _ordered_ranks(ranks)
         ray = import_ray()
         run = functools.partial(_run_job, ray, self, fn, ranks, timeout_s, args, collective_timeout_s, grace_s)
         if ray.is_initialized():  # the caller's session: use it, leave it running
@@ -259,38 +258,15 @@ class _RankActor:
         try:
             return ("ok", _run_rank(fn, env, args, master_addr, port))
         except BaseException as e:
-            text = "".join(traceback.format_exception_only(type(e), e)).strip()
-            user = e if isinstance(e, StarverseError) else None
-            return ("error", (text, traceback.format_exc(), user))
+            return ("error", _error_report(e))
 
 
 def _run_rank(fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], master_addr: str, port: int) -> Any:
     """Body of a rank inside its actor: the same set-up as the local launcher's ``_rank_entry``."""
-    import torch
     import torch.distributed as dist
 
-    spec = env.spec
-    os.environ.update(
-        {
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(port),
-            "RANK": str(spec.rank),
-            "WORLD_SIZE": str(env.world_size),
-            "LOCAL_RANK": str(env.extra.get("local_rank", spec.rank)),
-            "STARVERSE_DEVICE_KIND": spec.device_kind,
-            **dict(spec.env),
-        }
-    )
-    logging.basicConfig(level=os.environ.get("STARVERSE_LOG_LEVEL", "WARNING"))
-    num_cpu = sum(1 for r in env.ranks if r.device == "cpu") or 1
-    torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 1) // num_cpu))
-    if spec.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(spec.device))
-    timeout = timedelta(seconds=env.collective_timeout_s)
-    store = dist.TCPStore(master_addr, port, env.world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(
-        _world_backend(env.ranks), store=store, rank=spec.rank, world_size=env.world_size, timeout=timeout
-    )
+    _rank_environ(env, master_addr, port)
+    _join_world(env, master_addr, port)
     try:
         return fn(env, *args)
     finally:
@@ -454,10 +430,7 @@ def _collect(
         if failed_at is not None and now - failed_at > _ROOT_CAUSE_WAIT_S:
             break
         if now > deadline:
-            raise DistributedError(
-                f"job did not finish within {timeout_s:g} s ({len(values)}/{len(refs)} ranks done); all ranks "
-                "were stopped. To fix: raise the timeout or lower max_steps."
-            )
+            raise _overrun(timeout_s, len(values), len(refs))
     return values, errors, dead
 
 

@@ -95,6 +95,65 @@ def _world_backend(ranks: Sequence[RankSpec]) -> str:
     return "gloo"
 
 
+def _rank_environ(env: RankEnv, master_addr: str, port: int) -> None:
+    """Set a rank's ``torch.distributed`` environment variables (and its logging) in its own process."""
+    spec = env.spec
+    os.environ.update(
+        {
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(port),
+            "RANK": str(spec.rank),
+            "WORLD_SIZE": str(env.world_size),
+            "LOCAL_RANK": str(env.extra.get("local_rank", spec.rank)),
+            "STARVERSE_DEVICE_KIND": spec.device_kind,
+            **dict(spec.env),
+        }
+    )
+    logging.basicConfig(level=os.environ.get("STARVERSE_LOG_LEVEL", "WARNING"))
+
+
+def _join_world(env: RankEnv, master_addr: str, port: int) -> None:
+    """In a rank's process: set its threads and device, join the store at ``master_addr:port``, init the group."""
+    import torch
+    import torch.distributed as dist
+
+    spec = env.spec
+    num_cpu = sum(1 for r in env.ranks if r.device == "cpu") or 1
+    threads = spec.num_threads or max(1, (os.cpu_count() or 1) // num_cpu)
+    torch.set_num_threads(threads)
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.device))
+    timeout = timedelta(seconds=env.collective_timeout_s)
+    store = dist.TCPStore(master_addr, port, env.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        _world_backend(env.ranks), store=store, rank=spec.rank, world_size=env.world_size, timeout=timeout
+    )
+
+
+def _error_report(e: BaseException) -> tuple[str, str, BaseException | None]:
+    """What a rank reports for an exception it is handling: one line, the traceback, the user error or None."""
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    return text, traceback.format_exc(), e if isinstance(e, StarverseError) else None
+
+
+def _ordered_ranks(ranks: Sequence[RankSpec]) -> list[RankSpec]:
+    """``ranks`` sorted by rank; DistributedError if empty or not exactly 0..n-1."""
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    if not ranks:
+        raise DistributedError("no ranks to launch; the provider found no devices. To fix: check `starverse probe`.")
+    if [r.rank for r in ranks] != list(range(len(ranks))):
+        raise DistributedError(f"ranks must be 0..{len(ranks) - 1}, got {[r.rank for r in ranks]}")
+    return ranks
+
+
+def _overrun(timeout_s: float, done: int, world: int) -> DistributedError:
+    """The error for a job past its ``timeout_s`` with ``done`` of ``world`` ranks finished."""
+    return DistributedError(
+        f"job did not finish within {timeout_s:g} s ({done}/{world} ranks done); all ranks "
+        "were stopped. To fix: raise the timeout or lower max_steps."
+    )
+
+
 def _rank_entry(
     fn: Callable[..., Any],
     env: RankEnv,
@@ -103,33 +162,12 @@ def _rank_entry(
     results: Any,
 ) -> None:
     """Body of a rank process: set up the environment and process group, run ``fn``, report."""
-    import torch
     import torch.distributed as dist
 
     spec = env.spec
-    os.environ.update(
-        {
-            "MASTER_ADDR": LOOPBACK,
-            "MASTER_PORT": str(store_port),
-            "RANK": str(spec.rank),
-            "WORLD_SIZE": str(env.world_size),
-            "LOCAL_RANK": str(spec.rank),
-            "STARVERSE_DEVICE_KIND": spec.device_kind,
-            **dict(spec.env),
-        }
-    )
-    logging.basicConfig(level=os.environ.get("STARVERSE_LOG_LEVEL", "WARNING"))
+    _rank_environ(env, LOOPBACK, store_port)
     try:
-        num_cpu = sum(1 for r in env.ranks if r.device == "cpu") or 1
-        threads = spec.num_threads or max(1, (os.cpu_count() or 1) // num_cpu)
-        torch.set_num_threads(threads)
-        if spec.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(spec.device))
-        timeout = timedelta(seconds=env.collective_timeout_s)
-        store = dist.TCPStore(LOOPBACK, store_port, env.world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            _world_backend(env.ranks), store=store, rank=spec.rank, world_size=env.world_size, timeout=timeout
-        )
+        _join_world(env, LOOPBACK, store_port)
         try:
             value = fn(env, *args)
         finally:
@@ -137,9 +175,7 @@ def _rank_entry(
             dist.destroy_process_group()
         results.put((spec.rank, "ok", value))
     except BaseException as e:
-        text = "".join(traceback.format_exception_only(type(e), e)).strip()
-        tb = traceback.format_exc()
-        user = e if isinstance(e, StarverseError) else None
+        text, tb, user = _error_report(e)
         try:
             results.put((spec.rank, "error", (text, tb, user)))
         except Exception:
@@ -273,11 +309,7 @@ def launch(
         )
     import torch.distributed as dist
 
-    ranks = sorted(ranks, key=lambda r: r.rank)
-    if not ranks:
-        raise DistributedError("no ranks to launch; the provider found no devices. To fix: check `starverse probe`.")
-    if [r.rank for r in ranks] != list(range(len(ranks))):
-        raise DistributedError(f"ranks must be 0..{len(ranks) - 1}, got {[r.rank for r in ranks]}")
+    ranks = _ordered_ranks(ranks)
     world = len(ranks)
     # The launcher owns the rendezvous store: port 0 lets the OS pick a free port, no race with other jobs.
     store = dist.TCPStore(
@@ -325,10 +357,7 @@ def launch(
             if failed_at is not None and now - failed_at > 1.0:
                 break
             if now > deadline:
-                raise DistributedError(
-                    f"job did not finish within {timeout_s:g} s ({len(values)}/{world} ranks done); all ranks "
-                    "were stopped. To fix: raise the timeout or lower max_steps."
-                )
+                raise _overrun(timeout_s, len(values), world)
     finally:
         if len(values) < world:
             _stop_all(procs, grace_s)
