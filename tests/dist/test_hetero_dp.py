@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import SEQ, TinyLM
+from helpers import ramp_tokens as _tokens
 from starverse.runtime.callbacks import Callback
 from starverse.runtime.cluster import Cluster, local_plan
 from starverse.runtime.data import DeterministicSampler, PackedDataset
@@ -16,21 +18,7 @@ from starverse.runtime.launch import RankSpec
 from starverse.runtime.steps import batch_loss, make_optimizer, make_schedule
 from starverse.runtime.trainer import Trainer
 
-VOCAB, SEQ, MB, GB, STEPS = 48, 16, 2, 16, 6
-
-
-class TinyLM(torch.nn.Module):
-    """Embedding -> 2-layer MLP with LayerNorm -> logits (a plain module: the trainer computes the loss)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 32)
-        self.norm = torch.nn.LayerNorm(32)
-        self.fc1 = torch.nn.Linear(32, 64)
-        self.fc2 = torch.nn.Linear(64, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(self.norm(self.emb(ids)))))
+MB, GB, STEPS = 2, 16, 6
 
 
 class SleepyRank(Callback):
@@ -45,12 +33,6 @@ class SleepyRank(Callback):
             import time
 
             time.sleep(self.seconds)
-
-
-def _tokens() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    # Documents with structure (repeating ramps) so the loss moves; 40 sequences' worth.
-    return [(torch.arange(SEQ * 4) * (i + 1) + torch.randint(0, 3, (SEQ * 4,), generator=g)) % VOCAB for i in range(10)]
 
 
 def _reference(model: torch.nn.Module, trainer: Trainer) -> tuple[list[float], dict[str, torch.Tensor]]:

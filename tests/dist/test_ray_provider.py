@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# TinyLM lives in tests/helpers.py, not an installed module: the Ray ranks must import it as spawn would.
+from helpers import SEQ, TinyLM
+from helpers import ramp_tokens as _tokens
 from starverse.errors import ConfigError, DistributedError
 from starverse.runtime.callbacks import Callback
 from starverse.runtime.cluster import Cluster, local_plan
@@ -35,21 +38,7 @@ from starverse.providers.ray import RayLauncher, _loopback_only  # noqa: E402  (
 
 pytestmark = pytest.mark.slow
 
-VOCAB, SEQ, MB, GB, STEPS = 48, 16, 2, 16, 5
-
-
-class TinyLM(torch.nn.Module):
-    """Embedding -> MLP -> logits. Defined in this test module: the Ray ranks must import it as spawn would."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 32)
-        self.norm = torch.nn.LayerNorm(32)
-        self.fc1 = torch.nn.Linear(32, 64)
-        self.fc2 = torch.nn.Linear(64, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(self.norm(self.emb(ids)))))
+MB, GB, STEPS = 2, 16, 5
 
 
 class WhereAmI(Callback):
@@ -60,11 +49,6 @@ class WhereAmI(Callback):
 
         inside = _ray.is_initialized() and _ray.get_runtime_context().get_actor_id() is not None
         (ctx.run_dir / f"where-{ctx.rank}.txt").write_text(f"{os.getpid()} {int(inside)}")
-
-
-def _tokens() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [(torch.arange(SEQ * 4) * (i + 1) + torch.randint(0, 3, (SEQ * 4,), generator=g)) % VOCAB for i in range(10)]
 
 
 def _cluster(n: int = 2) -> Cluster:

@@ -13,30 +13,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from helpers import CLI
+from helpers import new_user_env as _env
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train"
-CLI = [str(Path(sys.executable).parent / "starverse")]
 INTERVAL = 30
 STEPS = 60
 PRICE_MICROS = 120_000  # pool.yaml: 0.12 USD per rank-hour, spot; one tick per micro-unit-hour is 1/3600 s
-
-
-def _env(tmp: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    # a new user: no probe profile, no user ledger, no catalog override
-    env.update(STARVERSE_CACHE=str(tmp / "cache"), HOME=str(tmp), COLUMNS="200")
-    for k in ("STARVERSE_CATALOG", "STARVERSE_PROFILE", "STARVERSE_LEDGER", "XDG_DATA_HOME"):
-        env.pop(k, None)
-    return env
 
 
 def _run(args: list[str], tmp: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:

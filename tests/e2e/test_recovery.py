@@ -9,21 +9,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from helpers import CLI, TINY
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [str(Path(sys.executable).parent / "starverse")]
-TINY = {
-    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
-}
 
 
 def _env(tmp: Path) -> dict[str, str]:

@@ -7,31 +7,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
+from helpers import CLI, TINY
+from helpers import new_user_env as _env
 from starverse.billing import Ledger, fx_rate
 from starverse.elastic.job import job_prices, load_job
 from starverse.errors import BudgetExceededError, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [str(Path(sys.executable).parent / "starverse")]
-TINY = {
-    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
-}
-
-
-def _env(tmp: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(STARVERSE_CACHE=str(tmp / "cache"), HOME=str(tmp), COLUMNS="200")
-    for k in ("STARVERSE_CATALOG", "STARVERSE_PROFILE", "STARVERSE_LEDGER", "XDG_DATA_HOME"):
-        env.pop(k, None)
-    return env
 
 
 def _job(tmp: Path, extra: str, steps: int = 4, price: float | None = 36.0, devices: str = "{cpu_ranks: 2}") -> Path:
