@@ -16,6 +16,7 @@ predicted to be faster by more than the hysteresis, so noise does not make share
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -150,6 +151,10 @@ class GradientSync:
         self._next = 0
         self._armed = False
         self._pending: list[tuple[list[torch.nn.Parameter], torch.Tensor, Any]] = []
+        self.blocked_s = 0.0
+        """Seconds spent inside collectives started from backward hooks (the gloo bridge between device kinds
+        is synchronous: a fast rank waits there for the slowest). The trainer resets it each step and takes it
+        out of the measured compute time, so the rebalancer sees each device's own speed."""
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -171,7 +176,9 @@ class GradientSync:
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        t0 = time.perf_counter()
         self._pending.append((bucket, flat, self.mesh.all_reduce_async(flat)))  # type: ignore[attr-defined]
+        self.blocked_s += time.perf_counter() - t0
 
     def finish(self) -> None:
         """Start the buckets not started yet, wait for all, and write the sums back into ``.grad``."""

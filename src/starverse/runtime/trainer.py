@@ -439,8 +439,9 @@ def _train_rank(env: RankEnv, job: _FitJob) -> dict[str, Any]:
         start = sum(ctx.shares[:rank]) * job.micro_batch
         mine = batch_idx[start : start + ctx.shares[rank] * job.micro_batch]
         loss_sum = torch.zeros((), dtype=torch.float64)
+        grads.blocked_s = 0.0  # time waiting for peers is not this device's compute (see GradientSync)
         for k in range(ctx.shares[rank]):
-            tm = timer.now()
+            tm, blocked0 = timer.now(), grads.blocked_s
             x = torch.from_numpy(data.batch(mine[k * job.micro_batch : (k + 1) * job.micro_batch])).to(device)
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 loss = batch_loss(model, x, job.loss_fn)
@@ -448,8 +449,8 @@ def _train_rank(env: RankEnv, job: _FitJob) -> dict[str, Any]:
                 grads.arm()  # the last backward: overlap the gradient all-reduce with it
             (loss * scale).backward()
             loss_sum += loss.detach().double().cpu() * scale
-            callbacks.on_micro_batch_end(ctx, timer.now() - tm)
-        compute_s = timer.now() - t0
+            callbacks.on_micro_batch_end(ctx, timer.now() - tm - (grads.blocked_s - blocked0))
+        compute_s = timer.now() - t0 - grads.blocked_s
         grads.finish()
         norm = torch.nn.utils.clip_grad_norm_(params, job.grad_clip) if job.grad_clip > 0 else _grad_norm(params)
         lr = optimizer.param_groups[0]["lr"]
