@@ -7,6 +7,7 @@ given by the user; ``plan_for_devices(...)`` plans on a fixed set of devices wit
 
 from __future__ import annotations
 
+from starverse.planner.api import plan_for, search
 from starverse.planner.devices import RUNTIME_CAPS, UNRESTRICTED, RuntimeCaps, plan_for_devices
 from starverse.planner.job import (
     Constraints,
@@ -19,7 +20,6 @@ from starverse.planner.job import (
 )
 from starverse.planner.pool import Offer, OfferSpec, Pool, PoolSpec, Pricing, load_pool, pool_from_dict
 from starverse.planner.result import FrontierPoint, PlanResult, RankedPlan, SearchStats
-from starverse.planner.search import plan_for, search
 
 __all__ = [
     "RUNTIME_CAPS",

@@ -109,7 +109,7 @@ def plan_for_devices(
     """
     from starverse.catalog import load_catalog
     from starverse.models import load_model
-    from starverse.planner.search import search
+    from starverse.planner.api import search
 
     if not devices or any(int(n) < 1 for n in devices.values()):
         raise ConfigError(f"plan_for_devices: devices must map accelerator ids to counts >= 1 (got {dict(devices)})")

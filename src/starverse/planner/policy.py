@@ -108,3 +108,15 @@ def billed_hours(hours: np.ndarray, granularity_s: int) -> np.ndarray:
         return h
     g = granularity_s / 3600.0
     return np.ceil(h / g - 1e-9) * g
+
+
+def paid_cost(price: np.ndarray, hours: np.ndarray) -> np.ndarray:
+    """``price × hours``, where free (owned) devices cost 0 even for unbounded hours (no 0 × inf = nan)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(price > 0, price * hours, 0.0)
+
+
+def billed_hours_per_row(hours: np.ndarray, granularity_s: np.ndarray) -> np.ndarray:
+    """``billed_hours`` with a per-row granularity."""
+    g = np.maximum(granularity_s, 1) / 3600.0
+    return np.where(granularity_s <= 1, hours, np.ceil(hours / g - 1e-9) * g)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,3 +152,14 @@ class PlanResult:
     def best(self) -> RankedPlan:
         """The chosen plan."""
         return self.plans[0]
+
+
+def pareto_frontier(points: Sequence[tuple[float, float, str]]) -> tuple[FrontierPoint, ...]:
+    """Time-vs-cost Pareto front (both minimised)."""
+    out: list[FrontierPoint] = []
+    best_cost = math.inf
+    for h, cost, label in sorted(points):
+        if cost < best_cost * (1 - 1e-9):
+            out.append(FrontierPoint(h, cost, label))
+            best_cost = cost
+    return tuple(out)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +44,16 @@ from starverse.planner.build import (
     trainable_params,
 )
 from starverse.planner.job import Job, Objective
-from starverse.planner.policy import billed_hours, checkpoint_seconds, score, spot_factor
+from starverse.planner.policy import (
+    billed_hours,
+    billed_hours_per_row,
+    checkpoint_seconds,
+    paid_cost,
+    score,
+    spot_factor,
+)
 from starverse.planner.pool import Pool
-from starverse.planner.result import FrontierPoint, PlanResult, RankedPlan, SearchStats
+from starverse.planner.result import RankedPlan
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -322,7 +328,7 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
             hours_lb = tokens / tps_ub / 3600.0
         total_lb = np.zeros_like(hours_lb)
         for j in range(g):
-            total_lb += _paid(price_opt[grid[:, j]], _billed(hours_lb, gran_opt[grid[:, j]]))
+            total_lb += paid_cost(price_opt[grid[:, j]], billed_hours_per_row(hours_lb, gran_opt[grid[:, j]]))
         bound = score(ctx.job.objective, tps_ub, price, total_lb, hours_lb)
         ok = np.isfinite(bound) & (tps_ub > 0)
         if c.deadline_hours is not None:
@@ -387,18 +393,6 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
     return all_members, opts.setting[all_members[:, 0]], np.concatenate(bound_parts)
 
 
-def _paid(price: FloatArray, hours: FloatArray) -> FloatArray:
-    """``price × hours``, where free (owned) devices cost 0 even for unbounded hours (no 0 × inf = nan)."""
-    with np.errstate(invalid="ignore"):
-        return np.where(price > 0, price * hours, 0.0)
-
-
-def _billed(hours: FloatArray, granularity_s: IntArray) -> FloatArray:
-    """``policy.billed_hours`` with a per-row granularity."""
-    g = np.maximum(granularity_s, 1) / 3600.0
-    return np.where(granularity_s <= 1, hours, np.ceil(hours / g - 1e-9) * g)
-
-
 def _single_frontier(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatArray,
                      stats: dict[str, Any]) -> None:
     """Add the time-vs-cost Pareto front of every single-group option (each one exact at the full batch) to
@@ -414,7 +408,7 @@ def _single_frontier(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: 
     f = _spot_factor(ctx, lam, np.ceil(n / dpn))
     with np.errstate(divide="ignore", invalid="ignore"):
         hours = (ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS) * step * f / (ctx.batch * ctx.seq_len) / 3600
-    total = _paid(price, _billed(hours, gran))
+    total = paid_cost(price, billed_hours_per_row(hours, gran))
     ok = np.isfinite(hours) & np.isfinite(total)
     c = ctx.job.constraints
     if ctx.budget_per_hour is not None:
@@ -490,27 +484,23 @@ def _plan_of(ctx: _Ctx, opts: space.Options, combo: _Combo) -> tuple[Plan, dict[
     return plan, devices
 
 
-def _frontier(points: Sequence[tuple[float, float, str]]) -> tuple[FrontierPoint, ...]:
-    """Time-vs-cost Pareto front (both minimised)."""
-    out: list[FrontierPoint] = []
-    best_cost = math.inf
-    for h, cost, label in sorted(points):
-        if cost < best_cost * (1 - 1e-9):
-            out.append(FrontierPoint(h, cost, label))
-            best_cost = cost
-    return tuple(out)
-
-
 def best_combinations(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int = 1
                       ) -> tuple[list[_Combo], space.Options, dict[str, Any]]:
     """The search core without the final scalar re-estimate: best combinations, the options they index,
     and the statistics (used by :func:`search_mode` and by the exactness test against brute force)."""
     stats: dict[str, Any] = new_stats()
     job, _ = resolve_objective(job, pool)
+    _, opts, combos = _best(job, pool, catalog, spec, mode, top, stats)
+    return combos, opts, stats
+
+
+def _best(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int, stats: dict[str, Any]
+          ) -> tuple[_Ctx, space.Options, list[_Combo]]:
+    """Options of the space and the ``top`` best combinations of them (branch and bound)."""
     ctx = _context(job, pool, catalog, spec, mode)
     opts, tables, power = _options(ctx, stats)
     combos = _branch_and_bound(ctx, opts, tables, power, max(top, 1), stats) if len(opts) else []
-    return combos, opts, stats
+    return ctx, opts, combos
 
 
 def new_stats() -> dict[str, Any]:
@@ -524,9 +514,7 @@ def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: i
     """Search one training mode; ranked plans (possibly empty)."""
     from starverse.planner import hetero
 
-    ctx = _context(job, pool, catalog, spec, mode)
-    opts, tables, power = _options(ctx, stats)
-    combos = _branch_and_bound(ctx, opts, tables, power, max(top, 1), stats) if len(opts) else []
+    ctx, opts, combos = _best(job, pool, catalog, spec, mode, top, stats)
     ranked: list[RankedPlan] = []
     alternative = mode != job.train.mode
     for combo in combos:
@@ -570,80 +558,4 @@ def resolve_objective(job: Job, pool: Pool) -> tuple[Job, str | None]:
     return job, None
 
 
-def search(job: Job, pool: Pool, catalog: Any = None, top: int = 5, spec: Any = None) -> PlanResult:
-    """Ranked plans for ``job`` on ``pool`` (best first), or ``InfeasiblePlanError`` saying why and what
-    would help. Pure numpy (no torch). ``spec``: the model's ``ModelSpec`` when ``job.model`` only names it
-    (e.g. a config dict given to :func:`~starverse.planner.devices.plan_for_devices`)."""
-    from starverse.catalog import load_catalog
-    from starverse.models import load_model
-    from starverse.planner import explain
-
-    t0 = time.perf_counter()
-    catalog = catalog if catalog is not None else load_catalog()
-    spec = spec if spec is not None else load_model(job.model)
-    job, objective_note = resolve_objective(job, pool)
-    stats = new_stats()
-    ranked = search_mode(job, pool, catalog, spec, job.train.mode, top, stats)
-    notes: list[str] = [objective_note] if objective_note else []
-    if not ranked and job.train.mode == "full" and job.search.alternatives:
-        for alt in ("lora", "qlora"):
-            alt_ranked = search_mode(job, pool, catalog, spec, alt, top, stats)
-            if alt_ranked:
-                ranked.extend(alt_ranked)
-        if ranked:
-            ranked.sort(key=lambda r: -r.objective_value)
-            ranked = ranked[:top]
-            notes.append(
-                f"full training of {job.model} cannot run on this pool within the constraints; the plans below "
-                "are fine-tuning ALTERNATIVES (LoRA/QLoRA), not full training"
-            )
-    if not ranked:
-        raise explain.infeasible(job, pool, catalog, spec)
-    for r in ranked:
-        if r.kind == "hetero-pipeline" and r.hours is not None and r.total_cost is not None:
-            stats["frontier_points"].append((r.hours, r.total_cost, "hetero-pipeline"))
-    stats_obj = SearchStats(
-        options=stats["options"], evaluated_rows=stats["rows"], combinations=stats["combinations"],
-        exact_evaluations=stats["exact"], screened=stats["screened"], proven_optimal=stats["proven"],
-        bound_gap=stats["gap"], seconds=time.perf_counter() - t0,
-    )
-    return PlanResult(
-        plans=tuple(ranked), objective=job.objective, currency=pool.currency, model=job.model, stats=stats_obj,
-        frontier=_frontier(stats["frontier_points"]), per_job=job.train.total_tokens is not None,
-        notes=tuple(notes),
-    )
-
-
-def plan_for(model_id: str, policy: str | Objective = Objective.COST_PERFORMANCE,
-             max_budget_per_hour: float | None = None, pool: Any = None, job_overrides: dict[str, Any] | None = None,
-             catalog: Any = None, top: int = 5) -> PlanResult:
-    """Python API behind ``starverse.accelerate(model_id=..., policy=..., max_budget=..., pool=...)``.
-
-    ``policy`` is the objective; ``max_budget_per_hour`` the budget per hour in the pool's currency; ``pool``
-    a :class:`Pool`, a path to ``pool.yaml`` or a mapping in its format; ``job_overrides`` is merged into the
-    job (e.g. ``{"train": {"seq_len": 2048, "global_batch": 64}}``).
-    """
-    from starverse.catalog import load_catalog
-    from starverse.planner.job import job_from_dict
-    from starverse.planner.pool import load_pool, pool_from_dict
-
-    catalog = catalog if catalog is not None else load_catalog()
-    if pool is None:
-        raise ConfigError("plan_for: no pool given; pass pool= a pool.yaml path, a mapping in its format or a Pool")
-    if isinstance(pool, Pool):
-        pool_obj = pool
-    elif isinstance(pool, dict):
-        pool_obj = pool_from_dict(pool, catalog)
-    else:
-        pool_obj = load_pool(pool, catalog)
-    data: dict[str, Any] = {"model": model_id, "train": {"seq_len": 2048, "global_batch": 64},
-                            "objective": str(policy)}
-    for k, v in (job_overrides or {}).items():
-        data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
-    if max_budget_per_hour is not None:
-        data.setdefault("constraints", {})
-        data["constraints"] = {**data["constraints"], "max_budget_per_hour": max_budget_per_hour}
-    return search(job_from_dict(data, "<plan_for>"), pool_obj, catalog, top)
-
-
-__all__ = ["best_combinations", "plan_for", "rank_plan", "resolve_objective", "search"]
+__all__ = ["best_combinations", "new_stats", "rank_plan", "resolve_objective", "search_mode"]
