@@ -36,10 +36,6 @@ class ServiceContext:
     db: Database
 
 
-class BodyTooLarge(Exception):
-    """The request body passed its cap."""
-
-
 class BodyLimit:
     """ASGI middleware: refuse bodies over the cap (413) from Content-Length, or while streaming them."""
 
@@ -63,29 +59,33 @@ class BodyLimit:
                 if declared > cap:
                     await _too_large(send, cap)
                     return
+        # read the body up to the cap before the app sees it (a parser would turn an error raised while it
+        # reads into its own 400); then replay it
+        chunks: list[bytes] = []
         seen = 0
-        started = False
-
-        async def limited() -> Message:
-            nonlocal seen
+        more = True
+        while more:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > cap:
-                    raise BodyTooLarge
-            return msg
-
-        async def tracking_send(msg: Message) -> None:
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
-        try:
-            await self.app(scope, limited, tracking_send)
-        except BodyTooLarge:
-            if not started:
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            seen += len(chunk)
+            if seen > cap:
                 await _too_large(send, cap)
+                return
+            chunks.append(chunk)
+            more = bool(msg.get("more_body"))
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 async def _too_large(send: Send, cap: int) -> None:
