@@ -169,6 +169,9 @@ class Worker:
                 state, reason = JobState.SUCCEEDED, None
             elif rc == 3:
                 state, reason = JobState.STOPPED, r.stop_reason or "preempted: emergency checkpoint written"
+            elif rc == -signal.SIGTERM and r.stop_reason is not None:
+                # stopped before the training loop could write a checkpoint: the earlier ones stand
+                state, reason = JobState.STOPPED, r.stop_reason.split(":")[0] + " before it started training"
             else:
                 state, reason = JobState.FAILED, _last_error(r.folder / LOG_FILE) or f"exit code {rc}"
             with self.db.session() as s:
