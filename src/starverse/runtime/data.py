@@ -195,7 +195,10 @@ def _tokenize_docs(docs: list[str], tokenizer: str, vocab_size: int, key: str, s
     else:
         log.info("training a byte-level BPE tokenizer (%d ids) on %s", vocab_size, source)
         tok = _train_bpe(docs, vocab_size, path)
-    eot = tok.token_to_id(EOT)
+    eot_id = tok.token_to_id(EOT)
+    if eot_id is None:
+        raise ConfigError(f"tokenizer {path} has no {EOT!r} token. To fix: delete it; it is rebuilt from the corpus.")
+    eot = eot_id
     encoded = tok.encode_batch(docs)
     parts = []
     for enc in encoded:
