@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ def fingerprint(model: torch.nn.Module) -> tuple[str, int]:
 
 def capture_rng() -> dict[str, Any]:
     """RNG states of this process (torch CPU, CUDA if present, Python, numpy)."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state())
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

@@ -293,7 +293,7 @@ def _save_config(cfg: dict[str, Any]) -> Path:
     return path
 
 
-_SMALL_LLAMA = {
+_SMALL_LLAMA: dict[str, Any] = {
     "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
     "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",

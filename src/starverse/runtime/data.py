@@ -197,8 +197,11 @@ class _Bytes(TextTokenizer):
 
 class _Bpe(TextTokenizer):
     def __init__(self, tok: Any, path: Path):
+        eot = tok.token_to_id(EOT)
+        if eot is None:
+            raise ConfigError(f"tokenizer {path} has no {EOT!r} token. To fix: delete it; it is rebuilt from the corpus.")
         self.tok, self.name = tok, f"bpe:{path}"
-        self.vocab_size, self.eot_id = int(tok.get_vocab_size()), int(tok.token_to_id(EOT))
+        self.vocab_size, self.eot_id = int(tok.get_vocab_size()), int(eot)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text).ids)

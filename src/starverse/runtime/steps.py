@@ -91,7 +91,8 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     The attention term uses the model's ``config`` (Hugging Face) when it has one.
     """
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_out = getattr(model, "get_output_embeddings", None)
+    out_emb = get_out() if callable(get_out) else None
     head_ids = {id(out_emb.weight)} if out_emb is not None else set()
     n = sum(p.numel() for p in model.parameters() if id(p) not in emb_ids or id(p) in head_ids)
     cfg = getattr(model, "config", None)
