@@ -243,6 +243,16 @@ class HFTokenizer(TextTokenizer):
         return out
 
 
+def model_tokenizer(model: Any) -> str | None:
+    """The folder of the model's own tokenizer (``config._name_or_path`` when it is a folder with tokenizer files)."""
+    from starverse.models.folder import TOKENIZER_FILES
+
+    path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not path or not Path(path).is_dir():
+        return None
+    return str(path) if any((Path(path) / f).is_file() for f in TOKENIZER_FILES) else None
+
+
 def load_tokenizer(ref: str | Path | Any) -> HFTokenizer:
     """A model folder's tokenizer (or a ``tokenizer.json`` file, or a transformers tokenizer object)."""
     if not isinstance(ref, str | Path):
@@ -252,6 +262,7 @@ def load_tokenizer(ref: str | Path | Any) -> HFTokenizer:
     path = Path(ref).expanduser().resolve()
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    tok: Any
     try:
         if path.is_file() and path.suffix == ".json":
             tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
@@ -298,15 +309,17 @@ def tokenize_corpus(
             with np.load(cached) as z:
                 return TokenizedCorpus(
                     tokens=z["tokens"], vocab_size=int(z["vocab_size"]), eot_id=int(z["eot_id"]),
-                    tokenizer=str(z["tokenizer"]), loss_mask=z["loss_mask"] if "loss_mask" in z else None,
+                    tokenizer=str(z["tokenizer"]), loss_mask=z.get("loss_mask"),
                 )
         docs = _read_documents(files, max_bytes)
         corpus = _tokenize_docs(docs, hf or str(tokenizer), vocab_size, key, source=str(dataset))
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(cached.stem + ".tmp.npz")
-        extra = {} if corpus.loss_mask is None else {"loss_mask": corpus.loss_mask}
-        np.savez(tmp, tokens=corpus.tokens, vocab_size=corpus.vocab_size, eot_id=corpus.eot_id,
-                 tokenizer=corpus.tokenizer, **extra)
+        arrays: dict[str, Any] = {"tokens": corpus.tokens, "vocab_size": corpus.vocab_size,
+                                  "eot_id": corpus.eot_id, "tokenizer": corpus.tokenizer}
+        if corpus.loss_mask is not None:
+            arrays["loss_mask"] = corpus.loss_mask
+        np.savez(tmp, **arrays)
         tmp.replace(cached)
         return corpus
     if hasattr(dataset, "column_names"):

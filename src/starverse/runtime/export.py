@@ -45,8 +45,8 @@ def record_model(run_dir: Path, model: torch.nn.Module, *, tokenizer: Any = None
     out = run_dir / MODEL_DIR
     out.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(str(out))
-    base = getattr(cfg, "_name_or_path", "") or None
-    has_base = base is not None and (Path(base) / "config.json").is_file()
+    base = str(getattr(cfg, "_name_or_path", "") or "")
+    has_base = bool(base) and (Path(base) / "config.json").is_file()
     meta = {"base": str(Path(base).resolve()) if has_base else None, "mode": mode,
             "lora": lora.as_dict() if lora is not None else None}
     (out / BASE_MODEL_FILE).write_text(json.dumps(meta, indent=1))
@@ -111,13 +111,13 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge_lora: bool = False
         raise ConfigError(f"{run}: LoRA run without a pretrained base folder; nothing to apply the adapters to.")
     if base is not None and not (Path(base) / "config.json").is_file():
         raise ConfigError(f"{run}: the base model {base} is gone. To fix: put the base folder back at that path.")
-    model = build_model(base) if base is not None else AutoModelForCausalLM.from_config(
+    model: Any = build_model(base) if base is not None else AutoModelForCausalLM.from_config(
         AutoConfig.from_pretrained(str(mdir)))
     adapter_only = False
     if lora is not None:
         from peft import get_peft_model
 
-        settings = LoraSettings(int(lora["rank"]), float(lora["alpha"]), tuple(lora["target_modules"]))
+        settings = LoraSettings(int(lora["rank"]), int(lora["alpha"]), tuple(lora["target_modules"]))
         peft_model = get_peft_model(model, settings.peft_config())
         inner = peft_model.base_model.model
         _load_checked(inner, state, final)

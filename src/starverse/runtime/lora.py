@@ -25,7 +25,7 @@ from starverse.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-LORA_ALPHA_RATIO = 2.0
+LORA_ALPHA_RATIO = 2
 """``lora_alpha = 2 × rank`` (the usual choice: the adapters' scale does not change with the rank)."""
 
 
@@ -35,7 +35,7 @@ class LoraSettings:
 
     rank: int
     """Rank of each adapter."""
-    alpha: float
+    alpha: int
     """Scale numerator (the update is ``alpha / rank × B A``)."""
     target_modules: tuple[str, ...]
     """Names (suffixes) of the linear layers that carry adapters."""
@@ -61,13 +61,19 @@ def default_targets(model: torch.nn.Module) -> tuple[str, ...]:
 
         if model_type in defaults:
             return tuple(defaults[model_type])
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_head(model)
     names = [n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
     if head is None and names:
         names = names[:-1]  # a plain module: its last linear layer is taken to be the output head
     if not names:
         raise ConfigError(f"train.mode: lora: {type(model).__name__} has no linear layers to put adapters on.")
     return tuple(dict.fromkeys(names))
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's output projection (a transformers model's ``get_output_embeddings()``), None if unknown."""
+    get: Any = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -100,14 +106,14 @@ def check_mode(mode: str, devices: Sequence[str], source: str = "plan") -> None:
             )
 
 
-def apply_lora(model: torch.nn.Module, rank: int, *, alpha: float | None = None,
+def apply_lora(model: torch.nn.Module, rank: int, *, alpha: int | None = None,
                target_modules: Sequence[str] | None = None) -> LoraSettings:
     """Inject LoRA adapters into ``model`` in place; freezes everything else. Returns the settings used."""
     from peft import inject_adapter_in_model
 
     if rank <= 0:
         raise ConfigError(f"train.lora_rank: must be > 0 (got {rank}).")
-    settings = LoraSettings(rank, float(alpha if alpha is not None else LORA_ALPHA_RATIO * rank),
+    settings = LoraSettings(rank, int(alpha if alpha is not None else LORA_ALPHA_RATIO * rank),
                             tuple(target_modules or default_targets(model)))
     for p in model.parameters():
         p.requires_grad_(False)
@@ -141,7 +147,7 @@ def quantize_4bit(model: torch.nn.Module) -> None:
     """
     import bitsandbytes as bnb
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_head(model)
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear) or module is head:
             continue

@@ -56,8 +56,9 @@ def hf_config_dict(config: Any) -> dict[str, Any]:
     """
     if isinstance(config, Mapping):
         return dict(config)
-    if isinstance(config, torch.nn.Module) and hasattr(getattr(config, "config", None), "to_dict"):
-        return dict(config.config.to_dict())
+    model_cfg: Any = getattr(config, "config", None) if isinstance(config, torch.nn.Module) else None
+    if model_cfg is not None and hasattr(model_cfg, "to_dict"):
+        return dict(model_cfg.to_dict())
     if is_model_folder(config):
         folder = inspect_folder(config)
         cfg = dict(folder.config)

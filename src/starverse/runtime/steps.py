@@ -74,10 +74,7 @@ def _masked_loss(
 ) -> torch.Tensor:
     if loss_fn is not None:
         raise TypeError("loss_fn= cannot be combined with masked labels (chat data). To fix: drop loss_fn.")
-    if _accepts_labels(model):
-        logits = model(input_ids=input_ids).logits
-    else:
-        logits = _logits(model, model(input_ids))
+    logits = _logits(model, model(input_ids))
     return F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100,
         reduction="sum",
