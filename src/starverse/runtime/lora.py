@@ -81,6 +81,14 @@ def is_lora(model: torch.nn.Module) -> bool:
     return any(".lora_A." in n for n, _ in model.named_parameters())
 
 
+def lora_settings_of(model: torch.nn.Module) -> LoraSettings | None:
+    """The settings of the adapters peft injected into ``model`` (None without adapters)."""
+    cfg = (getattr(model, "peft_config", None) or {}).get("default")
+    if cfg is None:
+        return None
+    return LoraSettings(int(cfg.r), int(cfg.lora_alpha), tuple(sorted(cfg.target_modules)))
+
+
 def qlora_support(devices: Sequence[str]) -> str | None:
     """None when 4-bit QLoRA can run on all ``devices``; else why not (one phrase)."""
     cpu = [d for d in devices if not str(d).startswith("cuda")]
@@ -131,10 +139,10 @@ def apply_mode(model: torch.nn.Module, mode: str, lora_rank: int, devices: Seque
                source: str = "plan") -> LoraSettings | None:
     """Prepare ``model`` for the plan's training mode (see the module docstring); None for ``full``."""
     check_mode(mode, devices, source)
+    if is_lora(model):
+        return lora_settings_of(model)  # adapters already there (build_model(cluster), or the user's own)
     if mode == "full":
         return None
-    if is_lora(model):
-        return None  # the user injected adapters already
     if mode == "qlora":
         quantize_4bit(model)
     return apply_lora(model, lora_rank)

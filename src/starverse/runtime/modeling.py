@@ -19,6 +19,7 @@ import torch
 
 from starverse.errors import ConfigError, ModelError
 from starverse.models.folder import inspect_folder, is_model_folder
+from starverse.runtime.lora import apply_mode
 from starverse.runtime.pretrained import load_weights, weights_dtype
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,8 @@ def build_model(
     """A ``transformers`` causal LM for ``config``: pretrained weights when it names them, else freshly initialised.
 
     ``config``: a model folder (``save_pretrained`` output: its safetensors are loaded, checked against its
-    config.json), a ``Cluster`` (its ``model_config``, weights and the plan's dtype), a ``transformers`` model
-    (returned as is, cast to ``dtype`` if given), a registry id / HF id / config.json path, a ``ModelSpec``,
+    config.json), a ``Cluster`` (its model in the dtype of its plan's mode, with LoRA adapters for lora/qlora),
+    a ``transformers`` model (returned as is, cast to ``dtype`` if given), a registry id / HF id / config.json path, a ``ModelSpec``,
     a ``PretrainedConfig`` or a dict. Nothing is downloaded. Initialisation is seeded (``seed``), so the
     same call gives the same weights everywhere. ``dtype``: None is fp32 (for a Cluster: the dtype its plan's
     mode keeps weights in, see :func:`~starverse.runtime.pretrained.weights_dtype`). ``attn_implementation``:
@@ -213,12 +214,14 @@ def build_model(
 
     if isinstance(config, torch.nn.Module):
         return config.to(dtype) if dtype is not None else config
-    if hasattr(config, "model_config") and hasattr(config, "plan"):  # a Cluster
-        if config.pretrained_model is not None:
-            return build_model(config.pretrained_model, dtype=dtype)
+    if hasattr(config, "model_config") and hasattr(config, "plan"):  # a Cluster: its model, ready for its mode
         train = config.plan.train
-        dtype = dtype or weights_dtype(train.mode, train.precision)
-        config = config.model_config
+        given = config.pretrained_model
+        model = build_model(given if given is not None else config.model_config, seed=seed,
+                            dtype=dtype or (None if given is not None else weights_dtype(train.mode, train.precision)),
+                            attn_implementation=attn_implementation)
+        apply_mode(model, train.mode, train.lora_rank, [r.device for r in config.ranks], "plan")
+        return model
     dtype = dtype or torch.float32
     cfg = hf_config_dict(config)
     pcfg = _to_pretrained(cfg)
