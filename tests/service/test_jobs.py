@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 from service_fixtures import TINY_JOB, Service
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _launches(svc: Service, tenant_dir_job: str) -> list[dict]:

@@ -23,7 +23,7 @@ from service_fixtures import TINY_JOB, free_port, make_settings
 from starverse.service.db import Database, Job, JobEvent, migrate
 from starverse.service.tenants import create_tenant, create_token
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def start_server(root: Path, db_url: str, port: int, slots: int) -> subprocess.Popen[bytes]:
