@@ -266,4 +266,4 @@ def read_log(settings: ServiceSettings, job: Job, tail_bytes: int = 64_000) -> s
         fh.seek(max(0, size - tail_bytes))
         text = fh.read().decode("utf-8", errors="replace")
     # the tenant's own paths, without the server's layout above them
-    return text.replace(str(settings.tenant_dir(job.tenant_id)), "~")
+    return text.replace(str(settings.tenant_dir(job.tenant_id)), "~").replace(str(settings.platform_dir), "platform:")

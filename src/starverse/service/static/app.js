@@ -241,8 +241,9 @@ async function renderJob(id) {
     badge.textContent = j.state; badge.className = `badge ${j.state}`;
     document.getElementById("job-bar").style.width = `${Math.min(100, 100 * (j.last_step || 0) / Math.max(1, j.max_steps))}%`;
     const last = state.samples[state.samples.length - 1];
+    const lastTps = state.samples.filter(x => x.tokens_per_s != null).pop();
     document.getElementById("job-kv").innerHTML = `<dt>step</dt><dd id="job-step">${j.last_step ?? 0} / ${j.max_steps}</dd>
-      <dt>loss</dt><dd>${last ? num(last.loss, 4) : "–"}</dd><dt>tokens/s</dt><dd>${last ? num(last.tokens_per_s, 0) : "–"}</dd>
+      <dt>loss</dt><dd>${last ? num(last.loss, 4) : "–"}</dd><dt>tokens/s</dt><dd>${lastTps ? num(lastTps.tokens_per_s, 0) : "–"}</dd>
       <dt>launches</dt><dd>${j.launches}</dd><dt>started</dt><dd>${when(j.started_at)}</dd><dt>finished</dt><dd>${when(j.finished_at)}</dd>
       ${j.stop_reason ? `<dt>why it stopped</dt><dd>${esc(j.stop_reason)}</dd>` : ""}`;
     document.getElementById("btn-stop").disabled = !active;
