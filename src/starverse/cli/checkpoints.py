@@ -102,6 +102,10 @@ def train(
         typer.Option("--resume-from", help="Resume from this checkpoint step (rollback); default: the latest."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON.")] = False,
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this 127.0.0.1 port "
+                                 "(overrides metrics.port; 0: a free port).", min=0, max=65535),
+    ] = None,
 ) -> None:
     """Run a training job under the supervisor: checkpoints, preemption notices, re-plan and resume on loss,
     a per-second ledger with budgets and insurance credits, and Prometheus metrics on 127.0.0.1.
@@ -109,12 +113,14 @@ def train(
     SIGTERM writes an emergency checkpoint and exits with code 3; run the same command again to resume.
     """
     from starverse.jobs import prepare_job
+    from starverse.metrics.callbacks import ENDPOINT_FILE
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # accelerate's warnings are also in cluster.notes, printed with the summary: once is enough
     logging.getLogger("starverse.runtime.cluster").setLevel(logging.ERROR)
     console = Console(highlight=False, stderr=as_json, soft_wrap=True)
-    prepared = prepare_job(job_file, resume_from=resume_from if resume_from is not None else "latest")
+    prepared = prepare_job(job_file, resume_from=resume_from if resume_from is not None else "latest",
+                           metrics_port=metrics_port)
     for line in prepared.summary_lines():
         console.print(f"  {line}", markup=False)
     result = prepared.run()
@@ -134,6 +140,12 @@ def train(
     console.print(f"  steps redone after losses: {result.lost_steps}", markup=False)
     if result.bill is not None:
         print_bill(console, result.bill)
+    run_dir = result.run_dir
+    if result.metrics_url:
+        console.print(f"  metrics were served at {result.metrics_url} (address in {run_dir / ENDPOINT_FILE})",
+                      markup=False)
+    console.print(f"  logs: {run_dir / 'metrics.jsonl'}, TensorBoard: tensorboard --logdir {run_dir}; "
+                  f"`starverse runs {run_dir.parent}`, `starverse export {run_dir} --out DIR`", markup=False)
     console.print(f"run dir: {result.run_dir}  checkpoints: {result.checkpoints}"
                   + (f"  ledger: {result.bill.ledger} (`starverse bill {result.run_dir}`)" if result.bill else ""),
                   markup=False)

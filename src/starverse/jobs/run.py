@@ -22,6 +22,7 @@ from starverse.jobs.ledger import JobBill, check_ledger_job, job_bill
 from starverse.jobs.wiring import JobCallbacks, build_callbacks
 from starverse.metrics.callbacks import ENDPOINT_FILE
 from starverse.runtime.cluster import Cluster
+from starverse.runtime.lora import check_mode
 from starverse.runtime.trainer import FitResult
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,15 @@ class PreparedJob:
         self.job = job
         self.source = source
         self.run_dir = Path(job.run_dir)
+        pretrained = Path(job.model).is_dir()
+        # a pretrained folder is never scaled down: the default size cap applies only when the job file sets it
+        max_params = job.train.max_params if not pretrained or "max_params" in job.train.model_fields_set else None
         self.cluster: Cluster = starverse.accelerate(
             model_id=job.model, plan=job.plan, num_cpu_ranks=job.devices.cpu_ranks, use_gpus=job.devices.use_gpus,
-            seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=job.train.max_params,
+            seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=max_params,
+            mode=job.train.mode, lora_rank=job.train.lora_rank,
         )
+        check_mode(job.train.mode, [r.device for r in self.cluster.ranks], source)
         kinds = [r.device_kind for r in self.cluster.ranks]
         self.mtbf_s, self.mtbf_why = job_mtbf(job, kinds)
         self.prices: JobPrices | None = None
@@ -108,7 +114,8 @@ class PreparedJob:
             checkpoint=self.callbacks.checkpoint, preemption=self.callbacks.preemption,
             callbacks=self.callbacks.accounting,
             trainer_options={"lr": job.train.lr, "seed": job.train.seed,
-                             "rebalance_every": job.train.rebalance_every, "launcher": job.devices.launcher},
+                             "rebalance_every": job.train.rebalance_every, "launcher": job.devices.launcher,
+                             "eval_fraction": job.train.eval_fraction, "eval_every": job.train.eval_every},
             max_restarts=job.max_restarts,
         )
         self.resume_from = resume_from
@@ -148,14 +155,14 @@ class PreparedJob:
 
         def model_factory(c: Cluster) -> Any:
             with c.mixed_mesh():
-                return starverse.build_model(c.model_config, seed=job.train.seed)
+                return starverse.build_model(c, seed=job.train.seed)  # weights, dtype and adapters of the mode
 
         watcher = _ProgressWatcher(self.run_dir, job.train.steps, on_progress) if on_progress else None
         try:
             out = self.supervisor.run(
                 model_factory, job.dataset, resume_from=self.resume_from,
                 per_device_batch_size=job.train.micro_batch, max_steps=job.train.steps, seq_len=job.train.seq_len,
-                global_batch=job.train.global_batch,
+                global_batch=job.train.global_batch, tokenizer=job.train.tokenizer,
             )
         finally:
             if watcher is not None:
@@ -212,11 +219,14 @@ class _ProgressWatcher:
         self._poll()
 
 
-def prepare_job(job: TrainJob | str | Path, *, resume_from: int | str | None = "latest") -> PreparedJob:
-    """Load (a path) and check a job, wire it; nothing is started. See :class:`PreparedJob`."""
-    if isinstance(job, TrainJob):
-        return PreparedJob(job, resume_from=resume_from)
-    return PreparedJob(load_job(job), source=str(job), resume_from=resume_from)
+def prepare_job(job: TrainJob | str | Path, *, resume_from: int | str | None = "latest",
+                metrics_port: int | None = None) -> PreparedJob:
+    """Load (a path) and check a job, wire it; nothing is started. See :class:`PreparedJob`. ``metrics_port``
+    overrides the job's ``metrics.port``."""
+    loaded = job if isinstance(job, TrainJob) else load_job(job)
+    if metrics_port is not None:
+        loaded = loaded.model_copy(update={"metrics": loaded.metrics.model_copy(update={"port": metrics_port})})
+    return PreparedJob(loaded, source="job" if isinstance(job, TrainJob) else str(job), resume_from=resume_from)
 
 
 def run_job(job: TrainJob | str | Path, *, resume_from: int | str | None = "latest",
