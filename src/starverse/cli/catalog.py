@@ -62,6 +62,8 @@ def catalog(
         if offer is None:
             return None, None
         price = offer.spot_price_per_hour if spot else offer.price_per_hour
+        if price is None:
+            return None, None
         return cat.convert(price, offer.currency, currency), offer
 
     if as_json:

@@ -16,6 +16,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from starverse.cli.checks import check_dataset, check_port_free, check_run_dir, check_seq_len
+
 checkpoints_app = typer.Typer(
     name="checkpoints", help="Inspect a run's checkpoints (snapshots to resume or roll back to).",
     no_args_is_help=True, add_completion=False,
@@ -34,7 +36,7 @@ def list_checkpoints(
 
     store = CheckpointStore(resolve_root(run_dir))
     store.require_any()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for info in store.list():
         status = "ok"
         if verify:
@@ -81,7 +83,7 @@ def job_bill(ledger_path: str | Path, job_name: str) -> dict[str, Any]:
 
     with Ledger.open(ledger_path, create=False) as ledger:
         job = ledger.job(job_name)
-        leases = []
+        leases: list[dict[str, Any]] = []
         for le in ledger.leases(job):
             rows = ledger.charges(le.id)
             ticks = sum(r.ticks for r in rows)
@@ -91,7 +93,7 @@ def job_bill(ledger_path: str | Path, job_name: str) -> dict[str, Any]:
                 "seconds": sum(r.seconds for r in rows) if le.end_s is not None else None,
                 "charges": str(ticks_to_decimal(ticks)), "charge_ticks": ticks, "open": le.end_s is None,
             })
-        credits = [{"lease": c.lease_id, "kind": c.kind.value, "seconds": c.seconds, "amount": str(c.amount),
+        credits: list[dict[str, Any]] = [{"lease": c.lease_id, "kind": c.kind.value, "seconds": c.seconds, "amount": str(c.amount),
                     "ticks": c.ticks} for c in ledger.credits(job)]
         events = [{"kind": e.kind.value, "step": e.step} for e in ledger.events(job)]
     charge_ticks = sum(x["charge_ticks"] for x in leases)
@@ -187,24 +189,31 @@ def train(
     # accelerate's warnings are also in cluster.notes, printed with the summary: once is enough
     logging.getLogger("starverse.runtime.cluster").setLevel(logging.ERROR)
     job = load_job(job_file)
+    source = str(job_file)
+    check_run_dir(job.run_dir, source)
+    check_dataset(job.dataset, source)
+    if job.metrics.enabled:
+        check_port_free(job.metrics.port, source)
     console = Console(highlight=False, stderr=as_json, soft_wrap=True)
     cluster = starverse.accelerate(
         model_id=job.model, plan=job.plan, num_cpu_ranks=job.devices.cpu_ranks, use_gpus=job.devices.use_gpus,
         seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=job.train.max_params,
     )
+    check_seq_len(job.train.seq_len, cluster.model_config, job.model, source)
     kinds = [r.device_kind for r in cluster.ranks]
     mtbf_s, mtbf_why = job_mtbf(job, kinds)
     run_dir = Path(job.run_dir)
     bill_cfg = job.billing
     billing: BillingCallback | None = None
     prices = None
+    job_name = bill_cfg.job or run_dir.name
     if bill_cfg.enabled:
         prices = job_prices(job, kinds, str(job_file))  # refuses a job above max_budget_per_hour before launch
         ledger_path = Path(bill_cfg.ledger or run_dir / LEDGER_FILE)
-        check_ledger_job(ledger_path, bill_cfg.job or run_dir.name, prices.currency, bill_cfg.budget_total,
+        check_ledger_job(ledger_path, job_name, prices.currency, bill_cfg.budget_total,
                          str(job_file))
         billing = BillingCallback(
-            job=bill_cfg.job or run_dir.name, ledger_path=ledger_path,
+            job=job_name, ledger_path=ledger_path,
             currency=prices.currency, budget_total=bill_cfg.budget_total,
             max_budget_per_hour=bill_cfg.max_budget_per_hour, prices=prices.prices,
         )
@@ -270,7 +279,7 @@ def train(
     )
     latest = sup.store.latest()
     interval = (latest.manifest.get("interval") or {}).get("reason") if latest else None
-    bill = job_bill(billing.ledger_path, billing.job_name) if billing is not None and billing.ledger_path else None
+    bill = job_bill(billing.ledger_path, job_name) if billing is not None and billing.ledger_path else None
     endpoint = run_dir / ENDPOINT_FILE
     metrics_url = json.loads(endpoint.read_text()).get("url") if job.metrics.enabled and endpoint.is_file() else None
     stop = out.fit.stop_reason if out.fit else None

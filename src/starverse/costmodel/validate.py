@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from starverse.config import FrozenModel, parse, read_yaml
+from starverse.config import FrozenModel, parse, read_yaml, where
 from starverse.errors import ConfigError, StarverseError
 from starverse.plan import Plan, _resolve_model_path
 
@@ -96,11 +96,11 @@ def run_case(path: Path, catalog: Any = None) -> CaseResult:
         try:
             spec = load_model(plan.model, base_dir=path.parent)
         except StarverseError as e:
-            raise ConfigError(f"{path}: model: {e}") from None
+            raise ConfigError(f"{where(path, ('model',))}: model: {e}") from None
         try:
             est = estimate(plan, catalog, spec)
         except StarverseError as e:
-            raise ConfigError(f"{path}: {e}") from None
+            raise ConfigError(f"{where(path, getattr(e, 'loc', None))}: {e}") from None
     except StarverseError as e:
         return CaseResult(name, str(path), None, measured, False, reason=str(e))
     if measured is None:
