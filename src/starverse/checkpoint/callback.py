@@ -123,8 +123,9 @@ class CheckpointCallback(Callback):
         else:
             store = CheckpointStore(resolve_root(path))
             store.require_any()
-            info = store.latest()
-            assert info is not None
+            latest = store.latest()
+            assert latest is not None  # require_any() raised otherwise
+            info = latest
         self._load(ctx, ck, info)
         return True
 
@@ -261,7 +262,7 @@ class CheckpointCallback(Callback):
         ctx.extra[CHECKPOINT_KEY] = {
             "step": info.step,
             "at_s": int(datetime.fromisoformat(info.created_at).timestamp()),
-            "seconds": float(ck.stats.last_write_s),
+            "seconds": float(ck.stats.last_write_s) if ck is not None else 0.0,
             "path": str(info.path),
             "reason": info.reason,
         }

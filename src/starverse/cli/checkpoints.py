@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from starverse.cli.checks import check_dataset, check_port_free, check_run_dir, check_seq_len
+from starverse.config import where
 
 checkpoints_app = typer.Typer(
     name="checkpoints", help="Inspect a run's checkpoints (snapshots to resume or roll back to).",
@@ -164,6 +165,10 @@ def train(
         typer.Option("--resume-from", help="Resume from this checkpoint step (rollback); default: the latest."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON.")] = False,
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this 127.0.0.1 port "
+                                 "(overrides metrics.port; 0: a free port).", min=0, max=65535),
+    ] = None,
 ) -> None:
     """Run a training job under the supervisor: checkpoints, preemption notices, re-plan and resume on loss,
     a per-second ledger with budgets and insurance credits, and Prometheus metrics on 127.0.0.1.
@@ -184,22 +189,31 @@ def train(
     from starverse.elastic.preemption import PreemptionCallback
     from starverse.elastic.supervisor import Supervisor
     from starverse.metrics.callbacks import ENDPOINT_FILE, BillingCallback, MetricsCallback
+    from starverse.runtime.lora import check_mode
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # accelerate's warnings are also in cluster.notes, printed with the summary: once is enough
     logging.getLogger("starverse.runtime.cluster").setLevel(logging.ERROR)
     job = load_job(job_file)
+    if metrics_port is not None:
+        job = job.model_copy(update={"metrics": job.metrics.model_copy(update={"port": metrics_port})})
     source = str(job_file)
     check_run_dir(job.run_dir, source)
     check_dataset(job.dataset, source)
     if job.metrics.enabled:
-        check_port_free(job.metrics.port, source)
+        check_port_free(job.metrics.port, "--metrics-port" if metrics_port is not None
+                        else f"{where(source, ('metrics', 'port'))}: metrics.port")
     console = Console(highlight=False, stderr=as_json, soft_wrap=True)
+    pretrained = Path(job.model).is_dir()
+    # a pretrained folder is never scaled down: the default size cap applies only when the job file sets it
+    max_params = job.train.max_params if not pretrained or "max_params" in job.train.model_fields_set else None
     cluster = starverse.accelerate(
         model_id=job.model, plan=job.plan, num_cpu_ranks=job.devices.cpu_ranks, use_gpus=job.devices.use_gpus,
-        seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=job.train.max_params,
+        seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=max_params,
+        mode=job.train.mode, lora_rank=job.train.lora_rank,
     )
     check_seq_len(job.train.seq_len, cluster.model_config, job.model, source)
+    check_mode(job.train.mode, [r.device for r in cluster.ranks], source)
     kinds = [r.device_kind for r in cluster.ranks]
     mtbf_s, mtbf_why = job_mtbf(job, kinds)
     run_dir = Path(job.run_dir)
@@ -243,7 +257,8 @@ def train(
         preemption=PreemptionCallback(sources, grace_s=ck.grace_s),
         callbacks=accounting,
         trainer_options={"lr": job.train.lr, "seed": job.train.seed, "rebalance_every": job.train.rebalance_every,
-                         "launcher": job.devices.launcher},
+                         "launcher": job.devices.launcher, "eval_fraction": job.train.eval_fraction,
+                         "eval_every": job.train.eval_every},
         max_restarts=job.max_restarts,
     )
     resume = resume_from if resume_from is not None else "latest"
@@ -270,12 +285,12 @@ def train(
 
     def model_factory(c: Any) -> Any:
         with c.mixed_mesh():
-            return starverse.build_model(c.model_config, seed=job.train.seed)
+            return starverse.build_model(c, seed=job.train.seed)  # weights, dtype and adapters of the plan's mode
 
     out = sup.run(
         model_factory, job.dataset, resume_from=resume,
         per_device_batch_size=job.train.micro_batch, max_steps=job.train.steps, seq_len=job.train.seq_len,
-        global_batch=job.train.global_batch,
+        global_batch=job.train.global_batch, tokenizer=job.train.tokenizer,
     )
     latest = sup.store.latest()
     interval = (latest.manifest.get("interval") or {}).get("reason") if latest else None
@@ -305,6 +320,10 @@ def train(
     console.print(f"  steps redone after losses: {out.lost_steps}", markup=False)
     if bill is not None:
         print_bill(console, bill)
+    if metrics_url:
+        console.print(f"  metrics were served at {metrics_url} (address in {endpoint})", markup=False)
+    console.print(f"  logs: {run_dir / 'metrics.jsonl'}, TensorBoard: tensorboard --logdir {run_dir}; "
+                  f"`starverse runs {run_dir.parent}`, `starverse export {run_dir} --out DIR`", markup=False)
     console.print(f"run dir: {run_dir}  checkpoints: {sup.store.root}"
                   + (f"  ledger: {bill['ledger']} (`starverse bill {run_dir}`)" if bill else ""), markup=False)
     sys.stdout.flush()

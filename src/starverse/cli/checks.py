@@ -69,8 +69,9 @@ def check_run_dir(run_dir: str, source: str, field: str = "run_dir") -> None:
             return
 
 
-def check_port_free(port: int, source: str, field: tuple[str, ...] = ("metrics", "port")) -> None:
-    """A fixed port is free on 127.0.0.1 (0 picks a free one and needs no check)."""
+def check_port_free(port: int, origin: str) -> None:
+    """A fixed port is free on 127.0.0.1 (0 picks a free one and needs no check); ``origin`` says where it was
+    given (``job.yaml:7: metrics.port``, ``--metrics-port``)."""
     if port == 0:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -79,7 +80,7 @@ def check_port_free(port: int, source: str, field: tuple[str, ...] = ("metrics",
             s.bind(("127.0.0.1", port))
         except OSError as e:
             why = "in use by another process" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-            raise ConfigError(f"{where(source, field)}: {'.'.join(field)}: port {port} on 127.0.0.1 is {why}. "
+            raise ConfigError(f"{origin}: port {port} on 127.0.0.1 is {why}. "
                               "To fix: choose another port, or 0 for a free one") from None
 
 

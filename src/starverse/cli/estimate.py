@@ -80,8 +80,8 @@ def estimate(
     parts.add_column("part")
     parts.add_column("seconds", justify="right")
     parts.add_column("share", justify="right")
-    for part, seconds in est.breakdown.items():
-        parts.add_row(part, f"{seconds:.4f}", f"{seconds / est.step_time_s:.1%}")
+    for part, secs in est.breakdown.items():
+        parts.add_row(part, f"{secs:.4f}", f"{secs / est.step_time_s:.1%}")
     con.print(parts)
     mem = Table(title="memory per device (GB)")
     for col in ("group", "stage", "accelerator", "tp", "layers", "micro-batch", "weights", "grads", "optimizer",
@@ -110,22 +110,22 @@ def validate(
         Path | None,
         typer.Option("--catalog", help="Catalog YAML extending/overriding the bundled one.", show_default=False),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print {cases, summary} as one JSON object.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {cases, summary, sources} as one JSON object.")] = False,
 ) -> None:
-    """Predicted vs measured tokens/s for published runs; exit 1 if any case failed (reason on stderr), 2 if a case
-    file is malformed or there are no cases."""
+    """Predicted vs measured tokens/s (and peak memory) for published runs, per source and overall; exit 1
+    if any case failed (reason on stderr), 2 if a case file is malformed or there are no cases."""
     from starverse.catalog import load_catalog
-    from starverse.costmodel.validate import find_cases, load_plan_or_case, report, run_case
+    from starverse.costmodel.validate import find_cases, load_case, report, score_case
     from starverse.errors import ConfigError
 
     catalog = load_catalog(catalog_file)
-    cases = find_cases([str(p) for p in paths])
-    if not cases:
+    files = find_cases([str(p) for p in paths])
+    if not files:
         raise ConfigError(f"{', '.join(map(str, paths))}: no validation cases (*.yaml) here; pass case files or "
                           "folders of them (data/validation holds the bundled ones)")
-    for case in cases:
-        load_plan_or_case(case)  # a malformed file is bad input (exit 2), not a case the estimator got wrong
-    results = [run_case(p, catalog) for p in cases]
+    # a malformed file (or an unknown model) is bad input, exit 2; a case the estimator gets wrong fails, exit 1
+    cases = [load_case(p) for p in files]
+    results = [score_case(c, catalog) for c in cases]
     doc = report(results)
     failed = [r for r in results if not r.ok]
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -140,10 +140,12 @@ def validate(
             table.add_row(r.name, _num(r.predicted, ",.0f"), _num(r.measured, ",.0f"),
                           "-" if r.error is None else f"{r.error:+.1%}")
         con.print(table)
-        s = doc["summary"]
-        con.print(f"n={s['n']}  median |error| {_num(s['median_abs_error'], '.1%')}  "
-                  f"p90 {_num(s['p90_abs_error'], '.1%')}  max {_num(s['max_abs_error'], '.1%')}  "
-                  f"Spearman {_num(s['spearman'], '.3f')}")
+        for name, s in [*doc["sources"].items(), ("all", doc["summary"])]:
+            mem = (f"  peak memory median {_num(s['memory_median_abs_error'], '.1%')} (n={s['memory_n']})"
+                   if s["memory_n"] else "")
+            con.print(f"{name}: n={s['n']}  median |error| {_num(s['median_abs_error'], '.1%')}  "
+                      f"p90 {_num(s['p90_abs_error'], '.1%')}  max {_num(s['max_abs_error'], '.1%')}  "
+                      f"Spearman {_num(s['spearman'], '.3f')}{mem}")
     for r in failed:
         err.print(f"case {r.name} failed: {r.reason}", markup=False)
     if failed:

@@ -2,9 +2,10 @@
 
 ```yaml
 model: meta-llama/Llama-2-7b-hf   # registry id | HF id | config.json path (scaled down if it cannot fit here)
-dataset: corpus/                  # text file, folder of text files or .jsonl (relative to this file)
-run_dir: runs/llama               # checkpoints, ledger, logs (relative to this file)
-train: {steps: 200, seq_len: 128, global_batch: 16, micro_batch: 2}
+                                  # | a Hugging Face model folder: its safetensors weights and tokenizer are used
+dataset: corpus/                  # text file, folder of text files or .jsonl (text, prompt/response or messages)
+run_dir: runs/llama               # checkpoints, ledger, logs, metrics.jsonl, tensorboard/ (relative to this file)
+train: {steps: 200, seq_len: 128, global_batch: 16, micro_batch: 2, mode: lora, lora_rank: 8, eval_fraction: 0.1}
 devices: {cpu_ranks: 2}
 checkpoint:
   interval_steps: null            # null: Young/Daly from the measured save cost and the interruption rate
@@ -63,6 +64,17 @@ class TrainSettings(FrozenModel):
     """Largest model trained on these devices (a bigger ``model`` is trained as a scaled-down copy)."""
     rebalance_every: int = Field(default=10, ge=0, le=MAX_STEPS)
     """Re-split the batch by measured speed every this many steps (0: never)."""
+    mode: Literal["full", "lora", "qlora"] = "full"
+    """full: train every weight; lora: frozen base plus low-rank adapters (peft); qlora: 4-bit base (CUDA only)."""
+    lora_rank: int = Field(default=16, gt=0)
+    """Rank of the LoRA adapters (mode lora/qlora)."""
+    eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Hold out this fraction of the data (its end) and report loss/perplexity on it (0: no evaluation)."""
+    eval_every: int = Field(default=0, ge=0)
+    """Evaluate every this many steps (0: only at the end)."""
+    tokenizer: str = "auto"
+    """auto (the model folder's own tokenizer, else a BPE trained on the corpus), bpe, bytes, or a model folder /
+    tokenizer.json (relative to this file)."""
 
 
 class DeviceSettings(FrozenModel):
@@ -181,8 +193,11 @@ def load_job(path: str | Path) -> TrainJob:
     job = parse(TrainJob, data, str(path), node)
     base = Path(path).resolve().parent
     model = job.model
-    if model.endswith(".json") or (base / model).is_file():
+    if model.endswith(".json") or (base / model).exists():
         model = _rel(base, model) or model
+    train = job.train
+    if train.tokenizer not in ("auto", "bpe", "bytes"):
+        train = train.model_copy(update={"tokenizer": _rel(base, train.tokenizer)})
     if job.train.global_batch % job.train.micro_batch:
         raise ConfigError(
             f"{path}: train.global_batch: {job.train.global_batch} is not a multiple of train.micro_batch "
@@ -204,7 +219,7 @@ def load_job(path: str | Path) -> TrainJob:
             raise ConfigError(f"{path}:{line}: billing.currency: {e}") from None
     billing = billing.model_copy(update={"ledger": _rel(base, billing.ledger)})
     return job.model_copy(update={
-        "model": model, "dataset": _rel(base, job.dataset), "run_dir": _rel(base, job.run_dir),
+        "model": model, "train": train, "dataset": _rel(base, job.dataset), "run_dir": _rel(base, job.run_dir),
         "plan": _rel(base, job.plan), "pool": _rel(base, job.pool), "checkpoint": ck, "billing": billing,
     })
 

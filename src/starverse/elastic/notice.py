@@ -168,19 +168,22 @@ class HttpNotice:
         self._stop.set()
 
 
-def aws_spot_notice(base: str = "http://169.254.169.254", **kw: float) -> HttpNotice:
+def aws_spot_notice(base: str = "http://169.254.169.254", *, interval_s: float = 5.0, timeout_s: float = 1.0) -> HttpNotice:
     """AWS EC2 spot interruption notice (about 2 minutes ahead): ``spot/instance-action`` answers 200
     with a JSON action once the instance is scheduled to stop, 404 before."""
-    return HttpNotice(f"{base}/latest/meta-data/spot/instance-action", lambda status, body: status == 200, **kw)
+    return HttpNotice(f"{base}/latest/meta-data/spot/instance-action", lambda status, body: status == 200,
+                      interval_s=interval_s, timeout_s=timeout_s)
 
 
-def gcp_preemption_notice(base: str = "http://metadata.google.internal", **kw: float) -> HttpNotice:
+def gcp_preemption_notice(base: str = "http://metadata.google.internal", *, interval_s: float = 5.0,
+                          timeout_s: float = 1.0) -> HttpNotice:
     """GCP preemption notice (about 30 s ahead): ``instance/preempted`` turns ``TRUE``."""
     return HttpNotice(
         f"{base}/computeMetadata/v1/instance/preempted",
         lambda status, body: status == 200 and body.strip().upper() == "TRUE",
         headers={"Metadata-Flavor": "Google"},
-        **kw,
+        interval_s=interval_s,
+        timeout_s=timeout_s,
     )
 
 

@@ -70,6 +70,41 @@ def checkpoint_seconds(state_bytes: float, num_nodes: int, gb_per_s_per_node: fl
     return state_bytes / (max(num_nodes, 1) * gb_per_s_per_node * 1e9)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """A job's constraints in the pool's currency (None = no limit); :func:`within` is the one check."""
+
+    budget_per_hour: float | None = None
+    """Most the rented devices may cost per hour."""
+    max_power_kw: float | None = None
+    """Most power the devices may draw, kW."""
+    deadline_hours: float | None = None
+    """Latest finish, hours."""
+    max_total_cost: float | None = None
+    """Most the whole job may cost."""
+
+
+def within(limits: Limits, cost_per_hour: np.ndarray | float, power_kw: np.ndarray | float,
+           hours: np.ndarray | float, total_cost: np.ndarray | float) -> np.ndarray:
+    """True where a plan (or, given lower bounds, every plan a bound stands for) keeps every limit.
+
+    The single place the constraints are checked: the search's bounds (with lower bounds of hours and
+    cost), its exact evaluation, the single-group frontier and the scalar re-estimate all call it. Budget
+    and power get a relative tolerance of 1e-9 (a plan that spends exactly the budget is within it).
+    """
+    ok = np.ones(np.broadcast(np.asarray(cost_per_hour), np.asarray(power_kw), np.asarray(hours),
+                              np.asarray(total_cost)).shape, dtype=bool)
+    if limits.budget_per_hour is not None:
+        ok &= np.asarray(cost_per_hour) <= limits.budget_per_hour * (1 + 1e-9)
+    if limits.max_power_kw is not None:
+        ok &= np.asarray(power_kw) <= limits.max_power_kw * (1 + 1e-9)
+    if limits.deadline_hours is not None:
+        ok &= np.asarray(hours) <= limits.deadline_hours
+    if limits.max_total_cost is not None:
+        ok &= np.asarray(total_cost) <= limits.max_total_cost
+    return ok
+
+
 def score(objective: Objective, tokens_per_s: np.ndarray, cost_per_hour: np.ndarray,
           total_cost: np.ndarray, hours: np.ndarray) -> np.ndarray:
     """Objective value to MAXIMISE (vectorised): every objective is turned into "higher is better".

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from starverse.errors import CheckpointError
+from starverse.runtime.lora import trainable_state_dict
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -126,7 +129,7 @@ class TrainContext:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
-            "model": self.model.state_dict(),
+            "model": trainable_state_dict(self.model),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
@@ -142,7 +145,15 @@ class TrainContext:
         Shares are restored only when the world size is unchanged (a resume on fewer or more ranks
         starts again from the plan's shares).
         """
-        self.model.load_state_dict(sd["model"])
+        # a LoRA state holds only the trainable tensors (the frozen base comes from the plan's model)
+        missing, unexpected = self.model.load_state_dict(sd["model"], strict=False)
+        lost = set(missing) & set(trainable_state_dict(self.model))
+        if unexpected or lost:
+            raise CheckpointError(
+                f"the saved model state does not fit this model ({len(lost)} trainable tensor(s) missing, "
+                f"{len(unexpected)} unknown; e.g. {sorted(lost or unexpected)[0]}). To fix: resume with the model "
+                "and train.mode the state was saved with."
+            )
         self.optimizer.load_state_dict(sd["optimizer"])
         if self.lr_scheduler is not None and sd.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
