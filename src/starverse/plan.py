@@ -53,6 +53,9 @@ class TrainSpec(FrozenModel):
     """Attention kernel: flash (fused, FlashAttention-style), eager (scores materialised in memory:
     softmax/dropout kernels over s x s per head, as Megatron-LM before 2022), or auto (flash where the
     accelerator has a fused kernel, eager on Volta/Turing-class devices)."""
+    grad_reduce_fp32: bool = False
+    """Gradients are accumulated and all-reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``,
+    the default of its bf16 runs): twice the data-parallel traffic of 16-bit reduction."""
     tokens: float | None = Field(default=None, gt=0)
     """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
     steps: int | None = Field(default=None, gt=0)
@@ -113,6 +116,25 @@ class Network(FrozenModel):
     """NIC bandwidth per node in Gbit/s, by accelerator id."""
     cross_group_gbps: float | None = Field(default=None, gt=0)
     """Bandwidth in Gbit/s between nodes of different accelerators."""
+    links: dict[str, PositiveFloat] = Field(default_factory=dict)
+    """Measured Gbit/s between two accelerators' nodes, keyed ``a/b`` (either order; ``a/a`` is between two
+    nodes of the same accelerator); overrides ``cross_group_gbps`` and ``inter_node_gbps`` for that pair."""
+    usable_memory_gb: dict[str, PositiveFloat] = Field(default_factory=dict)
+    """Device memory a job can use, GB (10^9 bytes), by accelerator id (ECC and driver reserve taken off);
+    overrides the cost model's figure per accelerator."""
+    profiles: dict[str, str] = Field(default_factory=dict)
+    """Measured profile file (``starverse probe``) by accelerator id, relative to the plan file."""
+
+    @model_validator(mode="after")
+    def _link_keys(self) -> Network:
+        for key in self.links:
+            if key.count("/") != 1 or not all(key.split("/")):
+                raise ValueError(f"links: key '{key}' must name two accelerators as 'a/b' (e.g. rtx-4090/a100-80gb-sxm)")
+        return self
+
+    def link_gbps(self, a: str, b: str) -> float | None:
+        """Measured Gbit/s between nodes of accelerators ``a`` and ``b`` (None when not given)."""
+        return self.links.get(f"{a}/{b}", self.links.get(f"{b}/{a}"))
 
 
 class Pricing(FrozenModel):

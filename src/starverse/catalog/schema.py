@@ -47,6 +47,8 @@ class AcceleratorEntry(FrozenModel):
     """Default NIC bandwidth per node, Gbit/s."""
     tdp_w: float | None = Field(default=None, gt=0)
     """Board power, W."""
+    host_memory_gb: float | None = Field(default=None, gt=0)
+    """RAM per node of the default instance type, GB (needed by CPU offload)."""
     sources: dict[str, str] = Field(default_factory=dict)
     """Field -> source of the figure. A key may name several fields separated by commas."""
 

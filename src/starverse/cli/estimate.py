@@ -78,8 +78,8 @@ def estimate(
     parts.add_column("part")
     parts.add_column("seconds", justify="right")
     parts.add_column("share", justify="right")
-    for k, v in est.breakdown.items():
-        parts.add_row(k, f"{v:.4f}", f"{v / est.step_time_s:.1%}")
+    for part, secs in est.breakdown.items():
+        parts.add_row(part, f"{secs:.4f}", f"{secs / est.step_time_s:.1%}")
     con.print(parts)
     mem = Table(title="memory per device (GB)")
     for col in ("group", "stage", "accelerator", "tp", "layers", "micro-batch", "weights", "grads", "optimizer",
@@ -108,9 +108,10 @@ def validate(
         Path | None,
         typer.Option("--catalog", help="Catalog YAML extending/overriding the bundled one.", show_default=False),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print {cases, summary} as one JSON object.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {cases, summary, sources} as one JSON object.")] = False,
 ) -> None:
-    """Predicted vs measured tokens/s for published runs; exit 1 if any case failed (reason on stderr)."""
+    """Predicted vs measured tokens/s (and peak memory) for published runs, per source and overall; exit 1
+    if any case failed (reason on stderr)."""
     from starverse.catalog import load_catalog
     from starverse.costmodel.validate import find_cases, report, run_case
 
@@ -130,10 +131,12 @@ def validate(
             table.add_row(r.name, _num(r.predicted, ",.0f"), _num(r.measured, ",.0f"),
                           "-" if r.error is None else f"{r.error:+.1%}")
         con.print(table)
-        s = doc["summary"]
-        con.print(f"n={s['n']}  median |error| {_num(s['median_abs_error'], '.1%')}  "
-                  f"p90 {_num(s['p90_abs_error'], '.1%')}  max {_num(s['max_abs_error'], '.1%')}  "
-                  f"Spearman {_num(s['spearman'], '.3f')}")
+        for name, s in [*doc["sources"].items(), ("all", doc["summary"])]:
+            mem = (f"  peak memory median {_num(s['memory_median_abs_error'], '.1%')} (n={s['memory_n']})"
+                   if s["memory_n"] else "")
+            con.print(f"{name}: n={s['n']}  median |error| {_num(s['median_abs_error'], '.1%')}  "
+                      f"p90 {_num(s['p90_abs_error'], '.1%')}  max {_num(s['max_abs_error'], '.1%')}  "
+                      f"Spearman {_num(s['spearman'], '.3f')}{mem}")
     for r in failed:
         err.print(f"case {r.name} failed: {r.reason}", markup=False)
     if failed:

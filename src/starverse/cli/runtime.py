@@ -155,9 +155,10 @@ def demo(
     import starverse
     from starverse.billing.ledger import LEDGER_FILE
     from starverse.checkpoint.callback import CheckpointCallback
-    from starverse.cli.checkpoints import job_bill, print_bill
+    from starverse.cli.checkpoints import print_bill
     from starverse.elastic.job import lease_prices
     from starverse.errors import ConfigError
+    from starverse.jobs.ledger import job_bill
     from starverse.metrics.callbacks import ENDPOINT_FILE, BillingCallback, MetricsCallback
     from starverse.runtime.trainer import Trainer
 
@@ -194,7 +195,7 @@ def demo(
                               prices=prices.prices)
     ckpt = CheckpointCallback(run_dir / "checkpoints", interval_steps=checkpoint_every, keep_last=2,
                               billing_cursor=billing.checkpoint_cursor)
-    metrics = MetricsCallback(job=billing.job_name, port=metrics_port, checkpoints=ckpt)
+    metrics = MetricsCallback(job=billing.job_name, port=metrics_port, checkpoints=ckpt, billing=billing)
     console.print(f"  metrics: Prometheus on 127.0.0.1:{metrics_port or '<free port>'} while training "
                   f"(URL in {run_dir / ENDPOINT_FILE})", markup=False)
     # billing after the checkpoint callback (it records the checkpoint of the same step), metrics after billing
