@@ -33,7 +33,7 @@ def test_lora_fine_tune_export_and_reload(tmp_path: Path):
     job = {
         "model": "tiny-llama", "dataset": "corpus.txt", "run_dir": "runs/lora",
         "train": {"steps": 12, "seq_len": 32, "global_batch": 4, "micro_batch": 1, "lr": 0.02, "mode": "lora",
-                  "lora_rank": 8, "eval_fraction": 0.2, "eval_every": 6},
+                  "lora_rank": 4, "eval_fraction": 0.2, "eval_every": 6},
         "devices": {"cpu_ranks": 2}, "checkpoint": {"interval_steps": 6, "async_save": False},
     }
     (tmp_path / "job.yaml").write_text(json.dumps(job))

@@ -241,3 +241,42 @@ def test_runs_are_read_from_their_logs_and_compared_in_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     with pytest.raises(ConfigError, match=r"no metrics\.jsonl, so not a run directory"):
         read_run(tmp_path)
+
+
+def _ctx(tmp_path: Path, step: int = 0):
+    from starverse.runtime.callbacks import TrainContext
+
+    model = TinyLM()
+    plan = starverse.accelerate(num_cpu_ranks=1, seq_len=16, global_batch=2).plan
+    opt = torch.optim.AdamW(model.parameters())
+    ctx = TrainContext(rank=0, world_size=1, plan=plan, run_dir=tmp_path, step=step, model=model, optimizer=opt,
+                       lr_scheduler=None, sampler=None, group=None, device_kind="cpu", max_steps=4)
+    ctx.metrics.shares = [2]
+    return ctx
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_otherwise(tmp_path, capsys):
+    from starverse.runtime.runlog import ProgressCallback, RunLogCallback
+
+    ctx = _ctx(tmp_path)
+    bar, plain, runlog = ProgressCallback(tty=True), ProgressCallback(every=2, tty=False), RunLogCallback()
+    for cb in (bar, plain, runlog):
+        cb.on_fit_start(ctx)
+    for step in range(1, 5):
+        ctx.step, ctx.metrics.loss, ctx.metrics.tokens_per_s = step, 5.0 - step, 1000.0 * step
+        if step == 4:
+            ctx.extra["eval"] = {"step": 4, "loss": 1.25, "perplexity": math.exp(1.25), "tokens": 9, "sequences": 1}
+        for cb in (bar, plain, runlog):
+            cb.on_step_end(ctx)
+    task = bar._bar.tasks[0]
+    assert task.completed == 4 and task.total == 4 and "loss 1.0000" in task.fields["info"]
+    for cb in (bar, plain, runlog):
+        cb.on_fit_end(ctx)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in lines] == ["1/4", "2/4", "4/4"]
+    assert "loss 3.0000 tokens/s 2,000 shares [2]" in lines[1] and "eval 1.2500 (ppl 3.49 @4)" in lines[2]
+    assert "eval at step 4: loss 1.2500, perplexity 3.49" in err
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("event", r["type"]) for r in rows] == ["start", "step", "step", "step", "step", "eval", "end"]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
