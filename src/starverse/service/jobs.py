@@ -195,8 +195,8 @@ def checkpoints(settings: ServiceSettings, job: Job) -> list[dict[str, Any]]:
 def job_bill(settings: ServiceSettings, job: Job) -> dict[str, Any] | None:
     """The job's bill from the tenant's ledger (None before its first lease)."""
     from starverse.billing import Ledger
-    from starverse.cli.checkpoints import job_bill as ledger_job_bill
     from starverse.errors import BillingError
+    from starverse.jobs.ledger import job_bill as ledger_job_bill
 
     path = job_ledger(settings, job)
     if not path.is_file():
@@ -206,7 +206,7 @@ def job_bill(settings: ServiceSettings, job: Job) -> dict[str, Any] | None:
             ledger.job(job.id)
         except BillingError:
             return None
-    bill = ledger_job_bill(path, job.id)
+    bill = ledger_job_bill(path, job.id).as_dict()
     bill.pop("ledger", None)  # a server path
     return bill
 
