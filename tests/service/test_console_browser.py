@@ -22,12 +22,6 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 
 
-@pytest.fixture(params=["sqlite"])
-def db_url(request: pytest.FixtureRequest) -> str:
-    """The browser test runs on SQLite (the API tests cover PostgreSQL)."""
-    return ""
-
-
 @pytest.fixture
 def browser():  # type: ignore[no-untyped-def]
     """Debian's chromium under Playwright."""
@@ -55,6 +49,8 @@ def _no_horizontal_scroll(page) -> bool:  # type: ignore[no-untyped-def]
     return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1"))
 
 
+# the browser test runs on SQLite (the API tests cover PostgreSQL)
+@pytest.mark.parametrize("db_url", [""], ids=["sqlite"])
 def test_console_sign_in_plan_submit_watch_bill(browser, tmp_path: Path, db_url: str) -> None:  # type: ignore[no-untyped-def]
     from test_restart import start_server
 
