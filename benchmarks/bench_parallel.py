@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-MODEL = {
+VOCAB = 256
+MODEL: dict[str, Any] = {
     "model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 128,
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
 }
 SEQ, GLOBAL_BATCH, MICRO_BATCH = 64, 8, 2
@@ -118,7 +119,7 @@ def _run_case(env: Any, variant: dict[str, Any], steps: int, measure: bool) -> d
     num_micro = per_replica // MICRO_BATCH
     times = []
     for _ in range(steps):
-        x = torch.randint(0, MODEL["vocab_size"], (GLOBAL_BATCH, SEQ), generator=gen)
+        x = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
         mine = x[dp_rank * per_replica : (dp_rank + 1) * per_replica]
         dist.barrier()
         t0 = time.perf_counter()

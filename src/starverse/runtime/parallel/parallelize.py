@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from starverse.errors import ConfigError
@@ -89,14 +90,20 @@ class ParallelModel:
         return self.zero is not None
 
 
-def parallelize(model: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> ParallelModel:
-    """Apply ``config`` to ``model`` in place over ``mesh`` (``(dp, tp)``, see :func:`group_mesh`)."""
+def parallelize(
+    model: torch.nn.Module, config: ParallelConfig, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+) -> ParallelModel:
+    """Apply ``config`` to ``model`` in place over ``mesh`` (``(dp, tp)``, see :func:`group_mesh`).
+
+    ``mp_policy``: FSDP2's mixed precision (e.g. bf16 parameters for compute, fp32 reduction) when ZeRO is on;
+    None keeps the parameters' dtype (the trainer's autocast does the low-precision compute).
+    """
     if config.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], config.sequence_parallel)
     apply_recompute(model, config.recompute)
     zero = None
     if config.zero_stage > 0:
-        zero = apply_zero(model, mesh["dp"], config.zero_stage, config.offload)
+        zero = apply_zero(model, mesh["dp"], config.zero_stage, config.offload, mp_policy)
     return ParallelModel(model=model, config=config, zero=zero)
 
 
