@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 # TinyLlama-1.1B's shape: 22 layers, hidden 2048, GQA 32/4 heads, SwiGLU 5632, vocab 32000.
-LLAMA_1B = {
+LLAMA_1B: dict[str, Any] = {
     "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
     "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
