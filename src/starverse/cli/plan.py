@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from starverse.checks import check_output_file
+
 
 def _headroom_gb(est: Any) -> float:
     """Smallest memory margin over the plan's devices (GB), from the estimate."""
@@ -34,6 +36,7 @@ def result_to_json(result: Any) -> dict[str, Any]:
             "spot_factor": rp.spot_factor, "mfu": float(est.mfu), "step_time_s": float(est.step_time_s),
             "cost_per_hour": rp.cost_per_hour, "hours": rp.hours, "total_cost": rp.total_cost,
             "power_kw": rp.power_kw, "headroom_gb": _headroom_gb(est), "bottleneck": str(est.bottleneck),
+            "host_memory_gb_per_node": dict(rp.host_memory_gb_per_node),
             "objective_value": rp.objective_value, "notes": list(rp.notes),
             "plan": rp.plan.model_dump(mode="json", exclude_none=True),
         })
@@ -41,9 +44,7 @@ def result_to_json(result: Any) -> dict[str, Any]:
     return {
         "model": result.model, "objective": str(result.objective), "currency": result.currency,
         "per_job": result.per_job, "notes": list(result.notes), "plans": plans,
-        "stats": {"options": s.options, "evaluated_rows": s.evaluated_rows, "combinations": s.combinations,
-                  "exact_evaluations": s.exact_evaluations, "screened": s.screened,
-                  "proven_optimal": s.proven_optimal, "bound_gap": s.bound_gap, "seconds": s.seconds},
+        "stats": {**s.to_json(), "claim": optimality_claim(result)},
         "frontier": [{"hours": p.hours, "cost": p.cost, "label": p.label} for p in result.frontier],
     }
 
@@ -55,7 +56,7 @@ def _table(result: Any) -> Any:
     per = "" if result.per_job else " /1e9 tok"
     t = Table(title=f"{result.model} — objective: {result.objective} ({result.currency})", show_lines=True)
     for col in ("#", "devices", "layout", "tokens/s", "MFU", f"{result.currency}/h", f"total{per}",
-                f"hours{per}", "kW", "headroom GB", "bottleneck"):
+                f"hours{per}", "kW", "headroom GB", "host GB/node", "bottleneck"):
         t.add_column(col, overflow="fold")
     for i, rp in enumerate(result.plans, 1):
         est = rp.estimate
@@ -68,8 +69,35 @@ def _table(result: Any) -> Any:
         head = _headroom_gb(est)
         t.add_row(label, devs, Text(rp.layout().replace("; ", "\n").replace(" | ", "\n")), tps,
                   f"{float(est.mfu) * 100:.1f}%", _money(rp.cost_per_hour), _money(total), f"{hours:,.1f}",
-                  f"{rp.power_kw:.1f}", f"{head:.1f}", str(est.bottleneck))
+                  f"{rp.power_kw:.1f}", f"{head:.1f}", _host(rp), str(est.bottleneck))
     return t
+
+
+def _host(rp: Any) -> str:
+    """Host RAM per node the offloaded state needs, per offer ('-' when nothing is offloaded)."""
+    if not rp.host_memory_gb_per_node:
+        return "-"
+    return "\n".join(f"{v:,.0f} ({k})" for k, v in rp.host_memory_gb_per_node.items())
+
+
+def optimality_claim(result: Any) -> str:
+    """What the search can say about the chosen plan, and no more.
+
+    The exact search (branch and bound over time tables) covers single-accelerator plans and heterogeneous
+    data parallelism; heterogeneous pipelines come from a heuristic (:mod:`starverse.planner.hetero`), so
+    a chosen heterogeneous pipeline is never called proven.
+    """
+    s = result.stats
+    if result.best.kind == "hetero-pipeline":
+        return ("heterogeneous pipeline from the heuristic search (offer pairs/triples, widest TP, up to 8 "
+                "replicas, micro-batch 1, three layer-split rules): NOT proven optimal")
+    if not s.proven_optimal:
+        return f"not proven: bound gap {s.bound_gap:.1%}"
+    scope = "over the options kept by screening" if s.screened else "over the searched space"
+    claim = f"proven optimal {scope} (single-accelerator and heterogeneous data-parallel plans)"
+    if s.hetero_pipelines:
+        claim += "; heterogeneous pipelines (heuristic, not proven) did not beat it"
+    return claim
 
 
 def plot_frontier(result: Any, path: Path) -> None:
@@ -126,6 +154,9 @@ def plan_cmd(
     from starverse.planner import load_job, load_pool, search
     from starverse.planner.policy import describe
 
+    for path, option in ((out, "--out"), (plot, "--plot")):
+        if path is not None:
+            check_output_file(path, option)
     catalog = load_catalog(catalog_file)
     job = load_job(job_file)
     pool_obj = load_pool(pool, catalog)
@@ -147,10 +178,8 @@ def plan_cmd(
         console.print(f"  plan 1: {n}")
     console.print(f"chosen: plan 1, {describe(result.objective, best.objective_value, result.currency)}")
     s = result.stats
-    opt = "proven optimal over the searched space" if s.proven_optimal else f"bound gap {s.bound_gap:.1%}"
     console.print(f"searched {s.options:,} group options, {s.combinations:,} combinations, "
-                  f"{s.exact_evaluations:,} exact splits in {s.seconds:.2f} s ({opt}"
-                  f"{'; large pool: options screened' if s.screened else ''})")
+                  f"{s.exact_evaluations:,} exact splits in {s.seconds:.2f} s ({optimality_claim(result)})")
     if out is not None:
         console.print(f"wrote {out} (check it with: starverse estimate {out})")
     if plot is not None:
