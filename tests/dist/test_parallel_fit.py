@@ -8,14 +8,13 @@ import copy
 import pytest
 import torch
 
-from helpers import TINY
+from helpers import TINY, reference_training
 from helpers import ramp_tokens as _tokens
 from starverse.errors import ConfigError
 from starverse.runtime.cluster import Cluster, local_plan
-from starverse.runtime.data import DeterministicSampler, PackedDataset, pack, tokenize_corpus
+from starverse.runtime.data import PackedDataset, pack, tokenize_corpus
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.modeling import build_model
-from starverse.runtime.steps import make_optimizer, make_schedule
 from starverse.runtime.trainer import Trainer
 
 MB, GB, STEPS, SEQ = 1, 4, 3, 16
@@ -30,23 +29,8 @@ def _cluster(kinds: list[str], **train: object) -> Cluster:
 
 def _reference(model: torch.nn.Module, trainer: Trainer) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole global batch per step: the model's own loss, AdamW, clipping."""
-    model = copy.deepcopy(model)
-    corpus = tokenize_corpus(_tokens(), tokenizer="bytes")
-    data = PackedDataset(pack(corpus, SEQ, min_sequences=GB).tokens, SEQ)
-    sampler = DeterministicSampler(len(data), seed=trainer.seed)
-    opt = make_optimizer(model, trainer.lr, trainer.weight_decay)
-    sched = make_schedule(opt, trainer.warmup_steps or 1, STEPS, trainer.min_lr_ratio)
-    losses = []
-    for _ in range(STEPS):
-        x = torch.from_numpy(data.batch(sampler.next_indices(GB)))
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), trainer.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    data = PackedDataset(pack(tokenize_corpus(_tokens(), tokenizer="bytes"), SEQ, min_sequences=GB).tokens, SEQ)
+    return reference_training(model, trainer, data, STEPS, GB, lambda m, x: m(input_ids=x, labels=x).loss)
 
 
 @pytest.mark.parametrize(
