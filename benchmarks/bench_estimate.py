@@ -97,7 +97,8 @@ SEQ_LEN = 128
 
 
 def _measured_step_s(cfg: dict, micro_batch: int, num_micro: int, steps: int = 8) -> float:
-    """Fastest of ``steps`` real training steps (forward, backward per micro-batch, AdamW) on one CPU rank."""
+    """Median of ``steps`` real training steps (forward, backward per micro-batch, AdamW) on one CPU rank (the
+    profile's times are medians too: a shared machine's noise then biases neither side)."""
     import torch
 
     from starverse.runtime.modeling import build_model
@@ -106,7 +107,7 @@ def _measured_step_s(cfg: dict, micro_batch: int, num_micro: int, steps: int = 8
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, int(cfg["vocab_size"]), (micro_batch, SEQ_LEN), generator=torch.Generator().manual_seed(0))
-    best = float("inf")
+    times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
         for _ in range(num_micro):
@@ -114,8 +115,8 @@ def _measured_step_s(cfg: dict, micro_batch: int, num_micro: int, steps: int = 8
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i:  # the first step allocates the optimizer state
-            best = min(best, time.perf_counter() - t0)
-    return best
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def profile_accuracy(catalog: object) -> dict[str, float]:

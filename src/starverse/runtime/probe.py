@@ -207,7 +207,7 @@ def _shard_config(cfg: dict[str, Any], layers: int, tp: int, seq_len: int) -> di
 
 def _fwd_bwd_s(cfg: dict[str, Any], micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device,
                repeats: int) -> tuple[float, float]:
-    """Forward and backward time (fastest of ``repeats``) of one training micro-batch of the model ``cfg`` (loss included)."""
+    """Forward and backward time (median of ``repeats``) of one training micro-batch of the model ``cfg`` (loss included)."""
     from starverse.runtime.modeling import build_model
 
     model = build_model(cfg, dtype=dtype).to(device)
@@ -230,8 +230,8 @@ def _fwd_bwd_s(cfg: dict[str, Any], micro_batch: int, seq_len: int, dtype: torch
         if i >= 2:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
-    # the fastest repeat: other work on a shared machine only ever adds time
-    return min(fwd), min(bwd)
+    # medians: a step is a sum of micro-batches, whose typical (not best) times add up to the step's
+    return float(torch.tensor(fwd).median()), float(torch.tensor(bwd).median())
 
 
 def profile_entry(cfg: dict[str, Any], micro_batch: int, seq_len: int, tp: int, precision: str,
@@ -252,20 +252,20 @@ def profile_entry(cfg: dict[str, Any], micro_batch: int, seq_len: int, tp: int, 
 
 
 def optimizer_s_per_param(device: torch.device, num_params: int = 4_000_000, repeats: int = 5) -> float:
-    """Fastest AdamW step over ``num_params`` fp32 parameters with gradients, per parameter."""
+    """Median AdamW step over ``num_params`` fp32 parameters with gradients, per parameter."""
     params = [torch.nn.Parameter(torch.randn(num_params // 4, device=device)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4)
-    best = float("inf")
+    times = []
     for i in range(repeats + 1):
         _sync(device)
         t0 = time.perf_counter()
         opt.step()
         _sync(device)
         if i:  # the first step allocates the moments
-            best = min(best, time.perf_counter() - t0)
-    return best / num_params
+            times.append(time.perf_counter() - t0)
+    return float(torch.tensor(times).median()) / num_params
 
 
 def probe_model(plan: Any, spec: Any, accelerator: str, device: str = "cpu", *, repeats: int = 5,
