@@ -34,7 +34,7 @@ class StageRows:
     gemm_efficiency: FloatArray
     """Large-matmul achievable fraction of peak."""
     memory_gb: FloatArray
-    """Device memory."""
+    """Usable device memory, GB = 1e9 bytes (``constants.usable_memory_gb`` or the plan's override)."""
     memory_bw_gb_per_s: FloatArray
     """Device memory bandwidth."""
     intra_node_gb_per_s: FloatArray
@@ -115,6 +115,7 @@ class ModelNumbers:
     adapter_params_per_layer: float
     seq_len: float
     bytes_per_value: float
+    grad_bytes_per_value: float
     mode: str
     schedule: str
     virtual_stages: float
@@ -190,7 +191,10 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         # backward 2x; scores, softmax and dropout make passes over memory (C.EAGER_SCORE_BYTES)
         ss = _f(s)
         a_e = gemm_time_s(ss, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
-        score_bytes = C.EAGER_SCORE_BYTES + (C.EAGER_DROPOUT_SCORE_BYTES if mn.dropout else 0.0)
+        # the constants count 16-bit scores; fp32 training moves each score value in 4 bytes
+        value_scale = bv / 2.0
+        score_bytes = C.EAGER_SCORE_BYTES * value_scale + (
+            (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.dropout else 0.0)
         softmax = rows.micro_batch * heads * s * s * score_bytes / bw
         gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + rc_full) + a_e * (1.0 + 2.0 + rc_any), gemm_layer)
         attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any), attn_elem)
@@ -231,9 +235,9 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         mn.top_k, 1.0)
     layer_act = tokens * (rep_act / tp_rep + split_act / t)
     if eager.any():
-        # Korthikanti's 5as^2b: softmax output (2 B), dropout mask (1 B) and output (2 B) per score;
-        # selective recompute drops exactly these
-        per_score = 2.0 + (3.0 if mn.dropout else 0.0)
+        # Korthikanti's 5as^2b: softmax output (2 B), dropout mask (1 B) and output (2 B) per score at
+        # 16 bit (bv each for the two values in fp32); selective recompute drops exactly these
+        per_score = bv + (1.0 + bv if mn.dropout else 0.0)
         layer_act = layer_act + np.where(eager & (rows.recompute < 1),
                                          rows.micro_batch * heads * s * s * per_score, 0.0)
     layer_input = tokens * (h * bv) / tp_rep
@@ -251,7 +255,11 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     intra = rows.intra_node_gb_per_s * C.LINK_EFFICIENCY
     pp_bw = np.where(pp_bus_same_node & (intra > 0), intra, nic_per_dev)
     p2p = tokens * (h * bv) / t / (pp_bw * 1e9) + C.COLLECTIVE_LATENCY_S
-    capacity = rows.memory_gb * (C.BYTES_PER_DATASHEET_GB / 1e9 * (1.0 - C.FRAGMENTATION_FRACTION))
+    # Megatron all-reduces the tied embedding's gradient between the first and the last stage after
+    # every step (not overlapped): one 2-rank all-reduce per TP rank over the pipeline link
+    tied = (mn.tie * (rows.pp > 1)).astype(np.float64)
+    tied_s = tied * ring_allreduce_s(mn.vocab * h / t * mn.grad_bytes_per_value, 2.0, pp_bw)
+    capacity = rows.memory_gb * (1.0 - C.FRAGMENTATION_FRACTION)
     return {
         "gemm_layer": gemm_layer,
         "elem_layer": elem_layer,
@@ -266,6 +274,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         "bw": bw,
         "dp_bus": dp_bus,
         "p2p": p2p,
+        "tied_s": tied_s,
         "capacity_gb": capacity,
         "tokens": tokens,
     }
@@ -342,7 +351,7 @@ def stage_totals(
     offload_mb = np.where(offload_params, 2.0 * p_dev / shard_w * bv / (C.PCIE_HOST_GB_PER_S * 1e9), 0.0)
     exposed = np.maximum(offload_mb - compute_mb, 0.0)
 
-    grad_bytes = trainable * bv
+    grad_bytes = trainable * mn.grad_bytes_per_value
     dp_allreduce = ring_allreduce_s(grad_bytes, n, lc["dp_bus"], np.ceil(grad_bytes / C.GRADIENT_BUCKET_BYTES))
     z3 = z >= 3
     # ZeRO-3: per layer an all-gather for forward, again for backward, and a reduce-scatter of gradients
@@ -366,6 +375,7 @@ def stage_totals(
         "z3_exposed_mb": exposed,
         "stage_mb": stage_mb,
         "p2p": lc["p2p"],
+        "tied_s": la * lc["tied_s"],
         "optimizer_s": optimizer_s,
         "dp_exposed_s": dp_exposed,
         "weights_gb": weights / 1e9,

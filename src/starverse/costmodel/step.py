@@ -15,15 +15,11 @@ from typing import Any
 import numpy as np
 
 from starverse.costmodel import constants as C
-from starverse.costmodel.batch import (
-    OFFLOAD_CODES,
-    RECOMPUTE_CODES,
-    ModelShape,
-    TrainShape,
-    cross_group_sync_s,
-)
+from starverse.costmodel.batch import cross_group_sync_s
+from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.group import PART_NAMES, combine, model_numbers
 from starverse.costmodel.pricing import cheapest_price_per_hour
+from starverse.costmodel.shapes import OFFLOAD_CODES, RECOMPUTE_CODES, ModelShape, TrainShape
 from starverse.costmodel.stage import StageRows, stage_costs
 from starverse.errors import ConfigError, StarverseError
 from starverse.plan import Group, Plan
@@ -165,19 +161,21 @@ def check_plan(plan: Plan, spec: Any, catalog: Any) -> None:
         if total != spec.num_layers:
             raise ConfigError(
                 f"groups[{gi}].stages: layers sum to {total} but model '{name}' has {spec.num_layers}; "
-                f"make the stages' layers (times repeat) add up to {spec.num_layers}"
+                f"make the stages' layers (times repeat) add up to {spec.num_layers}", loc=("groups", gi, "stages")
             )
         for si, s in enumerate(g.stages):
             try:
                 catalog.accelerator(s.accelerator)
             except StarverseError as e:
-                raise ConfigError(f"groups[{gi}].stages[{si}].accelerator: {e}") from None
+                raise ConfigError(f"groups[{gi}].stages[{si}].accelerator: {e}",
+                                  loc=("groups", gi, "stages", si, "accelerator")) from None
             if spec.num_heads % s.tp or spec.num_kv_heads % s.tp:
                 ok = [d for d in range(1, spec.num_kv_heads + 1)
                       if spec.num_heads % d == 0 and spec.num_kv_heads % d == 0]
                 raise ConfigError(
                     f"groups[{gi}].stages[{si}].tp: {s.tp} does not divide the model's {spec.num_heads} attention "
-                    f"heads and {spec.num_kv_heads} KV heads; use one of {', '.join(map(str, ok))}"
+                    f"heads and {spec.num_kv_heads} KV heads; use one of {', '.join(map(str, ok))}",
+                    loc=("groups", gi, "stages", si, "tp"),
                 )
 
 
@@ -189,7 +187,8 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
     tr = plan.train
     accs = [catalog.accelerator(s.accelerator) for s in stages]
     dpn = [plan.network.devices_per_node.get(a.id, a.devices_per_node) for a in accs]
-    nic = [plan.network.inter_node_gbps.get(a.id, a.inter_node_gbps) for a in accs]
+    nic = [plan.network.link_gbps(a.id, a.id) or plan.network.inter_node_gbps.get(a.id, a.inter_node_gbps)
+           for a in accs]
 
     def col(values: list[float]) -> np.ndarray:
         return np.repeat(np.asarray(values, dtype=np.float64)[:, None], k, axis=1)
@@ -201,7 +200,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
     return StageRows(
         peak_tflops=col([a.peak_tflops(precision) for a in accs]),
         gemm_efficiency=col([C.gemm_efficiency(a, precision) for a in accs]),
-        memory_gb=col([a.memory_gb for a in accs]),
+        memory_gb=col([plan.network.usable_memory_gb.get(a.id, C.usable_memory_gb(a)) for a in accs]),
         memory_bw_gb_per_s=col([a.memory_bw_gb_per_s for a in accs]),
         intra_node_gb_per_s=col([C.intra_node_gb_per_s(a) for a in accs]),
         devices_per_node=col([float(d) for d in dpn]),
@@ -253,23 +252,41 @@ def _schedule_options(plan: Plan, g: Group) -> list[tuple[str, int]]:
     return opts
 
 
-def _cross_accelerator_p2p(plan: Plan, g: Group, catalog: Any, mn: Any, mbs: np.ndarray,
-                           p2p: np.ndarray) -> np.ndarray:
-    """Pipeline sends between stages on different accelerators leave the node over the cross-type link
-    (``network.cross_group_gbps``, default the slower NIC), shared by the stage's TP ranks."""
+def node_link_gbps(plan: Plan, catalog: Any, a: str, b: str) -> float:
+    """Gbit/s between a node of accelerator ``a`` and one of ``b``: the measured ``network.links`` pair,
+    else (different kinds) ``network.cross_group_gbps``, else the slower of the two nodes' NICs."""
+    link = plan.network.link_gbps(a, b)
+    if link is not None:
+        return link
+    nics = [plan.network.inter_node_gbps.get(x, catalog.accelerator(x).inter_node_gbps) for x in (a, b)]
+    if a != b and plan.network.cross_group_gbps is not None:
+        return plan.network.cross_group_gbps
+    return float(min(nics))
+
+
+def _cross_node_costs(plan: Plan, g: Group, catalog: Any, mn: Any, mbs: np.ndarray,
+                      costs: dict[str, np.ndarray]) -> None:
+    """Pipeline sends between stages on different accelerators leave the node over the link between the
+    two kinds (:func:`node_link_gbps`), shared by the stage's TP ranks; so does the tied-embedding
+    all-reduce when the first and last stage sit on different kinds (updates ``costs`` in place)."""
     stages = g.expanded_stages()
-    out = p2p.copy()
+
+    def per_device_gb_per_s(a: str, b: str, tp: int) -> float:
+        return node_link_gbps(plan, catalog, a, b) / 8.0 * C.NETWORK_EFFICIENCY / tp
+
+    p2p = costs["p2p"]
     for i in range(len(stages) - 1):
         a, b = stages[i], stages[i + 1]
-        if a.accelerator == b.accelerator:
+        if a.accelerator == b.accelerator and plan.network.link_gbps(a.accelerator, b.accelerator) is None:
             continue
-        nics = [plan.network.inter_node_gbps.get(x, catalog.accelerator(x).inter_node_gbps)
-                for x in (a.accelerator, b.accelerator)]
-        gbps = plan.network.cross_group_gbps or min(nics)
-        per_device = gbps / 8.0 * C.NETWORK_EFFICIENCY / max(a.tp, b.tp) * 1e9
-        send = mbs * mn.seq_len * mn.h * mn.bytes_per_value / a.tp / per_device + C.COLLECTIVE_LATENCY_S
-        out[i] = np.maximum(out[i], send)
-    return out
+        bw = per_device_gb_per_s(a.accelerator, b.accelerator, max(a.tp, b.tp)) * 1e9
+        send = mbs * mn.seq_len * mn.h * mn.bytes_per_value / a.tp / bw + C.COLLECTIVE_LATENCY_S
+        p2p[i] = np.maximum(p2p[i], send)
+    first, last = stages[0], stages[-1]
+    if mn.tie and len(stages) > 1 and first.accelerator != last.accelerator:
+        bw = per_device_gb_per_s(first.accelerator, last.accelerator, max(first.tp, last.tp))
+        tied = ring_allreduce_s(mn.vocab * mn.h / last.tp * mn.grad_bytes_per_value, 2.0, bw)
+        costs["tied_s"][-1] = np.maximum(costs["tied_s"][-1], tied)
 
 
 def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences: int) -> _GroupEval:
@@ -286,7 +303,7 @@ def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences:
     for schedule, v in _schedule_options(plan, g):
         mn_s = replace(mn, schedule=schedule, virtual_stages=float(v))
         costs = stage_costs(mn_s, rows)
-        costs["p2p"] = _cross_accelerator_p2p(plan, g, catalog, mn_s, mbs, costs["p2p"])
+        _cross_node_costs(plan, g, catalog, mn_s, mbs, costs)
         per_stage = [{key: val[i] for key, val in costs.items()} for i in range(pp)]
         ones = np.ones(rows.tp.shape[1])
         out = combine(mn_s, per_stage, [ones] * pp, rows.pp[0], rows.num_micro_batches[0])
@@ -339,7 +356,8 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
         if g.batch_share is not None and abs(n - exact) > 1e-6:
             raise ConfigError(
                 f"groups[{gi}].batch_share: {g.batch_share} of train.global_batch={gb} is {exact:g} sequences, "
-                f"not a multiple of replicas x micro_batch = {unit}; change the share or the batch"
+                f"not a multiple of replicas x micro_batch = {unit}; change the share or the batch",
+                loc=("groups", gi, "batch_share"),
             )
         seqs.append(n)
     diff = gb - sum(seqs)
@@ -360,7 +378,7 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
             raise ConfigError(
                 f"train.global_batch: {gb} sequences cannot be divided into micro-batches over "
                 f"groups[{gi}] ({what}); use a global_batch that is a multiple of {unit}"
-                + (" per group share" if len(groups) > 1 else "")
+                + (" per group share" if len(groups) > 1 else ""), loc=("train", "global_batch"),
             )
     return seqs
 
@@ -473,20 +491,17 @@ def _hardware_flops_per_token(mn: Any, plan: Plan) -> float:
 
 
 def _cross_group_s(plan: Plan, catalog: Any, mn: Any) -> float:
-    """Gradient all-reduce between groups: each pipeline stage syncs its slice in parallel; the link is
-    ``network.cross_group_gbps`` (default: the slowest group NIC) per node."""
-    gbps = plan.network.cross_group_gbps
-    nics = []
+    """Gradient all-reduce between groups: each pipeline stage syncs its slice in parallel, in one ring
+    between the groups; the ring runs at the slowest link between two groups' kinds (:func:`node_link_gbps`)."""
+    kinds = [{st.accelerator for st in g.stages} for g in plan.groups]
+    gbps = min(node_link_gbps(plan, catalog, a, b)
+               for i, ka in enumerate(kinds) for kb in kinds[i + 1:] for a in ka for b in kb)
     stages_min = min(g.num_stages for g in plan.groups)
-    for g in plan.groups:
-        for st in g.stages:
-            acc = catalog.accelerator(st.accelerator)
-            nics.append(plan.network.inter_node_gbps.get(acc.id, acc.inter_node_gbps))
-    if gbps is None:
-        gbps = min(nics)
     trainable = (mn.num_layers * (mn.params_per_layer if mn.mode == "full" else mn.adapter_params_per_layer)
                  + (mn.embedding_params + mn.lm_head_params if mn.mode == "full" else 0.0))
-    per_stage = trainable * mn.bytes_per_value / stages_min
+    per_stage = trainable * mn.grad_bytes_per_value / stages_min
+    # one ring position per group, as the planner's search counts it (planner/search.py ``_sync_s``);
+    # a group of several replicas has more nodes on the ring, which this under-counts (docs/costmodel.md)
     return float(cross_group_sync_s(per_stage, len(plan.groups), gbps * C.NETWORK_EFFICIENCY))
 
 
