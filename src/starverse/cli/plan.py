@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from starverse.checks import check_output_file
+
 
 def _headroom_gb(est: Any) -> float:
     """Smallest memory margin over the plan's devices (GB), from the estimate."""
@@ -152,6 +154,9 @@ def plan_cmd(
     from starverse.planner import load_job, load_pool, search
     from starverse.planner.policy import describe
 
+    for path, option in ((out, "--out"), (plot, "--plot")):
+        if path is not None:
+            check_output_file(path, option)
     catalog = load_catalog(catalog_file)
     job = load_job(job_file)
     pool_obj = load_pool(pool, catalog)

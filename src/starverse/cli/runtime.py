@@ -191,7 +191,8 @@ def demo(
     with cluster.mixed_mesh():
         model = starverse.build_model(cluster.model_config)
     corpus = _demo_corpus(run_dir, int(corpus_mb * 1e6))
-    billing = BillingCallback(job=f"demo-{stamp}", ledger_path=run_dir / LEDGER_FILE, currency=prices.currency,
+    job_name = f"demo-{stamp}"
+    billing = BillingCallback(job=job_name, ledger_path=run_dir / LEDGER_FILE, currency=prices.currency,
                               prices=prices.prices)
     ckpt = CheckpointCallback(run_dir / "checkpoints", interval_steps=checkpoint_every, keep_last=2,
                               billing_cursor=billing.checkpoint_cursor)
@@ -199,7 +200,8 @@ def demo(
     console.print(f"  metrics: Prometheus on 127.0.0.1:{metrics_port or '<free port>'} while training "
                   f"(URL in {run_dir / ENDPOINT_FILE})", markup=False)
     # billing after the checkpoint callback (it records the checkpoint of the same step), metrics after billing
-    trainer = Trainer(cluster, callbacks=[ckpt, billing, metrics, RichProgress()], run_dir=run_dir, lr=1e-3,
+    callbacks: list[Any] = [ckpt, billing, metrics, RichProgress()]  # RichProgress: a Callback by its hooks
+    trainer = Trainer(cluster, callbacks=callbacks, run_dir=run_dir, lr=1e-3,
                       rebalance_every=20)
     result = trainer.fit(model, dataset=corpus, per_device_batch_size=batch, max_steps=steps, seq_len=seq_len)
     console.print("[bold]summary[/bold]")
@@ -211,7 +213,7 @@ def demo(
             f"({est.step_time_s / result.step_time_s - 1:+.0%}; {basis})",
             markup=False,
         )
-    print_bill(console, job_bill(run_dir / LEDGER_FILE, billing.job_name))
+    print_bill(console, job_bill(run_dir / LEDGER_FILE, job_name))
     if pool is None:
         console.print("  (your own devices are free; `starverse demo --pool examples/train/pool.yaml` prices them "
                       "as rented spot CPUs)", markup=False)

@@ -14,7 +14,16 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from starverse.config import FrozenModel, _line_of, format_loc, parse, read_yaml
+from starverse.config import (
+    MAX_COUNT,
+    MAX_MONEY,
+    MAX_SECONDS,
+    FrozenModel,
+    _line_of,
+    format_loc,
+    parse,
+    read_yaml,
+)
 from starverse.errors import CatalogError, ConfigError
 
 
@@ -30,18 +39,18 @@ class OfferSpec(FrozenModel):
 
     accelerator: str
     """Catalog id of the accelerator (``starverse catalog`` lists them)."""
-    count: int = Field(gt=0)
+    count: int = Field(gt=0, le=MAX_COUNT)
     """Devices available; the planner never rents more."""
     name: str | None = None
     """Label shown in tables (default: the accelerator id); must be unique in the pool."""
     provider: str | None = None
     """Who rents it (informative)."""
-    devices_per_node: int | None = Field(default=None, gt=0)
+    devices_per_node: int | None = Field(default=None, gt=0, le=MAX_COUNT)
     """Devices per node (default: the catalog's); tensor parallelism stays inside one node."""
-    price_per_hour: float | None = Field(default=None, ge=0)
+    price_per_hour: float | None = Field(default=None, ge=0, le=MAX_MONEY)
     """On-demand price per device-hour; omitted = the catalog's cheapest on-demand offer (0 for an ``owned``
     offer). 0 only with ``owned: true``."""
-    spot_price_per_hour: float | None = Field(default=None, gt=0)
+    spot_price_per_hour: float | None = Field(default=None, gt=0, le=MAX_MONEY)
     """Spot price per device-hour (needed when ``pricing: spot``; else the catalog's cheapest spot price)."""
     currency: str | None = None
     """Currency of this offer's prices (default: the pool's)."""
@@ -52,7 +61,7 @@ class OfferSpec(FrozenModel):
     lost-work overhead (Young/Daly)."""
     inter_node_gbps: float | None = Field(default=None, gt=0)
     """NIC bandwidth per node in Gbit/s (default: the catalog's)."""
-    billing_granularity_s: int | None = Field(default=None, gt=0)
+    billing_granularity_s: int | None = Field(default=None, gt=0, le=MAX_SECONDS)
     """Billing unit in seconds (3600 = started hours are billed in full); used by the ``cost`` objective.
     Default: the catalog offer's when the price comes from the catalog, else 1 (per second)."""
     host_memory_gb: float | None = Field(default=None, gt=0)
