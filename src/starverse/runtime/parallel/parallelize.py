@@ -78,6 +78,27 @@ class ParallelModel:
     """What was applied."""
     zero: ZeroModel | None
     """The FSDP2 state (None for ZeRO-0)."""
+    mesh: DeviceMesh | None = None
+    """The ``(dp, tp)`` mesh it runs on."""
+
+    def sync_gradients(self) -> None:
+        """Sum the gradients over the data-parallel replicas when FSDP does not (tensor parallel, ZeRO-0).
+
+        Each rank's local part (its TP shard, or a replicated norm) is summed with the same part of the other
+        replicas in one flat all-reduce over ``mesh["dp"]``; with ZeRO, FSDP2 reduced them in the backward.
+        """
+        if self.zero is not None or self.mesh is None or self.mesh["dp"].size() == 1:
+            return
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=self.mesh["dp"].get_group())
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def before_micro_batch(self, index: int, count: int) -> None:
         """Call before the forward of micro-batch ``index`` of ``count`` of a step."""
@@ -164,7 +185,7 @@ def parallelize(
     zero = None
     if config.zero_stage > 0:
         zero = apply_zero(model, mesh["dp"], config.zero_stage, config.offload, mp_policy)
-    return ParallelModel(model=model, config=config, zero=zero)
+    return ParallelModel(model=model, config=config, zero=zero, mesh=mesh)
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
