@@ -204,9 +204,10 @@ def demo(
     import starverse
     from starverse.billing.ledger import LEDGER_FILE
     from starverse.checkpoint.callback import CheckpointCallback
-    from starverse.cli.checkpoints import job_bill, print_bill
+    from starverse.cli.checkpoints import print_bill
     from starverse.elastic.job import lease_prices
     from starverse.errors import ConfigError
+    from starverse.jobs.ledger import job_bill
     from starverse.metrics.callbacks import ENDPOINT_FILE, BillingCallback, MetricsCallback
     from starverse.runtime.trainer import Trainer
 
@@ -239,15 +240,17 @@ def demo(
     with cluster.mixed_mesh():
         model = starverse.build_model(cluster.model_config)
     corpus = _demo_corpus(run_dir, int(corpus_mb * 1e6))
-    billing = BillingCallback(job=f"demo-{stamp}", ledger_path=run_dir / LEDGER_FILE, currency=prices.currency,
+    job_name = f"demo-{stamp}"
+    billing = BillingCallback(job=job_name, ledger_path=run_dir / LEDGER_FILE, currency=prices.currency,
                               prices=prices.prices)
     ckpt = CheckpointCallback(run_dir / "checkpoints", interval_steps=checkpoint_every, keep_last=2,
                               billing_cursor=billing.checkpoint_cursor)
-    metrics = MetricsCallback(job=billing.job_name, port=metrics_port, checkpoints=ckpt)
+    metrics = MetricsCallback(job=billing.job_name, port=metrics_port, checkpoints=ckpt, billing=billing)
     console.print(f"  metrics: Prometheus on 127.0.0.1:{metrics_port or '<free port>'} while training "
                   f"(URL in {run_dir / ENDPOINT_FILE})", markup=False)
     # billing after the checkpoint callback (it records the checkpoint of the same step), metrics after billing
-    trainer = Trainer(cluster, callbacks=[ckpt, billing, metrics, RichProgress()], run_dir=run_dir, lr=1e-3,
+    callbacks: list[Any] = [ckpt, billing, metrics, RichProgress()]  # RichProgress: a Callback by its hooks
+    trainer = Trainer(cluster, callbacks=callbacks, run_dir=run_dir, lr=1e-3,
                       rebalance_every=20)
     result = trainer.fit(model, dataset=corpus, per_device_batch_size=batch, max_steps=steps, seq_len=seq_len)
     console.print("[bold]summary[/bold]")
@@ -259,7 +262,7 @@ def demo(
             f"({est.step_time_s / result.step_time_s - 1:+.0%}; {basis})",
             markup=False,
         )
-    print_bill(console, job_bill(run_dir / LEDGER_FILE, billing.job_name))
+    print_bill(console, job_bill(run_dir / LEDGER_FILE, job_name))
     if pool is None:
         console.print("  (your own devices are free; `starverse demo --pool examples/train/pool.yaml` prices them "
                       "as rented spot CPUs)", markup=False)

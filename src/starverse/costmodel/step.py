@@ -162,19 +162,21 @@ def check_plan(plan: Plan, spec: Any, catalog: Any) -> None:
         if total != spec.num_layers:
             raise ConfigError(
                 f"groups[{gi}].stages: layers sum to {total} but model '{name}' has {spec.num_layers}; "
-                f"make the stages' layers (times repeat) add up to {spec.num_layers}"
+                f"make the stages' layers (times repeat) add up to {spec.num_layers}", loc=("groups", gi, "stages")
             )
         for si, s in enumerate(g.stages):
             try:
                 catalog.accelerator(s.accelerator)
             except StarverseError as e:
-                raise ConfigError(f"groups[{gi}].stages[{si}].accelerator: {e}") from None
+                raise ConfigError(f"groups[{gi}].stages[{si}].accelerator: {e}",
+                                  loc=("groups", gi, "stages", si, "accelerator")) from None
             if spec.num_heads % s.tp or spec.num_kv_heads % s.tp:
                 ok = [d for d in range(1, spec.num_kv_heads + 1)
                       if spec.num_heads % d == 0 and spec.num_kv_heads % d == 0]
                 raise ConfigError(
                     f"groups[{gi}].stages[{si}].tp: {s.tp} does not divide the model's {spec.num_heads} attention "
-                    f"heads and {spec.num_kv_heads} KV heads; use one of {', '.join(map(str, ok))}"
+                    f"heads and {spec.num_kv_heads} KV heads; use one of {', '.join(map(str, ok))}",
+                    loc=("groups", gi, "stages", si, "tp"),
                 )
 
 
@@ -409,7 +411,8 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any, profiles: dict[str, ModelPro
         if g.batch_share is not None and abs(n - exact) > 1e-6:
             raise ConfigError(
                 f"groups[{gi}].batch_share: {g.batch_share} of train.global_batch={gb} is {exact:g} sequences, "
-                f"not a multiple of replicas x micro_batch = {unit}; change the share or the batch"
+                f"not a multiple of replicas x micro_batch = {unit}; change the share or the batch",
+                loc=("groups", gi, "batch_share"),
             )
         seqs.append(n)
     diff = gb - sum(seqs)
@@ -430,7 +433,7 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any, profiles: dict[str, ModelPro
             raise ConfigError(
                 f"train.global_batch: {gb} sequences cannot be divided into micro-batches over "
                 f"groups[{gi}] ({what}); use a global_batch that is a multiple of {unit}"
-                + (" per group share" if len(groups) > 1 else "")
+                + (" per group share" if len(groups) > 1 else ""), loc=("train", "global_batch"),
             )
     return seqs
 
