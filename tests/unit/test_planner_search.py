@@ -108,10 +108,14 @@ def test_budget_that_excludes_everything(catalog):
 
 
 def test_young_daly_formula():
-    # C = 60 s, one interruption per hour: M = 3600 s, tau = sqrt(2*60*3600) = 657 s
+    # C = 60 s, one interruption per hour: M = 3600 s; the planner uses the supervisor's interval (Daly's
+    # form of Young's sqrt(2*60*3600) = 657 s): r = C/2M, tau = sqrt(2CM)(1 + sqrt(r)/3 + r/9) - C
     o = spot_overhead(1.0, 60.0, 300.0)
-    assert o.interval_s == pytest.approx(math.sqrt(2 * 60 * 3600))
-    assert o.factor == pytest.approx(1 + math.sqrt(2 * 60 / 3600) + 300 / 3600)
+    r = 60 / 7200
+    tau = math.sqrt(2 * 60 * 3600) * (1 + math.sqrt(r) / 3 + r / 9) - 60
+    assert o.interval_s == pytest.approx(tau)
+    assert o.factor == pytest.approx(1 + 60 / tau + (tau / 2 + 300) / 3600)
+    assert o.factor == pytest.approx(1 + math.sqrt(2 * 60 / 3600) + 300 / 3600, rel=2e-3)  # Young, first order
     assert float(spot_factor(0.0, 60.0, 300.0)) == 1.0
     # checkpointing longer than half the interval: no progress possible
     assert math.isinf(float(spot_factor(100.0, 60.0, 300.0)))

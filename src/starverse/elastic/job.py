@@ -114,6 +114,8 @@ class CheckpointSettings(FrozenModel):
     """Also treat this file appearing as a preemption notice (for a sidecar that talks to the provider)."""
     notice_url: str | None = None
     """Also poll a metadata endpoint: ``aws``, ``gcp``, or a URL that answers 200 when preempted."""
+    notice_poll_s: float = Field(default=5.0, gt=0, le=3600)
+    """Seconds between two polls of ``notice_url`` (each rank polls in a background thread)."""
 
 
 class BillingSettings(FrozenModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,34 @@ class StepMetrics:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
 
 
+@dataclass(frozen=True)
+class Notice:
+    """A device of this rank is about to be taken back (a preemption notice)."""
+
+    source: str
+    """What raised it (``SIGTERM``, a file path, a URL, ``another rank``)."""
+    received_at: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when it was seen (the grace period counts from here)."""
+    detail: str = ""
+    """What the source said (for the log)."""
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """The last checkpoint that is complete on disk (published on rank 0 by the checkpoint callback)."""
+
+    step: int
+    """Its step."""
+    at_s: int
+    """Unix time it was created."""
+    seconds: float
+    """How long its write took."""
+    path: str
+    """Its ``step-N`` folder."""
+    reason: str
+    """``interval``, ``final``, ``notice``..."""
+
+
 @dataclass
 class TrainContext:
     """One per rank process: everything a callback may read, and the two things it may do.
@@ -103,8 +132,14 @@ class TrainContext:
     """Why a stop was requested on this rank (None: no request); the trainer agrees over all ranks."""
     shares: list[int] = field(default_factory=list)
     """Current micro-batches per rank (changed by rebalancing); saved in checkpoints."""
+    notice: Notice | None = None
+    """The preemption notice every rank agreed on (set by the preemption callback; None: none)."""
+    grace_s: float = 30.0
+    """Seconds between a notice and the loss of the device (the emergency checkpoint must fit in them)."""
+    committed: CommittedCheckpoint | None = None
+    """The last committed checkpoint (rank 0; set by the checkpoint callback, read by billing and metrics)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Free space for callbacks to share state with each other on the same rank."""
+    """Free space for the user's own callbacks (Starverse's callbacks use the typed fields above)."""
 
     def request_stop(self, reason: str) -> None:
         """Ask the trainer to stop after the current step; every rank stops at the same step.

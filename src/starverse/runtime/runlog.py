@@ -156,10 +156,10 @@ class RunLogCallback(Callback):
             self._eval_step = ev["step"]
             self.event(ctx, "eval", **{k: v for k, v in ev.items() if k != "step"})
             scalars.update({"eval/loss": ev["loss"], "eval/perplexity": ev["perplexity"]})
-        ck = ctx.extra.get("checkpoint")
-        if isinstance(ck, dict) and ck.get("step") != self._ckpt_step:
-            self._ckpt_step = ck.get("step")
-            self.event(ctx, "checkpoint", **{k: v for k, v in ck.items() if k != "step"})
+        ck = ctx.committed
+        if ck is not None and ck.step != self._ckpt_step:
+            self._ckpt_step = ck.step
+            self.event(ctx, "checkpoint", at_s=ck.at_s, seconds=ck.seconds, path=ck.path, reason=ck.reason)
 
     def on_fit_end(self, ctx: TrainContext) -> None:
         """The final evaluation (if any), the end event; close the files."""

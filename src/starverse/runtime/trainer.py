@@ -2,9 +2,9 @@
 
 The user's process prepares everything that must be identical on every rank (tokenised corpus, initial
 weights, initial shares), then :func:`~starverse.runtime.launch.launch` starts one process per rank.
-Each rank runs :func:`_train_rank`: micro-batches of its share, gradients summed over the mixed mesh,
-AdamW with warm-up + cosine, clipping, a per-step exchange of losses/times/stop votes, rebalancing of
-shares. Rank 0 writes the final weights, which are loaded back into the user's model, so ``model`` is
+Each rank runs :func:`~starverse.runtime.rank_loop.train_rank` (a :class:`~starverse.runtime.rank_loop.RankTrainer`):
+micro-batches of its share, gradients summed over the mixed mesh, AdamW with warm-up + cosine, clipping, a
+per-step exchange of losses/times/stop votes, rebalancing of shares. Rank 0 writes the final weights, which are loaded back into the user's model, so ``model`` is
 trained after ``fit`` returns, as with a single-process trainer.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,12 +23,9 @@ import numpy as np
 import torch
 
 from starverse.errors import ConfigError
-from starverse.plan import Plan
-from starverse.runtime.callbacks import Callback, CallbackList, TrainContext
+from starverse.runtime.callbacks import Callback
 from starverse.runtime.data import (
-    DeterministicSampler,
     HFTokenizer,
-    PackedDataset,
     TokenizedCorpus,
     load_tokenizer,
     model_tokenizer,
@@ -37,18 +33,12 @@ from starverse.runtime.data import (
     tokenize_corpus,
 )
 from starverse.runtime.export import FINAL_WEIGHTS, record_model
-from starverse.runtime.hetero_dp import GradientSync, Rebalancer, proportional_shares
-from starverse.runtime.launch import Launcher, RankEnv, RankSpec, launch, resolve_launcher
-from starverse.runtime.lora import apply_mode, trainable_state_dict
+from starverse.runtime.hetero_dp import proportional_shares
+from starverse.runtime.launch import Launcher, RankSpec, launch, resolve_launcher
+from starverse.runtime.lora import apply_mode
+from starverse.runtime.rank_loop import FitJob, RankResult, train_rank
 from starverse.runtime.runlog import EVAL_FILE, EvalCallback, ProgressCallback, RunLogCallback
-from starverse.runtime.steps import (
-    LossFn,
-    autocast_dtype,
-    batch_loss,
-    flops_per_token,
-    make_optimizer,
-    make_schedule,
-)
+from starverse.runtime.steps import LossFn, flops_per_token
 
 if TYPE_CHECKING:
     from starverse.runtime.cluster import Cluster
@@ -139,37 +129,6 @@ class FitResult:
         if self.stop_reason:
             lines.append(f"  stopped early: {self.stop_reason}")
         return lines
-
-
-@dataclass(frozen=True)
-class _FitJob:
-    """Everything a rank needs (pickled into the rank processes)."""
-
-    plan: Plan
-    run_dir: Path
-    model_path: Path
-    tokens_path: Path
-    seq_len: int
-    micro_batch: int
-    global_batch: int
-    shares: tuple[int, ...]
-    max_steps: int
-    lr: float
-    warmup_steps: int
-    min_lr_ratio: float
-    weight_decay: float
-    grad_clip: float
-    seed: int
-    rebalance_every: int
-    hysteresis: float
-    precision: str
-    callbacks: tuple[Callback, ...]
-    loss_fn: LossFn | None
-    resume_from: Path | None
-    peaks_tflops: tuple[float | None, ...]
-    flops_per_token: float
-    bucket_mb: float = 25.0
-    labels_path: Path | None = None
 
 
 @dataclass
@@ -332,7 +291,7 @@ class Trainer:
         torch.save(model, model_path)
 
         prec = precision or plan.train.precision
-        job = _FitJob(
+        job = FitJob(
             plan=plan, run_dir=run_dir, model_path=model_path, tokens_path=tokens_path, seq_len=seq_len,
             micro_batch=per_device_batch_size, global_batch=gb, shares=tuple(init_shares), max_steps=max_steps,
             lr=self.lr, warmup_steps=self.warmup_steps if self.warmup_steps is not None else max(1, max_steps // 20),
@@ -348,7 +307,7 @@ class Trainer:
             world, gb, num_micro, per_device_batch_size, init_shares, max_steps, seq_len,
         )
         results = launch(
-            _train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
+            train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
             launcher=self.launcher,
         )
         final = run_dir / FINAL_WEIGHTS
@@ -413,195 +372,29 @@ def _peak_tflops(kind: str, precision: str, device: str) -> float | None:
     return value if value > 0 and math.isfinite(value) else None
 
 
-def _summarise(results: list[dict[str, Any]], job: _FitJob, ranks: list[RankSpec]) -> FitResult:
+def _summarise(results: list[RankResult], job: FitJob, ranks: list[RankSpec]) -> FitResult:
     r0 = results[0]
     per_rank = []
     achieved = 0.0
     peaks = 0.0
     for res, spec, peak in zip(results, ranks, job.peaks_tflops, strict=True):
-        tps = res["tokens"] / res["compute_s"] if res["compute_s"] > 0 else 0.0
+        tps = res.tokens / res.compute_s if res.compute_s > 0 else 0.0
         mfu = tps * job.flops_per_token / (peak * 1e12) if peak else None
         achieved += tps * job.flops_per_token
         peaks += peak or float("nan")
-        per_rank.append(RankSummary(spec.rank, spec.device_kind, res["share"], res["tokens"], res["compute_s"], tps, peak, mfu))
+        per_rank.append(RankSummary(spec.rank, spec.device_kind, res.share, res.tokens, res.compute_s, tps, peak, mfu))
     ev = json.loads((job.run_dir / EVAL_FILE).read_text()) if (job.run_dir / EVAL_FILE).is_file() else None
-    times = r0["step_times"][1:] or r0["step_times"]
+    times = r0.step_times[1:] or r0.step_times
     step_s = float(np.median(times)) if times else float("nan")
     tokens_step = job.global_batch * job.seq_len
     tps_job = tokens_step * len(times) / sum(times) if times and sum(times) > 0 else 0.0
     mfu_job = tps_job * job.flops_per_token / (peaks * 1e12) if math.isfinite(peaks) and peaks > 0 else None
     return FitResult(
-        steps=r0["step"], final_loss=r0["losses"][-1] if r0["losses"] else float("nan"), losses=tuple(r0["losses"]),
-        tokens_total=r0["tokens_total"], wall_s=r0["wall_s"], tokens_per_s=tps_job, mfu=mfu_job,
-        ranks=tuple(per_rank), shares_history=tuple((s, tuple(sh)) for s, sh in r0["shares_history"]),
+        steps=r0.step, final_loss=r0.losses[-1] if r0.losses else float("nan"), losses=r0.losses,
+        tokens_total=r0.tokens_total, wall_s=r0.wall_s, tokens_per_s=tps_job, mfu=mfu_job,
+        ranks=tuple(per_rank), shares_history=r0.shares_history,
         micro_batch=job.micro_batch, global_batch=job.global_batch, seq_len=job.seq_len,
-        stop_reason=r0["stop_reason"], run_dir=job.run_dir, step_time_s=step_s,
-        step_times_s=tuple(r0["step_times"]),
+        stop_reason=r0.stop_reason, run_dir=job.run_dir, step_time_s=step_s,
+        step_times_s=r0.step_times,
         eval_loss=ev["loss"] if ev else None, eval_perplexity=ev["perplexity"] if ev else None,
     )
-
-
-@dataclass
-class _Timer:
-    device: torch.device
-
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-
-def _train_rank(env: RankEnv, job: _FitJob) -> dict[str, Any]:
-    """One rank's training loop (runs inside a launched process)."""
-    import torch.distributed as dist
-
-    from starverse.runtime.mesh import MixedMesh
-
-    rank, world = env.rank, env.world_size
-    device = torch.device(env.spec.device)
-    torch.manual_seed(job.seed)
-    np.random.seed(job.seed)
-    mesh = MixedMesh.build([r.device_kind for r in env.ranks], [r.device for r in env.ranks])
-    model = torch.load(job.model_path, map_location="cpu", weights_only=False).to(device)
-    model.train()
-    optimizer = make_optimizer(model, job.lr, job.weight_decay)
-    scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
-    tokens = np.load(job.tokens_path, mmap_mode="r")
-    labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
-    data = PackedDataset(tokens, job.seq_len, labels)
-    sampler = DeterministicSampler(len(data), seed=job.seed)
-    callbacks = CallbackList(job.callbacks)
-    ctx = TrainContext(
-        rank=rank, world_size=world, plan=job.plan, run_dir=job.run_dir, step=0, model=model, optimizer=optimizer,
-        lr_scheduler=scheduler, sampler=sampler, group=mesh.host_group, device_kind=env.spec.device_kind,
-        device=device, rank_kinds=[r.device_kind for r in env.ranks], max_steps=job.max_steps,
-        shares=list(job.shares),
-    )
-    ctx.metrics.micro_batch = job.micro_batch
-    if job.resume_from is not None:
-        ctx.extra["resume_from"] = job.resume_from
-        if not callbacks.on_resume(ctx, job.resume_from):
-            if not job.resume_from.is_file():
-                raise ConfigError(
-                    f"resume_from={job.resume_from}: no callback loaded it and it is not a state file. To fix: "
-                    "pass the checkpoint callback that wrote it, or a file saved from TrainContext.state_dict()."
-                )
-            ctx.load_state_dict(torch.load(job.resume_from, map_location=device, weights_only=False))
-    callbacks.on_fit_start(ctx)
-
-    grads = GradientSync(list(model.parameters()), mesh, job.bucket_mb, world)
-    params = [p for p in model.parameters() if p.requires_grad]
-    rebalancer = Rebalancer(sum(ctx.shares), every=job.rebalance_every, hysteresis=job.hysteresis)
-    amp = autocast_dtype(job.precision, device)
-    timer = _Timer(device)
-    losses: list[float] = []
-    step_times: list[float] = []
-    shares_history: list[tuple[int, list[int]]] = [(ctx.step, list(ctx.shares))]
-    my_tokens = 0
-    my_compute = 0.0
-    scale = job.micro_batch / job.global_batch
-    t_loop = time.perf_counter()
-    while ctx.step < job.max_steps:
-        t0 = timer.now()
-        batch_idx = sampler.next_indices(job.global_batch)
-        start = sum(ctx.shares[:rank]) * job.micro_batch
-        mine = batch_idx[start : start + ctx.shares[rank] * job.micro_batch]
-        num_targets = data.num_targets(batch_idx) if data.labels is not None else None
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        grads.blocked_s = 0.0  # time waiting for peers is not this device's compute (see GradientSync)
-        for k in range(ctx.shares[rank]):
-            tm, blocked0 = timer.now(), grads.blocked_s
-            micro = mine[k * job.micro_batch : (k + 1) * job.micro_batch]
-            x = torch.from_numpy(data.batch(micro)).to(device)
-            y = data.batch_labels(micro)
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                loss = batch_loss(model, x, job.loss_fn, None if y is None else torch.from_numpy(y).to(device),
-                                  num_targets)
-            if k == ctx.shares[rank] - 1:
-                grads.arm()  # the last backward: overlap the gradient all-reduce with it
-            weight = scale if y is None else 1.0  # masked labels: already this micro-batch's part of the mean
-            (loss * weight).backward()
-            loss_sum += loss.detach().double().cpu() * weight
-            callbacks.on_micro_batch_end(ctx, timer.now() - tm - (grads.blocked_s - blocked0))
-        compute_s = timer.now() - t0 - grads.blocked_s
-        grads.finish()
-        norm = torch.nn.utils.clip_grad_norm_(params, job.grad_clip) if job.grad_clip > 0 else _grad_norm(params)
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        wall_s = timer.now() - t0
-        # One small host-side exchange per step: every rank learns every rank's loss part and times.
-        mine_t = torch.tensor([float(loss_sum), compute_s, wall_s], dtype=torch.float64)
-        gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
-        if world > 1:
-            dist.all_gather(gathered, mine_t, group=mesh.host_group)
-        else:
-            gathered = [mine_t]
-        step_loss = float(sum(g[0] for g in gathered))
-        compute_times = [float(g[1]) for g in gathered]
-        step_times_r = [float(g[2]) for g in gathered]
-        ctx.step += 1
-        my_tokens += ctx.shares[rank] * job.micro_batch * job.seq_len
-        my_compute += compute_s
-        m = ctx.metrics
-        m.loss = step_loss
-        m.tokens_step = job.global_batch * job.seq_len
-        m.tokens_total += m.tokens_step
-        m.step_time_s = max(step_times_r)
-        m.step_times_s = step_times_r
-        m.compute_times_s = compute_times
-        m.shares = list(ctx.shares)
-        m.tokens_per_s = m.tokens_step / m.step_time_s if m.step_time_s > 0 else 0.0
-        m.mfu = _step_mfu(job, ctx.shares, compute_times, m.step_time_s)
-        m.lr = lr
-        m.grad_norm = float(norm)
-        losses.append(step_loss)
-        step_times.append(m.step_time_s)
-        rebalancer.observe(ctx.shares, compute_times)
-        new = rebalancer.propose(ctx.step, ctx.shares)
-        callbacks.on_step_end(ctx)
-        if new is not None:
-            ctx.shares = new
-            shares_history.append((ctx.step, list(new)))
-        if _agree_to_stop(ctx, mesh.host_group, world):
-            break
-    wall = time.perf_counter() - t_loop
-    callbacks.on_fit_end(ctx)
-    if rank == 0:
-        final = job.run_dir / FINAL_WEIGHTS
-        tmp = final.with_suffix(".tmp")
-        torch.save({k: v.detach().cpu() for k, v in trainable_state_dict(model).items()}, tmp)
-        tmp.replace(final)
-    return {
-        "step": ctx.step, "losses": losses, "tokens_total": ctx.metrics.tokens_total, "wall_s": wall,
-        "step_times": step_times, "shares_history": shares_history, "stop_reason": ctx.stop_reason,
-        "tokens": my_tokens, "compute_s": my_compute, "share": ctx.shares[rank],
-    }
-
-
-def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-    return torch.stack(norms).norm() if norms else torch.zeros(())
-
-
-def _step_mfu(job: _FitJob, shares: Sequence[int], compute_times: Sequence[float], step_s: float) -> float | None:
-    if any(p is None for p in job.peaks_tflops) or step_s <= 0:
-        return None
-    flops = job.global_batch * job.seq_len * job.flops_per_token
-    return flops / step_s / (sum(p for p in job.peaks_tflops if p) * 1e12)
-
-
-def _agree_to_stop(ctx: TrainContext, group: Any, world: int) -> bool:
-    """All ranks stop together if any asked; the reason of the lowest asking rank is adopted everywhere."""
-    import torch.distributed as dist
-
-    if world == 1:
-        return ctx.stop_reason is not None
-    vote = torch.tensor([0 if ctx.stop_reason is None else 1], dtype=torch.int64)
-    dist.all_reduce(vote, group=group)
-    if int(vote) == 0:
-        return False
-    if ctx.stop_reason is None:
-        ctx.stop_reason = "stop requested by another rank"
-    return True

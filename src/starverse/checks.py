@@ -1,6 +1,6 @@
 """Checks of the files and ports a command will use, made before it computes or launches anything.
 
-A command that would fail late (a plan written after a minute of search into a folder that does not exist, a
+A command or job that would fail late (a plan written after a minute of search into a folder that does not exist, a
 rank that cannot bind its metrics port, a tokenizer fed a binary file) fails here instead, as one line naming
 the file, the field and the fix. Each check is cheap: a ``stat``, a read of the first kilobytes, a ``bind``.
 """
