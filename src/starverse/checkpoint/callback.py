@@ -123,8 +123,9 @@ class CheckpointCallback(Callback):
         else:
             store = CheckpointStore(resolve_root(path))
             store.require_any()
-            info = store.latest()
-            assert info is not None
+            latest = store.latest()
+            assert latest is not None  # require_any raised otherwise
+            info = latest
         self._load(ctx, ck, info)
         return True
 
@@ -253,7 +254,7 @@ class CheckpointCallback(Callback):
         """Tell later callbacks (billing, metrics) about the last committed checkpoint (rank 0)."""
         ck = self.checkpointer
         info = ck.last_committed if ck is not None else None
-        if info is None or ctx.rank != 0:
+        if ck is None or info is None or ctx.rank != 0:
             return
         current = ctx.extra.get(CHECKPOINT_KEY)
         if isinstance(current, Mapping) and current.get("step") == info.step:
@@ -293,7 +294,7 @@ def apply_extras(ctx: TrainContext, extras: Mapping[str, Any]) -> None:
     ctx.step = int(extras["step"])
     ctx.metrics.tokens_total = int(extras.get("tokens_total", 0))
     shares = [int(s) for s in extras.get("shares") or []]
-    if len(shares) == ctx.world_size and sum(shares) == sum(ctx.shares or shares):
+    if len(shares) == len(ctx.shares) and sum(shares) == sum(ctx.shares or shares):
         ctx.shares = shares
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -65,8 +65,17 @@ def plain(tree: Any) -> Any:
 
 
 def fingerprint(model: torch.nn.Module) -> tuple[str, int]:
-    """(hash of parameter names, shapes and dtypes, number of parameters): a resume must match both."""
+    """(hash of parameter names, shapes and dtypes, number of parameters): a resume must match both.
+
+    A rank that holds part of the model (a pipeline stage) fingerprints the whole model it is part of
+    (``model.unsplit_signature``), so a checkpoint written under one layout loads under another.
+    """
     h = hashlib.sha256()
+    signature = getattr(model, "unsplit_signature", None)
+    if signature is not None:
+        for name, shape, dtype in signature.entries:
+            h.update(f"{name}:{shape}:{dtype};".encode())
+        return h.hexdigest()[:16], int(signature.num_params)
     # the module's own state_dict keys, as DCP's get_model_state_dict reports them for a plain module
     for name, t in sorted(model.state_dict().items()):
         if isinstance(t, torch.Tensor):
@@ -77,7 +86,7 @@ def fingerprint(model: torch.nn.Module) -> tuple[str, int]:
 
 def capture_rng() -> dict[str, Any]:
     """RNG states of this process (torch CPU, CUDA if present, Python, numpy)."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state())
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

@@ -281,6 +281,7 @@ def train(
             "attempts": [a.__dict__ | {"device_kinds": list(a.device_kinds)} for a in out.attempts],
             "checkpoint_interval": interval, "run_dir": str(run_dir), "checkpoints": str(sup.store.root),
             "metrics_url": metrics_url, "bill": bill,
+            "pipeline": out.fit.pipeline.as_dict() if out.fit and out.fit.pipeline else None,
         }, indent=2))
         return
     for a in out.attempts:

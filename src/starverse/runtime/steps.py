@@ -48,9 +48,22 @@ def batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_fn: LossFn 
             f"{type(model).__name__}(input_ids) returned {type(out).__name__}; expected a scalar loss, an object "
             "with .loss, or logits [batch, seq, vocab]. To fix: pass loss_fn=."
         )
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.size(-1)).float(), input_ids[:, 1:].reshape(-1)
-    )
+    return shifted_cross_entropy(logits, input_ids)
+
+
+def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits ``[batch, seq, vocab]`` against the same sequences' ids."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), input_ids[:, 1:].reshape(-1))
+
+
+def config_int(model: torch.nn.Module, *keys: str) -> int | None:
+    """The first of ``keys`` that the model's (Hugging Face) ``config`` holds as an int; None if none."""
+    cfg = getattr(model, "config", None)
+    for key in keys:
+        v = getattr(cfg, key, None)
+        if isinstance(v, int):
+            return v
+    return None
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
@@ -60,7 +73,8 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     The attention term uses the model's ``config`` (Hugging Face) when it has one.
     """
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_out = getattr(model, "get_output_embeddings", None)
+    out_emb = get_out() if callable(get_out) else None
     head_ids = {id(out_emb.weight)} if out_emb is not None else set()
     n = sum(p.numel() for p in model.parameters() if id(p) not in emb_ids or id(p) in head_ids)
     cfg = getattr(model, "config", None)
