@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the CPU build on disk; an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[train,dev,ray]'
+	$(BIN)/pip install -q -e '.[train,dev,ray,service]'
 	touch $(STAMP)
 
 install: $(STAMP)

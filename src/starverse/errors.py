@@ -16,7 +16,15 @@ class StarverseError(Exception):
 
 
 class ConfigError(StarverseError):
-    """A file or argument the user gave is malformed or inconsistent."""
+    """A file or argument the user gave is malformed or inconsistent.
+
+    ``loc``: the field path inside the file (``("groups", 0, "stages", 0, "tp")``) when the check that failed
+    ran after loading (the plan against its model, say), so that the caller who knows the file adds its line.
+    """
+
+    def __init__(self, message: str, loc: Sequence[int | str] | None = None):
+        super().__init__(message)
+        self.loc = None if loc is None else tuple(loc)
 
 
 class CatalogError(ConfigError):

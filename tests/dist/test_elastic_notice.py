@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from starverse.checkpoint import CheckpointCallback, CheckpointStore
-from starverse.checkpoint.callback import INTERVAL_KEY, NOTICE_KEY, RESUMED_KEY
 from starverse.elastic.notice import (
     FileNotice,
     HttpNotice,
@@ -154,15 +153,16 @@ def test_notice_stops_at_the_step_boundary_with_an_emergency_checkpoint(tmp_path
     cbs = [PreemptionCallback([FileNotice(flag)], grace_s=5), ck]
     _fit(ctx, cbs, steps=50, on_step=lambda c: c.step == 7 and flag.touch())
     assert ctx.step == 7 and ctx.stop_reason.startswith(f"preempted ({flag})")
-    assert NOTICE_KEY in ctx.extra
+    assert ctx.notice is not None and ctx.notice.source == str(flag)
     store = CheckpointStore(tmp_path / "checkpoints")
     assert [(i.step, i.reason) for i in store.list()] == [(7, "notice")]
-    assert ctx.extra["checkpoint"]["step"] == 7 and ctx.extra["checkpoint"]["reason"] == "notice"
+    assert ctx.committed is not None and (ctx.committed.step, ctx.committed.reason) == (7, "notice")
     expected = {k: v.clone() for k, v in ctx.model.state_dict().items()}
     # Resume in a fresh context: step, LR schedule and weights continue where the notice stopped.
     ctx2 = _ctx(tmp_path)
-    CheckpointCallback(resume_from="latest").on_fit_start(ctx2)
-    assert ctx2.step == 7 and ctx2.extra[RESUMED_KEY].info.step == 7
+    ck2 = CheckpointCallback(resume_from="latest")
+    ck2.on_fit_start(ctx2)
+    assert ctx2.step == 7 and ck2.resumed is not None and ck2.resumed.info.step == 7
     assert ctx2.lr_scheduler.last_epoch == 7 and ctx2.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
     for k, v in ctx2.model.state_dict().items():
         assert torch.equal(v, expected[k])
@@ -173,7 +173,7 @@ def test_automatic_interval_from_measured_save_cost_is_logged_with_its_reason(tm
     ck = CheckpointCallback(mtbf_s=600.0, keep_last=None)
     with caplog.at_level(logging.INFO, logger="starverse.checkpoint.callback"):
         _fit(ctx, [ck], steps=40)
-    choice = ctx.extra[INTERVAL_KEY]
+    choice = ck.choice
     # First save after step 1 measures the cost; then Young/Daly: sqrt(2·C·600 s) in 0.5 s steps.
     assert choice.save_cost_s is not None and choice.save_cost_s >= 0 and choice.mtbf_s == 600.0
     tau = max(math.sqrt(2 * choice.save_cost_s * 600.0), choice.write_s)
@@ -185,6 +185,7 @@ def test_automatic_interval_from_measured_save_cost_is_logged_with_its_reason(tm
     info = CheckpointStore(tmp_path / "checkpoints").get(40)
     assert info.reason == "final" and "Young/Daly" in info.manifest["interval"]["reason"]
     # What the billing and metrics callbacks read: the last committed checkpoint.
-    published = ctx.extra["checkpoint"]
-    assert published["step"] == 40 and published["reason"] == "final" and published["path"] == str(info.path)
-    assert abs(published["at_s"] - info.path.stat().st_mtime) < 120 and published["seconds"] > 0
+    published = ctx.committed
+    assert published is not None
+    assert published.step == 40 and published.reason == "final" and published.path == str(info.path)
+    assert abs(published.at_s - info.path.stat().st_mtime) < 120 and published.seconds > 0

@@ -15,7 +15,7 @@ from starverse.billing import CreditKind, EventKind, LeasePricing, Ledger, Prici
 from starverse.errors import BudgetExceededError
 from starverse.metrics.callbacks import BillingCallback, MetricsCallback
 from starverse.plan import Group, Plan, Pricing, Stage, TrainSpec
-from starverse.runtime.callbacks import StepMetrics, TrainContext
+from starverse.runtime.callbacks import CommittedCheckpoint, Notice, StepMetrics, TrainContext
 
 T0 = 1_700_000_000
 
@@ -48,7 +48,7 @@ def step(ctx: TrainContext, clock: Clock, cbs: list, seconds: float = 10.0, chec
     ctx.metrics.tokens_total += 32
     ctx.metrics.loss = 1.0 / ctx.step
     if checkpoint:
-        ctx.extra["checkpoint"] = {"step": ctx.step, "seconds": 0.5, "at_s": clock.t}
+        ctx.committed = CommittedCheckpoint(step=ctx.step, at_s=int(clock.t), seconds=0.5, path="", reason="interval")
     for cb in cbs:
         cb.on_step_end(ctx)
 
@@ -83,15 +83,18 @@ def test_run_dies_then_resumes_with_itemised_credits(tmp_path: Path):
         assert [(c.kind, c.lease_id, c.seconds, c.ticks) for c in credits] == [
             (CreditKind.REDO, 1, 30, 360_000 * 30), (CreditKind.REDO, 2, 30, 180_000 * 30)]
         assert check_ledger(led).ok
-    assert ctx2.extra["billing"]["preemptions"] == 1
-    assert ctx2.extra["billing"]["credits"] == Decimal("0.004500")
+    assert billing2.status is not None and billing2.status.preemptions == 1
+    assert billing2.status.credits == Decimal("0.004500")
 
 
 def test_metrics_callback_publishes_a_consistent_snapshot(tmp_path: Path):
     clock = Clock()
     ctx = make_ctx(tmp_path)
-    billing = BillingCallback(job="m", clock=clock, budget_total="10")
-    metrics = pickle.loads(pickle.dumps(MetricsCallback(job="m")))
+    # pickled together (as into a rank): the metrics callback's reference is the same billing callback
+    billing0 = BillingCallback(job="m", clock=clock, budget_total="10")
+    billing, metrics = pickle.loads(pickle.dumps((billing0, MetricsCallback(job="m", billing=billing0))))
+    assert metrics.billing is billing
+    billing.clock = clock  # the copy's clock is a copy too: drive it with the test's
     billing.on_fit_start(ctx)
     metrics.on_fit_start(ctx)
     try:
@@ -137,14 +140,12 @@ def test_non_zero_ranks_do_nothing(tmp_path: Path):
 def test_notice_stop_is_a_preemption_and_checkpoint_stats_feed_the_metrics(tmp_path: Path):
     from types import SimpleNamespace
 
-    from starverse.checkpoint.callback import NOTICE_KEY
-
     clock = Clock()
     ctx = make_ctx(tmp_path)
     stats = SimpleNamespace(num_saves=0, blocked_s=0.0, last_write_s=0.0)
     ckpt = SimpleNamespace(checkpointer=SimpleNamespace(stats=stats))  # what CheckpointCallback exposes
     billing = BillingCallback(job="n", clock=clock)
-    metrics = MetricsCallback(job="n", checkpoints=ckpt)
+    metrics = MetricsCallback(job="n", checkpoints=ckpt, billing=billing)
     billing.on_fit_start(ctx)
     metrics.on_fit_start(ctx)
     try:
@@ -154,7 +155,7 @@ def test_notice_stop_is_a_preemption_and_checkpoint_stats_feed_the_metrics(tmp_p
         step(ctx, clock, [billing, metrics])
         state = metrics.exporter.collector.state
         assert (state.checkpoints, state.checkpoint_s_total, state.checkpoint_s) == (1, 0.25, 1.5)
-        ctx.extra[NOTICE_KEY] = SimpleNamespace(source="SIGTERM")
+        ctx.notice = Notice(source="SIGTERM")
     finally:
         billing.on_fit_end(ctx)
         metrics.on_fit_end(ctx)
@@ -169,7 +170,7 @@ def test_notice_stop_is_a_preemption_and_checkpoint_stats_feed_the_metrics(tmp_p
 
 
 def test_checkpoint_recorded_once_whether_seen_at_capture_or_at_commit(tmp_path: Path):
-    # the cursor fires when a save starts; CheckpointCallback publishes ctx.extra["checkpoint"] once the
+    # the cursor fires when a save starts; CheckpointCallback publishes ctx.committed once the
     # save committed, a step or more later, while the next save may already have started
     clock = Clock()
     ctx = make_ctx(tmp_path)
@@ -177,7 +178,7 @@ def test_checkpoint_recorded_once_whether_seen_at_capture_or_at_commit(tmp_path:
     billing.on_fit_start(ctx)
 
     def committed(step: int) -> None:
-        ctx.extra["checkpoint"] = {"step": step, "seconds": 0.1, "at_s": T0 + 10 * step}
+        ctx.committed = CommittedCheckpoint(step=step, at_s=T0 + 10 * step, seconds=0.1, path="", reason="interval")
 
     step(ctx, clock, [billing])
     billing.checkpoint_cursor(ctx)  # step 1 captured

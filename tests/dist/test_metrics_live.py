@@ -67,7 +67,7 @@ def _parse(text: str) -> Samples:
     out: Samples = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "job"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "starverse_job"))
             out[(s.name, labels)] = s.value
     return out
 

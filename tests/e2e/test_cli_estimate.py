@@ -42,17 +42,33 @@ def test_estimate_json_is_consistent(tmp_path: Path) -> None:
                                      "cross_group_sync"}
 
 
+KNOWN_REFUSED = {"sailor-mit-n2-d2", "sailor-mit-n4-d4", "sailor-mit-n6-d6"}
+"""Measured runs the estimator says do not fit (open misses of issue 9, item 4; see data/validation/README.md)."""
+
+
 def test_validate_json_has_exactly_the_documented_shape() -> None:
     res = run("validate", str(CASES), "--json")
     doc = json.loads(res.stdout)
-    assert set(doc) == {"cases", "summary"}
-    assert set(doc["summary"]) == {"n", "median_abs_error", "p90_abs_error", "max_abs_error", "spearman"}
-    assert doc["summary"]["n"] == len(list(CASES.glob("*.yaml")))
+    assert set(doc) == {"cases", "summary", "sources"}
+    stats = {"n", "median_abs_error", "p90_abs_error", "max_abs_error", "spearman", "memory_n",
+             "memory_median_abs_error", "memory_max_abs_error"}
+    assert set(doc["summary"]) == stats
+    files = [p for p in CASES.rglob("*.yaml") if "models" not in p.parts]
+    assert len(doc["cases"]) == len(files)
+    assert set(doc["sources"]) == {"korthikanti2022", "megatron", "megatron2021", "mpt", "sailor"}
+    assert all(set(s) == stats for s in doc["sources"].values())
+    assert sum(s["n"] for s in doc["sources"].values()) == doc["summary"]["n"]
     for case in doc["cases"]:
-        assert set(case) == {"name", "metric", "predicted", "measured", "error"}
+        assert set(case) == {"name", "source", "metric", "predicted", "measured", "error", "predicted_memory_gb",
+                             "measured_memory_gb", "memory_error", "out_of_memory", "fits"}
         assert case["metric"] == "tokens_per_s"
         assert case["error"] == pytest.approx(case["predicted"] / case["measured"] - 1)
-    assert res.returncode == 0, res.stderr  # every published case estimated and fits
+    # the cases the estimator refuses although they ran (data/validation/README.md says why) fail the run
+    refused = {c["name"] for c in doc["cases"] if not c["fits"]}
+    assert refused == KNOWN_REFUSED
+    assert res.returncode == 1
+    for name in refused:
+        assert f"case {name} failed: estimator says the plan does not fit" in res.stderr
 
 
 def test_validate_reports_failed_cases_and_exits_1(tmp_path: Path) -> None:

@@ -21,21 +21,37 @@ def _exprs(dash: dict) -> list[str]:
 def test_dashboard_is_provisionable_and_refers_only_to_defined_metrics():
     dash = json.loads(dashboard_path().read_text())
     assert dash["uid"] == "starverse-training" and dash["id"] is None  # provisioning assigns the id
-    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "job"}
+    # not `job`: Prometheus's own target label (ours would become exported_job under honor_labels: false)
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "starverse_job"}
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)) >= 10
     defined = {m.name for m in METRICS}
     used = set()
     for expr in _exprs(dash):
-        names = re.findall(r"\bstarverse_[a-z_]+", expr)
+        names = [n for n in re.findall(r"\bstarverse_[a-z_]+", expr) if n != "starverse_job"]
         assert names, expr
         used.update(names)
-        assert 'job="$job"' in expr, expr
+        assert 'starverse_job="$starverse_job"' in expr and not re.search(r"(?<!starverse_)job=", expr), expr
     assert used <= defined, used - defined
     # the money, per-rank and checkpoint figures are all on the dashboard
     for name in ("starverse_cost_total", "starverse_batch_share_ratio", "starverse_step_seconds",
                  "starverse_preemptions_total", "starverse_last_checkpoint_seconds", "starverse_mfu_ratio"):
         assert name in used
+
+
+def test_money_panels_have_currency_units_and_steps_have_their_own_axis():
+    dash = json.loads(dashboard_path().read_text())
+    money = [p for p in dash["panels"] if any(re.search(r"starverse_(cost|credit|budget)", t["expr"])
+                                             for t in p["targets"])]
+    assert len(money) >= 4
+    for p in money:
+        units = {o["matcher"]["options"]: o["properties"][0]["value"] for o in p["fieldConfig"]["overrides"]}
+        assert p["fieldConfig"]["defaults"]["unit"] == "currencyUSD", p["title"]
+        assert units[r".*\bEUR\b.*"] == "currencyEUR" and units[r".*\bCNY\b.*"] == "suffix: CNY", p["title"]
+        assert all("{{currency}}" in t["legendFormat"] for t in p["targets"]), p["title"]
+    (both,) = [p for p in dash["panels"] if p["title"] == "Checkpoints and steps"]
+    (steps,) = [o for o in both["fieldConfig"]["overrides"] if o["matcher"]["options"] == "steps"]
+    assert {"id": "custom.axisPlacement", "value": "right"} in steps["properties"]
 
 
 def test_exporter_serves_every_defined_metric_on_localhost():
@@ -57,7 +73,8 @@ def test_exporter_serves_every_defined_metric_on_localhost():
         sample_names = {s.name for s in fams[base].samples}
         assert m.name in sample_names, (m.name, sample_names)
     cost = fams["starverse_cost_per_million_tokens"].samples[0]
-    assert cost.value == 3.2 / 640 * 1e6 and cost.labels == {"job": "job-a", "currency": "USD"}
+    assert cost.value == 3.2 / 640 * 1e6 and cost.labels == {"starverse_job": "job-a", "currency": "USD"}
+    assert all("job" not in s.labels for f in fams.values() for s in f.samples)
     share = {s.labels["rank"]: s.value for s in fams["starverse_batch_share_ratio"].samples}
     assert share == {"0": 0.75, "1": 0.25}
 

@@ -19,7 +19,7 @@ import pytest
 from starverse.catalog import load_catalog
 from starverse.costmodel.batch import estimate_batch
 from starverse.models import load_model
-from starverse.planner import job_from_dict, pool_from_dict, space
+from starverse.planner import hostmem, job_from_dict, pool_from_dict, space
 from starverse.planner.combine import best_split
 from starverse.planner.policy import billed_hours, score
 from starverse.planner.search import (
@@ -61,6 +61,11 @@ def brute_force(job, pool, catalog, spec) -> float:
                         for si, st in enumerate(ctx.settings):
                             if (pp > 1 and st.zero_stage > 1) or r * mb > b:
                                 continue
+                            need = hostmem.uniform_host_gb_per_node(ctx.model, ctx.train, tp, pp, r, st.zero_stage,
+                                                                    st.offload, o.devices_per_node)
+                            have = np.nan if o.host_memory_gb is None else o.host_memory_gb
+                            if not hostmem.host_ok(need, np.asarray(have)):
+                                continue  # the offloaded state does not fit the nodes' RAM
                             options.append((oi, tp, pp, r, mb, si))
                             for k in range(1, b // (r * mb) + 1):
                                 rows.append((len(options) - 1, k))
@@ -140,8 +145,8 @@ def random_case(seed: int, max_kinds: int = 3, batches: tuple[int, ...] = (6, 8,
     for kind, n in zip(kinds, counts, strict=True):
         off = {"accelerator": kind, "count": n, "price_per_hour": round(rng.uniform(0.2, 3.0), 2),
                "billing_granularity_s": rng.choice([1, 3600])}
-        if rng.random() < 0.3:
-            off.update(pricing="spot", spot_price_per_hour=round(rng.uniform(0.1, 1.0), 2),
+        if rng.random() < 0.3:  # a spot price is a discount on the on-demand one
+            off.update(pricing="spot", spot_price_per_hour=max(0.01, round(off["price_per_hour"] * rng.uniform(0.2, 0.9), 2)),
                        interruptions_per_hour=round(rng.uniform(0.01, 0.5), 3))
         offers.append(off)
     pool = {"currency": "USD", "offers": offers, "cross_offer_gbps": rng.choice([100, 400])}
@@ -158,20 +163,26 @@ def random_case(seed: int, max_kinds: int = 3, batches: tuple[int, ...] = (6, 8,
     return job, pool
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_search_matches_brute_force(seed, catalog):
-    job_d, pool_d = random_case(seed)
+def check_against_brute_force(job_d, pool_d, catalog):
+    """The search's best objective equals brute force's on one case (both empty when nothing fits); returns
+    the job, pool, best combinations and the options they index, for further checks."""
     job = job_from_dict(job_d)
     pool = pool_from_dict(pool_d, catalog)
     spec = load_model(job.model)
-    combos, _, stats = best_combinations(job, pool, catalog, spec, job.train.mode, top=1)
+    combos, opts, stats = best_combinations(job, pool, catalog, spec, job.train.mode, top=1)
     expected = brute_force(job, pool, catalog, spec)
-    assert not stats["screened"] and stats["proven"]
+    assert not stats.screened and stats.proven_optimal
     if not math.isfinite(expected):
         assert combos == []
-        return
-    assert combos, f"brute force found {expected} but the search found nothing"
-    assert combos[0].value == pytest.approx(expected, rel=1e-9)
+    else:
+        assert combos, f"brute force found {expected} but the search found nothing"
+        assert combos[0].value == pytest.approx(expected, rel=1e-9)
+    return job, pool, combos, opts
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_search_matches_brute_force(seed, catalog):
+    check_against_brute_force(*random_case(seed), catalog)
 
 
 @pytest.mark.parametrize("seed", range(100, 106))
@@ -179,16 +190,54 @@ def test_search_matches_brute_force_larger_batches(seed, catalog):
     """Global batches of 24-48 sequences: many more integer splits per combination."""
     job_d, pool_d = random_case(seed, max_kinds=2, batches=(24, 32, 48))
     job_d["train"]["micro_batch"] = 2
-    job = job_from_dict(job_d)
-    pool = pool_from_dict(pool_d, catalog)
-    spec = load_model(job.model)
-    combos, _, stats = best_combinations(job, pool, catalog, spec, job.train.mode, top=1)
-    expected = brute_force(job, pool, catalog, spec)
-    assert not stats["screened"] and stats["proven"]
-    if not math.isfinite(expected):
-        assert combos == []
-        return
-    assert combos[0].value == pytest.approx(expected, rel=1e-9)
+    check_against_brute_force(job_d, pool_d, catalog)
+
+
+def free_case(seed: int):
+    """A random case where the search decides the memory settings too: ZeRO stage, recompute and offload
+    free (or some of them fixed), nodes with little RAM so that offload is sometimes refused for host memory,
+    and the training mode full, LoRA or QLoRA."""
+    job, pool = random_case(seed, max_kinds=2, batches=(4, 6, 8))
+    rng = random.Random(seed * 11 + 3)
+    train = job["train"]
+    for key in ("zero_stage", "recompute", "offload"):
+        if rng.random() < 0.7:
+            train.pop(key)
+    train["mode"] = rng.choice(["full", "full", "lora", "qlora"])
+    for o in pool["offers"]:
+        o["count"] = min(o["count"], 8)
+        if rng.random() < 0.6:
+            o["host_memory_gb"] = rng.choice([2, 8, 32])
+    return job, pool
+
+
+@pytest.mark.parametrize("seed", range(300, 340))
+def test_search_matches_brute_force_over_memory_settings_and_modes(seed, catalog):
+    """ZeRO stage, recompute and offload chosen by the search (host memory binding offload), in full, LoRA
+    and QLoRA training: the same best objective as plain loops over every setting."""
+    check_against_brute_force(*free_case(seed), catalog)
+
+
+def test_free_cases_cover_settings_modes_and_host_memory(catalog):
+    """The free cases above must choose among several memory settings, cover LoRA/QLoRA, and have host
+    memory refuse some offloaded options, or they prove little."""
+    from starverse.planner.search import _context, _host_fits
+    from starverse.planner.space import enumerate_options
+
+    chosen, modes, host_refused = set(), set(), 0
+    for seed in range(300, 340):
+        job_d, pool_d = free_case(seed)
+        job = job_from_dict(job_d)
+        pool = pool_from_dict(pool_d, catalog)
+        spec = load_model(job.model)
+        combos, _, _ = best_combinations(job, pool, catalog, spec, job.train.mode)
+        ctx = _context(job, pool, catalog, spec, job.train.mode)
+        if combos:
+            chosen.add(ctx.settings[combos[0].setting])
+        modes.add(job.train.mode)
+        opts = enumerate_options(spec, job.train.global_batch, pool.offers, ctx.settings)
+        host_refused += int((~_host_fits(ctx, opts)).sum())
+    assert len(chosen) >= 3 and modes == {"full", "lora", "qlora"} and host_refused > 0
 
 
 def restricted_case(seed: int):
@@ -211,17 +260,9 @@ def restricted_case(seed: int):
 @pytest.mark.parametrize("seed", range(200, 224))
 def test_restricted_search_matches_brute_force(seed, catalog):
     """Exactness holds within the runtime's restrictions, on owned (price 0) and rented devices."""
-    job_d, pool_d = restricted_case(seed)
-    job = job_from_dict(job_d)
-    pool = pool_from_dict(pool_d, catalog)
-    spec = load_model(job.model)
-    combos, opts, stats = best_combinations(job, pool, catalog, spec, job.train.mode, top=1)
-    expected = brute_force(job, pool, catalog, spec)
-    assert not stats["screened"] and stats["proven"]
-    if not math.isfinite(expected):
-        assert combos == []
+    job, pool, combos, opts = check_against_brute_force(*restricted_case(seed), catalog)
+    if not combos:
         return
-    assert combos[0].value == pytest.approx(expected, rel=1e-9)
     so = job.search
     for i in combos[0].options:  # the chosen plan respects the restrictions
         assert int(opts.tp[i]) <= so.max_tp and int(opts.pp[i]) <= so.max_pipeline_stages
@@ -298,9 +339,9 @@ def test_screened_search_close_to_exhaustive(seed, catalog, monkeypatch):
                          "objective": rng.choice(["cost-performance", "throughput", "time", "cost"])})
     spec = load_model(model)
     screened, _, st = best_combinations(job, pool, catalog, spec, "full")
-    assert st["screened"]
+    assert st.screened
     monkeypatch.setattr(search_module, "EXACT_TABLE_CELLS", 10**9)
     full, _, st_full = best_combinations(job, pool, catalog, spec, "full")
-    assert st_full["rows"] > st["rows"]
+    assert st_full.evaluated_rows > st.evaluated_rows
     a, b = screened[0].value, full[0].value
     assert (a / b if b > 0 else b / a) >= 0.97

@@ -108,10 +108,14 @@ def test_budget_that_excludes_everything(catalog):
 
 
 def test_young_daly_formula():
-    # C = 60 s, one interruption per hour: M = 3600 s, tau = sqrt(2*60*3600) = 657 s
+    # C = 60 s, one interruption per hour: M = 3600 s; the planner uses the supervisor's interval (Daly's
+    # form of Young's sqrt(2*60*3600) = 657 s): r = C/2M, tau = sqrt(2CM)(1 + sqrt(r)/3 + r/9) - C
     o = spot_overhead(1.0, 60.0, 300.0)
-    assert o.interval_s == pytest.approx(math.sqrt(2 * 60 * 3600))
-    assert o.factor == pytest.approx(1 + math.sqrt(2 * 60 / 3600) + 300 / 3600)
+    r = 60 / 7200
+    tau = math.sqrt(2 * 60 * 3600) * (1 + math.sqrt(r) / 3 + r / 9) - 60
+    assert o.interval_s == pytest.approx(tau)
+    assert o.factor == pytest.approx(1 + 60 / tau + (tau / 2 + 300) / 3600)
+    assert o.factor == pytest.approx(1 + math.sqrt(2 * 60 / 3600) + 300 / 3600, rel=2e-3)  # Young, first order
     assert float(spot_factor(0.0, 60.0, 300.0)) == 1.0
     # checkpointing longer than half the interval: no progress possible
     assert math.isinf(float(spot_factor(100.0, 60.0, 300.0)))
@@ -143,6 +147,35 @@ SCEN1_POOL = {"currency": "CNY", "cross_offer_gbps": 25, "offers": [
     {"accelerator": "tpu-v5e", "count": 3, "price_per_hour": 2.8}]}
 
 
+SCEN1_POOL_BIG_HOSTS = {**SCEN1_POOL, "offers": [{**SCEN1_POOL["offers"][0], "host_memory_gb": 1024},
+                                                 SCEN1_POOL["offers"][1]]}
+"""Scenario 1 with 4090 nodes of 1 TB of RAM: enough for CPU offload of the 70B's optimizer state."""
+
+
+def test_offloaded_plan_needs_and_reports_host_memory(catalog):
+    """Full 70B on 16x4090 fits only by offloading ~0.8 TB to the hosts of two nodes: refused on the catalog's
+    256 GB nodes (the reason names host memory), planned on 1 TB nodes with the RAM it needs reported."""
+    from starverse.cli.plan import result_to_json
+    from starverse.planner.hostmem import HOST_USABLE_FRACTION
+
+    job = job_from_dict({"model": "llama-2-70b", "train": {"seq_len": 4096, "global_batch": 32},
+                         "search": {"alternatives": False}})
+    with pytest.raises(InfeasiblePlanError) as e:
+        search(job, pool_from_dict(SCEN1_POOL, catalog), catalog)
+    assert re.search(r"host memory is what is missing: the best plan offloads .* rtx-4090: needs [\d,]+ GB per "
+                     r"node for the offloaded state, the nodes have 256 GB \(catalog: ", str(e.value))
+    result = search(job, pool_from_dict(SCEN1_POOL_BIG_HOSTS, catalog), catalog, top=3)
+    best = result.best
+    assert best.plan.train.offload != "none"
+    need = best.host_memory_gb_per_node["rtx-4090"]
+    # 70B x (12 B Adam state + 2 B gradients) over 16 devices, 8 devices a node: about 490 GB, within 1 TB
+    assert 400 < need <= 1024 * HOST_USABLE_FRACTION
+    doc = result_to_json(result)
+    assert doc["plans"][0]["host_memory_gb_per_node"] == {"rtx-4090": pytest.approx(need)}
+    for rp in result.plans:  # every plan that does not offload needs no host memory
+        assert bool(rp.host_memory_gb_per_node) == (rp.plan.train.offload != "none")
+
+
 def test_infeasible_explains_memory_and_suggests(catalog):
     job = job_from_dict({"model": "llama-2-70b", "train": {"seq_len": 4096, "global_batch": 32, "offload": "none"},
                          "search": {"alternatives": False}})
@@ -152,7 +185,10 @@ def test_infeasible_explains_memory_and_suggests(catalog):
     assert "full training of llama-2-70b needs ≥ 1.1 TB of weights+gradients+Adam state; the pool has 432 GB" in msg
     assert "rtx-4090: 16×24 GB = 384 GB" in msg and "tpu-v5e: 3×16 GB = 48 GB" in msg
     assert re.search(r"rent up to \d+ rtx-4090 \(have 16\) → \d+×rtx-4090: [\d,]+ tokens/s at [\d.]+ CNY/h", msg)
-    assert re.search(r"let the planner choose ZeRO-3 and offload → \d+×rtx-4090: [\d,]+ tokens/s", msg)
+    # offloading would hold the state, but the 4090 nodes lack the RAM: the explanation names host memory
+    assert re.search(r"let the planner choose ZeRO-3 and offload → not enough either \(host memory is what is "
+                     r"missing: .* rtx-4090: needs [\d,]+ GB per node for the offloaded state, the nodes have 256 GB",
+                     msg)
     assert "fine-tune with LORA instead → " in msg and "tokens/s" in msg
     assert "train on sequences of 2048 tokens → " in msg
     assert "\n" not in msg
@@ -250,7 +286,7 @@ def test_infeasible_budget_and_power_reasons(catalog):
                          "constraints": {"max_budget_per_hour": 3, "max_power_kw": 5},
                          "search": {"alternatives": False}})
     with pytest.raises(InfeasiblePlanError) as e:
-        search(job, pool_from_dict(SCEN1_POOL, catalog), catalog)
+        search(job, pool_from_dict(SCEN1_POOL_BIG_HOSTS, catalog), catalog)
     msg = str(e.value)
     assert "the budget of 3 CNY/h rents at most: rtx-4090: 2 of 16, tpu-v5e: 1 of 3" in msg
     assert "the power cap is 5 kW" in msg

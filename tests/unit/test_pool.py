@@ -39,10 +39,15 @@ def test_pool_resolves_prices_and_defaults(tmp_path, catalog):
     assert spot.price_per_hour == pytest.approx(convert(0.5, "CNY", "USD"))
     assert spot.interruptions_per_hour == 0.5
     assert spot.devices_per_node == catalog.accelerator("rtx-4090").devices_per_node
-    # no price given: the catalog's cheapest on-demand offer (in USD)
-    cheapest = min(convert(o.price_per_hour, o.currency, "USD") for o in catalog.offers
-                   if o.accelerator == "a100-80gb-sxm")
-    assert a100.price_per_hour == pytest.approx(cheapest)
+    # no price given: the catalog's cheapest on-demand offer rentable by the hour (in USD); the brief's
+    # monthly package (110,000 USD/month over 128 devices = 1.18/h) is not an hourly price
+    hourly = [o for o in catalog.offers if o.accelerator == "a100-80gb-sxm" and o.billing_granularity_s <= 3600]
+    cheapest = min(hourly, key=lambda o: convert(o.price_per_hour, o.currency, "USD"))
+    assert a100.price_per_hour == pytest.approx(convert(cheapest.price_per_hour, cheapest.currency, "USD"))
+    assert any(o.accelerator == "a100-80gb-sxm" and o.price_per_hour < a100.price_per_hour
+               for o in catalog.offers)  # a cheaper monthly figure exists and is not taken
+    assert a100.price_source.startswith(f"catalog: {cheapest.provider}, {cheapest.as_of}")
+    assert a100.billing_granularity_s == cheapest.billing_granularity_s
     assert a100.memory_gb == catalog.accelerator("a100-80gb-sxm").memory_gb
     assert pool.cross_offer_gbps == 50
     assert pool.num_devices == 24

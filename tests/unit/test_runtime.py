@@ -139,7 +139,7 @@ def test_bad_fit_input_is_one_clear_error_each(tmp_path):
         t.fit(_Lin(), dataset=data, per_device_batch_size=3, max_steps=1)
     with pytest.raises(ConfigError, match=r"shares \[1, 2\] must give each of the 2 ranks >= 1 micro-batch and sum to 4"):
         t.fit(_Lin(), dataset=data, per_device_batch_size=2, max_steps=1, shares=[1, 2])
-    with pytest.raises(ConfigError, match=r"tokenizer produces 300 token ids but the model has 11"):
+    with pytest.raises(ConfigError, match=r"tokenizer \(pretokenized\) has 300 token ids but the model.s vocabulary has 11"):
         t.fit(_Lin(), dataset=[torch.tensor([299] * 100)], per_device_batch_size=2, max_steps=1)
     with pytest.raises(ConfigError, match=r"lr must be > 0"):
         Trainer(lr=0)

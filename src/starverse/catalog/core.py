@@ -38,6 +38,7 @@ FLOAT_FIELDS = (
     "intra_node_gb_per_s",
     "inter_node_gbps",
     "tdp_w",
+    "host_memory_gb",
 )
 """Numeric accelerator fields a probe profile or ``with_overrides`` may replace."""
 
@@ -104,6 +105,9 @@ class Accelerator:
     """Board power, W (for power caps; TPUs: see the source, Google publishes none)."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Field name -> where the figure comes from."""
+    host_memory_gb: float | None = None
+    """RAM of one node of the default instance type, GB (CPU offload keeps optimizer state there); None when
+    unknown (a user's accelerator without it: offloaded plans on it need the pool's ``host_memory_gb``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", _frozen_map(self.sources))
@@ -157,6 +161,37 @@ class Offer:
     region: str | None = None
     """Region or zone, where the price depends on it."""
 
+    @property
+    def billing_unit(self) -> str:
+        """What one bill covers: ``hour`` (per second, minute or hour), ``day`` or ``month`` (packages and
+        reserved blocks: their per-hour figure is derived, not a price anyone rents one hour at)."""
+        return billing_unit(self.billing_granularity_s)
+
+    @property
+    def hourly(self) -> bool:
+        """True when the device can be rented by the hour (or finer) at this price."""
+        return self.billing_granularity_s <= HOUR_S
+
+    def price_per_unit(self, spot: bool = False) -> float | None:
+        """Price of one billing unit per device (an hour, a day or a month), in ``currency``."""
+        p = self.spot_price_per_hour if spot else self.price_per_hour
+        if p is None:
+            return None
+        return p * max(self.billing_granularity_s, HOUR_S) / HOUR_S
+
+
+HOUR_S = 3600
+"""Offers billed by at most this many seconds are hourly offers (what "per device-hour" compares)."""
+DAY_S = 86_400
+"""Billing granularity of day-long packages and reserved blocks."""
+
+
+def billing_unit(granularity_s: int) -> str:
+    """``hour`` for granularities up to an hour, ``day`` up to a day, else ``month``."""
+    if granularity_s <= HOUR_S:
+        return "hour"
+    return "day" if granularity_s <= DAY_S else "month"
+
 
 @dataclass(frozen=True)
 class Currency:
@@ -200,10 +235,15 @@ class Catalog:
         self.accelerator(acc_id)
         return tuple(o for o in self.offers if o.accelerator == acc_id)
 
-    def cheapest_offer(self, acc_id: str, *, spot: bool = False, currency: str = "USD") -> Offer | None:
-        """The offer with the lowest (spot if ``spot``) price once converted to ``currency``; None if none."""
+    def cheapest_offer(self, acc_id: str, *, spot: bool = False, currency: str = "USD",
+                       unit: str = "hour") -> Offer | None:
+        """The offer with the lowest (spot if ``spot``) price once converted to ``currency``, among offers of
+        one billing ``unit`` (``hour`` by default: a monthly package's derived per-hour figure is not a price
+        one can rent an hour at, so it never competes with hourly prices); None if none."""
         best: tuple[float, Offer] | None = None
         for o in self.offers_for(acc_id):
+            if o.billing_unit != unit:
+                continue
             price = o.spot_price_per_hour if spot else o.price_per_hour
             if price is None:
                 continue

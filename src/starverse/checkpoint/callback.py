@@ -29,20 +29,10 @@ import torch.distributed as dist
 from starverse.checkpoint.checkpointer import Checkpointer, LoadedState
 from starverse.checkpoint.store import CheckpointInfo, CheckpointStore, resolve_root
 from starverse.elastic.interval import DEFAULT_MAX_INTERVAL_S, IntervalChoice, choose_interval
-from starverse.runtime.callbacks import Callback, TrainContext
+from starverse.runtime.callbacks import Callback, CommittedCheckpoint, TrainContext
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-\d+$")
-
-NOTICE_KEY = "starverse.preemption_notice"
-"""``ctx.extra`` key under which the preemption callback leaves the agreed notice."""
-INTERVAL_KEY = "starverse.checkpoint_interval"
-"""``ctx.extra`` key holding the current :class:`IntervalChoice`."""
-RESUMED_KEY = "starverse.resumed_from"
-"""``ctx.extra`` key holding the :class:`LoadedState` a run resumed from (None for a fresh start)."""
-CHECKPOINT_KEY = "checkpoint"
-"""``ctx.extra`` key (rank 0) describing the last *committed* checkpoint: ``{"step", "at_s", "seconds",
-"path", "reason"}`` (read by the billing and metrics callbacks, which come after this one)."""
 
 
 class CheckpointCallback(Callback):
@@ -82,6 +72,10 @@ class CheckpointCallback(Callback):
         self.writer_factory = writer_factory
         self.checkpointer: Checkpointer | None = None
         self.choice: IntervalChoice | None = None
+        """The current interval and why (logged, and written into each manifest)."""
+        self.resumed: LoadedState | None = None
+        """What this rank resumed from (None: a fresh start)."""
+        self._loaded = False
         self._last_saved_step = -1
         self._pending: tuple[int, float] | None = None  # (step, blocked_s before) of the save in flight
         self._step_times: list[float] = []
@@ -134,13 +128,15 @@ class CheckpointCallback(Callback):
         ck = self._setup(ctx)
         # Import DCP (~1.7 s) while the first steps run instead of blocking the first save.
         threading.Thread(target=_import_dcp, name="dcp-import", daemon=True).start()
-        if RESUMED_KEY not in ctx.extra:
+        if not self._loaded:
             info = None
             if self.resume_from == "latest":
                 info = ck.store.latest()
             elif self.resume_from is not None:
                 info = ck.store.get(int(self.resume_from))
-            ctx.extra[RESUMED_KEY] = self._load(ctx, ck, info) if info is not None else None
+            if info is not None:
+                self._load(ctx, ck, info)
+            self._loaded = True
         if ctx.rank == 0:
             # Torn writes of earlier, crashed attempts: garbage, never loadable (see store.py).
             n = ck.store.clean_partials(keep_attempt=ck.attempt)
@@ -161,7 +157,7 @@ class CheckpointCallback(Callback):
             dist.barrier(group=ck.group)  # every rank has loaded before rank 0 moves anything
         if ctx.rank == 0 and ck.store.root == info.path.parent:
             ck.store.set_aside_after(info.step)
-        ctx.extra[RESUMED_KEY] = loaded
+        self.resumed, self._loaded = loaded, True
         log.info("rank %d resumed from %s (step %d, written by %d ranks%s)", ctx.rank, info.path, info.step,
                  info.world_size, ", resharded" if loaded.resharded else "")
         return loaded
@@ -176,7 +172,7 @@ class CheckpointCallback(Callback):
         if self._pending is not None and not ck.in_flight:
             self._measured(ctx)
         self._publish(ctx)
-        if NOTICE_KEY in ctx.extra:
+        if ctx.notice is not None:
             return  # the stop is agreed; on_fit_end writes the emergency checkpoint
         due = (
             ctx.step - self._last_saved_step >= self.choice.steps
@@ -191,7 +187,7 @@ class CheckpointCallback(Callback):
         ck = self.checkpointer
         if ck is None:
             return
-        notice = ctx.extra.get(NOTICE_KEY)
+        notice = ctx.notice
         try:
             if self.final_save and ctx.step != self._last_saved_step:
                 self._save(ctx, "notice" if notice is not None else "final", blocking=True)
@@ -200,7 +196,7 @@ class CheckpointCallback(Callback):
             self._publish(ctx)
             if notice is not None:
                 elapsed = time.monotonic() - notice.received_at
-                grace = ctx.extra.get("starverse.grace_s", 30.0)
+                grace = ctx.grace_s
                 level = logging.INFO if elapsed <= grace else logging.ERROR
                 log.log(level, "emergency checkpoint of step %d done %.1f s after the notice (grace %.0f s)",
                         ctx.step, elapsed, grace)
@@ -256,20 +252,15 @@ class CheckpointCallback(Callback):
         info = ck.last_committed if ck is not None else None
         if ck is None or info is None or ctx.rank != 0:
             return
-        current = ctx.extra.get(CHECKPOINT_KEY)
-        if isinstance(current, Mapping) and current.get("step") == info.step:
+        if ctx.committed is not None and ctx.committed.step == info.step:
             return
-        ctx.extra[CHECKPOINT_KEY] = {
-            "step": info.step,
-            "at_s": int(datetime.fromisoformat(info.created_at).timestamp()),
-            "seconds": float(ck.stats.last_write_s),
-            "path": str(info.path),
-            "reason": info.reason,
-        }
+        ctx.committed = CommittedCheckpoint(
+            step=info.step, at_s=int(datetime.fromisoformat(info.created_at).timestamp()),
+            seconds=float(ck.stats.last_write_s), path=str(info.path), reason=info.reason,
+        )
 
     def _announce(self, ctx: TrainContext) -> None:
         assert self.choice is not None
-        ctx.extra[INTERVAL_KEY] = self.choice
         if ctx.rank == 0:
             log.info("checkpoint interval: %s", self.choice.reason)
 

@@ -21,9 +21,14 @@ import torch
 
 def train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The DCP-ready state: ``{"model": ..., "optim": ...}`` keyed by parameter name (references, not copies)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
-    sd: dict[str, Any] = {"model": get_model_state_dict(model)}
+    # a frozen base (LoRA) is not saved: the plan's model names it; only the adapters change
+    sd: dict[str, Any] = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
     if optimizer is not None:
         sd["optim"] = get_optimizer_state_dict(model, optimizer)
     return sd
@@ -31,9 +36,14 @@ def train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
 
 def apply_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sd: Mapping[str, Any]) -> None:
     """Load a state produced by :func:`train_state` (after DCP filled it in) into model and optimizer."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    set_model_state_dict(model, sd["model"])
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_model_state_dict(model, sd["model"], options=StateDictOptions(strict=not frozen))
     if optimizer is not None and "optim" in sd:
         set_optimizer_state_dict(model, optimizer, sd["optim"])
 

@@ -19,6 +19,7 @@ complete". This module is pure file handling (no torch), so ``starverse checkpoi
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
@@ -200,7 +201,7 @@ class CheckpointStore:
                 log.warning("skipping %s: %s", p, e)
         return sorted(out, key=lambda i: i.step)
 
-    def partials(self) -> list[Path]:
+    def partials(self) -> builtins.list[Path]:
         """Torn or in-progress writes (never loaded)."""
         if not self.root.is_dir():
             return []
@@ -299,7 +300,7 @@ class CheckpointStore:
         fsync_dir(self.root)
         return _info_from_manifest(final, full)
 
-    def purge(self) -> list[int]:
+    def purge(self) -> builtins.list[int]:
         """Apply keep-last-k and keep-every; return the steps removed.
 
         A folder is renamed out of ``step-N`` before it is deleted, so a crash mid-delete never leaves a

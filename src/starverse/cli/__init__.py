@@ -40,7 +40,7 @@ def version() -> None:
     typer.echo(__version__)
 
 
-_AREAS = ("catalog", "models", "estimate", "plan", "runtime", "checkpoints", "bill")
+_AREAS = ("catalog", "models", "estimate", "plan", "runtime", "checkpoints", "bill", "runs", "serve")
 for _area in _AREAS:
     importlib.import_module(f"starverse.cli.{_area}").register(app)
 

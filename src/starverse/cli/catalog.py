@@ -62,6 +62,8 @@ def catalog(
         if offer is None:
             return None, None
         price = offer.spot_price_per_hour if spot else offer.price_per_hour
+        if price is None:
+            return None, None
         return cat.convert(price, offer.currency, currency), offer
 
     if as_json:
@@ -77,7 +79,8 @@ def catalog(
             accs.append(d)
         out = {
             "accelerators": accs,
-            "offers": [dataclasses.asdict(o) for o in cat.offers],
+            "offers": [{**dataclasses.asdict(o), "billing_unit": o.billing_unit,
+                        "price_per_unit": o.price_per_unit()} for o in cat.offers],
             "currencies": {c.code: dataclasses.asdict(c) for c in cat.currencies.values()},
         }
         typer.echo(json.dumps(out, indent=1))
@@ -85,21 +88,24 @@ def catalog(
 
     console = _console()
     if prices:
-        table = Table(title="Offers (per device-hour)", title_justify="left")
+        table = Table(title="Offers (per device and billing unit: packages billed by the day or month are shown "
+                      "per day or month, never as hourly prices)", title_justify="left")
         for col, just in (
             ("accelerator", "left"), ("provider", "left"), ("on-demand", "right"), ("spot", "right"),
-            ("currency", "left"), ("billed per", "right"), ("as of", "left"), ("source", "left"),
+            ("currency", "left"), ("per", "left"), ("billed per", "right"), ("as of", "left"), ("source", "left"),
         ):
             table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
         for o in sorted(cat.offers, key=lambda o: (o.accelerator, o.provider)):
             table.add_row(
-                o.accelerator, o.provider + (f" ({o.region})" if o.region else ""), _price(o.price_per_hour, 4),
-                _price(o.spot_price_per_hour, 4), o.currency, f"{o.billing_granularity_s} s", o.as_of, o.source,
+                o.accelerator, o.provider + (f" ({o.region})" if o.region else ""),
+                _price(o.price_per_unit(), 4 if o.hourly else 2), _price(o.price_per_unit(spot=True), 4),
+                o.currency, o.billing_unit, f"{o.billing_granularity_s} s", o.as_of, o.source,
             )
         console.print(table)
         return
 
-    table = Table(title=f"Accelerators (dense peaks; cheapest offer per device-hour in {currency})",
+    table = Table(title=f"Accelerators (dense peaks; cheapest offer rentable by the hour, per device-hour in "
+                        f"{currency})",
                   title_justify="left")
     for col, just in (
         ("id", "left"), ("vendor", "left"), ("bf16 TF", "right"), ("mem GB", "right"), ("mem GB/s", "right"),

@@ -7,7 +7,8 @@ sources: :mod:`starverse.costmodel.constants` and docs/costmodel.md.
 
 from __future__ import annotations
 
-from starverse.costmodel.batch import (
+from starverse.costmodel.batch import cross_group_sync_s, estimate_batch
+from starverse.costmodel.shapes import (
     BOTTLENECKS,
     OFFLOAD_CODES,
     RECOMPUTE_CODES,
@@ -16,8 +17,6 @@ from starverse.costmodel.batch import (
     DeviceTable,
     ModelShape,
     TrainShape,
-    cross_group_sync_s,
-    estimate_batch,
 )
 from starverse.costmodel.step import Estimate, GroupEstimate, StageMemory, check_plan, estimate
 

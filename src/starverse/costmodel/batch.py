@@ -22,357 +22,36 @@ Contract (the planner codes against this; keep names stable, add fields freely):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
 import numpy as np
-import numpy.typing as npt
 
-if TYPE_CHECKING:  # pragma: no cover
-    from starverse.plan import TrainSpec
+from starverse.costmodel.comm import ring_allreduce_s
+from starverse.costmodel.group import evaluate_uniform
+from starverse.costmodel.shapes import (
+    BOTTLENECKS,
+    OFFLOAD_CODES,
+    RECOMPUTE_CODES,
+    BatchEstimate,
+    Candidates,
+    DeviceTable,
+    FloatArray,
+    ModelShape,
+    TrainShape,
+    uses_dropout,
+)
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
-
-RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2}
-"""``Candidates.recompute`` codes."""
-OFFLOAD_CODES: dict[str, int] = {"none": 0, "optimizer": 1, "optimizer+params": 2}
-"""``Candidates.offload`` codes."""
-BOTTLENECKS: tuple[str, ...] = ("compute", "memory", "tp_comm", "dp_comm", "pp_comm", "pipeline_bubble")
-"""``BatchEstimate.bottleneck`` codes index this tuple (the largest part of the step time)."""
-
-
-def uses_dropout(spec: Any) -> bool:
-    """Whether a model config trains with dropout: any ``*drop*`` field > 0 (one level of nesting), or
-    none given in a GPT-2 config (transformers' GPT2Config defaults to 0.1)."""
-    cfg = dict(getattr(spec, "hf_config", {}) or {})
-    values: list[float] = []
-    for key, value in cfg.items():
-        items = value.items() if isinstance(value, dict) else [(key, value)]
-        for k, v in items:
-            if "drop" in str(k) and isinstance(v, int | float) and not isinstance(v, bool):
-                values.append(float(v))
-    if values:
-        return any(v > 0 for v in values)
-    return getattr(spec, "family", "") == "gpt2"
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a ``models.ModelSpec`` the cost model needs (plain ints, built once per search)."""
-
-    num_layers: int
-    """Transformer layers."""
-    hidden_size: int
-    """Model width h."""
-    num_heads: int
-    """Attention (query) heads."""
-    num_kv_heads: int
-    """Key/value heads (GQA; equals num_heads for MHA)."""
-    head_dim: int
-    """Width of one head."""
-    ffn_hidden_size: int
-    """MLP inner width (per expert for MoE)."""
-    vocab_size: int
-    """Vocabulary (LM-head width)."""
-    gated_mlp: bool
-    """SwiGLU-style MLP with three matrices (else two)."""
-    num_experts: int
-    """Experts per MoE layer (0 = dense)."""
-    experts_per_token: int
-    """Top-k experts per token (0 = dense)."""
-    tie_embeddings: bool
-    """LM head shares the input embedding matrix."""
-    params_per_layer: int
-    """Parameters of one transformer layer (all experts)."""
-    active_params_per_layer: int
-    """Parameters of one layer that one token touches (top-k experts)."""
-    embedding_params: int
-    """Input embedding (+ learned positions) parameters."""
-    lm_head_params: int
-    """LM-head parameters (0 when tied)."""
-    rope: bool = False
-    """Rotary position embeddings (adds elementwise work on q and k)."""
-    dropout: bool = True
-    """Trains with dropout (1-byte masks stored per hidden activation)."""
-
-    @classmethod
-    def from_spec(cls, spec: Any) -> ModelShape:
-        """Build from a ``starverse.models.ModelSpec``."""
-        return cls(
-            num_layers=int(spec.num_layers),
-            hidden_size=int(spec.hidden_size),
-            num_heads=int(spec.num_heads),
-            num_kv_heads=int(spec.num_kv_heads),
-            head_dim=int(spec.head_dim),
-            ffn_hidden_size=int(spec.ffn_hidden_size),
-            vocab_size=int(spec.vocab_size),
-            gated_mlp=bool(spec.gated_mlp),
-            num_experts=int(spec.num_experts),
-            experts_per_token=int(spec.experts_per_token),
-            tie_embeddings=bool(spec.tie_embeddings),
-            params_per_layer=int(spec.params_per_layer),
-            active_params_per_layer=int(spec.active_params_per_layer),
-            embedding_params=int(spec.embedding_params),
-            lm_head_params=int(spec.lm_head_params),
-            rope=getattr(spec, "position", "") == "rope",
-            dropout=uses_dropout(spec),
-        )
-
-    @property
-    def num_params(self) -> int:
-        """All parameters."""
-        return self.num_layers * self.params_per_layer + self.embedding_params + self.lm_head_params
-
-
-@dataclass(frozen=True)
-class TrainShape:
-    """Training settings shared by every candidate of one search."""
-
-    seq_len: int
-    """Tokens per sequence."""
-    precision: str = "bf16"
-    """bf16 | fp16 | fp8 | fp32 (selects the accelerator peak and bytes per value)."""
-    mode: str = "full"
-    """full | lora | qlora."""
-    lora_rank: int = 16
-    """LoRA rank (lora/qlora)."""
-    schedule: str = "1f1b"
-    """gpipe | 1f1b | interleaved."""
-    virtual_stages: int = 1
-    """Model chunks per device (interleaved schedule)."""
-    attention: str = "auto"
-    """flash (fused, causal blocks skipped, no s x s activations) | eager (materialised scores) | auto
-    (per accelerator: ``DeviceTable.flash_attention``)."""
-
-    @classmethod
-    def from_train(cls, train: TrainSpec) -> TrainShape:
-        """Build from a plan's ``TrainSpec``."""
-        return cls(
-            seq_len=train.seq_len,
-            precision=train.precision,
-            mode=train.mode,
-            lora_rank=train.lora_rank,
-            schedule=train.schedule,
-            virtual_stages=train.virtual_stages,
-            attention=train.attention,
-        )
-
-
-@dataclass(frozen=True)
-class DeviceTable:
-    """Struct of arrays over K accelerators (index ``k`` is what ``Candidates.accelerator`` holds).
-
-    Build it with :meth:`from_accelerators` (the planner: one row per pool offer, with the offer's node
-    size, NIC and price) or :meth:`from_catalog`.
-    """
-
-    ids: tuple[str, ...]
-    """Catalog ids, one per row."""
-    peak_tflops: FloatArray
-    """Dense peak TFLOP/s at the search's precision."""
-    gemm_efficiency: FloatArray
-    """Achievable fraction of peak for large GEMMs (``costmodel.constants``)."""
-    memory_gb: FloatArray
-    """Device memory (GB)."""
-    memory_bw_gb_per_s: FloatArray
-    """Device memory bandwidth (GB/s)."""
-    intra_node_gb_per_s: FloatArray
-    """Per-device, one-direction intra-node bandwidth usable by collectives (GB/s): the catalog's link,
-    halved for cards without peer-to-peer (``constants.intra_node_gb_per_s``)."""
-    devices_per_node: IntArray
-    """Devices per node."""
-    inter_node_gbps: FloatArray
-    """NIC bandwidth per node (Gbit/s)."""
-    tdp_w: FloatArray
-    """Board power (W)."""
-    price_per_hour: FloatArray
-    """Price per device-hour (NaN = unknown)."""
-    flash_attention: BoolArray | None = None
-    """Has a fused attention kernel (used by ``TrainShape.attention == "auto"``); None = all do."""
-
-    @classmethod
-    def from_accelerators(
-        cls,
-        accelerators: Sequence[Any],
-        precision: str = "bf16",
-        *,
-        devices_per_node: Sequence[int] | None = None,
-        inter_node_gbps: Sequence[float] | None = None,
-        price_per_hour: Sequence[float | None] | None = None,
-    ) -> DeviceTable:
-        """One row per ``catalog.Accelerator``; optional per-row overrides (pool offers)."""
-        from starverse.costmodel.constants import gemm_efficiency, has_flash_attention, intra_node_gb_per_s
-
-        k = len(accelerators)
-        dpn = [a.devices_per_node for a in accelerators] if devices_per_node is None else list(devices_per_node)
-        nic = [a.inter_node_gbps for a in accelerators] if inter_node_gbps is None else list(inter_node_gbps)
-        price = [None] * k if price_per_hour is None else list(price_per_hour)
-        return cls(
-            ids=tuple(a.id for a in accelerators),
-            peak_tflops=np.array([a.peak_tflops(precision) for a in accelerators], dtype=np.float64),
-            gemm_efficiency=np.array([gemm_efficiency(a, precision) for a in accelerators], dtype=np.float64),
-            memory_gb=np.array([a.memory_gb for a in accelerators], dtype=np.float64),
-            memory_bw_gb_per_s=np.array([a.memory_bw_gb_per_s for a in accelerators], dtype=np.float64),
-            intra_node_gb_per_s=np.array([intra_node_gb_per_s(a) for a in accelerators], dtype=np.float64),
-            devices_per_node=np.array(dpn, dtype=np.int64),
-            inter_node_gbps=np.array(nic, dtype=np.float64),
-            tdp_w=np.array([a.tdp_w for a in accelerators], dtype=np.float64),
-            price_per_hour=np.array([np.nan if p is None else p for p in price], dtype=np.float64),
-            flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
-        )
-
-    @classmethod
-    def from_catalog(
-        cls,
-        catalog: Any,
-        ids: Sequence[str],
-        precision: str = "bf16",
-        *,
-        devices_per_node: Mapping[str, int] | None = None,
-        inter_node_gbps: Mapping[str, float] | None = None,
-        price_per_hour: Mapping[str, float] | None = None,
-    ) -> DeviceTable:
-        """Rows for catalog ids; per-id overrides as in a plan's ``network``/``pricing``.
-
-        Without a price override the catalog's cheapest on-demand offer is used (NaN if none).
-        """
-        from starverse.costmodel.pricing import cheapest_price_per_hour
-
-        accs = [catalog.accelerator(i) for i in ids]
-        dpn = devices_per_node or {}
-        nic = inter_node_gbps or {}
-        prices = price_per_hour or {}
-        return cls.from_accelerators(
-            accs,
-            precision,
-            devices_per_node=[dpn.get(a.id, a.devices_per_node) for a in accs],
-            inter_node_gbps=[nic.get(a.id, a.inter_node_gbps) for a in accs],
-            price_per_hour=[prices[a.id] if a.id in prices else cheapest_price_per_hour(catalog, a.id) for a in accs],
-        )
-
-    def index(self, acc_id: str) -> int:
-        """Row of an accelerator id."""
-        return self.ids.index(acc_id)
-
-
-@dataclass(frozen=True)
-class Candidates:
-    """Struct of arrays: N candidate groups. Build with :meth:`make` (broadcasts scalars)."""
-
-    accelerator: IntArray
-    """Row in the :class:`DeviceTable`."""
-    tp: IntArray
-    """Tensor-parallel degree (must divide heads and KV heads; the caller filters)."""
-    pp: IntArray
-    """Pipeline stages (layers split evenly, see module docstring)."""
-    replicas: IntArray
-    """Data-parallel replicas in the group."""
-    micro_batch: IntArray
-    """Sequences per micro-batch."""
-    num_micro_batches: IntArray
-    """Micro-batches per replica per optimizer step (gradient accumulation / pipeline depth m)."""
-    zero_stage: IntArray
-    """0-3, sharding over the group's ``replicas`` (ZeRO/FSDP)."""
-    recompute: IntArray
-    """:data:`RECOMPUTE_CODES` (0 none, 1 selective, 2 full)."""
-    offload: IntArray
-    """:data:`OFFLOAD_CODES` (0 none, 1 optimizer, 2 optimizer+params)."""
-    sequence_parallel: BoolArray
-    """Megatron sequence parallelism inside TP groups."""
-
-    @classmethod
-    def make(
-        cls,
-        *,
-        accelerator: Any,
-        tp: Any,
-        pp: Any,
-        replicas: Any,
-        micro_batch: Any,
-        num_micro_batches: Any,
-        zero_stage: Any = 0,
-        recompute: Any = 0,
-        offload: Any = 0,
-        sequence_parallel: Any = False,
-    ) -> Candidates:
-        """Broadcast scalars/arrays to a common shape ``(N,)``."""
-        ints = np.broadcast_arrays(
-            *(np.asarray(x, dtype=np.int64) for x in
-              (accelerator, tp, pp, replicas, micro_batch, num_micro_batches, zero_stage, recompute, offload)),
-            np.asarray(sequence_parallel, dtype=np.bool_),
-        )
-        arrs = [np.atleast_1d(np.ascontiguousarray(a)) for a in ints]
-        return cls(
-            accelerator=arrs[0], tp=arrs[1], pp=arrs[2], replicas=arrs[3], micro_batch=arrs[4],
-            num_micro_batches=arrs[5], zero_stage=arrs[6], recompute=arrs[7], offload=arrs[8],
-            sequence_parallel=arrs[9],
-        )
-
-    def __len__(self) -> int:
-        return int(self.tp.shape[0])
-
-    @property
-    def num_devices(self) -> IntArray:
-        """Devices per candidate group (tp * pp * replicas)."""
-        return self.tp * self.pp * self.replicas
-
-    @property
-    def sequences_per_step(self) -> IntArray:
-        """Sequences the group processes per optimizer step."""
-        return self.replicas * self.micro_batch * self.num_micro_batches
-
-
-@dataclass(frozen=True)
-class BatchEstimate:
-    """Per-candidate results, all ``(N,)`` arrays. Times are seconds per optimizer step of the group."""
-
-    step_time_s: FloatArray
-    """Wall time of one optimizer step for the group's own batch (sum of the parts below)."""
-    compute_s: FloatArray
-    """Matmul time (incl. recompute) on the critical path, pipeline steady state."""
-    memory_s: FloatArray
-    """Memory-bandwidth-bound time: norms, activations, softmax, optimizer step, offload traffic."""
-    tp_comm_s: FloatArray
-    """Exposed tensor-parallel all-reduce / reduce-scatter+all-gather time."""
-    pp_comm_s: FloatArray
-    """Exposed pipeline point-to-point time."""
-    dp_comm_s: FloatArray
-    """Exposed data-parallel (ZeRO) gradient/parameter collective time."""
-    bubble_s: FloatArray
-    """Pipeline fill/drain time."""
-    weights_gb: FloatArray
-    """Per device, worst stage: weights."""
-    grads_gb: FloatArray
-    """Per device, worst stage: gradients."""
-    optimizer_gb: FloatArray
-    """Per device, worst stage: optimizer state (fp32 master + Adam moments), 0 when offloaded."""
-    activations_gb: FloatArray
-    """Per device, worst stage: activations of the micro-batches in flight (+ logits, workspace)."""
-    memory_gb: FloatArray
-    """Per device, worst stage: total (the four above plus the fixed runtime reserve)."""
-    capacity_gb: FloatArray
-    """Usable device memory (capacity minus the allocator/fragmentation reserve)."""
-    fits: BoolArray
-    """``memory_gb <= capacity_gb`` on every stage."""
-    tokens_per_s: FloatArray
-    """Group throughput: sequences_per_step * seq_len / step_time_s."""
-    model_tflops_per_device: FloatArray
-    """Model FLOPs (no recompute) per second per device, in TFLOP/s."""
-    mfu: FloatArray
-    """model_tflops_per_device / dense peak."""
-    power_kw: FloatArray
-    """Group power draw (TDP x devices x host overhead), kW."""
-    cost_per_hour: FloatArray
-    """Group price per hour (NaN where a price is unknown)."""
-    bottleneck: IntArray
-    """Index into :data:`BOTTLENECKS`."""
-    num_devices: IntArray
-    """Devices in the group."""
-    extra: dict[str, FloatArray] = field(default_factory=dict)
-    """Further named parts (for explanations); not part of the stable contract."""
+__all__ = [
+    "BOTTLENECKS",
+    "OFFLOAD_CODES",
+    "RECOMPUTE_CODES",
+    "BatchEstimate",
+    "Candidates",
+    "DeviceTable",
+    "ModelShape",
+    "TrainShape",
+    "cross_group_sync_s",
+    "estimate_batch",
+    "uses_dropout",
+]
 
 
 def estimate_batch(
@@ -394,8 +73,6 @@ def estimate_batch(
         A :class:`BatchEstimate` of ``(N,)`` arrays. ``micro_batch`` is taken as given (the planner
         enumerates it); pick the fastest row among those with ``fits``.
     """
-    from starverse.costmodel.group import evaluate_uniform
-
     return evaluate_uniform(model, train, devices, candidates)
 
 
@@ -406,7 +83,5 @@ def cross_group_sync_s(param_bytes: FloatArray | float, num_groups: int, cross_g
     ``param_bytes`` is the gradient bytes each group contributes (per pipeline stage when stages sync
     in parallel). Zero for a single group.
     """
-    from starverse.costmodel.comm import ring_allreduce_s
-
     n = max(int(num_groups), 1)
     return ring_allreduce_s(np.asarray(param_bytes, dtype=np.float64), n, cross_group_gbps / 8.0)

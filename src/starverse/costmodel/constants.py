@@ -29,18 +29,19 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.76
+SUSTAINED_FRACTION = 0.74
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-This is the one constant of the model whose value is FITTED: 0.76 makes the mean error over the 37
-published runs in data/validation zero. Its leave-one-source-out refits (Korthikanti 2022, Megatron-LM
-2021, Megatron-Core H100, MosaicML llm-foundry) land at 0.74-0.78, i.e. it is not specific to one
-software stack; held-out errors: median 7.6 %, p90 17.3 %, max 33 % (docs/costmodel.md). For comparison, Bekman
-quotes ~150-180 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training
-reached; 0.76 x MAMF is the matmul-only part of that."""
+This is the one constant of the model whose value is FITTED (``costmodel.fit.FITTED``): 0.74 (fit:
+0.7385) makes the mean tokens/s error zero over all 43 runs of data/validation that the estimator
+accepts (5 sources: Korthikanti 2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry,
+Sailor's mixed consumer-GPU cluster). Its leave-one-source-out refits land at 0.72-0.76, i.e. it is not
+specific to one software stack (``scripts/loso.py``; held-out figures in docs/costmodel.md). For
+comparison, Bekman quotes ~150-180 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model
+A100 training reached; 0.74 x MAMF is the matmul-only part of that."""
 
 GEMM_EFFICIENCY_FP8: dict[str, float] = {
     # FP8 (e4m3) MAMF / dense FP8 peak, same table (Bekman)
@@ -166,6 +167,27 @@ Ren et al. 2021 ZeRO-Offload Table 3)."""
 BYTES_PER_DATASHEET_GB = 2**30
 """Datasheet "GB" of device memory are binary: an "80 GB" A100/H100 has 81920/81559 MiB (nvidia-smi), a
 "24 GB" RTX 4090 24564 MiB; HBM/GDDR capacities are powers of two."""
+
+USABLE_MEMORY_MIB: dict[str, int] = {
+    # nvidia-smi "memory.total" with ECC on (the default of these data-centre parts): ECC takes 1/16 of
+    # GDDR6 on T4 and part of HBM2 on V100; figures as printed in public nvidia-smi logs (Google Colab T4
+    # "15360MiB", AWS p3 V100-SXM2-16GB "16160MiB", V100-SXM2-32GB "32510MiB", L40S "46068MiB").
+    "t4": 15360,
+    "v100-16gb-sxm": 16160,
+    "v100-32gb-sxm": 32510,
+    "l40s": 46068,
+}
+"""Device memory the driver exposes where it is less than the datasheet capacity (MiB); a plan or pool
+overrides it with ``network.usable_memory_gb``."""
+
+
+def usable_memory_gb(acc: Any) -> float:
+    """Device memory a job can allocate from, in GB (1e9 bytes), before the runtime reserve and
+    fragmentation: the driver's figure (:data:`USABLE_MEMORY_MIB`) or the binary datasheet capacity."""
+    if acc.id in USABLE_MEMORY_MIB:
+        return USABLE_MEMORY_MIB[acc.id] * 2**20 / 1e9
+    return float(acc.memory_gb) * BYTES_PER_DATASHEET_GB / 1e9
+
 
 RESERVED_GB = 2.0
 """Fixed device memory not available to tensors: CUDA context (~0.5-1 GB), NCCL buffers, cuBLAS/cuDNN

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import numpy.typing as npt
 
 from starverse.costmodel import constants as C
+from starverse.costmodel.shapes import BatchEstimate, Candidates, DeviceTable, ModelShape, TrainShape
 from starverse.costmodel.stage import ModelNumbers, StageRows, layer_costs, pipeline_step, stage_totals
-
-if TYPE_CHECKING:  # pragma: no cover
-    from starverse.costmodel.batch import BatchEstimate, Candidates, DeviceTable, ModelShape, TrainShape
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -53,6 +49,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         adapter_params_per_layer=adapter_params_per_layer(shape, train.lora_rank),
         seq_len=float(train.seq_len),
         bytes_per_value=C.BYTES_PER_VALUE[train.precision],
+        grad_bytes_per_value=4.0 if train.grad_reduce_fp32 else C.BYTES_PER_VALUE[train.precision],
         mode=train.mode,
         schedule=train.schedule,
         virtual_stages=float(train.virtual_stages),
@@ -99,7 +96,7 @@ def combine(
     compute = m * pick(slow, "gemm_mb")
     memory = m * pick(slow, "elem_mb") + worst("optimizer_s")
     tp_comm = m * pick(slow, "tp_mb")
-    dp_comm = m * pick(slow, "z3_exposed_mb") + worst("dp_exposed_s")
+    dp_comm = m * pick(slow, "z3_exposed_mb") + worst("dp_exposed_s") + worst("tied_s")
     step = compute + memory + tp_comm + dp_comm + pp_comm + bubble
 
     # memory: the stage with the least headroom
@@ -197,8 +194,6 @@ def evaluate_uniform(model: ModelShape, train: TrainShape, devices: DeviceTable,
 def finish(mn: ModelNumbers, out: dict[str, np.ndarray], devices: DeviceTable, cand: Candidates,
            seq_len: int) -> BatchEstimate:
     """Throughput, utilisation, power and cost of uniform groups."""
-    from starverse.costmodel.batch import BatchEstimate
-
     k = cand.accelerator
     num_devices = cand.num_devices
     tokens = cand.sequences_per_step.astype(np.float64) * seq_len

@@ -34,7 +34,7 @@ class StageRows:
     gemm_efficiency: FloatArray
     """Large-matmul achievable fraction of peak."""
     memory_gb: FloatArray
-    """Device memory."""
+    """Usable device memory, GB = 1e9 bytes (``constants.usable_memory_gb`` or the plan's override)."""
     memory_bw_gb_per_s: FloatArray
     """Device memory bandwidth."""
     intra_node_gb_per_s: FloatArray
@@ -73,6 +73,14 @@ class StageRows:
     """Devices of one pipeline replica (sum of tp over stages), for placement on nodes."""
     flash_attention: BoolArray
     """The accelerator has a fused (Flash) attention kernel (``constants.has_flash_attention``)."""
+    measured_layer_s: FloatArray | None = None
+    """Measured forward + backward of one layer per micro-batch (``costmodel.profile``); NaN = analytic."""
+    measured_layer_forward_s: FloatArray | None = None
+    """Measured forward of one layer (recomputed once more under full recompute)."""
+    measured_head_s: FloatArray | None = None
+    """Measured forward + backward of embedding, LM head and loss per micro-batch; NaN = analytic."""
+    measured_optimizer_s_per_param: FloatArray | None = None
+    """Measured Adam step time per parameter held (``costmodel.profile``); NaN = analytic."""
 
 
 def _f(x: object) -> FloatArray:
@@ -115,6 +123,7 @@ class ModelNumbers:
     adapter_params_per_layer: float
     seq_len: float
     bytes_per_value: float
+    grad_bytes_per_value: float
     mode: str
     schedule: str
     virtual_stages: float
@@ -190,7 +199,10 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         # backward 2x; scores, softmax and dropout make passes over memory (C.EAGER_SCORE_BYTES)
         ss = _f(s)
         a_e = gemm_time_s(ss, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
-        score_bytes = C.EAGER_SCORE_BYTES + (C.EAGER_DROPOUT_SCORE_BYTES if mn.dropout else 0.0)
+        # the constants count 16-bit scores; fp32 training moves each score value in 4 bytes
+        value_scale = bv / 2.0
+        score_bytes = C.EAGER_SCORE_BYTES * value_scale + (
+            (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.dropout else 0.0)
         softmax = rows.micro_batch * heads * s * s * score_bytes / bw
         gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + rc_full) + a_e * (1.0 + 2.0 + rc_any), gemm_layer)
         attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any), attn_elem)
@@ -222,6 +234,16 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm)
     head_elem = tokens * (mn.vocab * C.CROSS_ENTROPY_BYTES_PER_LOGIT) / t / bw
     emb_elem = tokens * (3.0 * h * bv) / bw
+    if rows.measured_layer_s is not None and rows.measured_head_s is not None \
+            and rows.measured_layer_forward_s is not None:
+        # a measured profile replaces the compute terms it contains (matmuls, attention, elementwise)
+        has = np.isfinite(rows.measured_layer_s)
+        gemm_layer = np.where(has, rows.measured_layer_s + rc_full * rows.measured_layer_forward_s, gemm_layer)
+        elem_layer = np.where(has, 0.0, elem_layer)
+        has_head = np.isfinite(rows.measured_head_s)
+        head_gemm = np.where(has_head, rows.measured_head_s, head_gemm)
+        head_elem = np.where(has_head, 0.0, head_elem)
+        emb_elem = np.where(has_head, 0.0, emb_elem)
 
     # ---- activations (Korthikanti et al. 2022, generalised to GQA / gated MLP / MoE; flash attention
     # stores no s x s scores, so selective recompute keeps the same bytes as none) -----------------
@@ -231,9 +253,9 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         mn.top_k, 1.0)
     layer_act = tokens * (rep_act / tp_rep + split_act / t)
     if eager.any():
-        # Korthikanti's 5as^2b: softmax output (2 B), dropout mask (1 B) and output (2 B) per score;
-        # selective recompute drops exactly these
-        per_score = 2.0 + (3.0 if mn.dropout else 0.0)
+        # Korthikanti's 5as^2b: softmax output (2 B), dropout mask (1 B) and output (2 B) per score at
+        # 16 bit (bv each for the two values in fp32); selective recompute drops exactly these
+        per_score = bv + (1.0 + bv if mn.dropout else 0.0)
         layer_act = layer_act + np.where(eager & (rows.recompute < 1),
                                          rows.micro_batch * heads * s * s * per_score, 0.0)
     layer_input = tokens * (h * bv) / tp_rep
@@ -251,7 +273,11 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     intra = rows.intra_node_gb_per_s * C.LINK_EFFICIENCY
     pp_bw = np.where(pp_bus_same_node & (intra > 0), intra, nic_per_dev)
     p2p = tokens * (h * bv) / t / (pp_bw * 1e9) + C.COLLECTIVE_LATENCY_S
-    capacity = rows.memory_gb * (C.BYTES_PER_DATASHEET_GB / 1e9 * (1.0 - C.FRAGMENTATION_FRACTION))
+    # Megatron all-reduces the tied embedding's gradient between the first and the last stage after
+    # every step (not overlapped): one 2-rank all-reduce per TP rank over the pipeline link
+    tied = (mn.tie * (rows.pp > 1)).astype(np.float64)
+    tied_s = tied * ring_allreduce_s(mn.vocab * h / t * mn.grad_bytes_per_value, 2.0, pp_bw)
+    capacity = rows.memory_gb * (1.0 - C.FRAGMENTATION_FRACTION)
     return {
         "gemm_layer": gemm_layer,
         "elem_layer": elem_layer,
@@ -266,6 +292,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         "bw": bw,
         "dp_bus": dp_bus,
         "p2p": p2p,
+        "tied_s": tied_s,
         "capacity_gb": capacity,
         "tokens": tokens,
     }
@@ -335,6 +362,9 @@ def stage_totals(
     # ---- per-step work -----------------------------------------------------------------------------
     opt_params = trainable / shard_o
     opt_gpu = opt_params * C.ADAM_BYTES_PER_PARAM / lc["bw"]
+    if rows.measured_optimizer_s_per_param is not None:
+        measured_opt = rows.measured_optimizer_s_per_param
+        opt_gpu = np.where(np.isfinite(measured_opt), opt_params * measured_opt, opt_gpu)
     opt_cpu = opt_params * (2.0 * bv / (C.PCIE_HOST_GB_PER_S * 1e9) + 1.0 / C.CPU_ADAM_PARAMS_PER_S)
     optimizer_s = np.where(rows.offload >= 1, opt_cpu, opt_gpu)
     compute_mb = gemm_mb + elem_mb + tp_mb
@@ -342,7 +372,7 @@ def stage_totals(
     offload_mb = np.where(offload_params, 2.0 * p_dev / shard_w * bv / (C.PCIE_HOST_GB_PER_S * 1e9), 0.0)
     exposed = np.maximum(offload_mb - compute_mb, 0.0)
 
-    grad_bytes = trainable * bv
+    grad_bytes = trainable * mn.grad_bytes_per_value
     dp_allreduce = ring_allreduce_s(grad_bytes, n, lc["dp_bus"], np.ceil(grad_bytes / C.GRADIENT_BUCKET_BYTES))
     z3 = z >= 3
     # ZeRO-3: per layer an all-gather for forward, again for backward, and a reduce-scatter of gradients
@@ -366,6 +396,7 @@ def stage_totals(
         "z3_exposed_mb": exposed,
         "stage_mb": stage_mb,
         "p2p": lc["p2p"],
+        "tied_s": la * lc["tied_s"],
         "optimizer_s": optimizer_s,
         "dp_exposed_s": dp_exposed,
         "weights_gb": weights / 1e9,

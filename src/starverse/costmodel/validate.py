@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import Field
 
-from starverse.config import FrozenModel, parse, read_yaml
+from starverse.config import FrozenModel, parse, read_yaml, where
+from starverse.costmodel.constants import RESERVED_GB
 from starverse.errors import ConfigError, StarverseError
 from starverse.plan import Plan, _resolve_model_path
 
@@ -25,7 +26,10 @@ class Measured(FrozenModel):
     step_time_s: float | None = Field(default=None, gt=0)
     """Seconds per optimizer step."""
     peak_memory_gb: float | None = Field(default=None, gt=0)
-    """Peak device memory."""
+    """Peak memory the framework allocated on the worst device (GB = 1e9 bytes; what
+    ``torch.cuda.max_memory_allocated`` reports, without the CUDA context)."""
+    out_of_memory: bool = False
+    """The run failed for lack of device memory (the estimate must then say it does not fit)."""
 
 
 class ValidationCase(Plan):
@@ -53,6 +57,15 @@ class CaseResult:
     """The estimator says the published plan fits in memory (it ran, so it must)."""
     reason: str | None = None
     """Why the case failed (not estimable, no measurement, reported as not fitting)."""
+    source: str = ""
+    """Source id: the case file name up to its first '-' (``korthikanti2022``, ``sailor``, ...)."""
+    predicted_memory_gb: float | None = None
+    """Predicted peak allocated memory of the worst device (the estimate's need minus the fixed runtime
+    reserve, which ``max_memory_allocated`` does not count)."""
+    measured_memory_gb: float | None = None
+    """``measured.peak_memory_gb`` when given."""
+    out_of_memory: bool = False
+    """The source reports the run failed for memory."""
 
     @property
     def error(self) -> float | None:
@@ -62,17 +75,30 @@ class CaseResult:
         return self.predicted / self.measured - 1.0
 
     @property
+    def memory_error(self) -> float | None:
+        """predicted / measured peak memory - 1."""
+        if self.predicted_memory_gb is None or self.measured_memory_gb is None:
+            return None
+        return self.predicted_memory_gb / self.measured_memory_gb - 1.0
+
+    @property
     def ok(self) -> bool:
         """Estimated, measured and fits."""
         return self.reason is None
 
 
+def source_of(path: Path) -> str:
+    """A case's source id: its file name up to the first '-' (case files are named ``<source>-...``)."""
+    return path.stem.split("-", 1)[0]
+
+
 def find_cases(paths: list[str | Path]) -> list[Path]:
-    """``*.yaml`` files in the given folders (sorted), plus files given directly."""
+    """``*.yaml`` files in the given folders and their sub-folders (sorted; ``models/`` folders hold
+    model configs, not cases), plus files given directly."""
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out.extend(sorted(p.glob("*.yaml")))
+            out.extend(sorted(f for f in p.rglob("*.yaml") if "models" not in f.relative_to(p).parts[:-1]))
         elif p.is_file():
             out.append(p)
         else:
@@ -80,37 +106,77 @@ def find_cases(paths: list[str | Path]) -> list[Path]:
     return out
 
 
-def run_case(path: Path, catalog: Any = None) -> CaseResult:
-    """Estimate one case; errors become the case's ``reason`` (never silently skipped)."""
-    from starverse.costmodel.step import estimate
+@dataclass(frozen=True)
+class LoadedCase:
+    """A parsed validation case: the plan, its model and what was measured."""
+
+    name: str
+    """File stem."""
+    path: str
+    """File path."""
+    source: str
+    """Source id (:func:`source_of`)."""
+    plan: Plan
+    """The plan that ran."""
+    spec: Any
+    """Its ``models.ModelSpec``."""
+    measured: Measured
+    """What was measured."""
+
+
+def load_case(path: Path) -> LoadedCase:
+    """Parse a case file and load its model; ConfigError names the file."""
     from starverse.models import load_model
 
-    name = path.stem
-    measured: float | None = None
+    data, node = read_yaml(path)
+    case = parse(ValidationCase, data, str(path), node)
+    plan = Plan.model_validate(case.model_dump(exclude={"measured", "source"}, exclude_unset=True))
+    plan = _resolve_model_path(plan, path.parent)
     try:
-        data, node = read_yaml(path)
-        case = parse(ValidationCase, data, str(path), node)
-        measured = case.measured.tokens_per_s
-        plan = Plan.model_validate(case.model_dump(exclude={"measured", "source"}, exclude_unset=True))
-        plan = _resolve_model_path(plan, path.parent)
-        try:
-            spec = load_model(plan.model, base_dir=path.parent)
-        except StarverseError as e:
-            raise ConfigError(f"{path}: model: {e}") from None
-        try:
-            est = estimate(plan, catalog, spec)
-        except StarverseError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        spec = load_model(plan.model, base_dir=path.parent)
     except StarverseError as e:
-        return CaseResult(name, str(path), None, measured, False, reason=str(e))
+        raise ConfigError(f"{where(path, ('model',))}: model: {e}") from None
+    return LoadedCase(path.stem, str(path), source_of(path), plan, spec, case.measured)
+
+
+def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
+    """Estimate a loaded case and compare (see :func:`run_case`)."""
+    from starverse.costmodel.step import estimate
+
+    measured = case.measured.tokens_per_s
+    try:
+        est = estimate(case.plan, catalog, case.spec)
+    except StarverseError as e:
+        return CaseResult(case.name, case.path, None, measured, False,
+                          reason=f"{where(case.path, getattr(e, 'loc', None))}: {e}",
+                          source=case.source)
+    peak = max(s.total_gb for g in est.groups for s in g.stages) - RESERVED_GB
+    oom = case.measured.out_of_memory
+    result = CaseResult(case.name, case.path, est.tokens_per_s, measured, est.fits, source=case.source,
+                        predicted_memory_gb=peak, measured_memory_gb=case.measured.peak_memory_gb,
+                        out_of_memory=oom)
+    if oom:
+        if est.fits:
+            return replace(result, reason=f"the run failed for memory, but the estimator says it fits "
+                                          f"({est.memory_gb:.1f} of {est.capacity_gb:.1f} GB)")
+        return replace(result, measured=None)
     if measured is None:
-        return CaseResult(name, str(path), est.tokens_per_s, None, est.fits,
-                          reason="no measured.tokens_per_s in the case")
+        return replace(result, reason="no measured.tokens_per_s in the case")
     if not est.fits:
-        return CaseResult(name, str(path), est.tokens_per_s, measured, False,
-                          reason=f"estimator says the plan does not fit ({est.memory_gb:.1f} of "
-                                 f"{est.capacity_gb:.1f} GB), but it ran")
-    return CaseResult(name, str(path), est.tokens_per_s, measured, True)
+        return replace(result, reason=f"estimator says the plan does not fit ({est.memory_gb:.1f} of "
+                                      f"{est.capacity_gb:.1f} GB), but it ran")
+    return result
+
+
+def run_case(path: Path, catalog: Any = None) -> CaseResult:
+    """Estimate one case; errors become the case's ``reason`` (never silently skipped). A run that the
+    source reports as failed for memory (``measured.out_of_memory``) passes when the estimate says it
+    does not fit; a run that ran passes only when it fits."""
+    try:
+        case = load_case(path)
+    except StarverseError as e:
+        return CaseResult(path.stem, str(path), None, None, False, reason=str(e), source=source_of(path))
+    return score_case(case, catalog)
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -134,30 +200,48 @@ def spearman(x: list[float], y: list[float]) -> float:
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
+MIN_CONFIGS_FOR_SPEARMAN = 8
+"""Sources with at least this many scored configurations carry the rank-correlation target."""
+
+
 def summarize(results: list[CaseResult]) -> dict[str, Any]:
-    """n, median/p90/max |error| and Spearman over the cases with both figures."""
+    """n, median/p90/max |error| and Spearman over the cases with both figures; the same for peak
+    memory where measured (``memory_n``, ``memory_median_abs_error``, ``memory_max_abs_error``)."""
     scored = [r for r in results if r.error is not None]
     errs = np.abs(np.array([r.error for r in scored], dtype=np.float64))
 
-    def stat(f: Any) -> float | None:
-        return float(f(errs)) if len(errs) else None
+    def stat(f: Any, e: np.ndarray) -> float | None:
+        return float(f(e)) if len(e) else None
 
     rho = spearman([r.predicted for r in scored], [r.measured for r in scored])  # type: ignore[misc]
+    mem = np.abs(np.array([r.memory_error for r in results if r.memory_error is not None], dtype=np.float64))
     return {
         "n": len(scored),
-        "median_abs_error": stat(np.median),
-        "p90_abs_error": stat(lambda e: np.percentile(e, 90)),
-        "max_abs_error": stat(np.max),
+        "median_abs_error": stat(np.median, errs),
+        "p90_abs_error": stat(lambda e: np.percentile(e, 90), errs),
+        "max_abs_error": stat(np.max, errs),
         "spearman": None if math.isnan(rho) else rho,
+        "memory_n": len(mem),
+        "memory_median_abs_error": stat(np.median, mem),
+        "memory_max_abs_error": stat(np.max, mem),
     }
 
 
+def by_source(results: list[CaseResult]) -> dict[str, dict[str, Any]]:
+    """:func:`summarize` per source id (sorted by id)."""
+    sources = sorted({r.source for r in results})
+    return {src: summarize([r for r in results if r.source == src]) for src in sources}
+
+
 def report(results: list[CaseResult]) -> dict[str, Any]:
-    """The ``--json`` document, exactly ``{"cases": [...], "summary": {...}}`` (failed cases have null
-    figures; their reasons are in each ``CaseResult.reason``, which the CLI prints on stderr)."""
-    cases = [{"name": r.name, "metric": "tokens_per_s", "predicted": r.predicted, "measured": r.measured,
-              "error": r.error} for r in results]
-    return {"cases": cases, "summary": summarize(results)}
+    """The ``--json`` document: ``{"cases": [...], "summary": {...}, "sources": {id: summary}}`` (failed
+    cases have null figures; their reasons are in each ``CaseResult.reason``, which the CLI prints on
+    stderr)."""
+    cases = [{"name": r.name, "source": r.source, "metric": "tokens_per_s", "predicted": r.predicted,
+              "measured": r.measured, "error": r.error, "predicted_memory_gb": r.predicted_memory_gb,
+              "measured_memory_gb": r.measured_memory_gb, "memory_error": r.memory_error,
+              "out_of_memory": r.out_of_memory, "fits": r.fits} for r in results]
+    return {"cases": cases, "summary": summarize(results), "sources": by_source(results)}
 
 
 def load_plan_or_case(path: str | Path) -> Plan:

@@ -7,7 +7,9 @@ Young's ``τ = sqrt(2·C·M)``; Daly's higher-order form corrects it when ``C`` 
 With asynchronous saves ``C`` is only the blocked time, and ``W`` does not depend on ``τ`` but bounds it
 from below: a new save cannot start before the previous one is on disk.
 
-Pure Python (no torch): the planner and the CLI use it too.
+The formula is written once, here: :func:`young_daly_interval_s` (scalars or numpy arrays) and
+:func:`waste_fraction` are what the supervisor's checkpoint callback (:func:`choose_interval`) and the
+planner's spot overhead (``planner.policy.spot_factor``) both use. numpy only (no torch).
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+import numpy.typing as npt
 
 from starverse.errors import ConfigError
 
@@ -23,22 +29,42 @@ DEFAULT_MAX_INTERVAL_S = 1800.0
 snapshots)."""
 
 
-def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
+@overload
+def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float: ...
+@overload
+def young_daly_interval_s(save_cost_s: npt.ArrayLike, mtbf_s: npt.ArrayLike) -> np.ndarray: ...
+def young_daly_interval_s(save_cost_s: npt.ArrayLike, mtbf_s: npt.ArrayLike) -> float | np.ndarray:
     """Optimal compute time between checkpoints (Daly 2006, eq. 37; Young 1974 to first order).
 
     ``save_cost_s``: time training is blocked per checkpoint; ``mtbf_s``: mean time between interruptions
-    of the job. Returns ``mtbf_s`` when the save costs at least twice the MTBF (checkpointing cannot pay).
+    of the job (inf: never interrupted, interval inf). Returns ``mtbf_s`` when the save costs at least twice
+    the MTBF (checkpointing cannot pay). Scalars give a float; arrays broadcast (the planner's search).
     """
-    if save_cost_s < 0 or mtbf_s <= 0:
-        raise ConfigError(f"need save_cost_s >= 0 and mtbf_s > 0 (got {save_cost_s}, {mtbf_s})")
-    if math.isinf(mtbf_s):
-        return math.inf
-    if save_cost_s == 0:
-        return 0.0
-    if save_cost_s >= 2 * mtbf_s:
-        return mtbf_s
-    r = save_cost_s / (2 * mtbf_s)
-    return math.sqrt(2 * save_cost_s * mtbf_s) * (1 + math.sqrt(r) / 3 + r / 9) - save_cost_s
+    c = np.asarray(save_cost_s, dtype=float)
+    m = np.asarray(mtbf_s, dtype=float)
+    if np.any(c < 0) or np.any(~(m > 0)):
+        raise ConfigError(f"need save_cost_s >= 0 and mtbf_s > 0 (got {save_cost_s!r}, {mtbf_s!r})")
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        r = c / (2 * m)
+        daly = np.sqrt(2 * c * m) * (1 + np.sqrt(r) / 3 + r / 9) - c
+        tau = np.where(np.isinf(m), np.inf, np.where(c == 0, 0.0, np.where(c >= 2 * m, m, daly)))
+    return float(tau) if tau.ndim == 0 else tau
+
+
+def waste_fraction(interval_s: npt.ArrayLike, save_cost_s: npt.ArrayLike, mtbf_s: npt.ArrayLike,
+                   lost_s: npt.ArrayLike = 0.0) -> np.ndarray:
+    """Expected time lost per second of useful training with checkpoints every ``interval_s``:
+    ``C/τ`` saving plus, per interruption (every ``M`` s), half an interval redone and ``lost_s`` (a
+    restart, or the write time of the last save). inf where the save alone takes half the time (``τ < 2C``);
+    0 when never interrupted and saves cost nothing."""
+    tau = np.asarray(interval_s, dtype=float)
+    c = np.asarray(save_cost_s, dtype=float)
+    m = np.asarray(mtbf_s, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        saving = np.where(c > 0, c / tau, 0.0)
+        redo = np.where(np.isinf(m), 0.0, (np.where(np.isinf(tau), 0.0, tau / 2) + lost_s) / m)
+        out = saving + redo
+    return np.asarray(np.where((c > 0) & (tau < 2 * c) & ~np.isinf(m), np.inf, out))
 
 
 def job_mtbf_s(interruptions_per_hour: Sequence[float]) -> float:
@@ -73,8 +99,7 @@ class IntervalChoice:
         """Expected share of time lost to saving and to redoing work (first order), when inputs are known."""
         if self.save_cost_s is None or self.mtbf_s is None or math.isinf(self.mtbf_s):
             return None
-        tau = self.steps * step_time_s
-        return self.save_cost_s / tau + (tau / 2 + (self.write_s or 0.0)) / self.mtbf_s
+        return float(waste_fraction(self.steps * step_time_s, self.save_cost_s, self.mtbf_s, self.write_s or 0.0))
 
 
 def choose_interval(

@@ -15,27 +15,18 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from starverse.runtime.callbacks import Notice
+
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Notice:
-    """A device of this rank is about to be taken back."""
-
-    source: str
-    """What raised it (``SIGTERM``, a file path, a URL)."""
-    received_at: float = field(default_factory=time.monotonic)
-    """``time.monotonic()`` when it was seen (the grace period counts from here)."""
-    detail: str = ""
-    """What the source said (for the log)."""
+__all__ = ["FileNotice", "HttpNotice", "Notice", "NoticeSource", "NoticeWatcher", "SignalNotice", "answers_ok",
+           "answers_true", "aws_spot_notice", "gcp_preemption_notice"]
 
 
 @runtime_checkable
@@ -132,6 +123,16 @@ class HttpNotice:
         self._thread: threading.Thread | None = None
         self._warned = False
 
+    # pickled into every rank process (the local and the Ray launcher): thread and event are made there
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state.update(_stop=None, _thread=None, _notice=None)
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._stop = threading.Event()
+
     def check_once(self) -> Notice | None:
         """One request; the notice if the endpoint announces one."""
         req = urllib.request.Request(self.url, headers=self.headers)
@@ -168,19 +169,33 @@ class HttpNotice:
         self._stop.set()
 
 
-def aws_spot_notice(base: str = "http://169.254.169.254", **kw: float) -> HttpNotice:
+def answers_ok(status: int, body: str) -> bool:
+    """``parse`` for an endpoint that answers 200 once a preemption is scheduled (404 or an error before)."""
+    return status == 200
+
+
+def answers_true(status: int, body: str) -> bool:
+    """``parse`` for an endpoint whose 200 body turns ``TRUE`` (GCP's ``instance/preempted``)."""
+    return status == 200 and body.strip().upper() == "TRUE"
+
+
+def aws_spot_notice(base: str = "http://169.254.169.254", *, interval_s: float = 5.0,
+                    timeout_s: float = 1.0) -> HttpNotice:
     """AWS EC2 spot interruption notice (about 2 minutes ahead): ``spot/instance-action`` answers 200
     with a JSON action once the instance is scheduled to stop, 404 before."""
-    return HttpNotice(f"{base}/latest/meta-data/spot/instance-action", lambda status, body: status == 200, **kw)
+    return HttpNotice(f"{base}/latest/meta-data/spot/instance-action", answers_ok, interval_s=interval_s,
+                      timeout_s=timeout_s)
 
 
-def gcp_preemption_notice(base: str = "http://metadata.google.internal", **kw: float) -> HttpNotice:
+def gcp_preemption_notice(base: str = "http://metadata.google.internal", *, interval_s: float = 5.0,
+                          timeout_s: float = 1.0) -> HttpNotice:
     """GCP preemption notice (about 30 s ahead): ``instance/preempted`` turns ``TRUE``."""
     return HttpNotice(
         f"{base}/computeMetadata/v1/instance/preempted",
-        lambda status, body: status == 200 and body.strip().upper() == "TRUE",
+        answers_true,
         headers={"Metadata-Flavor": "Google"},
-        **kw,
+        interval_s=interval_s,
+        timeout_s=timeout_s,
     )
 
 

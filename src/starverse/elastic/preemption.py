@@ -2,7 +2,7 @@
 
 ``PreemptionCallback`` polls its notice sources after every step; the ranks agree (one tiny all-reduce
 on the context's gloo group: a notice on any rank stops every rank at the same step). The agreed notice is
-left in ``ctx.extra`` and the stop requested; ``CheckpointCallback.on_fit_end`` then writes the emergency
+left in ``ctx.notice`` and the stop requested; ``CheckpointCallback.on_fit_end`` then writes the emergency
 checkpoint synchronously, so the step that was running when the notice came is not lost.
 """
 
@@ -14,13 +14,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from starverse.checkpoint.callback import NOTICE_KEY
 from starverse.elastic.notice import Notice, NoticeSource, NoticeWatcher, SignalNotice
 from starverse.runtime.callbacks import Callback, TrainContext
 
 log = logging.getLogger(__name__)
-
-GRACE_KEY = "starverse.grace_s"
 
 
 class PreemptionCallback(Callback):
@@ -42,7 +39,7 @@ class PreemptionCallback(Callback):
         """Start watching (signal handlers go in now, in the rank's main thread)."""
         self.watcher = NoticeWatcher(self.sources if self.sources is not None else [SignalNotice()])
         self.watcher.start()
-        ctx.extra[GRACE_KEY] = self.grace_s
+        ctx.grace_s = self.grace_s
 
     def on_step_end(self, ctx: TrainContext) -> None:
         """Agree over all ranks whether any saw a notice; if so, record it and request the stop."""
@@ -54,9 +51,9 @@ class PreemptionCallback(Callback):
             agreed = bool(flag.item())
         else:
             agreed = local is not None
-        if agreed and NOTICE_KEY not in ctx.extra:
+        if agreed and ctx.notice is None:
             notice = local or Notice(source="another rank", detail=f"a peer of rank {ctx.rank} got a notice")
-            ctx.extra[NOTICE_KEY] = notice
+            ctx.notice = notice
             ctx.request_stop(f"preempted ({notice.source}): emergency checkpoint at step {ctx.step}")
 
     def on_fit_end(self, ctx: TrainContext) -> None:

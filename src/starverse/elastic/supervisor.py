@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from starverse.checkpoint.callback import NOTICE_KEY, CheckpointCallback
+from starverse.checkpoint.callback import CheckpointCallback
 from starverse.checkpoint.store import CheckpointStore
 from starverse.errors import CheckpointError, DistributedError, PreemptedError, StarverseError
 from starverse.plan import Plan
@@ -113,7 +114,7 @@ class ProgressCallback(Callback):
 
     def on_fit_end(self, ctx: TrainContext) -> None:
         """Leave a notice marker when this rank itself was warned (its device is going away)."""
-        notice = ctx.extra.get(NOTICE_KEY)
+        notice = ctx.notice
         if notice is not None and notice.source != "another rank":
             d = Path(ctx.run_dir) / NOTICES_DIR
             d.mkdir(parents=True, exist_ok=True)
@@ -238,8 +239,13 @@ class Supervisor:
         return [*insurance, self.checkpoint, *extra, ProgressCallback()]
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
+        self.request_stop(signal.Signals(signum).name)
+
+    def request_stop(self, reason: str) -> None:
+        """Stop the whole job: every rank writes an emergency checkpoint and stops; :meth:`run` then raises
+        :class:`PreemptedError`. What SIGTERM to the supervisor does; callable from any thread."""
         if self._job_notice is None:
-            self._job_notice = signal.Signals(signum).name
+            self._job_notice = reason
             log.warning("supervisor received %s: asking every rank for an emergency checkpoint", self._job_notice)
         for child in multiprocessing.active_children():
             if child.name.startswith("starverse-rank") and child.pid is not None:
@@ -252,7 +258,9 @@ class Supervisor:
         first_model = model_factory(self.cluster)
         if resume is not None:
             self._check_model(first_model, resume)
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # signal handlers can only be set from the main thread; elsewhere (a service) stop with request_stop
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if in_main else None
         attempts: list[Attempt] = []
         errors = 0
         try:
@@ -309,7 +317,8 @@ class Supervisor:
                 self._drop(noticed, f"preemption notice on ranks {noticed}")
                 resume = self._latest_or_none(resume)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
 
     def _check_model(self, model: Any, resume: Path) -> None:
         """Refuse a checkpoint of another model before launching anything (the ranks check it again)."""

@@ -8,15 +8,17 @@ Wiring with checkpoints and preemption notices (list the checkpoint callback fir
 
     billing = BillingCallback(budget_total=50)
     ckpt = CheckpointCallback(billing_cursor=billing.checkpoint_cursor, resume_from="latest")
-    Trainer(cluster, callbacks=[PreemptionCallback(), ckpt, billing, MetricsCallback(checkpoints=ckpt)])
+    Trainer(cluster, callbacks=[PreemptionCallback(), ckpt, billing, MetricsCallback(checkpoints=ckpt, billing=billing)])
+
+(``starverse.jobs.build_callbacks`` is the one place a job wires them.)
 
 ``checkpoint_cursor`` records a checkpoint event each time a checkpoint is taken (and returns the cursor
 saved in its manifest). A run stopped by a preemption notice records a preemption instead of a stop. A
 relaunch that finds leases of the job still open knows the previous run died: it records the preemption
 at their last heartbeat and closes them there. A resumed run records the resume with the step it resumed
 from. These events are what the insurance credits are computed from. ``CheckpointCallback`` also
-publishes each committed checkpoint as ``ctx.extra["checkpoint"] = {"step", "at_s", "seconds", ...}``; a
-checkpoint is recorded once, whichever is seen first (other checkpointing code may publish the same dict).
+publishes each committed checkpoint as ``ctx.committed`` (a ``CommittedCheckpoint``); a checkpoint is recorded
+once, whichever is seen first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -33,9 +36,8 @@ from typing import Any
 from starverse.billing import EventKind, LeasePricing, Ledger, PricingMode, next_interval_exceeds
 from starverse.billing.ledger import LEDGER_FILE, Job
 from starverse.billing.money import ticks_to_decimal
-from starverse.checkpoint.callback import NOTICE_KEY
 from starverse.metrics.exporter import JobState, MetricsExporter, RankState
-from starverse.runtime.callbacks import Callback, TrainContext
+from starverse.runtime.callbacks import Callback, CommittedCheckpoint, TrainContext
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,26 @@ ENDPOINT_FILE = "metrics.json"
 """Written in the run directory by :class:`MetricsCallback`: ``{"url": ..., "port": ...}``."""
 
 
-def _checkpoint_info(ctx: TrainContext) -> Mapping[str, Any] | None:
-    info = ctx.extra.get("checkpoint")
-    return info if isinstance(info, Mapping) and "step" in info else None
+@dataclass(frozen=True)
+class BillingStatus:
+    """The job's money as the ledger has it now (rank 0; published by :class:`BillingCallback`)."""
+
+    currency: str
+    """The job's billing currency."""
+    spent: Decimal
+    """Charges so far (all runs of the job)."""
+    credits: Decimal
+    """Insurance credits so far."""
+    cost_per_hour: Decimal
+    """What the open leases cost per hour together."""
+    budget_total: Decimal | None
+    """The job's total budget (None: none)."""
+    preemptions: int
+    """Preemptions recorded for the job."""
+    ledger: str
+    """Ledger file."""
+    job: str
+    """The job's name in the ledger."""
 
 
 def _last_state(ledger: Ledger, job: Job) -> EventKind | None:
@@ -67,8 +86,7 @@ class BillingCallback(Callback):
       a requested stop), so the job overshoots by at most one interval.
     - ``on_fit_end``: closes the leases and records ``stop``.
 
-    Publishes ``ctx.extra["billing"]`` (currency, spent, credits, cost_per_hour, budget, preemptions) for
-    the metrics callback.
+    Publishes :attr:`status` (a :class:`BillingStatus`) for the metrics callback.
     """
 
     def __init__(self, *, job: str | None = None, ledger_path: str | Path | None = None,
@@ -90,8 +108,10 @@ class BillingCallback(Callback):
         self._job: Job | None = None
         self._leases: list[int] = []
         self._ckpt_steps: set[int] = set()
-        """Steps whose checkpoint this run recorded (the cursor at capture, ctx.extra once committed)."""
+        """Steps whose checkpoint this run recorded (the cursor at capture, ctx.committed once committed)."""
         self.budget_stopped = False
+        self.status: BillingStatus | None = None
+        """The job's money after the last hook (rank 0)."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -170,11 +190,11 @@ class BillingCallback(Callback):
             return
         ledger, job, now = self._ledger, self._job, self._now()
         ledger.heartbeat(job, at_s=now)
-        info = _checkpoint_info(ctx)
-        if info is not None and int(info["step"]) not in self._ckpt_steps:
-            self._ckpt_steps.add(int(info["step"]))
-            ledger.record_event(job, EventKind.CHECKPOINT, at_s=int(info.get("at_s", now)), step=int(info["step"]),
-                                detail={"seconds": float(info.get("seconds", 0.0))})
+        info = ctx.committed
+        if info is not None and info.step not in self._ckpt_steps:
+            self._ckpt_steps.add(info.step)
+            ledger.record_event(job, EventKind.CHECKPOINT, at_s=info.at_s, step=info.step,
+                                detail={"seconds": info.seconds})
         status = next_interval_exceeds(ledger, job, now, ctx.metrics.step_time_s, self.checkpoint_s)
         if status is not None and status.stop and not self.budget_stopped:
             self.budget_stopped = True
@@ -192,10 +212,10 @@ class BillingCallback(Callback):
         now = self._now()
         for lease_id in self._leases:
             self._ledger.close_lease(lease_id, now)
-        notice = ctx.extra.get(NOTICE_KEY)
+        notice = ctx.notice
         if notice is not None:  # stopped by a preemption notice: the relaunch will resume
             self._ledger.record_event(self._job, EventKind.PREEMPTION, at_s=now, step=ctx.step,
-                                      detail={"notice": str(getattr(notice, "source", notice))})
+                                      detail={"notice": notice.source})
         elif not self.budget_stopped:
             self._ledger.record_event(self._job, EventKind.STOP, at_s=now, step=ctx.step)
         self._publish(ctx, now)
@@ -209,33 +229,35 @@ class BillingCallback(Callback):
         credits = sum((c.ticks for c in ledger.credits(job)), 0)
         preemptions = sum(1 for e in ledger.events(job) if e.kind == EventKind.PREEMPTION)
         fresh = ledger.job(job.id)
-        ctx.extra["billing"] = {
-            "currency": job.currency, "spent": spent, "credits": ticks_to_decimal(credits),
-            "cost_per_hour": ledger.burn_rate(job), "budget_total": fresh.budget_total,
-            "preemptions": preemptions, "ledger": str(ledger.path), "job": job.name,
-        }
+        self.status = BillingStatus(
+            currency=job.currency, spent=spent, credits=ticks_to_decimal(credits),
+            cost_per_hour=ledger.burn_rate(job), budget_total=fresh.budget_total,
+            preemptions=preemptions, ledger=str(ledger.path), job=job.name,
+        )
 
 
 class MetricsCallback(Callback):
     """Serves the job's Prometheus metrics from rank 0 on ``host:port`` (127.0.0.1, port 0 = a free one).
 
     The URL is written to ``run_dir/metrics.json``. ``linger_s`` keeps the endpoint up that long after
-    training ends (for a last scrape). Money comes from :class:`BillingCallback` (list it first).
+    training ends (for a last scrape). Money comes from ``billing`` (list it first).
     """
 
     def __init__(self, *, job: str | None = None, host: str = "127.0.0.1", port: int = 0, linger_s: float = 0.0,
-                 checkpoints: Any = None):
+                 checkpoints: Any = None, billing: BillingCallback | None = None):
         """``checkpoints``: the run's ``CheckpointCallback`` (its ``checkpointer.stats`` give the checkpoint
-        count and seconds); without it, ``ctx.extra["checkpoint"]`` is read."""
+        count and seconds); without it, ``ctx.committed`` is read. ``billing``: the run's billing callback
+        (the same object in the rank: callbacks are pickled together), whose ``status`` gives the money."""
         self.job_name = job
         self.checkpoints = checkpoints
+        self.billing = billing
         self.host = host
         self.port = port
         self.linger_s = linger_s
         self.exporter: MetricsExporter | None = None
         self._checkpoints = 0
         self._checkpoint_s_total = 0.0
-        self._last_ckpt: Any = None
+        self._last_ckpt: CommittedCheckpoint | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -247,7 +269,7 @@ class MetricsCallback(Callback):
         if ctx.rank != 0:
             return
         self.exporter = MetricsExporter(self.job_name or ctx.run_dir.resolve().name, self.host, self.port).start()
-        self._last_ckpt = _checkpoint_info(ctx)
+        self._last_ckpt = ctx.committed
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = ctx.run_dir / (ENDPOINT_FILE + ".tmp")
         tmp.write_text(json.dumps({"url": self.exporter.url, "host": self.host, "port": self.exporter.port}))
@@ -286,24 +308,22 @@ class MetricsCallback(Callback):
             # saves are asynchronous: the time training waited is what a checkpoint cost the run
             self._checkpoints = int(stats.num_saves)
             self._checkpoint_s_total = float(stats.blocked_s)
-            self._last_ckpt = {"seconds": float(stats.last_write_s)} if stats.num_saves else None
+            last_s: float | None = float(stats.last_write_s) if stats.num_saves else None
         else:
-            info = _checkpoint_info(ctx)
+            info = ctx.committed
             if info is not None and info != self._last_ckpt:
-                self._last_ckpt = dict(info)
+                self._last_ckpt = info
                 self._checkpoints += 1
-                self._checkpoint_s_total += float(info.get("seconds", 0.0))
-        bill = ctx.extra.get("billing") or {}
-        spent = bill.get("spent")
-        budget = bill.get("budget_total")
+                self._checkpoint_s_total += info.seconds
+            last_s = self._last_ckpt.seconds if self._last_ckpt is not None else None
+        bill = self.billing.status if self.billing is not None else None
         loss = m.loss if m.loss == m.loss else None  # NaN before the first step: leave the gauge empty
         self.exporter.update(JobState(
             steps=ctx.step, tokens=m.tokens_total, tokens_per_s=m.tokens_per_s, mfu=m.mfu, loss=loss,
-            ranks=ranks, world_size=ctx.world_size, currency=bill.get("currency"),
-            cost=None if spent is None else float(spent),
-            credits=None if bill.get("credits") is None else float(bill["credits"]),
-            cost_per_hour=None if bill.get("cost_per_hour") is None else float(bill["cost_per_hour"]),
-            budget_remaining=None if budget is None or spent is None else float(budget - spent),
-            preemptions=int(bill.get("preemptions", 0)), checkpoints=self._checkpoints,
-            checkpoint_s=None if self._last_ckpt is None else float(self._last_ckpt.get("seconds", 0.0)),
-            checkpoint_s_total=self._checkpoint_s_total))
+            ranks=ranks, world_size=ctx.world_size, currency=bill.currency if bill else None,
+            cost=float(bill.spent) if bill else None, credits=float(bill.credits) if bill else None,
+            cost_per_hour=float(bill.cost_per_hour) if bill else None,
+            budget_remaining=(None if bill is None or bill.budget_total is None
+                              else float(bill.budget_total - bill.spent)),
+            preemptions=bill.preemptions if bill else 0, checkpoints=self._checkpoints,
+            checkpoint_s=last_s, checkpoint_s_total=self._checkpoint_s_total))

@@ -23,6 +23,12 @@ from prometheus_client.registry import Collector
 log = logging.getLogger(__name__)
 
 
+JOB_LABEL = "starverse_job"
+"""The label naming the training job on every series. Not ``job``: Prometheus sets ``job`` on every scraped
+series itself (the scrape config's job name), and under the default ``honor_labels: false`` ours would be renamed
+``exported_job`` and the dashboard's job selector would list scrape jobs instead of training jobs."""
+
+
 @dataclass(frozen=True)
 class MetricDef:
     """One exported metric family."""
@@ -33,7 +39,7 @@ class MetricDef:
     """``counter`` or ``gauge``."""
     help: str
     labels: tuple[str, ...] = ()
-    """Labels besides ``job``."""
+    """Labels besides :data:`JOB_LABEL`."""
 
 
 METRICS: tuple[MetricDef, ...] = (
@@ -131,7 +137,7 @@ class JobCollector(Collector):
             cls = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
             # CounterMetricFamily appends `_total` to sample names itself; it wants the bare name
             name = m.name.removesuffix("_total") if m.kind == "counter" else m.name
-            fams[m.name] = cls(name, m.help, labels=["job", *m.labels])
+            fams[m.name] = cls(name, m.help, labels=[JOB_LABEL, *m.labels])
 
         def put(name: str, value: float | None, *labels: str) -> None:
             if value is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from starverse.errors import ModelError
 from starverse.models.families import spec_from_config
+from starverse.models.folder import inspect_folder
 from starverse.models.spec import ModelSpec
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -62,11 +63,14 @@ def _read_json(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    except (ValueError, RecursionError) as e:  # a number beyond 4300 digits; nesting deeper than Python's stack
+        raise ModelError(f"{path}: malformed JSON: {str(e).split(';')[0] or type(e).__name__}") from None
 
 
 def _from_path(path: Path) -> ModelSpec:
     if path.is_dir():
-        path = path / "config.json"
+        folder = inspect_folder(path)  # a folder without config.json says so, not "file not found"
+        return spec_from_config(folder.config, str(folder.path / "config.json"), folder.path.name)
     raw = _read_json(path)
     name = path.parent.name if path.stem == "config" else path.stem
     return spec_from_config(raw, str(path), name)

@@ -9,7 +9,7 @@ from typing import Any
 from starverse.errors import ConfigError
 from starverse.planner.job import Job, Objective
 from starverse.planner.pool import Pool
-from starverse.planner.result import PlanResult, SearchStats, pareto_frontier
+from starverse.planner.result import PlanResult, pareto_frontier
 from starverse.planner.search import new_stats, resolve_objective, search_mode
 
 
@@ -44,15 +44,11 @@ def search(job: Job, pool: Pool, catalog: Any = None, top: int = 5, spec: Any = 
         raise explain.infeasible(job, pool, catalog, spec)
     for r in ranked:
         if r.kind == "hetero-pipeline" and r.hours is not None and r.total_cost is not None:
-            stats["frontier_points"].append((r.hours, r.total_cost, "hetero-pipeline"))
-    stats_obj = SearchStats(
-        options=stats["options"], evaluated_rows=stats["rows"], combinations=stats["combinations"],
-        exact_evaluations=stats["exact"], screened=stats["screened"], proven_optimal=stats["proven"],
-        bound_gap=stats["gap"], seconds=time.perf_counter() - t0,
-    )
+            stats.frontier_points.append((r.hours, r.total_cost, "hetero-pipeline"))
+    stats.seconds = time.perf_counter() - t0
     return PlanResult(
-        plans=tuple(ranked), objective=job.objective, currency=pool.currency, model=job.model, stats=stats_obj,
-        frontier=pareto_frontier(stats["frontier_points"]), per_job=job.train.total_tokens is not None,
+        plans=tuple(ranked), objective=job.objective, currency=pool.currency, model=job.model, stats=stats,
+        frontier=pareto_frontier(stats.frontier_points), per_job=job.train.total_tokens is not None,
         notes=tuple(notes),
     )
 

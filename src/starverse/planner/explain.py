@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 from starverse.errors import InfeasiblePlanError, StarverseError
+from starverse.planner.hostmem import HOST_USABLE_FRACTION
 from starverse.planner.job import Job
 from starverse.planner.pool import Pool
 from starverse.planner.result import RankedPlan
@@ -77,6 +78,26 @@ def _unsplittable_batch(job: Job, pool: Pool, spec: Any) -> str | None:
             f"of {near}" + ("" if near else " (none up to twice this one works)") + ", or use fewer devices")
 
 
+def _host_memory_short(job: Job, pool: Pool, plan: Callable[..., list[RankedPlan]]) -> str | None:
+    """When host RAM is what is missing: a plan exists once the nodes have unlimited RAM, and it offloads.
+    Says how much each node would need against what it has, and where that figure comes from."""
+    if job.train.offload == "none":
+        return None
+    unlimited = replace(pool, offers=tuple(replace(o, host_memory_gb=math.inf) for o in pool.offers))
+    best = _try(partial(plan, job, unlimited))
+    if best is None or not best.host_memory_gb_per_node:
+        return None
+    parts = []
+    for name, need in best.host_memory_gb_per_node.items():
+        o = pool.offer(name)
+        have = "unknown" if o.host_memory_gb is None else f"{o.host_memory_gb:,.0f} GB"
+        parts.append(f"{name}: needs {need:,.0f} GB per node for the offloaded state, the nodes have {have} "
+                     f"({o.host_memory_source or 'no figure'}; {HOST_USABLE_FRACTION:.0%} usable)")
+    return ("host memory is what is missing: the best plan offloads to the CPU (" + best.plan.train.offload + ") "
+            "and " + "; ".join(parts) + ". To fix: rent nodes with more RAM and give host_memory_gb: per offer "
+            "in the pool file")
+
+
 def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanError:
     """Build the error for a job that has no plan on ``pool``: what is missing, per offer and in total,
     and what would make it feasible, each option with its own estimate."""
@@ -127,6 +148,9 @@ def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanE
     if c.max_total_cost is not None:
         reasons.append(f"the job may cost at most {c.max_total_cost:g} {ccy}")
 
+    host = _host_memory_short(job, pool, plan)
+    if host is not None:
+        reasons.append(host)
     suggestions: list[str] = []
     # more devices of one kind: from what the state alone needs, growing until a plan fits (activations,
     # reserve and the ZeRO/TP layout need more than the bare state)
@@ -159,8 +183,10 @@ def infeasible(job: Job, pool: Pool, catalog: Any, spec: Any) -> InfeasiblePlanE
         free = job.model_copy(update={"train": job.train.model_copy(update={"zero_stage": None, "offload": None,
                                                                              "recompute": None})})
         best = _try(lambda: plan(free, pool))
+        short = None if best else _host_memory_short(free, pool, plan)
         suggestions.append("let the planner choose ZeRO-3 and offload → " +
-                           (_summary(best, pool.currency) if best else "not enough either"))
+                           (_summary(best, pool.currency) if best else "not enough either"
+                            + (f" ({short})" if short else "")))
     else:
         suggestions.append("ZeRO-3, full recompute and CPU offload were already searched: not enough")
     for alt in ("lora", "qlora"):

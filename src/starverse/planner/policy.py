@@ -9,12 +9,13 @@ conservative: real traces show correlated losses (Bamboo p3: 167 node removals a
 fewer, bigger events; since one event costs a synchronous job the same whatever its size, counting every loss
 as an event over-charges rather than under-charges (see :mod:`starverse.planner.traces`).
 
-With a checkpoint costing ``C`` seconds and a restart costing ``R`` seconds, Young's optimal interval is
-``τ = sqrt(2 C M)`` (Young 1974; Daly 2006 gives the same first-order term). Per unit of useful work the
-job then spends ``C / τ`` writing checkpoints, loses on average half an interval ``τ / 2`` plus ``R`` per
-failure, i.e. ``(τ/2 + R) / M``. The wall-time multiplier is
+With a checkpoint costing ``C`` seconds and a restart costing ``R`` seconds, the interval ``τ`` is the one
+the running job uses, Young/Daly (``τ ≈ sqrt(2 C M)``; ``starverse.elastic.interval.young_daly_interval_s``,
+written once for the planner and the supervisor). Per unit of useful work the job then spends ``C / τ``
+writing checkpoints, loses on average half an interval ``τ / 2`` plus ``R`` per failure, i.e.
+``(τ/2 + R) / M`` (``interval.waste_fraction``). The wall-time multiplier is
 
-    f = 1 + C/τ + (τ/2 + R)/M = 1 + sqrt(2 C / M) + R / M
+    f = 1 + C/τ + (τ/2 + R)/M  (≈ 1 + sqrt(2 C / M) + R / M to first order)
 
 which also multiplies the bill (lost device-hours are still paid). When ``C/τ`` alone exceeds one half
 (``τ < 2C``: the job spends more time checkpointing than working) the offer is too unstable and ``f`` is
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from starverse.elastic.interval import waste_fraction, young_daly_interval_s
 from starverse.planner.job import Objective
 
 
@@ -47,27 +49,61 @@ class SpotOverhead:
 
 def spot_factor(interruptions_per_hour: np.ndarray | float, checkpoint_s: np.ndarray | float,
                 restart_s: float) -> np.ndarray:
-    """Vectorised ``f = 1 + sqrt(2C/M) + R/M`` (inf where ``τ < 2C``); see the module docstring."""
+    """Vectorised ``f = 1 + C/τ + (τ/2 + R)/M`` at the Young/Daly ``τ`` (inf where ``τ < 2C``); see the
+    module docstring."""
     lam = np.asarray(interruptions_per_hour, dtype=float)
     c = np.asarray(checkpoint_s, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         mtbf_s = np.where(lam > 0, 3600.0 / np.maximum(lam, 1e-300), np.inf)
-        f = 1.0 + np.sqrt(2.0 * c / mtbf_s) + restart_s / mtbf_s
-        tau = np.sqrt(2.0 * c * mtbf_s)
-        f = np.where((lam > 0) & (tau < 2.0 * c), np.inf, f)
+    f = 1.0 + waste_fraction(young_daly_interval_s(c, mtbf_s), c, mtbf_s, restart_s)
     return np.where(lam > 0, f, 1.0)
 
 
 def spot_overhead(interruptions_per_hour: float, checkpoint_s: float, restart_s: float) -> SpotOverhead:
     """Scalar :func:`spot_factor` with its parts, for reports."""
     f = float(spot_factor(interruptions_per_hour, checkpoint_s, restart_s))
-    tau = math.sqrt(2.0 * checkpoint_s * 3600.0 / interruptions_per_hour) if interruptions_per_hour > 0 else math.inf
+    tau = young_daly_interval_s(checkpoint_s, 3600.0 / interruptions_per_hour) if interruptions_per_hour > 0 else math.inf
     return SpotOverhead(interruptions_per_hour, checkpoint_s, tau, f)
 
 
 def checkpoint_seconds(state_bytes: float, num_nodes: int, gb_per_s_per_node: float) -> float:
     """Time to write ``state_bytes`` of model+optimizer state, every node writing its shard in parallel."""
     return state_bytes / (max(num_nodes, 1) * gb_per_s_per_node * 1e9)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A job's constraints in the pool's currency (None = no limit); :func:`within` is the one check."""
+
+    budget_per_hour: float | None = None
+    """Most the rented devices may cost per hour."""
+    max_power_kw: float | None = None
+    """Most power the devices may draw, kW."""
+    deadline_hours: float | None = None
+    """Latest finish, hours."""
+    max_total_cost: float | None = None
+    """Most the whole job may cost."""
+
+
+def within(limits: Limits, cost_per_hour: np.ndarray | float, power_kw: np.ndarray | float,
+           hours: np.ndarray | float, total_cost: np.ndarray | float) -> np.ndarray:
+    """True where a plan (or, given lower bounds, every plan a bound stands for) keeps every limit.
+
+    The single place the constraints are checked: the search's bounds (with lower bounds of hours and
+    cost), its exact evaluation, the single-group frontier and the scalar re-estimate all call it. Budget
+    and power get a relative tolerance of 1e-9 (a plan that spends exactly the budget is within it).
+    """
+    ok = np.ones(np.broadcast(np.asarray(cost_per_hour), np.asarray(power_kw), np.asarray(hours),
+                              np.asarray(total_cost)).shape, dtype=bool)
+    if limits.budget_per_hour is not None:
+        ok &= np.asarray(cost_per_hour) <= limits.budget_per_hour * (1 + 1e-9)
+    if limits.max_power_kw is not None:
+        ok &= np.asarray(power_kw) <= limits.max_power_kw * (1 + 1e-9)
+    if limits.deadline_hours is not None:
+        ok &= np.asarray(hours) <= limits.deadline_hours
+    if limits.max_total_cost is not None:
+        ok &= np.asarray(total_cost) <= limits.max_total_cost
+    return ok
 
 
 def score(objective: Objective, tokens_per_s: np.ndarray, cost_per_hour: np.ndarray,

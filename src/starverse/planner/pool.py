@@ -14,8 +14,18 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from starverse.config import FrozenModel, _line_of, format_loc, parse, read_yaml
+from starverse.config import (
+    MAX_COUNT,
+    MAX_MONEY,
+    MAX_SECONDS,
+    FrozenModel,
+    _line_of,
+    format_loc,
+    parse,
+    read_yaml,
+)
 from starverse.errors import CatalogError, ConfigError
+from starverse.planner.simulate import Trace, load_trace_events
 
 
 class Pricing(StrEnum):
@@ -30,18 +40,18 @@ class OfferSpec(FrozenModel):
 
     accelerator: str
     """Catalog id of the accelerator (``starverse catalog`` lists them)."""
-    count: int = Field(gt=0)
+    count: int = Field(gt=0, le=MAX_COUNT)
     """Devices available; the planner never rents more."""
     name: str | None = None
     """Label shown in tables (default: the accelerator id); must be unique in the pool."""
     provider: str | None = None
     """Who rents it (informative)."""
-    devices_per_node: int | None = Field(default=None, gt=0)
+    devices_per_node: int | None = Field(default=None, gt=0, le=MAX_COUNT)
     """Devices per node (default: the catalog's); tensor parallelism stays inside one node."""
-    price_per_hour: float | None = Field(default=None, ge=0)
+    price_per_hour: float | None = Field(default=None, ge=0, le=MAX_MONEY)
     """On-demand price per device-hour; omitted = the catalog's cheapest on-demand offer (0 for an ``owned``
     offer). 0 only with ``owned: true``."""
-    spot_price_per_hour: float | None = Field(default=None, gt=0)
+    spot_price_per_hour: float | None = Field(default=None, gt=0, le=MAX_MONEY)
     """Spot price per device-hour (needed when ``pricing: spot``; else the catalog's cheapest spot price)."""
     currency: str | None = None
     """Currency of this offer's prices (default: the pool's)."""
@@ -50,10 +60,19 @@ class OfferSpec(FrozenModel):
     interruptions_per_hour: float | None = Field(default=None, ge=0)
     """Spot only: expected device losses per device-hour (see ``data/traces``); charged as checkpoint and
     lost-work overhead (Young/Daly)."""
+    trace: str | None = None
+    """Spot only: a preemption trace (``data/traces``; path relative to the pool file). It sets
+    ``interruptions_per_hour`` when that is not given, and the planner checks its Young/Daly spot overhead
+    against a simulation on it (:mod:`~starverse.planner.simulate`), using the simulated figure when the
+    two differ by more than 10 %."""
     inter_node_gbps: float | None = Field(default=None, gt=0)
     """NIC bandwidth per node in Gbit/s (default: the catalog's)."""
-    billing_granularity_s: int = Field(default=1, gt=0)
-    """Billing unit in seconds (3600 = started hours are billed in full); used by the ``cost`` objective."""
+    billing_granularity_s: int | None = Field(default=None, gt=0, le=MAX_SECONDS)
+    """Billing unit in seconds (3600 = started hours are billed in full); used by the ``cost`` objective.
+    Default: the catalog offer's when the price comes from the catalog, else 1 (per second)."""
+    host_memory_gb: float | None = Field(default=None, gt=0)
+    """RAM per node, GB (default: the catalog's for the accelerator's default instance type). CPU offload
+    keeps the optimizer state (and with ``optimizer+params`` the weights) of the node's devices there."""
     owned: bool = False
     """Devices you already have (this machine, your own cluster): nothing is rented, the price defaults to 0
     (give ``price_per_hour`` for an amortised cost) and the catalog's prices are not used."""
@@ -66,6 +85,15 @@ class OfferSpec(FrozenModel):
         if self.price_per_hour == 0 and not self.owned:
             raise ValueError("price_per_hour is 0 but the offer is not owned; rented devices have a price. For "
                              "devices you own, add owned: true")
+        if (self.spot_price_per_hour is not None and self.price_per_hour is not None
+                and self.spot_price_per_hour > self.price_per_hour):
+            raise ValueError(
+                f"spot_price_per_hour ({self.spot_price_per_hour:g}) is above price_per_hour "
+                f"({self.price_per_hour:g}); a spot price is a discount on the on-demand one. Check the two prices"
+            )
+        if self.trace and self.pricing != Pricing.SPOT:
+            raise ValueError("trace is set but pricing is 'on-demand'; traces describe spot losses. Set "
+                             "pricing: spot, or remove trace")
         if self.interruptions_per_hour and self.pricing != Pricing.SPOT:
             raise ValueError(
                 "interruptions_per_hour is set but pricing is 'on-demand'; on-demand devices are not "
@@ -123,6 +151,14 @@ class Offer:
     """Device memory, GB."""
     owned: bool = False
     """Devices already owned (price 0 unless an amortised cost was given)."""
+    host_memory_gb: float | None = None
+    """RAM per node, GB (None: unknown, so no CPU offload on this offer)."""
+    host_memory_source: str = ""
+    """Where ``host_memory_gb`` comes from (the pool file, or the catalog's default instance type)."""
+    price_source: str = ""
+    """Where ``price_per_hour`` comes from, with its date when it is the catalog's."""
+    trace: Trace | None = None
+    """Spot only: the preemption trace the spot overhead is simulated on (None: Young/Daly alone)."""
 
 
 @dataclass(frozen=True)
@@ -156,18 +192,16 @@ class Pool:
         raise ConfigError(f"{self.source}: no offer named '{name}' (offers: {', '.join(o.name for o in self.offers)})")
 
 
-def _cheapest(catalog: Any, acc_id: str, currency: str, spot: bool) -> float | None:
-    """Cheapest catalog price of an accelerator in ``currency`` (None if the catalog has none)."""
+def _cheapest(catalog: Any, acc_id: str, currency: str, spot: bool) -> tuple[float, Any] | None:
+    """Cheapest hourly catalog price of an accelerator in ``currency`` and its catalog offer (None if the catalog
+    has none). Day and month packages are never a default: their per-hour figure is not rentable by the hour."""
     from starverse.catalog import convert
 
-    prices = []
-    for off in catalog.offers:
-        if off.accelerator != acc_id:
-            continue
-        p = off.spot_price_per_hour if spot else off.price_per_hour
-        if p is not None:
-            prices.append(convert(p, off.currency, currency, catalog=catalog))
-    return min(prices) if prices else None
+    off = catalog.cheapest_offer(acc_id, spot=spot, currency=currency)
+    if off is None:
+        return None
+    p = off.spot_price_per_hour if spot else off.price_per_hour
+    return convert(p, off.currency, currency, catalog=catalog), off
 
 
 def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any = None) -> Pool:
@@ -198,14 +232,35 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
         given = o.spot_price_per_hour if spot else o.price_per_hour
         if given is None and o.owned:
             given = 0.0
-        price = given * rate if given is not None else _cheapest(catalog, acc.id, spec.currency, spot)
+        field = "spot_price_per_hour" if spot else "price_per_hour"
+        granularity = o.billing_granularity_s
+        price_source = ""
+        if given is not None:
+            price: float | None = given * rate
+            price_source = f"{source}: offers[{i}].{field}" if not o.owned or given else "owned (price 0)"
+        else:
+            found = _cheapest(catalog, acc.id, spec.currency, spot)
+            price = None if found is None else found[0]
+            if found is not None:
+                off = found[1]
+                price_source = f"catalog: {off.provider}, {off.as_of} ({off.source})"
+                granularity = granularity or off.billing_granularity_s
         if price is None:
-            field = "spot_price_per_hour" if spot else "price_per_hour"
             raise fail(
                 ("offers", i),
                 f"no {field} given and the catalog has no {'spot' if spot else 'on-demand'} price for "
-                f"'{acc.id}'; add {field}: to this offer",
+                f"'{acc.id}' billed by the hour; add {field}: to this offer",
             )
+        trace = None
+        if o.trace:
+            path = Path(o.trace) if Path(o.trace).is_absolute() or source.startswith("<") else Path(source).parent / o.trace
+            try:
+                trace = load_trace_events(path)
+            except ConfigError as e:
+                raise fail(("offers", i, "trace"), str(e)) from None
+        host = o.host_memory_gb if o.host_memory_gb is not None else acc.host_memory_gb
+        host_source = (f"{source}: offers[{i}].host_memory_gb" if o.host_memory_gb is not None
+                       else f"catalog: {acc.sources.get('host_memory_gb', 'default instance type')}")
         offers.append(
             Offer(
                 name=o.name or o.accelerator,
@@ -214,11 +269,16 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
                 devices_per_node=o.devices_per_node or acc.devices_per_node,
                 price_per_hour=float(price),
                 pricing=o.pricing,
-                interruptions_per_hour=float(o.interruptions_per_hour or 0.0),
+                interruptions_per_hour=float(o.interruptions_per_hour if o.interruptions_per_hour is not None
+                                             else trace.removals_per_node_hour if trace is not None else 0.0),
                 inter_node_gbps=o.inter_node_gbps or acc.inter_node_gbps,
-                billing_granularity_s=o.billing_granularity_s,
+                billing_granularity_s=granularity or 1,
                 memory_gb=acc.memory_gb,
                 owned=o.owned,
+                host_memory_gb=host,
+                host_memory_source=host_source if host is not None else "",
+                price_source=price_source,
+                trace=trace,
             )
         )
     return Pool(spec.currency, tuple(offers), spec.cross_offer_gbps, source)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from starverse.plan import Plan
@@ -34,7 +34,8 @@ class RankedPlan:
     effective_tokens_per_s: float
     """Throughput after the spot checkpoint/lost-work overhead (= tokens_per_s on on-demand devices)."""
     spot_factor: float
-    """Young/Daly wall-time multiplier (1 on on-demand devices)."""
+    """Wall-time multiplier of spot interruptions (1 on on-demand devices): Young/Daly, or the simulated
+    median when the spot offers carry traces and the two differ by more than 10 %."""
     power_kw: float
     """Power drawn by the rented devices, kW."""
     hours: float | None
@@ -45,6 +46,13 @@ class RankedPlan:
     """The objective, as "higher is better" (see ``policy.score``)."""
     notes: tuple[str, ...] = ()
     """Warnings and labels worth showing."""
+    spot_factor_formula: float = 1.0
+    """Young/Daly's factor (what the search ranked by); ``spot_factor`` differs when a simulation on the spot
+    offers' traces disagreed by more than 10 %."""
+    spot_factor_simulated: float | None = None
+    """Median factor of the trace-driven simulation (None when the spot offers carry no trace)."""
+    host_memory_gb_per_node: Mapping[str, float] = field(default_factory=dict)
+    """Offer name -> host RAM one node needs for the offloaded state, GB (empty when nothing is offloaded)."""
 
     @property
     def num_devices(self) -> int:
@@ -92,9 +100,12 @@ def _layers(counts: list[int]) -> str:
     return "+".join(f"{c}L×{n}" if n > 1 else f"{c}L" for c, n in runs)
 
 
-@dataclass(frozen=True)
+@dataclass
 class SearchStats:
-    """How much the search looked at (for benchmarks, ``--json`` and honesty about optimality)."""
+    """How much the search looked at (for benchmarks, ``--json`` and honesty about optimality).
+
+    Filled in while the search runs (one instance per search, shared by its modes); the result keeps it.
+    """
 
     options: int = 0
     """Group options enumerated."""
@@ -108,11 +119,20 @@ class SearchStats:
     """True when options were thinned before exact evaluation (large pools); the result is then exact
     only over the options kept."""
     proven_optimal: bool = True
-    """False when the evaluation cap stopped branch and bound before the bound closed."""
+    """False when the evaluation cap stopped branch and bound before the bound closed. Covers the exact
+    space: single-accelerator plans and heterogeneous data parallelism."""
     bound_gap: float = 0.0
     """Relative gap between the best bound left and the best plan (0 when proven optimal)."""
+    hetero_pipelines: int = 0
+    """Heterogeneous-pipeline plans estimated by the heuristic of :mod:`~starverse.planner.hetero`."""
     seconds: float = 0.0
     """Wall time of the search."""
+    frontier_points: list[tuple[float, float, str]] = field(default_factory=list, repr=False, compare=False)
+    """(hours, cost, label) of every plan evaluated exactly (the Pareto frontier is drawn from them)."""
+
+    def to_json(self) -> dict[str, float | int | bool]:
+        """The counters (not the frontier points) as a JSON-ready dict."""
+        return {k: v for k, v in asdict(self).items() if k != "frontier_points"}
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross
 from starverse.costmodel.constants import BYTES_PER_VALUE, NETWORK_EFFICIENCY
 from starverse.errors import ConfigError
 from starverse.plan import Group, Plan
-from starverse.planner import combine, space
+from starverse.planner import combine, hostmem, space
 from starverse.planner.build import (
     NOMINAL_TOKENS,
     checkpoint_bytes,
@@ -45,15 +45,17 @@ from starverse.planner.build import (
 )
 from starverse.planner.job import Job, Objective
 from starverse.planner.policy import (
+    Limits,
     billed_hours,
     billed_hours_per_row,
     checkpoint_seconds,
     paid_cost,
     score,
     spot_factor,
+    within,
 )
 from starverse.planner.pool import Pool
-from starverse.planner.result import RankedPlan
+from starverse.planner.result import RankedPlan, SearchStats
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -87,11 +89,16 @@ class _Ctx:
     train: TrainShape
     devices: DeviceTable
     settings: list[space.Setting]
-    budget_per_hour: float | None
-    max_total_cost: float | None
+    limits: Limits
     tokens: float | None
     state_bytes: float
     grad_bytes: float
+    single_fits: bool = False
+    """Set by the search: some option holds the model and takes the whole batch alone."""
+
+    @property
+    def budget_per_hour(self) -> float | None:
+        return self.limits.budget_per_hour
 
     @property
     def batch(self) -> int:
@@ -121,8 +128,6 @@ class _Combo:
 
 
 def _context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> _Ctx:
-    from starverse.catalog import convert
-
     t = job.train
     train = TrainShape(seq_len=t.seq_len, precision=t.precision, mode=mode, lora_rank=t.lora_rank)
     accs = [catalog.accelerator(o.accelerator) for o in pool.offers]
@@ -132,16 +137,36 @@ def _context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> _Ctx:
         inter_node_gbps=[o.inter_node_gbps for o in pool.offers],
         price_per_hour=[o.price_per_hour for o in pool.offers],
     )
-    c = job.constraints
-    ccy = c.currency or pool.currency
-    budget = convert(c.max_budget_per_hour, ccy, pool.currency, catalog=catalog) if c.max_budget_per_hour else None
-    max_cost = convert(c.max_total_cost, ccy, pool.currency, catalog=catalog) if c.max_total_cost else None
     trainable = trainable_params(spec, mode, t.lora_rank)
     state_bytes = checkpoint_bytes(trainable, t.precision)
     grad_bytes = trainable * BYTES_PER_VALUE[t.precision]
     sets = space.settings(t.zero_stage, t.recompute, t.offload, pipeline=False)
-    return _Ctx(job, pool, catalog, spec, mode, ModelShape.from_spec(spec), train, devices, sets, budget,
-                max_cost, t.total_tokens, state_bytes, grad_bytes)
+    return _Ctx(job, pool, catalog, spec, mode, ModelShape.from_spec(spec), train, devices, sets,
+                limits_of(job, pool, catalog), t.total_tokens, state_bytes, grad_bytes)
+
+
+def limits_of(job: Job, pool: Pool, catalog: Any) -> Limits:
+    """The job's constraints with its money limits converted to the pool's currency."""
+    from starverse.catalog import convert
+
+    c = job.constraints
+    ccy = c.currency or pool.currency
+
+    def money(x: float | None) -> float | None:
+        return None if x is None else convert(x, ccy, pool.currency, catalog=catalog)
+
+    return Limits(money(c.max_budget_per_hour), c.max_power_kw, c.deadline_hours, money(c.max_total_cost))
+
+
+def _host_fits(ctx: _Ctx, opts: space.Options) -> npt.NDArray[np.bool_]:
+    """Options whose offloaded state fits their nodes' RAM (:mod:`~starverse.planner.hostmem`)."""
+    z = np.array([st.zero_stage for st in ctx.settings], dtype=np.int64)[opts.setting]
+    off = np.array([st.offload for st in ctx.settings], dtype=np.int64)[opts.setting]
+    offers = ctx.pool.offers
+    dpn = np.array([o.devices_per_node for o in offers], dtype=np.float64)[opts.offer]
+    host = np.array([np.nan if o.host_memory_gb is None else o.host_memory_gb for o in offers])[opts.offer]
+    need = hostmem.uniform_host_gb_per_node(ctx.model, ctx.train, opts.tp, opts.pp, opts.replicas, z, off, dpn)
+    return hostmem.host_ok(need, host)
 
 
 def _spot_factor(ctx: _Ctx, lam: FloatArray, nodes: FloatArray) -> FloatArray:
@@ -186,7 +211,7 @@ def _screen(ctx: _Ctx, opts: space.Options, rate: FloatArray) -> IntArray:
     return np.asarray(sorted(keep), dtype=np.int64)
 
 
-def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArray, FloatArray]:
+def _options(ctx: _Ctx, stats: SearchStats) -> tuple[space.Options, FloatArray, FloatArray]:
     """Options worth combining, their time tables and power."""
     pool = ctx.pool
     caps = []
@@ -206,15 +231,15 @@ def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArra
     if cells <= EXACT_TABLE_CELLS or (pool.num_devices <= EXACT_SMALL_POOL_DEVICES
                                       and cells <= EXACT_SMALL_POOL_CELLS):
         tables, power, rows = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
-        stats["rows"] += rows
-        ok = np.isfinite(tables).any(axis=1)
-        stats["options"] += len(opts)
+        stats.evaluated_rows += rows
+        ok = np.logical_and(np.isfinite(tables).any(axis=1), _host_fits(ctx, opts))
+        stats.options += len(opts)
         return opts.take(ok), tables[ok], power[ok]
     # large space: a coarser replica grid (every count to 8, then ×1.5) for the screening pass
     opts = space.enumerate_options(ctx.spec, ctx.batch, pool.offers, ctx.settings, ctx.job.train.micro_batch,
                                    caps, dense_replicas_up_to=8, growth=1.5, max_tp=so.max_tp,
                                    max_pipeline_stages=so.max_pipeline_stages, use_all_devices=so.use_all_devices)
-    stats["options"] += len(opts)
+    stats.options += len(opts)
     # Memory per device never grows with the replica count (ZeRO shards over more replicas; fewer
     # micro-batches per replica keep fewer in flight), so a configuration that does not fit at its largest
     # replica count fits at none: test that row first and expand only the configurations that fit.
@@ -225,21 +250,21 @@ def _options(ctx: _Ctx, stats: dict[str, Any]) -> tuple[space.Options, FloatArra
     last = np.r_[np.flatnonzero(first)[1:] - 1, len(opts) - 1]
     probe, _ = space.evaluate_full_share(ctx.model, ctx.train, ctx.devices, opts.take(last), ctx.settings,
                                          ctx.batch)
-    stats["rows"] += len(last)
+    stats.evaluated_rows += len(last)
     opts = opts.take(np.asarray(probe.fits)[cfg])
     est, k = space.evaluate_full_share(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
-    stats["rows"] += len(opts)
-    stats["screened"] = True
-    fits = np.asarray(est.fits)
+    stats.evaluated_rows += len(opts)
+    stats.screened = True
+    fits = np.asarray(est.fits) & _host_fits(ctx, opts)
     rate = np.where(fits, opts.replicas * opts.micro_batch * k / est.step_time_s, 0.0)
     opts, rate = opts.take(fits), rate[fits]
     keep = _screen(ctx, opts, rate)
     opts = opts.take(keep)
     tables, power, rows = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch,
                                             dense_k_up_to=SCREENED_DENSE_MICRO_BATCHES)
-    stats["rows"] += rows
-    ok = np.isfinite(tables).any(axis=1)
-    return opts.take(ok), tables[ok], power[ok]
+    stats.evaluated_rows += rows
+    ok2 = np.isfinite(tables).any(axis=1)
+    return opts.take(ok2), tables[ok2], power[ok2]
 
 
 def _evaluate(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatArray, setting: int,
@@ -264,14 +289,7 @@ def _evaluate(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatAr
     hours = tokens / tps_eff / 3600.0
     total = float(sum(k * o.price_per_hour * billed_hours(np.asarray(hours), o.billing_granularity_s)
                       for k, o in zip(n, offers, strict=True)))
-    c = ctx.job.constraints
-    if ctx.budget_per_hour is not None and price > ctx.budget_per_hour * (1 + 1e-9):
-        return None
-    if c.max_power_kw is not None and pw > c.max_power_kw * (1 + 1e-9):
-        return None
-    if c.deadline_hours is not None and hours > c.deadline_hours:
-        return None
-    if ctx.max_total_cost is not None and total > ctx.max_total_cost:
+    if not within(ctx.limits, price, pw, hours, total):
         return None
     value = float(score(ctx.job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
                         np.asarray(hours)))
@@ -289,7 +307,7 @@ MULTI_GROUP_OFFERS = 6
 
 
 def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: FloatArray, power: FloatArray,
-                  stats: dict[str, Any]) -> tuple[IntArray, IntArray, FloatArray]:
+                  stats: SearchStats) -> tuple[IntArray, IntArray, FloatArray]:
     """Combinations (members padded with -1, setting, bound) that pass the budget/power caps.
 
     Single groups are bounded all at once. Multi-group combinations are enumerated per (setting, offer set);
@@ -303,7 +321,6 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
     nodes_opt = np.ceil(opts.num_devices / dpn)
     gran_opt = np.array([o.billing_granularity_s for o in ctx.pool.offers])[opts.offer]
     accs = [o.accelerator for o in ctx.pool.offers]
-    c = ctx.job.constraints
     tokens = ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS
     sync_by_pp = {g: np.array([_sync_s(ctx, g, p) for p in range(int(opts.pp.max()) + 1)])
                   for g in range(1, max_g + 1)}
@@ -312,11 +329,9 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
         """Rows of ``grid`` (option indices, one column per group) within the caps, and their bounds."""
         g = grid.shape[1]
         price = price_opt[grid].sum(axis=1)
-        ok = np.ones(grid.shape[0], dtype=bool)
-        if ctx.budget_per_hour is not None:
-            ok &= price <= ctx.budget_per_hour * (1 + 1e-9)
-        if c.max_power_kw is not None:
-            ok &= power[grid].sum(axis=1) <= c.max_power_kw * (1 + 1e-9)
+        # budget and power first: they need no time table, and they thin the grid before the rest
+        ok = within(Limits(ctx.limits.budget_per_hour, ctx.limits.max_power_kw), price,
+                    power[grid].sum(axis=1), 0.0, 0.0)
         grid, price = grid[ok], price[ok]
         f = _spot_factor(ctx, lam_opt[grid].sum(axis=1), nodes_opt[grid].sum(axis=1))
         # step ≥ max(B / Σρ, slowest group's shortest step) + the cross-group sync (an exact lower bound)
@@ -330,11 +345,7 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
         for j in range(g):
             total_lb += paid_cost(price_opt[grid[:, j]], billed_hours_per_row(hours_lb, gran_opt[grid[:, j]]))
         bound = score(ctx.job.objective, tps_ub, price, total_lb, hours_lb)
-        ok = np.isfinite(bound) & (tps_ub > 0)
-        if c.deadline_hours is not None:
-            ok &= hours_lb <= c.deadline_hours
-        if ctx.max_total_cost is not None:
-            ok &= total_lb <= ctx.max_total_cost
+        ok = np.isfinite(bound) & (tps_ub > 0) & within(ctx.limits, price, 0.0, hours_lb, total_lb)
         return grid[ok], bound[ok]
 
     members: list[IntArray] = []
@@ -354,7 +365,7 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
     for i, b in zip(single[:, 0], single_bound, strict=True):
         key = (int(opts.setting[i]), int(opts.offer[i]))
         best_alone[key] = max(best_alone.get(key, -np.inf), float(b))
-    screened = bool(stats["screened"])
+    screened = bool(stats.screened)
     settings_all = [int(x) for x in np.unique(opts.setting)]
     if screened:
         by_setting: dict[int, float] = {}
@@ -382,7 +393,7 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
         if total > MAX_COMBINATIONS and math.prod(len(x) for x in lists) > share:
             per = max(1, int(share ** (1.0 / g)))  # shorten each list to its best-rate members
             lists = [x[np.argsort(-rate[x], kind="stable")[:per]] for x in lists]
-            stats["screened"] = True
+            stats.screened = True
         grid = np.stack([a.ravel() for a in np.meshgrid(*lists, indexing="ij")], axis=1)
         grid, bound = bounds(grid)
         padded = np.full((grid.shape[0], max_g), -1, dtype=np.int64)
@@ -394,7 +405,7 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
 
 
 def _single_frontier(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatArray,
-                     stats: dict[str, Any]) -> None:
+                     stats: SearchStats) -> None:
     """Add the time-vs-cost Pareto front of every single-group option (each one exact at the full batch) to
     the frontier points, so the plot shows the whole trade-off, not only what branch and bound visited."""
     if ctx.job.search.use_all_devices and len(ctx.pool.offers) > 1:
@@ -409,14 +420,7 @@ def _single_frontier(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: 
     with np.errstate(divide="ignore", invalid="ignore"):
         hours = (ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS) * step * f / (ctx.batch * ctx.seq_len) / 3600
     total = paid_cost(price, billed_hours_per_row(hours, gran))
-    ok = np.isfinite(hours) & np.isfinite(total)
-    c = ctx.job.constraints
-    if ctx.budget_per_hour is not None:
-        ok &= price <= ctx.budget_per_hour * (1 + 1e-9)
-    if c.max_power_kw is not None:
-        ok &= power <= c.max_power_kw * (1 + 1e-9)
-    if c.deadline_hours is not None:
-        ok &= hours <= c.deadline_hours
+    ok = np.isfinite(hours) & np.isfinite(total) & within(ctx.limits, price, power, hours, total)
     idx = np.flatnonzero(ok)
     idx = idx[np.lexsort((total[idx], hours[idx]))]
     best = np.inf
@@ -424,17 +428,17 @@ def _single_frontier(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: 
         if total[i] < best * (1 - 1e-9):
             best = float(total[i])
             label = f"{int(n[i])}×{ctx.pool.offers[int(opts.offer[i])].name}"
-            stats["frontier_points"].append((float(hours[i]), best, label))
+            stats.frontier_points.append((float(hours[i]), best, label))
 
 
 def _branch_and_bound(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatArray, top: int,
-                      stats: dict[str, Any]) -> list[_Combo]:
+                      stats: SearchStats) -> list[_Combo]:
     """Exact evaluation of combinations in decreasing bound order until the bound closes."""
     _single_frontier(ctx, opts, tables, power, stats)
     rate = combine.rate_bound(tables)
     t_min = tables.min(axis=1)
     members, sets, bound = _combinations(ctx, opts, rate, t_min, power, stats)
-    stats["combinations"] += len(bound)
+    stats.combinations += len(bound)
     order = np.argsort(-bound, kind="stable")
     # best plan per rented device set: the top list shows different device mixes, not the same mix with a
     # memory setting that happens to tie
@@ -445,8 +449,8 @@ def _branch_and_bound(ctx: _Ctx, opts: space.Options, tables: FloatArray, power:
         if len(best) >= top and bound[ci] <= kth + 1e-12 * abs(kth):
             break
         if evaluated >= MAX_EXACT_EVALUATIONS:
-            stats["proven"] = False
-            stats["gap"] = float(abs(bound[ci] - kth) / abs(kth)) if math.isfinite(kth) and kth else math.inf
+            stats.proven_optimal = False
+            stats.bound_gap = float(abs(bound[ci] - kth) / abs(kth)) if math.isfinite(kth) and kth else math.inf
             break
         m = [int(i) for i in members[ci] if i >= 0]
         combo = _evaluate(ctx, opts, tables, power, int(sets[ci]), m)
@@ -454,13 +458,13 @@ def _branch_and_bound(ctx: _Ctx, opts: space.Options, tables: FloatArray, power:
         if combo is None:
             continue
         label = "+".join(f"{int(opts.num_devices[i])}×{ctx.pool.offers[int(opts.offer[i])].name}" for i in m)
-        stats["frontier_points"].append((combo.hours, combo.total_cost, label))
+        stats.frontier_points.append((combo.hours, combo.total_cost, label))
         key = tuple(sorted((int(opts.offer[i]), int(opts.num_devices[i])) for i in m))
         if key not in best or combo.value > best[key][0]:
             best[key] = (combo.value, -rank, combo)
             if len(best) >= top:
                 kth = sorted((v[0] for v in best.values()), reverse=True)[top - 1]
-    stats["exact"] += evaluated
+    stats.exact_evaluations += evaluated
     ranked = sorted(best.values(), key=lambda x: (-x[0], -x[1]))
     return [c for _, _, c in ranked[:top]]
 
@@ -485,32 +489,32 @@ def _plan_of(ctx: _Ctx, opts: space.Options, combo: _Combo) -> tuple[Plan, dict[
 
 
 def best_combinations(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int = 1
-                      ) -> tuple[list[_Combo], space.Options, dict[str, Any]]:
+                      ) -> tuple[list[_Combo], space.Options, SearchStats]:
     """The search core without the final scalar re-estimate: best combinations, the options they index,
     and the statistics (used by :func:`search_mode` and by the exactness test against brute force)."""
-    stats: dict[str, Any] = new_stats()
+    stats: SearchStats = new_stats()
     job, _ = resolve_objective(job, pool)
     _, opts, combos = _best(job, pool, catalog, spec, mode, top, stats)
     return combos, opts, stats
 
 
-def _best(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int, stats: dict[str, Any]
+def _best(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int, stats: SearchStats
           ) -> tuple[_Ctx, space.Options, list[_Combo]]:
     """Options of the space and the ``top`` best combinations of them (branch and bound)."""
     ctx = _context(job, pool, catalog, spec, mode)
     opts, tables, power = _options(ctx, stats)
+    ctx.single_fits = bool(len(opts)) and bool(np.isfinite(tables[:, ctx.batch]).any())
     combos = _branch_and_bound(ctx, opts, tables, power, max(top, 1), stats) if len(opts) else []
     return ctx, opts, combos
 
 
-def new_stats() -> dict[str, Any]:
+def new_stats() -> SearchStats:
     """Fresh counters for one search."""
-    return {"options": 0, "rows": 0, "combinations": 0, "exact": 0, "screened": False, "proven": True,
-            "gap": 0.0, "frontier_points": []}
+    return SearchStats()
 
 
 def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int,
-                stats: dict[str, Any]) -> list[RankedPlan]:
+                stats: SearchStats) -> list[RankedPlan]:
     """Search one training mode; ranked plans (possibly empty)."""
     from starverse.planner import hetero
 
@@ -525,10 +529,19 @@ def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: i
             ranked.append(rp)
     so = job.search
     pipelines_allowed = not so.use_all_devices and (so.max_pipeline_stages is None or so.max_pipeline_stages > 1)
-    if so.hetero_pipelines and pipelines_allowed and not any(r.kind == "single" for r in ranked):
-        ranked.extend(hetero.search_pipelines(job, pool, catalog, spec, mode, top, alternative))
+    if so.hetero_pipelines and pipelines_allowed and not _single_kind_holds(ctx, opts):
+        # tried when no accelerator kind holds the model alone, decided on the whole space (not on the
+        # plans shown), so the answer does not depend on `top`
+        pipes = hetero.search_pipelines(job, pool, catalog, spec, mode, top, alternative)
+        stats.hetero_pipelines += len(pipes)
+        ranked.extend(pipes)
     ranked.sort(key=lambda r: -r.objective_value)
     return ranked[:top]
+
+
+def _single_kind_holds(ctx: _Ctx, opts: space.Options) -> bool:
+    """Some option of one accelerator kind fits and can take the whole global batch on its own."""
+    return bool(len(opts)) and bool(np.any(ctx.single_fits))
 
 
 def resolve_objective(job: Job, pool: Pool) -> tuple[Job, str | None]:

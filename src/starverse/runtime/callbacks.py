@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from starverse.errors import CheckpointError
+from starverse.runtime.lora import trainable_state_dict
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -56,6 +60,34 @@ class StepMetrics:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-friendly copy (for logs and metrics exporters)."""
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A device of this rank is about to be taken back (a preemption notice)."""
+
+    source: str
+    """What raised it (``SIGTERM``, a file path, a URL, ``another rank``)."""
+    received_at: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when it was seen (the grace period counts from here)."""
+    detail: str = ""
+    """What the source said (for the log)."""
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """The last checkpoint that is complete on disk (published on rank 0 by the checkpoint callback)."""
+
+    step: int
+    """Its step."""
+    at_s: int
+    """Unix time it was created."""
+    seconds: float
+    """How long its write took."""
+    path: str
+    """Its ``step-N`` folder."""
+    reason: str
+    """``interval``, ``final``, ``notice``..."""
 
 
 @dataclass
@@ -100,8 +132,14 @@ class TrainContext:
     """Why a stop was requested on this rank (None: no request); the trainer agrees over all ranks."""
     shares: list[int] = field(default_factory=list)
     """Current micro-batches per rank (changed by rebalancing); saved in checkpoints."""
+    notice: Notice | None = None
+    """The preemption notice every rank agreed on (set by the preemption callback; None: none)."""
+    grace_s: float = 30.0
+    """Seconds between a notice and the loss of the device (the emergency checkpoint must fit in them)."""
+    committed: CommittedCheckpoint | None = None
+    """The last committed checkpoint (rank 0; set by the checkpoint callback, read by billing and metrics)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Free space for callbacks to share state with each other on the same rank."""
+    """Free space for the user's own callbacks (Starverse's callbacks use the typed fields above)."""
 
     def request_stop(self, reason: str) -> None:
         """Ask the trainer to stop after the current step; every rank stops at the same step.
@@ -126,7 +164,7 @@ class TrainContext:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
-            "model": self.model.state_dict(),
+            "model": trainable_state_dict(self.model),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
@@ -142,7 +180,15 @@ class TrainContext:
         Shares are restored only when the world size is unchanged (a resume on fewer or more ranks
         starts again from the plan's shares).
         """
-        self.model.load_state_dict(sd["model"])
+        # a LoRA state holds only the trainable tensors (the frozen base comes from the plan's model)
+        missing, unexpected = self.model.load_state_dict(sd["model"], strict=False)
+        lost = set(missing) & set(trainable_state_dict(self.model))
+        if unexpected or lost:
+            raise CheckpointError(
+                f"the saved model state does not fit this model ({len(lost)} trainable tensor(s) missing, "
+                f"{len(unexpected)} unknown; e.g. {sorted(lost or unexpected)[0]}). To fix: resume with the model "
+                "and train.mode the state was saved with."
+            )
         self.optimizer.load_state_dict(sd["optimizer"])
         if self.lr_scheduler is not None and sd.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(sd["lr_scheduler"])

@@ -21,10 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from starverse.errors import ConfigError, StarverseError
+import torch
+
+from starverse.errors import ConfigError, ModelError, StarverseError
 from starverse.plan import Group, Plan, Stage, TrainSpec, load_plan
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.mesh import MeshLayout
+from starverse.runtime.modeling import WEIGHTS_KEY
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ class Cluster:
     """The cost model's estimate of the plan (None if unavailable)."""
     weights: tuple[float, ...] = field(default=())
     """Relative speed of each rank for the initial shares (empty: from the plan / catalog)."""
+    pretrained_model: Any = None
+    """The ``transformers`` model given as ``model_id`` (trained with its weights; ``build_model`` returns it)."""
 
     @property
     def world_size(self) -> int:
@@ -201,10 +206,14 @@ def accelerate(
     seq_len: int = 256,
     global_batch: int | None = None,
     max_params: int | None = None,
+    mode: str = "full",
+    lora_rank: int = 16,
 ) -> Cluster:
     """Choose devices, plan and model for a training job (see the module docstring).
 
-    ``model_id``: registry id, HF id or config.json path (None: a small Llama). ``policy``/``max_budget``
+    ``model_id``: registry id, HF id, config.json path, a Hugging Face model folder (its safetensors weights are
+    loaded by ``build_model(cluster)``; a pretrained model is never scaled down) or a ``transformers`` model
+    (None: a small Llama). ``mode``/``lora_rank``: the plan's training mode (``full``, ``lora``, ``qlora``). ``policy``/``max_budget``
     (per hour, in the plan's currency) go to the planner when it is available. ``plan``: an explicit
     Plan or plan file, checked against the devices. ``pool``: None = the local provider (the only one
     implemented). ``max_params``: cap on the model size built here (default: what fits; on CPU ranks
@@ -230,27 +239,32 @@ def accelerate(
         the_plan = None
         ordered = tuple(ranks)
         model_ref = model_id or "llama"
-    hf_cfg, spec_layers, notes_m, scaled = _choose_model(model_ref, ordered, max_params)
+    hf_cfg, spec_layers, notes_m, scaled = _choose_model(model_ref, ordered, max_params, mode)
     notes.extend(notes_m)
     estimate = None
     if the_plan is None:
         gb = global_batch or 8 * len(ordered)
         # The plan names what is really trained: a scaled copy is written out as a config.json.
         named = isinstance(model_id, (str, Path)) and not scaled
-        plan_model = str(model_id) if named else str(_save_config(hf_cfg))
+        plan_cfg = {k: v for k, v in hf_cfg.items() if k != WEIGHTS_KEY}
+        plan_model = str(model_id) if named else str(_save_config(plan_cfg))
         precision = "fp32" if all(r.device == "cpu" for r in ordered) else "bf16"
-        planned = _planner_plan(hf_cfg, plan_model, ordered, policy, max_budget, seq_len, gb, notes, precision)
+        train = {"seq_len": seq_len, "global_batch": gb, "precision": precision, "mode": mode, "lora_rank": lora_rank}
+        planned = _planner_plan(plan_cfg, plan_model, ordered, policy, max_budget, train, notes)
         if planned is not None:
             the_plan, estimate = planned
             ordered = order_ranks_like_plan(the_plan, list(ordered))
         else:
             the_plan = local_plan(ordered, plan_model, spec_layers, seq_len, gb, precision=precision)
+            the_plan = the_plan.model_copy(update={"train": the_plan.train.model_copy(
+                update={"mode": mode, "lora_rank": lora_rank})})
             notes.append("plan: local devices, one data-parallel group per device kind")
     if estimate is None:
         estimate = estimate_or_none(the_plan)
     cluster = Cluster(
-        plan=the_plan, ranks=ordered, model_config=hf_cfg, model_id=str(model_ref), scaled=scaled,
+        plan=the_plan, ranks=ordered, model_config=hf_cfg, model_id=_model_name(model_ref), scaled=scaled,
         notes=tuple(notes), policy=policy, estimate=estimate,
+        pretrained_model=model_ref if isinstance(model_ref, torch.nn.Module) else None,
     )
     for line in cluster.summary_lines():
         log.info("%s", line)
@@ -281,22 +295,52 @@ _SMALL_LLAMA: dict[str, Any] = {
 }
 
 
+def _model_name(ref: Any) -> str:
+    if isinstance(ref, torch.nn.Module):
+        cfg = getattr(ref, "config", None)
+        return str(getattr(cfg, "_name_or_path", "") or type(ref).__name__)
+    return str(ref)
+
+
 def _choose_model(
-    model_ref: Any, ranks: tuple[RankSpec, ...], max_params: int | None
+    model_ref: Any, ranks: tuple[RankSpec, ...], max_params: int | None, mode: str = "full"
 ) -> tuple[dict[str, Any], int, list[str], bool]:
-    """The config to build: the requested one if it fits the smallest rank, else a scaled-down copy."""
+    """The config to build: the requested one if it fits the smallest rank, else a scaled-down copy.
+
+    A pretrained model (a folder with weights, a ``transformers`` model) is never scaled: its weights only fit
+    the model as saved, so one that does not fit is an error.
+    """
     from starverse.runtime.modeling import count_params, describe_config, hf_config_dict, scale_config
 
     if model_ref == "llama":
         cfg = dict(_SMALL_LLAMA)
         return cfg, int(cfg["num_hidden_layers"]), [f"model: small Llama ({describe_config(cfg)})"], False
     cfg = hf_config_dict(model_ref)
-    name = str(model_ref) if isinstance(model_ref, (str, Path)) else f"the given {cfg.get('model_type')} config"
+    pretrained = WEIGHTS_KEY in cfg or isinstance(model_ref, torch.nn.Module)
+    name = _model_name(model_ref) if isinstance(model_ref, (str, Path, torch.nn.Module)) else (
+        f"the given {cfg.get('model_type')} config")
     n = count_params(cfg)
     num_cpu = sum(1 for r in ranks if r.device == "cpu")
     mem_gb = min(_memory_per_rank_gb(r, num_cpu) for r in ranks)
-    limit = int(mem_gb * 1e9 * 0.6 / TRAIN_BYTES_PER_PARAM)  # 40 % left for activations and the runtime
-    why = f"its training state needs ~{n * TRAIN_BYTES_PER_PARAM / 1e9:,.0f} GB per rank, the smallest rank has {mem_gb:,.0f} GB"
+    # lora: the frozen base in the plan's precision (fp32 on CPU ranks, bf16 on GPUs); qlora: 4-bit base
+    per_param = {"full": float(TRAIN_BYTES_PER_PARAM), "qlora": 0.6}.get(mode, 4.0 if num_cpu else 2.0)
+    limit = int(mem_gb * 1e9 * 0.6 / per_param)  # 40 % left for activations and the runtime
+    why = f"its training state needs ~{n * per_param / 1e9:,.0f} GB per rank, the smallest rank has {mem_gb:,.0f} GB"
+    if pretrained:
+        if n > limit:
+            raise ModelError(
+                f"model: {name} has {n:,} parameters with pretrained weights and cannot be trained here ({why}); "
+                "a pretrained model is not scaled down. To fix: train.mode: lora (or qlora on CUDA), more "
+                "devices, or a smaller model."
+            )
+        if max_params is not None and n > max_params:
+            raise ModelError(
+                f"model: {name} has {n:,} parameters with pretrained weights, above max_params={max_params:,}; "
+                "a pretrained model is not scaled down. To fix: raise or remove max_params."
+            )
+        layers = next((cfg[k] for k in ("num_hidden_layers", "n_layer", "n_layers") if cfg.get(k)), 1)
+        source = "weights from the folder" if WEIGHTS_KEY in cfg else "weights of the given model"
+        return cfg, int(layers), [f"model: {name}, pretrained ({source}), {n:,} parameters, mode {mode}"], False
     if any(r.device == "cpu" for r in ranks) and limit > CPU_MAX_PARAMS and max_params is None:
         limit = CPU_MAX_PARAMS
         why = f"CPU ranks train at most {CPU_MAX_PARAMS / 1e6:.0f}M parameters by default (pass max_params= to change)"
@@ -320,7 +364,7 @@ def _choose_model(
 
 def _planner_plan(
     model_cfg: dict[str, Any], plan_model: str, ranks: tuple[RankSpec, ...], policy: str, max_budget: float | None,
-    seq_len: int, global_batch: int, notes: list[str], precision: str = "bf16",
+    train: dict[str, Any], notes: list[str],
 ) -> tuple[Plan, Any] | None:
     """The planner's best plan on exactly these devices within what this runtime executes, and its estimate;
     None (with the planner's one-line reason in ``notes``) when the planner fails.
@@ -334,7 +378,7 @@ def _planner_plan(
     try:
         result = plan_for_devices(
             model_cfg, devices, policy=policy, max_budget_per_hour=max_budget, model_name=plan_model,
-            train={"seq_len": seq_len, "global_batch": global_batch, "precision": precision},
+            train=train,
             runtime_caps=RUNTIME_CAPS, top=1,
         )
         best = result.best

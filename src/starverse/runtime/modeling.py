@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 from starverse.errors import ConfigError, ModelError
+from starverse.models.folder import inspect_folder, is_model_folder
+from starverse.runtime.lora import apply_mode
+from starverse.runtime.pretrained import load_weights, weights_dtype
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +45,27 @@ def _get(cfg: Mapping[str, Any], what: str) -> tuple[str | None, Any]:
     return None, None
 
 
+WEIGHTS_KEY = "_starverse_weights"
+"""Key of a model config dict (``Cluster.model_config``) naming the model folder whose weights ``build_model``
+loads; scaled-down copies drop it (their shapes differ), so only the model as saved ever loads them."""
+
+
 def hf_config_dict(config: Any) -> dict[str, Any]:
-    """The Hugging Face config dict of ``config`` (id/path, ModelSpec, PretrainedConfig or dict)."""
+    """The Hugging Face config dict of ``config`` (id/path/folder, ModelSpec, PretrainedConfig, model or dict).
+
+    A model folder with weights gives its config plus :data:`WEIGHTS_KEY` (so ``build_model`` loads them).
+    """
     if isinstance(config, Mapping):
         return dict(config)
+    model_cfg: Any = getattr(config, "config", None) if isinstance(config, torch.nn.Module) else None
+    if model_cfg is not None and hasattr(model_cfg, "to_dict"):
+        return dict(model_cfg.to_dict())
+    if is_model_folder(config):
+        folder = inspect_folder(config)
+        cfg = dict(folder.config)
+        if folder.has_weights:
+            cfg[WEIGHTS_KEY] = str(folder.path)
+        return cfg
     if hasattr(config, "hf_config"):
         return dict(config.hf_config)
     if hasattr(config, "to_dict") and hasattr(config, "model_type"):
@@ -65,7 +85,8 @@ def _to_pretrained(cfg: Mapping[str, Any]) -> Any:
     model_type = cfg.get("model_type")
     if not model_type:
         raise ModelError("the model config has no 'model_type'; cannot pick the transformers class.")
-    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
+    drop = ("model_type", "architectures", "transformers_version", WEIGHTS_KEY)
+    fields = {k: v for k, v in cfg.items() if k not in drop}
     try:
         return AutoConfig.for_model(model_type, **fields)
     except ValueError as e:
@@ -113,7 +134,7 @@ def scale_config(config: Any, max_params: int, vocab_size: int = 8192, max_posit
 
 
 def _scaled(cfg: dict[str, Any], layers: int, hidden: int, vocab: int, positions: int) -> dict[str, Any]:
-    out = dict(cfg)
+    out = {k: v for k, v in cfg.items() if k != WEIGHTS_KEY}  # other shapes: the saved weights do not apply
     _, hidden0 = _get(cfg, "hidden")
     _, heads0 = _get(cfg, "heads")
     heads = max(1, hidden // 64)
@@ -177,17 +198,31 @@ def describe_config(config: Any) -> str:
 
 
 def build_model(
-    config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+    config: Any, *, seed: int = 0, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"
 ) -> torch.nn.Module:
-    """A freshly initialised ``transformers`` causal LM for ``config`` (no weights are downloaded).
+    """A ``transformers`` causal LM for ``config``: pretrained weights when it names them, else freshly initialised.
 
-    ``config``: a registry id / HF id / config.json path, a ``ModelSpec``, a ``PretrainedConfig`` or a
-    dict. Initialisation is seeded (``seed``), so the same call gives the same weights everywhere.
-    ``attn_implementation``: ``sdpa`` (fused kernels where the device has them) falls back to ``eager``
-    for families that do not support it.
+    ``config``: a model folder (``save_pretrained`` output: its safetensors are loaded, checked against its
+    config.json), a ``Cluster`` (its model in the dtype of its plan's mode, with LoRA adapters for lora/qlora),
+    a ``transformers`` model (returned as is, cast to ``dtype`` if given), a registry id / HF id / config.json path, a ``ModelSpec``,
+    a ``PretrainedConfig`` or a dict. Nothing is downloaded. Initialisation is seeded (``seed``), so the
+    same call gives the same weights everywhere. ``dtype``: None is fp32 (for a Cluster: the dtype its plan's
+    mode keeps weights in, see :func:`~starverse.runtime.pretrained.weights_dtype`). ``attn_implementation``:
+    ``sdpa`` (fused kernels where the device has them) falls back to ``eager`` for families without it.
     """
     from transformers import AutoModelForCausalLM
 
+    if isinstance(config, torch.nn.Module):
+        return config.to(dtype) if dtype is not None else config
+    if hasattr(config, "model_config") and hasattr(config, "plan"):  # a Cluster: its model, ready for its mode
+        train = config.plan.train
+        given = config.pretrained_model
+        model = build_model(given if given is not None else config.model_config, seed=seed,
+                            dtype=dtype or (None if given is not None else weights_dtype(train.mode, train.precision)),
+                            attn_implementation=attn_implementation)
+        apply_mode(model, train.mode, train.lora_rank, [r.device for r in config.ranks], "plan")
+        return model
+    dtype = dtype or torch.float32
     cfg = hf_config_dict(config)
     pcfg = _to_pretrained(cfg)
     state = torch.random.get_rng_state()
@@ -204,5 +239,10 @@ def build_model(
         raise ConfigError(f"transformers cannot build {cfg.get('model_type')!r} from this config: {e}") from None
     finally:
         torch.random.set_rng_state(state)
-    log.info("built %s (%s params)", describe_config(cfg), f"{sum(p.numel() for p in model.parameters()):,}")
+    weights = cfg.get(WEIGHTS_KEY)
+    if weights:
+        load_weights(model, weights)
+        model.config._name_or_path = str(weights)  # the base a LoRA run's adapters and exports refer to
+    log.info("built %s (%s params, %s)", describe_config(cfg), f"{sum(p.numel() for p in model.parameters()):,}",
+             f"weights from {weights}" if weights else "freshly initialised")
     return model

@@ -29,8 +29,10 @@ from starverse.errors import ConfigError
 from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback, CallbackList, TrainContext
 from starverse.runtime.data import DeterministicSampler, PackedDataset
+from starverse.runtime.export import FINAL_WEIGHTS
 from starverse.runtime.hetero_dp import GradientSync, HolderSync, Rebalancer
 from starverse.runtime.launch import RankEnv
+from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.mesh import MixedMesh
 from starverse.runtime.parallel.pipeline import (
     PipelineRunner,
@@ -96,6 +98,8 @@ class FitJob:
     """Training FLOPs per token of the model."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size."""
+    labels_path: Path | None = None
+    """Per-token labels (``np.save``; -100 = no loss, e.g. a chat prompt); None: the tokens shifted."""
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,8 @@ class RankTrainer:
             model = cls.prepare_model(full, device, job)
         optimizer = make_optimizer(model, job.lr, job.weight_decay)
         scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
-        data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len)
+        labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
+        data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
         sampler = DeterministicSampler(len(data), seed=job.seed)
         ctx = TrainContext(
             rank=env.rank, world_size=env.world_size, plan=job.plan, run_dir=job.run_dir, step=0, model=model,
@@ -285,13 +290,14 @@ class RankTrainer:
         start = sum(shares[: self.replica]) * mb
         return [batch_idx[start + k * mb : start + (k + 1) * mb] for k in range(shares[self.replica])]
 
-    def forward_backward_step(self, micro_batches: Sequence[np.ndarray]) -> torch.Tensor:
+    def forward_backward_step(self, micro_batches: Sequence[np.ndarray], num_targets: int | None) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches; gradients accumulate in ``.grad``.
 
         Each micro-batch's mean loss is scaled by ``micro_batch / global_batch`` so gradients summed over
-        ranks are those of the global batch's mean loss. Returns this rank's part of that mean (float64).
-        With a pipeline, the schedule runs them through the replica's stages (the last stage's part is the
-        loss; other stages return 0).
+        ranks are those of the global batch's mean loss; with masked labels the loss is already this
+        micro-batch's part of the mean over the global batch's ``num_targets`` labelled tokens. Returns this
+        rank's part of that mean (float64). With a pipeline, the schedule runs them through the replica's
+        stages (the last stage's part is the loss; other stages return 0).
         """
         if self.pipeline is not None:
             x = torch.from_numpy(self.data.batch(np.concatenate(micro_batches)))
@@ -303,21 +309,25 @@ class RankTrainer:
         for k, idx in enumerate(micro_batches):
             tm, blocked0 = self.timer.now(), self.grads.blocked_s
             x = torch.from_numpy(self.data.batch(idx)).to(self.device)
+            y = self.data.batch_labels(idx)
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-                loss = batch_loss(self.model, x, self.job.loss_fn)
+                loss = batch_loss(self.model, x, self.job.loss_fn,
+                                  None if y is None else torch.from_numpy(y).to(self.device), num_targets)
             if k == len(micro_batches) - 1:
                 self.grads.arm()  # the last backward: overlap the gradient all-reduce with it
-            (loss * scale).backward()
-            loss_sum += loss.detach().double().cpu() * scale
+            weight = scale if y is None else 1.0
+            (loss * weight).backward()
+            loss_sum += loss.detach().double().cpu() * weight
             self.callbacks.on_micro_batch_end(self.ctx, self.timer.now() - tm - (self.grads.blocked_s - blocked0))
         return loss_sum
 
     def train_step(self) -> tuple[list[StepTimes], float, float]:
         """One optimizer step; returns every rank's :class:`StepTimes`, the gradient norm and the lr used."""
         t0 = self.timer.now()
-        micro_batches = self.my_micro_batches(self.sampler.next_indices(self.job.global_batch))
+        batch_idx = self.sampler.next_indices(self.job.global_batch)
+        num_targets = self.data.num_targets(batch_idx) if self.data.labels is not None else None
         self.grads.blocked_s = 0.0  # time waiting for peers is not this device's compute (see GradientSync)
-        loss_part = self.forward_backward_step(micro_batches)
+        loss_part = self.forward_backward_step(self.my_micro_batches(batch_idx), num_targets)
         clip = self.job.grad_clip
         if isinstance(self.grads, HolderSync):
             compute_s = self.timer.now() - t0
@@ -443,7 +453,7 @@ class RankTrainer:
         With a pipeline every rank holds a part: the parts are gathered on rank 0 and written into a copy of
         the initial model (under the unsplit names), so the file is the whole model's state dict.
         """
-        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        mine = {k: v.detach().cpu() for k, v in trainable_state_dict(self.model).items()}
         if self.pipeline is not None:
             parts: list[Any] = [None] * self.env.world_size if self.rank == 0 else []
             dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.mesh.host_group)
@@ -455,8 +465,8 @@ class RankTrainer:
                 for part in parts:
                     for k, v in part.items():
                         named[k].copy_(v)
-            mine = {k: v.detach().cpu() for k, v in full.state_dict().items()}
-        final = self.job.run_dir / "final_model.pt"
+            mine = {k: v.detach().cpu() for k, v in trainable_state_dict(full).items()}
+        final = self.job.run_dir / FINAL_WEIGHTS
         tmp = final.with_suffix(".tmp")
         torch.save(mine, tmp)
         tmp.replace(final)

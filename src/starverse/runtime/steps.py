@@ -24,13 +24,26 @@ def _accepts_labels(model: torch.nn.Module) -> bool:
     return "labels" in params and "input_ids" in params
 
 
-def batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_fn: LossFn | None = None) -> torch.Tensor:
+def batch_loss(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    loss_fn: LossFn | None = None,
+    labels: torch.Tensor | None = None,
+    num_targets: int | None = None,
+) -> torch.Tensor:
     """Mean next-token loss of a batch of token sequences ``[batch, seq_len]``.
 
     ``loss_fn(model, input_ids)`` if given; else a Hugging Face causal LM's own loss (``labels=input_ids``);
     else ``model(input_ids)`` read as: a scalar loss, an object with ``.loss``, or logits
     ``[batch, seq_len, vocab]`` scored with shifted cross-entropy.
+
+    With ``labels`` (-100 where a token is not a target, e.g. a chat prompt) the loss is the *sum* over this
+    batch's targets divided by ``num_targets`` (the targets of the whole global batch): summed over the
+    micro-batches of all ranks, that is exactly the global batch's mean token loss, however unevenly the
+    targets fall.
     """
+    if labels is not None:
+        return _masked_loss(model, input_ids, labels, num_targets or 1, loss_fn)
     if loss_fn is not None:
         return loss_fn(model, input_ids)
     if _accepts_labels(model):
@@ -42,13 +55,7 @@ def batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, loss_fn: LossFn 
     loss = getattr(out, "loss", None)
     if loss is not None:
         return loss
-    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
-    if logits is None or logits.dim() != 3:
-        raise TypeError(
-            f"{type(model).__name__}(input_ids) returned {type(out).__name__}; expected a scalar loss, an object "
-            "with .loss, or logits [batch, seq, vocab]. To fix: pass loss_fn=."
-        )
-    return shifted_cross_entropy(logits, input_ids)
+    return shifted_cross_entropy(_logits(model, out), input_ids)
 
 
 def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -64,6 +71,28 @@ def config_int(model: torch.nn.Module, *keys: str) -> int | None:
         if isinstance(v, int):
             return v
     return None
+
+
+def _logits(model: torch.nn.Module, out: Any) -> torch.Tensor:
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if logits is None or logits.dim() != 3:
+        raise TypeError(
+            f"{type(model).__name__}(input_ids) returned {type(out).__name__}; expected a scalar loss, an object "
+            "with .loss, or logits [batch, seq, vocab]. To fix: pass loss_fn=."
+        )
+    return logits
+
+
+def _masked_loss(
+    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, num_targets: int, loss_fn: LossFn | None
+) -> torch.Tensor:
+    if loss_fn is not None:
+        raise TypeError("loss_fn= cannot be combined with masked labels (chat data). To fix: drop loss_fn.")
+    logits = _logits(model, model(input_ids))
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100,
+        reduction="sum",
+    ) / num_targets
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:

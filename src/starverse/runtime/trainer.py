@@ -10,6 +10,7 @@ trained after ``fit`` returns, as with a single-process trainer.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -24,15 +25,25 @@ import torch
 from starverse.errors import ConfigError
 from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback
-from starverse.runtime.data import pack, tokenize_corpus
+from starverse.runtime.data import (
+    HFTokenizer,
+    TokenizedCorpus,
+    load_tokenizer,
+    model_tokenizer,
+    pack,
+    tokenize_corpus,
+)
+from starverse.runtime.export import FINAL_WEIGHTS, record_model
 from starverse.runtime.hetero_dp import proportional_shares
 from starverse.runtime.launch import Launcher, RankSpec, launch, resolve_launcher
+from starverse.runtime.lora import apply_mode
 from starverse.runtime.parallel.pipeline import micro_batch_count_error, min_micro_batches
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 from starverse.runtime.parallel.pipeline_report import PipelineReport, pipeline_report
 from starverse.runtime.parallel.pipeline_split import as_module
 from starverse.runtime.plan_check import check_model, check_ranks
 from starverse.runtime.rank_loop import FitJob, RankResult, train_rank
+from starverse.runtime.runlog import EVAL_FILE, EvalCallback, ProgressCallback, RunLogCallback
 from starverse.runtime.steps import LossFn, config_int, flops_per_token
 
 if TYPE_CHECKING:
@@ -99,6 +110,10 @@ class FitResult:
     """Median step time of this fit (first step excluded)."""
     step_times_s: tuple[float, ...] = ()
     """Wall time of every step of this fit (slowest rank), in order."""
+    eval_loss: float | None = None
+    """Mean token loss on the held-out split at the end (None: no held-out split, ``Trainer.eval_fraction``)."""
+    eval_perplexity: float | None = None
+    """``exp(eval_loss)``."""
     pipeline: PipelineReport | None = None
     """Per stage time per micro-batch, bubble and state bytes, beside the cost model's (None: no pipeline)."""
 
@@ -119,6 +134,8 @@ class FitResult:
             lines.append("  shares: " + " -> ".join(f"{list(s)}@{st}" for st, s in self.shares_history))
         if self.pipeline is not None:
             lines.extend(self.pipeline.summary_lines())
+        if self.eval_loss is not None:
+            lines.append(f"  held-out: loss {self.eval_loss:.4f}, perplexity {self.eval_perplexity:.2f}")
         if self.stop_reason:
             lines.append(f"  stopped early: {self.stop_reason}")
         return lines
@@ -158,6 +175,16 @@ class Trainer:
     """How ranks are started: ``"local"`` (spawned processes on this machine), ``"ray"`` (one Ray actor per
     rank; joins ``$RAY_ADDRESS`` if set, else a private single-node Ray) or a launcher object such as
     ``starverse.providers.ray.RayLauncher(address=...)``. See docs/ray.md."""
+    eval_fraction: float = 0.0
+    """Hold out this fraction of the data's sequences (the end of the corpus) and report its loss (0: none)."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many steps (0: only at the end)."""
+    progress: bool = True
+    """Show progress on rank 0: a rich bar on a terminal, else a plain log line every ``log_every`` steps."""
+    log_every: int = 10
+    """Steps between plain progress lines."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``RUN_DIR/tensorboard`` (``metrics.jsonl`` is always written)."""
 
     def __post_init__(self) -> None:
         resolve_launcher(self.launcher)  # an unknown name or a missing Ray fails here, before data is prepared
@@ -167,6 +194,10 @@ class Trainer:
             raise ConfigError(f"grad_clip must be >= 0 (got {self.grad_clip}).")
         if self.rebalance_every < 0:
             raise ConfigError(f"rebalance_every must be >= 0 (got {self.rebalance_every}).")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"eval_fraction must be in [0, 1) (got {self.eval_fraction}).")
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every must be >= 0 (got {self.eval_every}).")
 
     def fit(
         self,
@@ -179,7 +210,7 @@ class Trainer:
         *,
         global_batch: int | None = None,
         shares: Sequence[int] | None = None,
-        tokenizer: str = "auto",
+        tokenizer: str | Any = "auto",
         loss_fn: LossFn | None = None,
         precision: str | None = None,
         max_corpus_bytes: int | None = None,
@@ -189,7 +220,9 @@ class Trainer:
         ``per_device_batch_size``: sequences per micro-batch. ``global_batch``: sequences per step (None: the
         plan's ``train.global_batch``). ``shares``: initial micro-batches per rank (None: from the plan's
         ``batch_share`` or device speed). ``seq_len``: None takes the plan's. ``tokenizer``: ``bpe``,
-        ``bytes`` or ``auto`` (bpe sized to the model's vocabulary). ``precision``: None takes the plan's
+        ``bytes``, a model folder / tokenizer.json / transformers tokenizer, or ``auto`` (the model folder's own
+        tokenizer when it has one, else bpe sized to the model's vocabulary). The plan's ``train.mode`` lora /
+        qlora puts adapters on ``model`` first (in place). ``precision``: None takes the plan's
         (bf16 autocast where the device supports it). ``resume_from``: see ``Callback.on_resume``.
         ``model`` may be a list of blocks (or an ``nn.Sequential``: the first takes token ids, the last returns
         logits); a plan with pipeline stages splits it by the stages' ``layers``, as it splits the decoder blocks
@@ -236,21 +269,48 @@ class Trainer:
         run_dir = run_dir.resolve()
         (run_dir / "data").mkdir(parents=True, exist_ok=True)
 
+        lora = apply_mode(model, plan.train.mode, plan.train.lora_rank, [r.device for r in ranks])
         vocab = _vocab_size(model)
         tok = tokenizer
-        if tok == "auto":
-            tok = "bpe" if vocab is None or vocab >= 512 else "bytes"
+        if isinstance(tok, str) and tok == "auto":
+            tok = model_tokenizer(model) or ("bpe" if vocab is None or vocab >= 512 else "bytes")
+        hf_tok = tok if isinstance(tok, str) and tok in ("bpe", "bytes") else load_tokenizer(tok)
         corpus = tokenize_corpus(
-            dataset, tokenizer=tok, vocab_size=min(vocab or 8192, 8192), max_bytes=max_corpus_bytes
+            dataset, tokenizer=hf_tok, vocab_size=min(vocab or 8192, 8192), max_bytes=max_corpus_bytes
         )
         if vocab is not None and corpus.vocab_size > vocab:
+            fix = ("use the tokenizer saved with the model (its folder), or a model whose vocab_size covers it"
+                   if isinstance(hf_tok, HFTokenizer) else "build the model with a larger vocab_size or use tokenizer='bytes'")
             raise ConfigError(
-                f"the tokenizer produces {corpus.vocab_size} token ids but the model has {vocab}. "
-                "To fix: build the model with a larger vocab_size or use tokenizer='bytes'."
+                f"the tokenizer ({corpus.tokenizer}) has {corpus.vocab_size} token ids but the model's vocabulary "
+                f"has {vocab}: they do not belong together. To fix: {fix}."
             )
         packed = pack(corpus, seq_len, min_sequences=gb)
+        num_eval = math.ceil(len(packed) * self.eval_fraction) if self.eval_fraction else 0
+        callbacks: list[Callback] = []
+        if num_eval:
+            packed, held_out = packed.split(num_eval)
+            pack(TokenizedCorpus(packed.tokens, 0, 0, ""), seq_len, min_sequences=gb)  # still one step's worth
+            np.save(run_dir / "data" / "eval_tokens.npy", held_out.tokens)
+            callbacks.append(EvalCallback(
+                run_dir / "data" / "eval_tokens.npy", seq_len, every=self.eval_every,
+                micro_batch=per_device_batch_size, precision=precision or plan.train.precision,
+                labels_path=_save_array(run_dir / "data" / "eval_labels.npy", held_out.labels),
+            ))
+        callbacks += [*self.callbacks, RunLogCallback(self.tensorboard)]
+        if self.progress:
+            callbacks.append(ProgressCallback(self.log_every))
+        if layout.is_pipelined and packed.labels is not None:
+            raise ConfigError(
+                "chat data (masked labels) is not trained with pipeline stages yet (the last stage scores every "
+                "next token). To fix: use one stage per group, or plain text data."
+            )
         tokens_path = run_dir / "data" / "tokens.npy"
         np.save(tokens_path, packed.tokens)
+        labels_path = _save_array(run_dir / "data" / "labels.npy", packed.labels)
+        record_model(run_dir, model, tokenizer=hf_tok.tok if isinstance(hf_tok, HFTokenizer) else None,
+                     bpe_file=corpus.tokenizer[4:] if corpus.tokenizer.startswith("bpe:") else None,
+                     lora=lora, mode=plan.train.mode)
         model_path = run_dir / "data" / "init_model.pt"
         torch.save(model, model_path)
 
@@ -261,7 +321,7 @@ class Trainer:
             lr=self.lr, warmup_steps=self.warmup_steps if self.warmup_steps is not None else max(1, max_steps // 20),
             min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
             seed=self.seed, rebalance_every=self.rebalance_every, hysteresis=self.hysteresis, precision=prec,
-            callbacks=tuple(self.callbacks), loss_fn=loss_fn,
+            callbacks=tuple(callbacks), loss_fn=loss_fn, labels_path=labels_path,
             resume_from=Path(resume_from).resolve() if resume_from is not None else None,
             peaks_tflops=tuple(_peak_tflops(r.device_kind, prec, r.device) for r in ranks),
             flops_per_token=flops_per_token(model, seq_len),
@@ -274,14 +334,21 @@ class Trainer:
             train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
             launcher=self.launcher,
         )
-        final = run_dir / "final_model.pt"
-        if final.is_file():
-            model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True))
+        final = run_dir / FINAL_WEIGHTS
+        if final.is_file():  # adapters only for LoRA (the frozen base is unchanged)
+            model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True), strict=lora is None)
         report = None
         if layout.is_pipelined:
             est = cluster.estimate if cluster.estimate is not None else estimate_or_none(plan)
             report = pipeline_report(layout, results, [r.device_kind for r in ranks], est)
         return _summarise(results, job, ranks, report)
+
+
+def _save_array(path: Path, arr: np.ndarray | None) -> Path | None:
+    if arr is None:
+        return None
+    np.save(path, arr)
+    return path
 
 
 def _max_positions(model: torch.nn.Module) -> int | None:
@@ -309,6 +376,11 @@ def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> N
         raise ConfigError(
             "loss_fn= cannot be used with pipeline stages (the last stage scores logits with next-token "
             "cross-entropy). To fix: drop loss_fn, or use one stage per group."
+        )
+    if layout.is_pipelined and plan.train.mode != "full":
+        raise ConfigError(
+            f"the cluster's plan: train.mode: {plan.train.mode} is not run with pipeline stages yet. To fix: use "
+            "one stage per group for LoRA / QLoRA, or mode: full."
         )
 
 
@@ -374,6 +446,7 @@ def _summarise(
         achieved += tps * job.flops_per_token
         peaks += peak or float("nan")
         per_rank.append(RankSummary(spec.rank, spec.device_kind, res.share, res.tokens, res.compute_s, tps, peak, mfu))
+    ev = json.loads((job.run_dir / EVAL_FILE).read_text()) if (job.run_dir / EVAL_FILE).is_file() else None
     times = r0.step_times[1:] or r0.step_times
     step_s = float(np.median(times)) if times else float("nan")
     tokens_step = job.global_batch * job.seq_len
@@ -386,4 +459,5 @@ def _summarise(
         micro_batch=job.micro_batch, global_batch=job.global_batch, seq_len=job.seq_len,
         stop_reason=r0.stop_reason, run_dir=job.run_dir, step_time_s=step_s,
         step_times_s=r0.step_times, pipeline=pipeline,
+        eval_loss=ev["loss"] if ev else None, eval_perplexity=ev["perplexity"] if ev else None,
     )

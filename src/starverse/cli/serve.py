@@ -1,0 +1,184 @@
+"""``starverse serve``: the REST API and web console (and its worker), plus tenant, token and registry admin.
+
+    starverse serve --root /srv/starverse                      # http://127.0.0.1:8000 (console at /, API docs at /docs)
+    starverse serve token create alice --root /srv/starverse   # prints a new token of tenant alice (created if new)
+    starverse serve tenant topup alice 20 --root /srv/starverse
+    starverse serve dataset register wikipedia-202403 ./wiki.jsonl --root /srv/starverse
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+serve_app = typer.Typer(name="serve", help="Run Starverse as a service (REST API + web console), and administer it.",
+                        add_completion=False, invoke_without_command=True)
+tenant_app = typer.Typer(help="Create tenants and top up their prepaid balance.", no_args_is_help=True)
+token_app = typer.Typer(help="Create API tokens.", no_args_is_help=True)
+registry_help = "Register a local file or folder as a platform {} every tenant can name."
+dataset_app = typer.Typer(help=registry_help.format("dataset"), no_args_is_help=True)
+model_app = typer.Typer(help=registry_help.format("model config"), no_args_is_help=True)
+serve_app.add_typer(tenant_app, name="tenant")
+serve_app.add_typer(token_app, name="token")
+serve_app.add_typer(dataset_app, name="dataset")
+serve_app.add_typer(model_app, name="model")
+
+ROOT_ENV = "STARVERSE_SERVICE_ROOT"
+DATABASE_ENV = "STARVERSE_DATABASE"
+RootOpt = Annotated[Path | None, typer.Option(
+    "--root", help=f"State directory (default ${ROOT_ENV}, else ~/.local/share/starverse/service).",
+    show_default=False)]
+DatabaseOpt = Annotated[str | None, typer.Option(
+    "--database", help=f"postgresql://USER@HOST:PORT/DB or sqlite:///FILE (default ${DATABASE_ENV}, else "
+                       "ROOT/service.sqlite).", show_default=False)]
+
+
+def _settings(root: Path | None, database: str | None, **kw: object):  # type: ignore[no-untyped-def]
+    from starverse.service.db import migrate
+    from starverse.service.settings import ServiceSettings
+
+    base = root or Path(os.environ.get(ROOT_ENV) or Path.home() / ".local" / "share" / "starverse" / "service")
+    settings = ServiceSettings(root=base.resolve(), database_url=database or os.environ.get(DATABASE_ENV, ""),
+                               **kw)  # type: ignore[arg-type]
+    settings.root.mkdir(parents=True, exist_ok=True)
+    migrate(settings.url)
+    return settings
+
+
+def _amount(text: str, what: str) -> Decimal:
+    from starverse.errors import ConfigError
+
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise ConfigError(f"{what}: {text!r} is not a number. To fix: e.g. 20 or 12.50") from None
+    if not value.is_finite() or value < 0:
+        raise ConfigError(f"{what}: {text!r} must be a non-negative amount")
+    return value
+
+
+@serve_app.callback()
+def serve(
+    ctx: typer.Context,
+    root: RootOpt = None,
+    database: DatabaseOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).")
+                    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to bind.")] = 8000,
+    slots: Annotated[int, typer.Option("--slots", min=0, help="Jobs run at once by the worker (0: no worker).")
+                     ] = 2,
+    signup_credit: Annotated[str, typer.Option("--signup-credit", help="Prepaid credit of a new tenant.")] = "5",
+) -> None:
+    """Serve the REST API (OpenAPI at /docs) and the web console (/) and run queued jobs in a worker."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import uvicorn
+
+    from starverse.service.app import create_app
+
+    settings = _settings(root, database, worker_slots=slots, signup_credit=_amount(signup_credit, "--signup-credit"))
+    worker = None
+    if slots > 0:
+        worker = subprocess.Popen([sys.executable, "-m", "starverse.service.worker", str(settings.root),
+                                   settings.url, str(slots)], stdin=subprocess.DEVNULL)
+    typer.echo(f"starverse serve: http://{host}:{port}/ (API docs /docs), state in {settings.root}, "
+               f"worker {'pid ' + str(worker.pid) if worker else 'off'}", err=True)
+    try:
+        uvicorn.run(create_app(settings, migrate_db=False), host=host, port=port, log_level="warning")
+    finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)  # running jobs checkpoint; the next start resumes them
+            worker.wait()
+
+
+@tenant_app.command("create")
+def tenant_create(
+    name: Annotated[str, typer.Argument(help="Tenant name (lower-case letters, digits, '-', '_').")],
+    credit: Annotated[str | None, typer.Option("--credit", help="Sign-up credit (default: the service's).")] = None,
+    root: RootOpt = None, database: DatabaseOpt = None,
+) -> None:
+    """Create a tenant with its sign-up credit."""
+    from starverse.service.db import Database
+    from starverse.service.tenants import create_tenant
+
+    settings = _settings(root, database)
+    t = create_tenant(Database(settings.url), settings, name,
+                      credit=None if credit is None else _amount(credit, "--credit"))
+    typer.echo(t.id)
+
+
+@tenant_app.command("topup")
+def tenant_topup(
+    name: Annotated[str, typer.Argument(help="Tenant name.")],
+    amount: Annotated[str, typer.Argument(help="Amount added to the prepaid balance.")],
+    root: RootOpt = None, database: DatabaseOpt = None,
+) -> None:
+    """Add prepaid credit to a tenant (recorded as a balance entry)."""
+    from starverse.service.db import Database
+    from starverse.service.tenants import top_up
+
+    settings = _settings(root, database)
+    top_up(Database(settings.url), name, _amount(amount, "AMOUNT"))
+
+
+@token_app.command("create")
+def token_create(
+    tenant: Annotated[str, typer.Argument(help="Tenant the token acts for (created if it does not exist).")],
+    ttl_hours: Annotated[float | None, typer.Option("--ttl-hours", help="Expire after this many hours.")] = None,
+    root: RootOpt = None, database: DatabaseOpt = None,
+) -> None:
+    """Print a new API token (shown once: only its hash is stored)."""
+    from starverse.service.db import Database, Tenant
+    from starverse.service.tenants import create_tenant, create_token
+
+    settings = _settings(root, database)
+    db = Database(settings.url)
+    from sqlalchemy import select
+
+    with db.session() as s:
+        exists = s.scalar(select(Tenant).where(Tenant.name == tenant)) is not None
+    if not exists:
+        create_tenant(db, settings, tenant)
+        typer.echo(f"created tenant {tenant} (sign-up credit {settings.signup_credit} {settings.currency})",
+                   err=True)
+    typer.echo(create_token(db, tenant, ttl_s=None if ttl_hours is None else ttl_hours * 3600))
+
+
+def _register(kind: str, name: str, path: Path, root: Path | None, database: str | None) -> None:
+    from starverse.service.storage import register_platform
+
+    settings = _settings(root, database)
+    dest = register_platform(settings, kind, name, path)  # type: ignore[arg-type]
+    typer.echo(str(dest))
+
+
+@dataset_app.command("register")
+def dataset_register(
+    name: Annotated[str, typer.Argument(help="Name jobs use (dataset: NAME).")],
+    path: Annotated[Path, typer.Argument(help="Text file, folder of text files or .jsonl.")],
+    root: RootOpt = None, database: DatabaseOpt = None,
+) -> None:
+    """Register a platform dataset (copied into ROOT/platform/datasets)."""
+    _register("datasets", name, path, root, database)
+
+
+@model_app.command("register")
+def model_register(
+    name: Annotated[str, typer.Argument(help="Name jobs use (model: NAME).")],
+    path: Annotated[Path, typer.Argument(help="A Hugging Face config.json.")],
+    root: RootOpt = None, database: DatabaseOpt = None,
+) -> None:
+    """Register a platform model config (copied into ROOT/platform/models)."""
+    _register("models", name, path, root, database)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` and its admin subcommands."""
+    app.add_typer(serve_app, name="serve")

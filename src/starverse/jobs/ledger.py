@@ -1,0 +1,159 @@
+"""A job's bill from the ledger, and the checks made on the ledger before a job is launched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from starverse.billing import Ledger, ticks_to_decimal
+from starverse.errors import BillingError, BudgetExceededError
+
+
+@dataclass(frozen=True)
+class LeaseBill:
+    """What one lease (one device of one run) was charged."""
+
+    lease: int
+    """Lease id in the ledger."""
+    device: str
+    """``host/rankN``."""
+    accelerator: str
+    """Accelerator id."""
+    mode: str
+    """``on-demand``, ``spot`` or ``free``."""
+    price_per_hour: str
+    """Price per device-hour, in ``price_currency``."""
+    price_currency: str
+    """The offer's currency."""
+    seconds: int | None
+    """Seconds billed (None while the lease is open)."""
+    charges: str
+    """Charges in the job's currency (exact decimal string)."""
+    charge_ticks: int
+    """The same in ticks."""
+    open: bool
+    """True while the lease is still open (a run died: closed when the job runs again)."""
+
+
+@dataclass(frozen=True)
+class CreditBill:
+    """One insurance credit."""
+
+    lease: int
+    """The lease it credits."""
+    kind: str
+    """What it pays back (lost work, checkpoint time, ...)."""
+    seconds: int
+    """Seconds credited."""
+    amount: str
+    """Amount (exact decimal string)."""
+    ticks: int
+    """The same in ticks."""
+
+
+@dataclass(frozen=True)
+class JobBill:
+    """The bill of one job of a ledger: charges per lease, insurance credits apart, exact ticks."""
+
+    ledger: str
+    """Ledger file."""
+    job: str
+    """Job name."""
+    currency: str
+    """The job's currency."""
+    leases: tuple[LeaseBill, ...]
+    """One per device per run."""
+    credits: tuple[CreditBill, ...]
+    """Insurance credits."""
+    charge_ticks: int
+    """All charges, in ticks."""
+    credit_ticks: int
+    """All credits, in ticks."""
+    events: tuple[tuple[str, int | None], ...]
+    """(kind, step) of every event in order."""
+
+    @property
+    def charges(self) -> str:
+        """All charges (exact decimal string)."""
+        return str(ticks_to_decimal(self.charge_ticks))
+
+    @property
+    def credit(self) -> str:
+        """All credits (exact decimal string)."""
+        return str(ticks_to_decimal(self.credit_ticks))
+
+    @property
+    def net(self) -> str:
+        """Charges minus credits."""
+        return str(ticks_to_decimal(self.charge_ticks - self.credit_ticks))
+
+    @property
+    def open_leases(self) -> int:
+        """Leases left open by a run that died."""
+        return sum(1 for x in self.leases if x.open)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (``train --json``, the service)."""
+        return {
+            "ledger": self.ledger, "job": self.job, "currency": self.currency,
+            "leases": [x.__dict__.copy() for x in self.leases],
+            "charges": self.charges, "charge_ticks": self.charge_ticks,
+            "credits": [c.__dict__.copy() for c in self.credits],
+            "credit": self.credit, "credit_ticks": self.credit_ticks, "net": self.net,
+            "events": [{"kind": k, "step": s} for k, s in self.events], "open_leases": self.open_leases,
+        }
+
+
+def job_bill(ledger_path: str | Path, job_name: str) -> JobBill:
+    """The bill of ``job_name`` in the ledger at ``ledger_path``."""
+    with Ledger.open(ledger_path, create=False) as ledger:
+        job = ledger.job(job_name)
+        leases = []
+        for le in ledger.leases(job):
+            rows = ledger.charges(le.id)
+            ticks = sum(r.ticks for r in rows)
+            leases.append(LeaseBill(
+                lease=le.id, device=le.device, accelerator=le.accelerator, mode=le.mode.value,
+                price_per_hour=f"{le.offer_price.normalize():f}", price_currency=le.offer_currency,
+                seconds=sum(r.seconds for r in rows) if le.end_s is not None else None,
+                charges=str(ticks_to_decimal(ticks)), charge_ticks=ticks, open=le.end_s is None,
+            ))
+        credits = tuple(CreditBill(lease=c.lease_id, kind=c.kind.value, seconds=c.seconds, amount=str(c.amount),
+                                   ticks=c.ticks) for c in ledger.credits(job))
+        events = tuple((e.kind.value, e.step) for e in ledger.events(job))
+    return JobBill(
+        ledger=str(ledger_path), job=job.name, currency=job.currency, leases=tuple(leases), credits=credits,
+        charge_ticks=sum(x.charge_ticks for x in leases), credit_ticks=sum(c.ticks for c in credits), events=events,
+    )
+
+
+def check_ledger_job(ledger_path: Path, name: str, currency: str, budget_total: Decimal | None,
+                     source: str) -> None:
+    """Before launching: a job already in the ledger must keep its currency and have budget left."""
+    if not ledger_path.is_file():
+        return
+    with Ledger.open(ledger_path, create=False) as ledger:
+        try:
+            job = ledger.job(name)
+        except BillingError:
+            return  # a new job in an existing ledger
+        if job.currency != currency:
+            raise BillingError(
+                f"{source}: billing.currency: job '{name}' in {ledger_path} is billed in {job.currency}, not "
+                f"{currency}. To fix: set billing.currency: {job.currency} (other prices are converted), or "
+                "name another job (billing.job)."
+            )
+        budget = budget_total if budget_total is not None else job.budget_total
+        if budget is None:
+            return
+        # leases a dead run left open are closed at their last heartbeat when the job starts: count them so
+        open_leases = ledger.leases(job, open_only=True)
+        spent = ledger.spent(job, at_s=max((le.last_seen_s for le in open_leases), default=None))
+    if spent >= budget:
+        raise BudgetExceededError(
+            f"{source}: billing.budget_total: job '{name}' has spent {spent} {currency} of its total budget "
+            f"{budget} {currency} ({ledger_path}). To fix: raise billing.budget_total to continue it, or name "
+            "another job (billing.job)."
+        )

@@ -1,0 +1,168 @@
+"""Catalog, models, estimate, plan and validate: the planning library behind HTTP.
+
+Bodies carry the files the CLI reads (a plan, a job and a pool, a validation case) as JSON objects, or as
+YAML text in ``*_yaml`` fields; they are written to a scratch folder and loaded by the library's own loaders,
+so the service accepts and rejects exactly what the CLI does, with the same messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from starverse.errors import ConfigError, InfeasiblePlanError
+
+router = APIRouter(prefix="/api", tags=["planning"])
+
+
+class FileBody(BaseModel):
+    """A file given inline: an object, or YAML text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class EstimateRequest(FileBody):
+    """``POST /api/estimate``."""
+
+    plan: dict[str, Any] | None = None
+    """The plan file's fields (DESIGN.md plan.yaml)."""
+    plan_yaml: str | None = Field(default=None, max_length=200_000)
+    """Or the plan file as YAML text."""
+
+
+class PlanRequest(FileBody):
+    """``POST /api/plan``."""
+
+    job: dict[str, Any] | None = None
+    """The planning job (model, train, objective, constraints)."""
+    job_yaml: str | None = Field(default=None, max_length=200_000)
+    pool: dict[str, Any] | None = None
+    """The pool (offers that can be rented)."""
+    pool_yaml: str | None = Field(default=None, max_length=200_000)
+    top: int = Field(default=5, ge=1, le=50)
+    """How many ranked plans to return."""
+
+
+class ValidateRequest(FileBody):
+    """``POST /api/validate``: one validation case (a plan plus what was measured)."""
+
+    case: dict[str, Any] | None = None
+    case_yaml: str | None = Field(default=None, max_length=200_000)
+
+
+def _file(folder: Path, name: str, obj: dict[str, Any] | None, text: str | None) -> Path:
+    """Write the inline file ``name`` (object or YAML text) into ``folder``; a model path may not escape."""
+    if (obj is None) == (text is None):
+        raise ConfigError(f"{name}: give exactly one of '{name}' (an object) or '{name}_yaml' (YAML text)")
+    if text is not None:
+        try:
+            obj = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{name}_yaml: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{name}_yaml: expected a mapping of the {name} file's fields")
+    assert obj is not None
+    model = obj.get("model")
+    if isinstance(model, str) and (".." in model or model.startswith(("/", "~")) or model.endswith(".json")):
+        raise ConfigError(f"{name}: model: {model!r}: give a registry id (GET /api/models); the service does not "
+                          "read model files by path")
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(obj, sort_keys=False))
+    return path
+
+
+def _clean(message: str, folder: Path) -> str:
+    return message.replace(str(folder) + "/", "").replace(str(folder), ".")
+
+
+@router.get("/catalog")
+def catalog() -> dict[str, Any]:
+    """Accelerators (figures with their sources) and the bundled offers."""
+    from starverse.catalog import load_catalog
+
+    cat = load_catalog()
+    return {"accelerators": [a.to_dict() for a in cat.accelerators.values()],
+            "offers": [dataclasses.asdict(o) for o in cat.offers]}
+
+
+@router.get("/models")
+def models() -> list[dict[str, Any]]:
+    """The bundled model registry."""
+    from starverse.models import list_models
+
+    return [s.summary() for s in list_models()]
+
+
+def _scratch(request: Request) -> tempfile.TemporaryDirectory[str]:
+    from starverse.service.app import context
+
+    base = context(request).settings.root / "scratch"
+    base.mkdir(parents=True, exist_ok=True)
+    return tempfile.TemporaryDirectory(dir=base)
+
+
+@router.post("/estimate")
+def estimate(body: EstimateRequest, request: Request) -> dict[str, Any]:
+    """Step time, tokens/s, MFU, memory per device, cost and power of a plan."""
+    from starverse.catalog import load_catalog
+    from starverse.costmodel import estimate as run_estimate
+    from starverse.costmodel.validate import load_plan_or_case
+    from starverse.models import load_model
+
+    with _scratch(request) as d:
+        folder = Path(d)
+        path = _file(folder, "plan", body.plan, body.plan_yaml)
+        try:
+            plan = load_plan_or_case(path)
+            est = run_estimate(plan, load_catalog(), load_model(plan.model))
+        except ConfigError as e:
+            raise type(e)(_clean(str(e), folder)) from None
+        out: dict[str, Any] = est.to_dict()
+        return out
+
+
+@router.post("/plan")
+def plan(body: PlanRequest, request: Request) -> dict[str, Any]:
+    """Ranked plans, the time/cost Pareto frontier and why each plan ranks where it does; an infeasible job
+    answers ``feasible: false`` with the reasons and what would make it feasible."""
+    from starverse.catalog import load_catalog
+    from starverse.cli.plan import _finite, result_to_json
+    from starverse.planner import load_job, load_pool, search
+    from starverse.planner.policy import describe
+
+    with _scratch(request) as d:
+        folder = Path(d)
+        job_path = _file(folder, "job", body.job, body.job_yaml)
+        pool_path = _file(folder, "pool", body.pool, body.pool_yaml)
+        cat = load_catalog()
+        try:
+            result = search(load_job(job_path), load_pool(pool_path, cat), cat, top=body.top)
+        except InfeasiblePlanError as e:
+            return {"feasible": False, "message": _clean(str(e), folder), "reasons": list(e.reasons)}
+        except ConfigError as e:
+            raise type(e)(_clean(str(e), folder)) from None
+        doc: dict[str, Any] = _finite(result_to_json(result))
+        doc["feasible"] = True
+        doc["chosen"] = describe(result.objective, result.best.objective_value, result.currency)
+        return doc
+
+
+@router.post("/validate")
+def validate(body: ValidateRequest, request: Request) -> dict[str, Any]:
+    """The cost model's prediction for a run that really happened, against what was measured."""
+    from starverse.catalog import load_catalog
+    from starverse.costmodel.validate import run_case
+
+    with _scratch(request) as d:
+        folder = Path(d)
+        path = _file(folder, "case", body.case, body.case_yaml)
+        r = run_case(path, load_catalog())
+        return {"ok": r.ok, "predicted_tokens_per_s": r.predicted, "measured_tokens_per_s": r.measured,
+                "fits": r.fits, "error": r.error,
+                "reason": _clean(r.reason, folder) if r.reason else None}

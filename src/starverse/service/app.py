@@ -1,0 +1,165 @@
+"""The FastAPI application: ``create_app(settings)``.
+
+Every route under ``/api`` except ``/api/health`` needs ``Authorization: Bearer <token>``; the token names
+the tenant, and every lookup is filtered by it, so another tenant's job id answers 404 exactly like an id
+that does not exist. Request bodies are capped (413) before they are read whole; malformed bodies and
+invalid jobs answer 400/422 with one line that says what to fix. The web console is served from the
+package's ``static/`` folder at ``/`` (no CDN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from starverse.errors import BudgetExceededError, ConfigError, StarverseError
+from starverse.service.db import Database, Tenant, migrate
+from starverse.service.settings import ServiceSettings
+from starverse.service.storage import NotFoundError, QuotaExceededError
+from starverse.service.tenants import authenticate
+
+STATIC_DIR = Path(__file__).with_name("static")
+UPLOAD_PREFIX = "/api/storage/"
+
+
+@dataclass
+class ServiceContext:
+    """What every route needs: the settings and the database."""
+
+    settings: ServiceSettings
+    db: Database
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over the cap (413) from Content-Length, or while streaming them."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, max_upload_bytes: int):
+        self.app = app
+        self.max_body = max_body_bytes
+        self.max_upload = max_upload_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        cap = self.max_upload if path.startswith(UPLOAD_PREFIX) and scope.get("method") == "PUT" else self.max_body
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = cap + 1
+                if declared > cap:
+                    await _too_large(send, cap)
+                    return
+        # read the body up to the cap before the app sees it (a parser would turn an error raised while it
+        # reads into its own 400); then replay it
+        chunks: list[bytes] = []
+        seen = 0
+        more = True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            seen += len(chunk)
+            if seen > cap:
+                await _too_large(send, cap)
+                return
+            chunks.append(chunk)
+            more = bool(msg.get("more_body"))
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _too_large(send: Send, cap: int) -> None:
+    body = (f'{{"detail": "request body larger than {cap} bytes. To fix: send less (uploads: at most the '
+            f'configured upload size)"}}').encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def context(request: Request) -> ServiceContext:
+    """The service context of the app serving ``request``."""
+    ctx: ServiceContext = request.app.state.ctx
+    return ctx
+
+
+def current_tenant(request: Request) -> Tenant:
+    """The tenant of the request's bearer token; 401 without a valid one."""
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    tenant = authenticate(context(request).db, token.strip()) if scheme.lower() == "bearer" else None
+    if tenant is None:
+        raise HTTPException(401, "missing, wrong or expired token. To fix: send 'Authorization: Bearer <token>' "
+                                 "with a token from `starverse serve token create`",
+                            headers={"WWW-Authenticate": "Bearer"})
+    return tenant
+
+
+def _status_of(e: StarverseError) -> int:
+    if isinstance(e, NotFoundError):
+        return 404
+    if isinstance(e, QuotaExceededError):
+        return 413
+    if isinstance(e, BudgetExceededError):
+        return 402
+    if isinstance(e, ConfigError):
+        return 422
+    return 409
+
+
+def create_app(settings: ServiceSettings, *, db: Database | None = None, migrate_db: bool = True) -> FastAPI:
+    """The service app over ``settings`` (the schema is created/upgraded first unless ``migrate_db``)."""
+    from starverse.service import api_jobs, api_plan
+
+    settings.root.mkdir(parents=True, exist_ok=True)
+    if migrate_db:
+        migrate(settings.url)
+    app = FastAPI(title="Starverse", version="1", description="Plans, jobs, checkpoints and bills as a service.",
+                  docs_url="/docs", openapi_url="/openapi.json")
+    app.state.ctx = ServiceContext(settings, db or Database(settings.url))
+
+    @app.exception_handler(StarverseError)
+    async def _starverse_error(request: Request, e: StarverseError) -> JSONResponse:
+        return JSONResponse({"detail": " ".join(str(e).split()), "error": type(e).__name__},
+                            status_code=_status_of(e))
+
+    @app.get("/api/health", tags=["service"])
+    def health() -> dict[str, Any]:
+        """Liveness (no token needed)."""
+        return {"ok": True}
+
+    @app.get("/api/whoami", tags=["service"])
+    def whoami(tenant: Tenant = Depends(current_tenant)) -> dict[str, Any]:  # noqa: B008
+        """The tenant of the token."""
+        return {"tenant": tenant.name, "id": tenant.id, "currency": tenant.currency}
+
+    app.include_router(api_plan.router, dependencies=[Depends(current_tenant)])
+    app.include_router(api_jobs.router)
+
+    @app.get("/", include_in_schema=False)
+    def index() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes,  # type: ignore[arg-type]
+                       max_upload_bytes=settings.max_upload_bytes)
+    return app

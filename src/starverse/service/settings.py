@@ -1,0 +1,57 @@
+"""What one service instance is configured with (``starverse serve`` options)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+
+from starverse.service.db import sqlite_url
+
+DB_FILE = "service.sqlite"
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """One service instance: where its state lives and its limits."""
+
+    root: Path
+    """State directory: tenants' files and runs (``tenants/<id>/``), the platform's registered datasets and
+    models (``platform/``), worker locks, and the SQLite database unless ``database_url`` names another."""
+    database_url: str = ""
+    """SQLAlchemy URL (``sqlite:///FILE`` or ``postgresql://...``); empty: ``ROOT/service.sqlite``."""
+    max_body_bytes: int = 1 << 20
+    """Largest JSON/YAML request body (413 above it)."""
+    max_upload_bytes: int = 64 << 20
+    """Largest dataset or model upload (413 above it; the tenant's quota applies too)."""
+    quota_bytes: int = 256 << 20
+    """Storage quota of a new tenant (datasets and models)."""
+    signup_credit: Decimal = Decimal("5")
+    """Prepaid credit a new tenant starts with (in ``currency``)."""
+    currency: str = "USD"
+    """Currency of new tenants' balances and ledgers."""
+    worker_slots: int = 2
+    """Jobs the worker runs at once."""
+    poll_s: float = 0.5
+    """How often the worker looks at the queue and samples running jobs."""
+    cpu_ranks: int = 1
+    """CPU ranks of a job that does not set ``devices.cpu_ranks``."""
+
+    @property
+    def url(self) -> str:
+        """The database URL in force."""
+        return self.database_url or sqlite_url(self.root / DB_FILE)
+
+    @property
+    def tenants_dir(self) -> Path:
+        """Parent of every tenant's directory."""
+        return self.root / "tenants"
+
+    @property
+    def platform_dir(self) -> Path:
+        """The platform's registered datasets (``datasets/``) and models (``models/``)."""
+        return self.root / "platform"
+
+    def tenant_dir(self, tenant_id: str) -> Path:
+        """One tenant's directory: ``datasets/``, ``models/``, ``jobs/<id>/`` and ``ledger.sqlite``."""
+        return self.tenants_dir / tenant_id

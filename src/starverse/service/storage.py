@@ -1,0 +1,125 @@
+"""Per-tenant storage of datasets and models, with a quota, and the names jobs use to refer to them.
+
+A name is one path component (``[A-Za-z0-9][A-Za-z0-9._-]*``, no ``..``): nothing a request names can
+point outside the tenant's directory. A job's ``dataset: wikipedia-202403`` resolves to the tenant's own
+upload of that name, else to the platform's registered copy (``ROOT/platform/datasets/``); nothing is
+ever downloaded.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+from starverse.errors import ConfigError, StarverseError
+from starverse.service.settings import ServiceSettings
+
+Kind = Literal["datasets", "models"]
+KINDS: tuple[Kind, ...] = ("datasets", "models")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class QuotaExceededError(StarverseError):
+    """An upload would take the tenant past its storage quota."""
+
+
+class NotFoundError(StarverseError):
+    """The named thing does not exist for this tenant (or belongs to another one)."""
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """``name`` if it is one safe path component; ConfigError otherwise."""
+    if not _NAME.match(name) or ".." in name:
+        raise ConfigError(f"{what} {name!r}: use letters, digits, '.', '_' or '-' (no '/', no '..'), at most "
+                          "128 characters")
+    return name
+
+
+def _files(path: Path) -> Iterable[Path]:
+    if path.is_file():
+        yield path
+    elif path.is_dir():
+        yield from (p for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def used_bytes(settings: ServiceSettings, tenant_id: str) -> int:
+    """Bytes of the tenant's datasets and models."""
+    base = settings.tenant_dir(tenant_id)
+    return sum(p.stat().st_size for k in KINDS for p in _files(base / k))
+
+
+def list_items(settings: ServiceSettings, tenant_id: str, kind: Kind) -> list[dict[str, object]]:
+    """The tenant's stored items of ``kind`` and the platform's registered ones (``owner`` tells which)."""
+    out: list[dict[str, object]] = []
+    for owner, base in (("tenant", settings.tenant_dir(tenant_id) / kind), ("platform", settings.platform_dir / kind)):
+        if base.is_dir():
+            for p in sorted(base.iterdir()):
+                out.append({"name": p.name, "owner": owner, "bytes": sum(f.stat().st_size for f in _files(p))})
+    return out
+
+
+def store(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str, chunks: Iterable[bytes],
+          quota_bytes: int) -> int:
+    """Write an upload as the tenant's item ``name`` (replacing one of that name); returns its size. Stops
+    with QuotaExceededError as soon as the tenant's total would pass ``quota_bytes`` (nothing is kept)."""
+    check_name(name)
+    dest = settings.tenant_dir(tenant_id) / kind / name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    budget = quota_bytes - used_bytes(settings, tenant_id) + (sum(f.stat().st_size for f in _files(dest)))
+    tmp = dest.with_name(f".{name}.part")
+    size = 0
+    try:
+        with tmp.open("wb") as fh:
+            for chunk in chunks:
+                size += len(chunk)
+                if size > budget:
+                    raise QuotaExceededError(
+                        f"{kind}/{name}: the upload passes the storage quota of {quota_bytes} bytes "
+                        f"({max(0, budget)} bytes left). To fix: delete datasets or models you no longer need")
+                fh.write(chunk)
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        tmp.replace(dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return size
+
+
+def delete(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str) -> None:
+    """Remove the tenant's item (never a platform one)."""
+    p = settings.tenant_dir(tenant_id) / kind / check_name(name)
+    if not p.exists():
+        raise NotFoundError(f"{kind}/{name}: not found")
+    if p.is_dir():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
+
+
+def resolve(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str) -> Path | None:
+    """The tenant's item ``name``, else the platform's registered one; None if neither exists."""
+    check_name(name, f"{kind[:-1]}")
+    for base in (settings.tenant_dir(tenant_id) / kind, settings.platform_dir / kind):
+        p = base / name
+        if p.exists():
+            return p.resolve()
+    return None
+
+
+def register_platform(settings: ServiceSettings, kind: Kind, name: str, source: Path) -> Path:
+    """Copy a local file or folder into the platform's registry as ``name`` (an admin command)."""
+    check_name(name)
+    if not source.exists():
+        raise ConfigError(f"{source}: no such file or folder")
+    dest = settings.platform_dir / kind / name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists():
+        shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+    if source.is_dir():
+        shutil.copytree(source, dest)
+    else:
+        shutil.copy2(source, dest)
+    return dest

@@ -1,0 +1,105 @@
+"""Issue 9 terms: measured links between offers, usable device memory, fp32 gradient reduction, the
+tied-embedding all-reduce, and their bad-input errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from starverse.catalog import load_catalog
+from starverse.config import parse
+from starverse.costmodel import DeviceTable, estimate
+from starverse.costmodel.constants import NETWORK_EFFICIENCY, usable_memory_gb
+from starverse.errors import ConfigError
+from starverse.models import load_model
+from starverse.plan import Plan
+
+CAT = load_catalog()
+
+
+def mixed(network: dict, **train: object) -> Plan:
+    t = {"seq_len": 4096, "global_batch": 16, "recompute": "full", "zero_stage": 1, "schedule": "1f1b"} | train
+    return parse(Plan, {"model": "llama-2-70b", "train": t,
+                        "groups": [{"replicas": 1, "micro_batch": 1, "stages": [
+                            {"accelerator": "a100-80gb-sxm", "tp": 8, "layers": 60},
+                            {"accelerator": "h100-80gb-sxm", "tp": 8, "layers": 20}]}],
+                        "network": network}, "t.yaml")
+
+
+def test_a_measured_link_between_two_offers_overrides_the_cross_group_default() -> None:
+    by_link = estimate(mixed({"cross_group_gbps": 1600, "links": {"h100-80gb-sxm/a100-80gb-sxm": 10}}), CAT)
+    by_default = estimate(mixed({"cross_group_gbps": 10}), CAT)
+    per_send = 4096 * 8192 * 2 / 8 / (10 / 8 * NETWORK_EFFICIENCY / 8 * 1e9)
+    assert by_link.breakdown["pp_comm"] == pytest.approx(2 * (16 + 2 - 1) * per_send, rel=0.01)
+    assert by_link.breakdown["pp_comm"] == pytest.approx(by_default.breakdown["pp_comm"], rel=1e-9)
+
+
+def test_link_between_two_groups_sets_the_gradient_sync() -> None:
+    def two_groups(links: dict) -> Plan:
+        stage = {"tp": 8, "layers": 80}
+        return parse(Plan, {"model": "llama-2-70b",
+                            "train": {"seq_len": 4096, "global_batch": 16, "recompute": "full", "zero_stage": 1},
+                            "groups": [{"replicas": 1, "stages": [{"accelerator": "a100-80gb-sxm"} | stage]},
+                                       {"replicas": 1, "stages": [{"accelerator": "h100-80gb-sxm"} | stage]}],
+                            "network": {"cross_group_gbps": 100, "links": links}}, "t.yaml")
+
+    base = estimate(two_groups({}), CAT).breakdown["cross_group_sync"]
+    slow = estimate(two_groups({"a100-80gb-sxm/h100-80gb-sxm": 10}), CAT).breakdown["cross_group_sync"]
+    assert slow == pytest.approx(10 * base, rel=0.01)  # bandwidth-bound: 10x slower link, 10x the time
+
+
+def test_usable_memory_is_the_drivers_figure_and_a_plan_can_override_it() -> None:
+    t4 = CAT.accelerator("t4")
+    assert usable_memory_gb(t4) == pytest.approx(15360 * 2**20 / 1e9)  # ECC on: 15360 MiB, not 16 GiB
+    assert usable_memory_gb(CAT.accelerator("a100-80gb-sxm")) == pytest.approx(80 * 2**30 / 1e9)
+    plan = {"model": "llama-2-7b", "train": {"seq_len": 1024, "global_batch": 16, "zero_stage": 3,
+                                               "recompute": "full", "precision": "fp16"},
+            "groups": [{"replicas": 4, "stages": [{"accelerator": "t4", "tp": 4, "layers": 32}]}]}
+    default = estimate(parse(Plan, plan, "t.yaml"), CAT)
+    smaller = estimate(parse(Plan, plan | {"network": {"usable_memory_gb": {"t4": 12.0}}}, "t.yaml"), CAT)
+    assert default.capacity_gb == pytest.approx(15360 * 2**20 / 1e9 * 0.94, rel=1e-6)
+    assert smaller.capacity_gb == pytest.approx(12.0 * 0.94, rel=1e-6)
+    table = DeviceTable.from_catalog(CAT, ["t4", "rtx-4090"], usable_memory_gb={"t4": 12.0})
+    assert table.memory_gb[0] == 12.0 and table.memory_gb[1] == pytest.approx(24 * 2**30 / 1e9)
+
+
+def test_fp32_gradient_reduction_doubles_data_parallel_traffic() -> None:
+    def dp(**train: object) -> Plan:
+        return parse(Plan, {"model": "llama-2-7b",
+                            "train": {"seq_len": 2048, "global_batch": 64, "recompute": "full"} | train,
+                            "groups": [{"replicas": 16, "micro_batch": 1, "stages": [
+                                {"accelerator": "a100-80gb-sxm", "tp": 4, "layers": 32}]}],
+                            "network": {"inter_node_gbps": {"a100-80gb-sxm": 25}}}, "t.yaml")
+
+    bf16, fp32 = estimate(dp(), CAT), estimate(dp(grad_reduce_fp32=True), CAT)
+    assert fp32.breakdown["dp_comm"] > 1.8 * bf16.breakdown["dp_comm"] > 0
+
+
+def test_tied_embeddings_are_all_reduced_between_first_and_last_stage() -> None:
+    gpt = load_model({"model_type": "gpt2", "n_embd": 2048, "n_layer": 24, "n_head": 16, "vocab_size": 50257,
+                      "n_positions": 2048})
+    assert gpt.tie_embeddings
+
+    def pp(links: dict) -> Plan:
+        return parse(Plan, {"model": "gpt2", "train": {"seq_len": 2048, "global_batch": 8, "precision": "fp16"},
+                            "groups": [{"replicas": 1, "micro_batch": 1, "stages": [
+                                {"accelerator": "rtx-3090", "tp": 1, "layers": 12},
+                                {"accelerator": "titan-rtx", "tp": 1, "layers": 12}]}],
+                            "network": {"links": links}}, "t.yaml")
+
+    fast = estimate(pp({"rtx-3090/titan-rtx": 100}), CAT, gpt)
+    slow = estimate(pp({"rtx-3090/titan-rtx": 1}), CAT, gpt)
+    # fp16 gradient of the 50257 x 2048 embedding, 2-rank all-reduce (volume 1x) over 1 Gbit/s
+    tied = 50257 * 2048 * 2 / (1 / 8 * NETWORK_EFFICIENCY * 1e9)
+    assert slow.breakdown["dp_comm"] - fast.breakdown["dp_comm"] == pytest.approx(tied * (1 - 1 / 100), rel=0.01)
+
+
+@pytest.mark.parametrize(("network", "message"), [
+    ({"links": {"rtx-4090/a100-80gb-sxm": 0}}, "network.links.rtx-4090/a100-80gb-sxm"),
+    ({"links": {"rtx-4090/a100-80gb-sxm": -5}}, "greater than 0"),
+    ({"links": {"rtx-4090": 10}}, "must name two accelerators as 'a/b'"),
+    ({"usable_memory_gb": {"t4": 0}}, "network.usable_memory_gb.t4"),
+])
+def test_bad_network_input_is_one_clear_error(network: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("/", "/")):
+        parse(Plan, {"model": "llama-2-7b", "train": {"seq_len": 2048, "global_batch": 8},
+                     "groups": [{"stages": [{"accelerator": "t4", "layers": 32}]}], "network": network}, "plan.yaml")
