@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from service_fixtures import TINY_JOB, free_port, make_settings
+from service_fixtures import TINY_JOB, free_port, make_settings, start_server
 
 from starverse.service.db import Database, migrate
 from starverse.service.tenants import create_tenant, create_token
@@ -20,12 +20,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
-
-
-@pytest.fixture(params=["sqlite"])
-def db_url(request: pytest.FixtureRequest) -> str:
-    """The browser test runs on SQLite (the API tests cover PostgreSQL)."""
-    return ""
 
 
 @pytest.fixture
@@ -55,9 +49,9 @@ def _no_horizontal_scroll(page) -> bool:  # type: ignore[no-untyped-def]
     return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1"))
 
 
+# the browser test runs on SQLite (the API tests cover PostgreSQL)
+@pytest.mark.parametrize("db_url", [""], ids=["sqlite"])
 def test_console_sign_in_plan_submit_watch_bill(browser, tmp_path: Path, db_url: str) -> None:  # type: ignore[no-untyped-def]
-    from test_restart import start_server
-
     shots = tmp_path / "screenshots"
     shots.mkdir()
     settings = make_settings(tmp_path / "root", db_url)

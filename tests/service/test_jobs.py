@@ -64,6 +64,11 @@ def _tid(svc: Service, headers: dict[str, str]) -> str:
     return str(svc.client.get("/api/whoami", headers=headers).json()["id"])
 
 
+SQLITE_ONLY = pytest.mark.parametrize("db_url", [""], ids=["sqlite"])
+"""Tests whose database paths the PostgreSQL lifecycle and restart tests already cover (they cost minutes)."""
+
+
+@SQLITE_ONLY
 def test_stop_writes_an_emergency_checkpoint_and_resume_continues(service: Service) -> None:
     alice = service.tenant("alice")
     service.start_worker()
@@ -105,6 +110,7 @@ def test_stop_writes_an_emergency_checkpoint_and_resume_continues(service: Servi
         assert row is not None and row.fresh_starts == 1
 
 
+@SQLITE_ONLY
 def test_a_drained_balance_stops_the_job_with_a_checkpoint(service: Service) -> None:
     # 36 USD/h per device = 0.01 USD/s; 0.05 USD of credit lasts a few seconds of training
     poor = service.tenant("poor", credit=Decimal("0.05"))
