@@ -76,6 +76,10 @@ def test_weights_that_do_not_match_the_config_are_an_error_never_a_random_init(t
     save_file({"transformer." + k: v for k, v in sd.items()}, renamed / "model.safetensors")
     with pytest.raises(ModelError, match="none of its tensors match the model"):
         starverse.build_model(renamed)
+    junk = _variant(folder, tmp_path / "junk")
+    (junk / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelError, match=r"junk/model\.safetensors: not a readable safetensors file"):
+        starverse.build_model(junk)
     # an index naming a shard that is not there
     tiny[1].save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     next((tmp_path / "sharded").glob("model-00002-*.safetensors")).unlink()
