@@ -15,6 +15,7 @@ tensor parallelism, FSDP and recompute from ``runtime/parallel`` plug in there).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from starverse.errors import ConfigError
+from starverse.errors import ConfigError, TrainingDivergedError
 from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback, CallbackList, TrainContext
 from starverse.runtime.data import DeterministicSampler, PackedDataset
@@ -351,6 +352,10 @@ class RankTrainer:
                 params = [p for p in self.model.parameters() if p.requires_grad]
                 norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else _grad_norm(params)
         lr = float(self.optimizer.param_groups[0]["lr"])
+        if not (math.isfinite(float(loss_part)) and math.isfinite(float(norm))):
+            # no update from a non-finite loss or gradient; the NaN loss part reaches every rank in the
+            # exchange, so all of them stop at this step (see train)
+            return self.exchange(StepTimes(math.nan, compute_s, self.timer.now() - t0)), float(norm), lr
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -415,6 +420,12 @@ class RankTrainer:
         while ctx.step < self.job.max_steps:
             times, norm, lr = self.train_step()
             self.record_step(times, norm, lr)
+            if not math.isfinite(ctx.metrics.loss):
+                # before the step's callbacks: no checkpoint of this step, none of NaN weights marked ok
+                raise TrainingDivergedError(
+                    f"step {ctx.step}: the loss is not finite (gradient norm {norm:.3g} on rank {self.rank}); "
+                    "training stopped before applying the step, and the checkpoints written so far are kept. "
+                    "To fix: lower train.lr (or the schedule's peak), then resume from the last checkpoint")
             new = self.rebalance()
             self.callbacks.on_step_end(ctx)
             if new is not None:
