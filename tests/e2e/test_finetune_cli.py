@@ -5,6 +5,7 @@ the training text is lower than the base model's. Plus the run's logs, ``starver
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -38,11 +39,16 @@ def test_lora_fine_tune_export_and_reload(tmp_path: Path):
     }
     (tmp_path / "job.yaml").write_text(json.dumps(job))
     env = new_user_env(tmp_path)
-    out = _run(["train", "job.yaml", "--json"], env, tmp_path)
+    with socket.socket() as s:  # a free port to fix the exporter at (--metrics-port)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = _run(["train", "job.yaml", "--json", "--metrics-port", str(port)], env, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     run = tmp_path / "runs" / "lora"
     assert result["final_step"] == 12
+    assert result["metrics_url"].startswith(f"http://127.0.0.1:{port}")
+    assert json.loads((run / "metrics.json").read_text())["port"] == port
     assert "step 12/12" in out.stderr  # plain progress lines when not on a terminal
 
     # the run's logs: one line per step and the events, TensorBoard files, the held-out evaluation
