@@ -34,6 +34,7 @@ from starverse.runtime.hetero_dp import GradientSync, Rebalancer
 from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.mesh import MixedMesh
+from starverse.runtime.parallel.parallelize import ParallelModel, full_tensors, parallelize_for_plan
 from starverse.runtime.steps import LossFn, autocast_dtype, batch_loss, make_optimizer, make_schedule
 
 
@@ -167,8 +168,8 @@ class RankTrainer:
     """The user's hooks."""
     ctx: TrainContext
     """What callbacks see."""
-    grads: GradientSync
-    """Sums gradients over the ranks that hold each parameter."""
+    grads: GradientSync | ParallelModel
+    """Sums gradients over the ranks that hold each parameter (FSDP2 does it in the backward under ZeRO)."""
     rebalancer: Rebalancer
     """Proposes new shares from measured compute times."""
     amp: torch.dtype | None
@@ -194,6 +195,9 @@ class RankTrainer:
         np.random.seed(job.seed)
         mesh = MixedMesh.build([r.device_kind for r in env.ranks], [r.device for r in env.ranks])
         model = cls.prepare_model(torch.load(job.model_path, map_location="cpu", weights_only=False), device, job)
+        parallel = parallelize_for_plan(model, job.plan, device, env.world_size)
+        if parallel is not None:
+            model = parallel.model
         optimizer = make_optimizer(model, job.lr, job.weight_decay)
         scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
         labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
@@ -212,7 +216,8 @@ class RankTrainer:
         return cls(
             job=job, env=env, device=device, mesh=mesh, model=model, optimizer=optimizer, scheduler=scheduler,
             data=data, sampler=sampler, callbacks=callbacks, ctx=ctx,
-            grads=GradientSync(list(model.parameters()), mesh, job.bucket_mb, env.world_size),
+            grads=parallel if parallel is not None and parallel.syncs_own_gradients
+            else GradientSync(list(model.parameters()), mesh, job.bucket_mb, env.world_size),
             rebalancer=Rebalancer(sum(ctx.shares), every=job.rebalance_every, hysteresis=job.hysteresis),
             amp=autocast_dtype(job.precision, device), timer=_Timer(device),
             shares_history=[(ctx.step, tuple(ctx.shares))],
@@ -249,6 +254,8 @@ class RankTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for k, idx in enumerate(micro_batches):
             tm, blocked0 = self.timer.now(), self.grads.blocked_s
+            if isinstance(self.grads, ParallelModel):
+                self.grads.before_micro_batch(k, len(micro_batches))
             x = torch.from_numpy(self.data.batch(idx)).to(self.device)
             y = self.data.batch_labels(idx)
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
@@ -273,7 +280,10 @@ class RankTrainer:
         self.grads.finish()
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.job.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else _grad_norm(params)
+        if isinstance(self.grads, ParallelModel):
+            norm = self.grads.clip_grad_norm_(clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else _grad_norm(params)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()
@@ -334,7 +344,7 @@ class RankTrainer:
                 break
         wall = time.perf_counter() - t_loop
         self.callbacks.on_fit_end(ctx)
-        if self.rank == 0:
+        if self.rank == 0 or isinstance(self.grads, ParallelModel):
             self.save_final()
         return RankResult(
             step=ctx.step, losses=tuple(self.losses), tokens_total=ctx.metrics.tokens_total, wall_s=wall,
@@ -344,9 +354,12 @@ class RankTrainer:
 
     def save_final(self) -> None:
         """Write the trained weights (unsplit names, CPU tensors) for ``fit`` to load into the user's model."""
+        state = full_tensors(trainable_state_dict(self.model))  # sharded (ZeRO): a collective on every rank
+        if self.rank != 0:
+            return
         final = self.job.run_dir / FINAL_WEIGHTS
         tmp = final.with_suffix(".tmp")
-        torch.save({k: v.detach().cpu() for k, v in trainable_state_dict(self.model).items()}, tmp)
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
         tmp.replace(final)
 
 

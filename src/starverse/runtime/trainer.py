@@ -36,6 +36,7 @@ from starverse.runtime.export import FINAL_WEIGHTS, record_model
 from starverse.runtime.hetero_dp import proportional_shares
 from starverse.runtime.launch import Launcher, RankSpec, launch, resolve_launcher
 from starverse.runtime.lora import apply_mode
+from starverse.runtime.parallel.parallelize import check_parallel_plan
 from starverse.runtime.rank_loop import FitJob, RankResult, train_rank
 from starverse.runtime.runlog import EVAL_FILE, EvalCallback, ProgressCallback, RunLogCallback
 from starverse.runtime.steps import LossFn, flops_per_token
@@ -245,6 +246,7 @@ class Trainer:
             )
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, num_micro, shares)
+        check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares)
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
