@@ -12,9 +12,9 @@ Figures (each a ratio against the full fine-tune measured in the same run where 
   ``final_model.pt`` (what ``starverse export`` reads);
 - memory per rank, measured vs the cost model's estimate for the same plan and mode: the training state counted
   from the live tensors (weights, gradients = trainable weights, AdamW state) against the estimate's weights +
-  gradients + optimizer, and the peak resident memory a rank added during training (sampled every 2 ms from
-  /proc/self/statm; gradients, optimizer state, activations and allocator slack) plus its weights, against the
-  estimate's total without its fixed runtime reserve.
+  gradients + optimizer, and the peak resident memory a rank added during the training steps (sampled every 2 ms
+  from /proc/self/statm, stopped before the final checkpoint; gradients, optimizer state, activations and
+  allocator slack) plus its weights, against the estimate's total without its fixed runtime reserve.
 """
 
 from __future__ import annotations
@@ -76,10 +76,17 @@ class MemoryProbe(Callback):
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
-    def on_fit_end(self, ctx: TrainContext) -> None:
+    def on_step_end(self, ctx: TrainContext) -> None:
+        if ctx.step >= ctx.max_steps:  # before the final checkpoint's staging copy (it runs after this callback)
+            self._halt()
+
+    def _halt(self) -> None:
         assert self._stop is not None and self._thread is not None
         self._stop.set()
         self._thread.join()
+
+    def on_fit_end(self, ctx: TrainContext) -> None:
+        self._halt()
         params = list(ctx.model.parameters())
         opt = sum(t.numel() * t.element_size() for s in ctx.optimizer.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor))

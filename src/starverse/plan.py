@@ -195,10 +195,14 @@ class Plan(FrozenModel):
 
 
 def _resolve_model_path(plan: Plan, base_dir: Path) -> Plan:
-    """A relative ``model:`` path is relative to the plan file; make it absolute."""
+    """A relative ``model:`` path (and ``network.profiles`` paths) are relative to the plan file; make them
+    absolute."""
     candidate = base_dir / plan.model
     if candidate.is_file():
-        return plan.model_copy(update={"model": str(candidate.resolve())})
+        plan = plan.model_copy(update={"model": str(candidate.resolve())})
+    if plan.network.profiles:
+        profiles = {k: str((base_dir / v).resolve()) for k, v in plan.network.profiles.items()}
+        plan = plan.model_copy(update={"network": plan.network.model_copy(update={"profiles": profiles})})
     return plan
 
 
