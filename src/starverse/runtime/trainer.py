@@ -367,8 +367,14 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> None:
     """What this runtime does not run yet, refused rather than silently run as something else."""
-    # tensor parallelism and ZeRO without a pipeline: parallel.check_parallel_plan
-    t = plan.train
+    for gi, g in enumerate(plan.groups):
+        for si, s in enumerate(g.stages):
+            if s.tp != 1:
+                raise ConfigError(
+                    f"plan: groups[{gi}].stages[{si}].tp: {s.tp}: the trainer does not run tensor parallelism yet "
+                    "(runtime/parallel/tensor.py does, outside Trainer.fit). To fix: set tp: 1."
+                )
+    t = plan.train  # ZeRO without a pipeline: parallel.check_parallel_plan
     if layout.is_pipelined and (t.zero_stage or t.offload != "none" or t.recompute != "none"):
         raise ConfigError(
             f"the cluster's plan: train: zero_stage {t.zero_stage}, offload {t.offload}, recompute {t.recompute} "

@@ -136,17 +136,10 @@ def check_parallel_plan(
     FSDP2 shards over one device mesh, so ZeRO needs one device kind (one group). ZeRO-2 and ZeRO-3 gather
     and reduce-scatter per micro-batch, a collective every rank must join: shares must stay equal
     (``rebalance_every: 0``); ZeRO-1 reduces once per step and keeps uneven, rebalanced shares.
-    Tensor parallelism needs the replica-level data split of pipeline layouts (not yet run through the
-    trainer: ``tp: 1`` there; ``parallelize`` runs it directly).
+    Tensor parallelism is refused before this by the trainer (``tp: 1`` there; ``parallelize`` runs it
+    directly).
     """
     cfg = ParallelConfig.from_plan(plan)
-    for gi, g in enumerate(plan.groups):
-        for si, s in enumerate(g.stages):
-            if s.tp != 1:
-                raise ConfigError(
-                    f"plan: groups[{gi}].stages[{si}].tp: {s.tp}: the trainer does not run tensor parallelism yet "
-                    "(runtime/parallel/tensor.py does, outside Trainer.fit). To fix: set tp: 1."
-                )
     if cfg.zero_stage > 0 and len(set(rank_kinds)) > 1:
         raise ConfigError(
             f"plan: train.zero_stage: {cfg.zero_stage} shards over one device kind, but the ranks are "
