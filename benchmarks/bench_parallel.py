@@ -139,15 +139,7 @@ def _run_case(env: Any, variant: dict[str, Any], steps: int, measure: bool) -> d
             (model(input_ids=xs, labels=xs).loss * (MICRO_BATCH / GLOBAL_BATCH)).backward()
             if meter is not None:
                 meter.sample()
-        if not pm.syncs_own_gradients and dp > 1:
-            # plain data parallelism: the gradients summed over the replicas in one flat all-reduce
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        pm.sync_gradients()  # plain DP: one flat all-reduce of the gradients over the replicas
         clip_grad_norm(model.parameters(), 1.0)
         opt.step()
         if meter is not None:

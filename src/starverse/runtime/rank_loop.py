@@ -15,6 +15,7 @@ tensor parallelism, FSDP and recompute from ``runtime/parallel`` plug in there).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from starverse.errors import ConfigError
+from starverse.errors import ConfigError, TrainingDivergedError
 from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback, CallbackList, TrainContext
 from starverse.runtime.data import DeterministicSampler, PackedDataset
@@ -34,6 +35,7 @@ from starverse.runtime.hetero_dp import GradientSync, HolderSync, Rebalancer
 from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.mesh import MixedMesh
+from starverse.runtime.parallel.parallelize import ParallelModel, full_tensors, parallelize_for_plan
 from starverse.runtime.parallel.pipeline import (
     PipelineRunner,
     UnsplitSignature,
@@ -186,8 +188,8 @@ class RankTrainer:
     """The user's hooks."""
     ctx: TrainContext
     """What callbacks see."""
-    grads: GradientSync | HolderSync
-    """Sums gradients over the ranks that hold each parameter."""
+    grads: GradientSync | HolderSync | ParallelModel
+    """Sums gradients over the ranks that hold each parameter (FSDP2 does it in the backward under ZeRO)."""
     layout: PipelineLayout
     """Where every rank sits in the plan (replica, stage)."""
     pipeline: PipelineRunner | None
@@ -222,6 +224,7 @@ class RankTrainer:
         layout = PipelineLayout.from_plan(job.plan)
         full = torch.load(job.model_path, map_location="cpu", weights_only=False)
         pipeline: PipelineRunner | None = None
+        parallel: ParallelModel | None = None
         if layout.is_pipelined:
             full.train()
             pipeline = PipelineRunner.build(
@@ -232,6 +235,9 @@ class RankTrainer:
             del full
         else:
             model = cls.prepare_model(full, device, job)
+            parallel = parallelize_for_plan(model, job.plan, device, env.world_size)
+            if parallel is not None:
+                model = parallel.model
         optimizer = make_optimizer(model, job.lr, job.weight_decay)
         scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
         labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
@@ -247,11 +253,13 @@ class RankTrainer:
         callbacks = CallbackList(job.callbacks)
         _resume(ctx, callbacks, job.resume_from, device)
         callbacks.on_fit_start(ctx)
-        grads: GradientSync | HolderSync
+        grads: GradientSync | HolderSync | ParallelModel
         if pipeline is not None:
             pipeline.on_compute = lambda dt: callbacks.on_micro_batch_end(ctx, dt)
             grads = HolderSync(list(model.named_parameters()), layout.places[env.rank].tp_rank, kinds, devices,
                                mesh.host_group, job.bucket_mb)
+        elif parallel is not None and parallel.syncs_own_gradients:
+            grads = parallel
         else:
             grads = GradientSync(list(model.parameters()), mesh, job.bucket_mb, env.world_size)
         min_shares = tuple(
@@ -308,6 +316,8 @@ class RankTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for k, idx in enumerate(micro_batches):
             tm, blocked0 = self.timer.now(), self.grads.blocked_s
+            if isinstance(self.grads, ParallelModel):
+                self.grads.before_micro_batch(k, len(micro_batches))
             x = torch.from_numpy(self.data.batch(idx)).to(self.device)
             y = self.data.batch_labels(idx)
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
@@ -336,9 +346,16 @@ class RankTrainer:
         else:
             compute_s = self.timer.now() - t0 - self.grads.blocked_s
             self.grads.finish()
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else _grad_norm(params)
+            if isinstance(self.grads, ParallelModel):
+                norm = self.grads.clip_grad_norm_(clip)
+            else:
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else _grad_norm(params)
         lr = float(self.optimizer.param_groups[0]["lr"])
+        if not (math.isfinite(float(loss_part)) and math.isfinite(float(norm))):
+            # no update from a non-finite loss or gradient; the NaN loss part reaches every rank in the
+            # exchange, so all of them stop at this step (see train)
+            return self.exchange(StepTimes(math.nan, compute_s, self.timer.now() - t0)), float(norm), lr
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -403,6 +420,12 @@ class RankTrainer:
         while ctx.step < self.job.max_steps:
             times, norm, lr = self.train_step()
             self.record_step(times, norm, lr)
+            if not math.isfinite(ctx.metrics.loss):
+                # before the step's callbacks: no checkpoint of this step, none of NaN weights marked ok
+                raise TrainingDivergedError(
+                    f"step {ctx.step}: the loss is not finite (gradient norm {norm:.3g} on rank {self.rank}); "
+                    "training stopped before applying the step, and the checkpoints written so far are kept. "
+                    "To fix: lower train.lr (or the schedule's peak), then resume from the last checkpoint")
             new = self.rebalance()
             self.callbacks.on_step_end(ctx)
             if new is not None:
@@ -412,7 +435,7 @@ class RankTrainer:
                 break
         wall = time.perf_counter() - t_loop
         self.callbacks.on_fit_end(ctx)
-        if self.rank == 0 or self.pipeline is not None:
+        if self.rank == 0 or self.pipeline is not None or isinstance(self.grads, ParallelModel):
             self.save_final()
         return RankResult(
             step=ctx.step, losses=tuple(self.losses), tokens_total=ctx.metrics.tokens_total, wall_s=wall,
@@ -450,10 +473,12 @@ class RankTrainer:
     def save_final(self) -> None:
         """Write the trained weights (unsplit names, CPU tensors) for ``fit`` to load into the user's model.
 
-        With a pipeline every rank holds a part: the parts are gathered on rank 0 and written into a copy of
-        the initial model (under the unsplit names), so the file is the whole model's state dict.
+        Under ZeRO the shards are gathered (a collective on every rank). With a pipeline every rank holds a
+        part: the parts are gathered on rank 0 and written into a copy of the initial model (under the unsplit
+        names), so the file is the whole model's state dict.
         """
-        mine = {k: v.detach().cpu() for k, v in trainable_state_dict(self.model).items()}
+        state = full_tensors(trainable_state_dict(self.model))
+        mine = {k: v.detach().cpu() for k, v in state.items()}
         if self.pipeline is not None:
             parts: list[Any] = [None] * self.env.world_size if self.rank == 0 else []
             dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.mesh.host_group)
@@ -466,6 +491,8 @@ class RankTrainer:
                     for k, v in part.items():
                         named[k].copy_(v)
             mine = {k: v.detach().cpu() for k, v in trainable_state_dict(full).items()}
+        elif self.rank != 0:
+            return
         final = self.job.run_dir / FINAL_WEIGHTS
         tmp = final.with_suffix(".tmp")
         torch.save(mine, tmp)

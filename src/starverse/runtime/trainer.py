@@ -37,6 +37,7 @@ from starverse.runtime.export import FINAL_WEIGHTS, record_model
 from starverse.runtime.hetero_dp import proportional_shares
 from starverse.runtime.launch import Launcher, RankSpec, launch, resolve_launcher
 from starverse.runtime.lora import apply_mode
+from starverse.runtime.parallel.parallelize import check_parallel_plan
 from starverse.runtime.parallel.pipeline import micro_batch_count_error, min_micro_batches
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 from starverse.runtime.parallel.pipeline_report import PipelineReport, pipeline_report
@@ -264,6 +265,14 @@ class Trainer:
             )
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
+        check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares)
+        t = plan.train
+        if layout.is_pipelined and (t.zero_stage or t.offload != "none" or t.recompute != "none"):
+            raise ConfigError(
+                f"the cluster's plan: train: zero_stage {t.zero_stage}, offload {t.offload}, recompute {t.recompute} "
+                "are not applied inside pipeline stages yet. To fix: zero_stage: 0, offload: none, recompute: none "
+                "for a pipelined plan, or one stage per replica."
+            )
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
