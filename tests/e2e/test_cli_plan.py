@@ -37,6 +37,7 @@ def test_json_ranked_plans(quickstart):
     assert values == sorted(values, reverse=True)
     for p in plans:
         assert p["cost_per_hour"] <= 20 + 1e-9  # the job's budget
+        assert set(p["price_sources"]) == set(p["devices"]) and all(p["price_sources"].values())
         assert p["objective_value"] == pytest.approx(p["effective_tokens_per_s"] * 3600 / p["cost_per_hour"])
         assert p["hours"] == pytest.approx(2e9 / p["effective_tokens_per_s"] / 3600)
     assert doc["stats"]["proven_optimal"] is True
