@@ -266,13 +266,6 @@ class Trainer:
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
         check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares)
-        t = plan.train
-        if layout.is_pipelined and (t.zero_stage or t.offload != "none" or t.recompute != "none"):
-            raise ConfigError(
-                f"the cluster's plan: train: zero_stage {t.zero_stage}, offload {t.offload}, recompute {t.recompute} "
-                "are not applied inside pipeline stages yet. To fix: zero_stage: 0, offload: none, recompute: none "
-                "for a pipelined plan, or one stage per replica."
-            )
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
@@ -374,13 +367,14 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> None:
     """What this runtime does not run yet, refused rather than silently run as something else."""
-    for gi, g in enumerate(plan.groups):
-        for si, s in enumerate(g.stages):
-            if s.tp > 1:
-                raise ConfigError(
-                    f"the cluster's plan: groups[{gi}].stages[{si}].tp: {s.tp}: tensor parallelism is not run by this "
-                    "runtime yet. To fix: use tp: 1 (more replicas or pipeline stages instead)."
-                )
+    # tensor parallelism and ZeRO without a pipeline: parallel.check_parallel_plan
+    t = plan.train
+    if layout.is_pipelined and (t.zero_stage or t.offload != "none" or t.recompute != "none"):
+        raise ConfigError(
+            f"the cluster's plan: train: zero_stage {t.zero_stage}, offload {t.offload}, recompute {t.recompute} "
+            "are not applied inside pipeline stages yet. To fix: zero_stage: 0, offload: none, recompute: none "
+            "for a pipelined plan, or one stage per replica."
+        )
     if layout.is_pipelined and loss_fn is not None:
         raise ConfigError(
             "loss_fn= cannot be used with pipeline stages (the last stage scores logits with next-token "
