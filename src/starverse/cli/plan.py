@@ -37,7 +37,7 @@ def result_to_json(result: Any) -> dict[str, Any]:
             "spot_factor_simulated": rp.spot_factor_simulated, "mfu": float(est.mfu), "step_time_s": float(est.step_time_s),
             "cost_per_hour": rp.cost_per_hour, "hours": rp.hours, "total_cost": rp.total_cost,
             "power_kw": rp.power_kw, "headroom_gb": _headroom_gb(est), "bottleneck": str(est.bottleneck),
-            "host_memory_gb_per_node": dict(rp.host_memory_gb_per_node),
+            "host_memory_gb_per_node": dict(rp.host_memory_gb_per_node), "price_sources": dict(rp.price_sources),
             "objective_value": rp.objective_value, "notes": list(rp.notes),
             "plan": rp.plan.model_dump(mode="json", exclude_none=True),
         })
