@@ -6,9 +6,12 @@ local launcher's spawned ranks and the Ray provider's actors inherit the caller'
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,3 +86,30 @@ def save_tiny_pretrained(folder: Path, text: str = CORPUS, *, vocab: int = 300, 
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(folder)
     return model
+
+
+def reference_training(
+    model: torch.nn.Module, trainer: Any, data: Any, steps: int, global_batch: int,
+    loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process training of a copy of ``model``: ``steps`` global batches of ``data`` (a
+    ``PackedDataset``) in the trainer's sampler order, ``loss_of(model, x)`` on the whole batch, clipping,
+    AdamW and the schedule from the trainer's settings. Returns the losses and the final state dict."""
+    from starverse.runtime.data import DeterministicSampler
+    from starverse.runtime.steps import make_optimizer, make_schedule
+
+    model = copy.deepcopy(model)
+    sampler = DeterministicSampler(len(data), seed=trainer.seed)
+    opt = make_optimizer(model, trainer.lr, trainer.weight_decay)
+    sched = make_schedule(opt, trainer.warmup_steps or 1, steps, trainer.min_lr_ratio)
+    losses = []
+    for _ in range(steps):
+        x = torch.from_numpy(data.batch(sampler.next_indices(global_batch)))
+        loss = loss_of(model, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), trainer.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, model.state_dict()

@@ -7,6 +7,7 @@ traceback. Messages say what failed, why, and what to do.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 
 
 class StarverseError(Exception):
@@ -70,3 +71,89 @@ class DistributedError(StarverseError):
     """A rank died or a collective timed out."""
 
     exit_code = 4
+
+
+class LossCause(StrEnum):
+    """How a rank was lost (a device or its process gone, not a bug in the model)."""
+
+    SIGNAL = "signal"
+    """Its process was killed by a signal (SIGKILL: the OOM killer, a spot reclaim, ``kill -9``)."""
+    EXIT_CODE = "exit code"
+    """Its process exited with a non-zero code without reporting an error."""
+    HEARTBEAT = "heartbeat timeout"
+    """It stopped answering heartbeats (a hung process or an unreachable node)."""
+    ACTOR_DIED = "actor death"
+    """Its Ray actor died (killed, out of memory, or its node left the cluster)."""
+
+
+class RankFailedError(DistributedError):
+    """A rank of the job failed; the other ranks were stopped. The supervisor acts on the subclass."""
+
+    def __init__(self, message: str, *, rank: int, device_kind: str, device: str = "cpu", node: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        """The failed rank (in the job's numbering)."""
+        self.device_kind = device_kind
+        """Its accelerator id."""
+        self.device = device
+        """Its torch device string."""
+        self.node = node
+        """The node it ran on (an IP for Ray; None: this machine)."""
+
+    @property
+    def failed_rank(self) -> int:
+        """Alias of ``rank``."""
+        return self.rank
+
+
+class LostRankError(RankFailedError):
+    """A rank's device or process is gone (killed, exited, silent, actor or node lost): a lost device, which
+    the supervisor drops before re-planning on the survivors."""
+
+    def __init__(self, message: str, *, rank: int, device_kind: str, cause: LossCause, device: str = "cpu",
+                 node: str | None = None, signal: int | None = None, exit_status: int | None = None):
+        super().__init__(message, rank=rank, device_kind=device_kind, device=device, node=node)
+        self.cause = cause
+        """How it was lost."""
+        self.signal = signal
+        """The signal number that killed it (cause SIGNAL)."""
+        self.exit_status = exit_status
+        """Its process's exit code (cause EXIT_CODE; ``exit_code`` is the CLI's)."""
+
+    @property
+    def rank_exitcode(self) -> int | None:
+        """``multiprocessing``'s convention: negative for a signal, else the exit code (None: unknown)."""
+        return -self.signal if self.signal is not None else self.exit_status
+
+
+class RankCodeError(RankFailedError):
+    """A rank raised an exception (a bug or bad data in the model code, or a collective that timed out
+    because a peer hung): not a lost device; the supervisor retries on the same devices."""
+
+    def __init__(self, message: str, *, rank: int, device_kind: str, error: str, device: str = "cpu",
+                 node: str | None = None, traceback: str | None = None, exit_status: int | None = None):
+        super().__init__(message, rank=rank, device_kind=device_kind, device=device, node=node)
+        self.error = error
+        """The exception's one line (``ValueError: ...``)."""
+        self.traceback = traceback
+        """Its traceback in the rank, when it could be sent."""
+        self.exit_status = exit_status
+        """The rank process's exit code, when known."""
+
+    @property
+    def rank_exitcode(self) -> int | None:
+        """The rank process's exit code, when known."""
+        return self.exit_status
+
+
+class JobTimeoutError(DistributedError):
+    """The whole job ran past its ``timeout_s``; every rank was stopped."""
+
+    def __init__(self, message: str, *, timeout_s: float, num_done: int, world_size: int):
+        super().__init__(message)
+        self.timeout_s = timeout_s
+        """The limit."""
+        self.num_done = num_done
+        """Ranks that had finished."""
+        self.world_size = world_size
+        """Ranks of the job."""

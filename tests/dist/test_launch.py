@@ -8,7 +8,15 @@ import time
 
 import pytest
 
-from starverse.errors import ConfigError, DistributedError
+from starverse.errors import (
+    ConfigError,
+    DistributedError,
+    JobTimeoutError,
+    LossCause,
+    LostRankError,
+    RankCodeError,
+)
+from starverse.providers.local import LocalLauncher
 from starverse.runtime.launch import RankSpec, launch
 
 
@@ -28,6 +36,10 @@ def _die(env, victim, how):
     if env.rank == victim:
         if how == "signal":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "exit":
+            os._exit(7)
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # alive but silent: only the heartbeat shows it is gone
         if how == "user":
             raise ConfigError("dataset 'x' is empty")
         raise RuntimeError("boom in rank code")
@@ -52,13 +64,18 @@ def test_killed_rank_fails_fast_naming_rank_and_signal():
     with pytest.raises(DistributedError, match=r"rank 1 \(cpu, cpu\) killed by signal SIGKILL") as err:
         launch(_die, _ranks(2), timeout_s=100, args=(1, "signal"), collective_timeout_s=60)
     assert (err.value.failed_rank, err.value.rank_exitcode) == (1, -signal.SIGKILL)
+    e = err.value
+    assert isinstance(e, LostRankError) and (e.rank, e.device_kind, e.cause, e.signal) == (1, "cpu", LossCause.SIGNAL, 9)
     # Far below the collective timeout: the launcher noticed the death itself.
     assert time.monotonic() - t0 < 50
 
 
 def test_rank_exception_is_reported_with_its_message():
-    with pytest.raises(DistributedError, match=r"rank 0 \(cpu, cpu\) failed: RuntimeError: boom in rank code"):
+    with pytest.raises(DistributedError, match=r"rank 0 \(cpu, cpu\) failed: RuntimeError: boom in rank code") as err:
         launch(_die, _ranks(2), timeout_s=100, args=(0, "raise"), collective_timeout_s=60)
+    e = err.value
+    assert isinstance(e, RankCodeError) and (e.rank, e.error) == (0, "RuntimeError: boom in rank code")
+    assert e.traceback is not None and "boom in rank code" in e.traceback
 
 
 def test_user_error_inside_a_rank_is_reraised_as_itself():
@@ -67,8 +84,22 @@ def test_user_error_inside_a_rank_is_reraised_as_itself():
 
 
 def test_job_timeout_stops_all_ranks():
-    with pytest.raises(DistributedError, match=r"did not finish within 3 s \(0/2 ranks done\)"):
+    with pytest.raises(JobTimeoutError, match=r"did not finish within 3 s \(0/2 ranks done\)") as err:
         launch(_die, _ranks(2), timeout_s=3, args=(5, "none"), collective_timeout_s=60)
+    assert (err.value.timeout_s, err.value.num_done, err.value.world_size) == (3, 0, 2)
+
+
+def test_exit_without_a_result_is_a_lost_rank_with_its_exit_code():
+    with pytest.raises(LostRankError, match=r"rank 1 \(cpu, cpu\) exit code 7 without reporting") as err:
+        launch(_die, _ranks(2), timeout_s=100, args=(1, "exit"), collective_timeout_s=60)
+    assert (err.value.cause, err.value.exit_status, err.value.signal) == (LossCause.EXIT_CODE, 7, None)
+
+
+def test_a_stopped_rank_is_lost_by_its_heartbeat():
+    fast = LocalLauncher(heartbeat_s=0.2, heartbeat_timeout_s=3.0)
+    with pytest.raises(LostRankError, match=r"rank 1 \(cpu, cpu\) sent no heartbeat for \d+ s") as err:
+        launch(_die, _ranks(2), timeout_s=100, args=(1, "stop"), collective_timeout_s=60, launcher=fast)
+    assert (err.value.rank, err.value.cause) == (1, LossCause.HEARTBEAT)
 
 
 def test_rank_numbers_must_be_contiguous():

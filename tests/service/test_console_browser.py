@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from service_fixtures import TINY_JOB, free_port, make_settings
+from service_fixtures import TINY_JOB, free_port, make_settings, start_server
 
 from starverse.service.db import Database, migrate
 from starverse.service.tenants import create_tenant, create_token
@@ -20,12 +20,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
-
-
-@pytest.fixture(params=["sqlite"])
-def db_url(request: pytest.FixtureRequest) -> str:
-    """The browser test runs on SQLite (the API tests cover PostgreSQL)."""
-    return ""
 
 
 @pytest.fixture
@@ -55,9 +49,9 @@ def _no_horizontal_scroll(page) -> bool:  # type: ignore[no-untyped-def]
     return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1"))
 
 
+# the browser test runs on SQLite (the API tests cover PostgreSQL)
+@pytest.mark.parametrize("db_url", [""], ids=["sqlite"])
 def test_console_sign_in_plan_submit_watch_bill(browser, tmp_path: Path, db_url: str) -> None:  # type: ignore[no-untyped-def]
-    from test_restart import start_server
-
     shots = tmp_path / "screenshots"
     shots.mkdir()
     settings = make_settings(tmp_path / "root", db_url)
@@ -148,10 +142,11 @@ def test_console_sign_in_plan_submit_watch_bill(browser, tmp_path: Path, db_url:
         bpage.wait_for_selector("main h1")
         assert bpage.inner_text("main h1") == "Not found"
         assert "browser-job" not in bpage.inner_text("body")
+        bpage.screenshot(path=str(shots / "10-other-tenant-job-not-found.png"), full_page=True)
         bpage.goto(f"{base}/#/jobs")
         bpage.wait_for_selector("#jobs-table")
         assert "No jobs yet" in bpage.inner_text("#jobs-table")
-        bpage.screenshot(path=str(shots / "10-other-tenant-refused.png"), full_page=True)
+        bpage.screenshot(path=str(shots / "11-other-tenant-jobs.png"), full_page=True)
         other.close()
     finally:
         server.send_signal(signal.SIGTERM)
@@ -160,4 +155,4 @@ def test_console_sign_in_plan_submit_watch_bill(browser, tmp_path: Path, db_url:
     keep = os.environ.get("STARVERSE_SCREENSHOTS")
     if keep:
         shutil.copytree(shots, keep, dirs_exist_ok=True)
-    assert len(list(shots.glob("*.png"))) == 10
+    assert len(list(shots.glob("*.png"))) == 11

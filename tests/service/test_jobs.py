@@ -48,6 +48,12 @@ def test_job_runs_reports_progress_checkpoints_and_bill_then_stop_resume_rollbac
     day = service.client.get("/api/bill?by=day", headers=alice).json()
     assert sum(x["charge_ticks"] for x in day["lines"]) == bill["charge_ticks"]
 
+    # the same progress as server-sent events; the stream ends with the job
+    with service.client.stream("GET", f"/api/jobs/{jid}/stream", headers=alice) as r:
+        text = "".join(r.iter_text())
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert text.index("event: progress") < text.index("event: end") and '"step": 8' in text
+
     # rollback to an earlier checkpoint: the job runs again from there to the end
     back = min(c["step"] for c in ckpts)
     r = service.client.post(f"/api/jobs/{jid}/rollback", headers=alice, json={"step": back})
@@ -64,6 +70,11 @@ def _tid(svc: Service, headers: dict[str, str]) -> str:
     return str(svc.client.get("/api/whoami", headers=headers).json()["id"])
 
 
+SQLITE_ONLY = pytest.mark.parametrize("db_url", [""], ids=["sqlite"])
+"""Tests whose database paths the PostgreSQL lifecycle and restart tests already cover (they cost minutes)."""
+
+
+@SQLITE_ONLY
 def test_stop_writes_an_emergency_checkpoint_and_resume_continues(service: Service) -> None:
     alice = service.tenant("alice")
     service.start_worker()
@@ -105,6 +116,7 @@ def test_stop_writes_an_emergency_checkpoint_and_resume_continues(service: Servi
         assert row is not None and row.fresh_starts == 1
 
 
+@SQLITE_ONLY
 def test_a_drained_balance_stops_the_job_with_a_checkpoint(service: Service) -> None:
     # 36 USD/h per device = 0.01 USD/s; 0.05 USD of credit lasts a few seconds of training
     poor = service.tenant("poor", credit=Decimal("0.05"))

@@ -14,12 +14,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 N = 20
 
 
-@pytest.fixture(params=["sqlite"])
-def db_url(request: pytest.FixtureRequest) -> str:
-    """SQLite: the PostgreSQL variant of the claim and isolation paths runs in the other service tests."""
-    return ""
-
-
+# SQLite: the PostgreSQL variants of the claim and isolation paths run in the other service tests
+@pytest.mark.parametrize("db_url", [""], ids=["sqlite"])
 def test_twenty_concurrent_tenants_bills_never_mix(make_service) -> None:  # type: ignore[no-untyped-def]
     svc: Service = make_service(worker_slots=4)
     names = [f"t{i:02d}" for i in range(N)]

@@ -76,6 +76,10 @@ def test_weights_that_do_not_match_the_config_are_an_error_never_a_random_init(t
     save_file({"transformer." + k: v for k, v in sd.items()}, renamed / "model.safetensors")
     with pytest.raises(ModelError, match="none of its tensors match the model"):
         starverse.build_model(renamed)
+    junk = _variant(folder, tmp_path / "junk")
+    (junk / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelError, match=r"junk/model\.safetensors: not a readable safetensors file"):
+        starverse.build_model(junk)
     # an index naming a shard that is not there
     tiny[1].save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     next((tmp_path / "sharded").glob("model-00002-*.safetensors")).unlink()
@@ -216,6 +220,16 @@ def test_lora_checkpoints_hold_only_adapters_and_export_merges_exactly(tiny, tmp
         torch.testing.assert_close(peft_model(x).logits, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ConfigError, match="exists and is not empty"):
         export_run(run, tmp_path / "merged")
+    # a full fine-tune exports its own weights (config, safetensors, tokenizer)
+    full = starverse.build_model(folder)
+    for p in full.parameters():
+        p.data.add_(0.01)
+    (tmp_path / "run_full").mkdir()
+    record_model(tmp_path / "run_full", full, tokenizer=load_tokenizer(folder).tok)
+    torch.save(full.state_dict(), tmp_path / "run_full" / "final_model.pt")
+    assert export_run(tmp_path / "run_full", tmp_path / "full_out").merged
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "full_out")(x).logits, full(x).logits)
     (run / "final_model.pt").unlink()
     with pytest.raises(ConfigError, match=r"final_model\.pt: missing; the run has not finished"):
         export_run(run, tmp_path / "again")

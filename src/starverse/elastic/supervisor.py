@@ -14,8 +14,11 @@ One attempt is one ``Trainer.fit`` over the current cluster. It ends in one of f
 - **notice for the whole job** (SIGTERM to the supervisor): forwarded to every rank, which checkpoint
   and stop; the supervisor raises :class:`PreemptedError` (exit code 3). Resume later from the run dir.
 
-A rank that fails with a Python exception is a bug or bad input, not a lost device: it is retried on the
-same devices at most ``max_restarts`` times, then re-raised.
+The supervisor decides on the *type* of the launcher's error, never on its text: a
+:class:`~starverse.errors.LostRankError` (a process killed or exited, a heartbeat lost, a Ray actor or node
+gone) is a lost device, dropped before re-planning; a :class:`~starverse.errors.RankCodeError` (a rank raised:
+a bug or bad data, not a lost device) or a :class:`~starverse.errors.JobTimeoutError` is retried on the same
+devices at most ``max_restarts`` times, then re-raised.
 """
 
 from __future__ import annotations
@@ -23,8 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import multiprocessing
-import os
 import re
 import signal
 import threading
@@ -37,7 +38,8 @@ from typing import Any
 
 from starverse.checkpoint.callback import CheckpointCallback
 from starverse.checkpoint.store import CheckpointStore
-from starverse.errors import CheckpointError, DistributedError, PreemptedError, StarverseError
+from starverse.elastic.runlock import RunLock
+from starverse.errors import CheckpointError, DistributedError, LostRankError, PreemptedError, StarverseError
 from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback, TrainContext
 from starverse.runtime.cluster import (
@@ -47,14 +49,13 @@ from starverse.runtime.cluster import (
     local_plan,
     order_ranks_like_plan,
 )
-from starverse.runtime.launch import RankSpec
+from starverse.runtime.launch import Launcher, RankSpec, resolve_launcher
 from starverse.runtime.trainer import FitResult, Trainer
 
 log = logging.getLogger(__name__)
 
 NOTICES_DIR = "notices"
 PROGRESS_FILE = "progress.json"
-_LOST_RANK = re.compile(r"^rank (\d+) \(.*\) (killed by signal \w+|exit code -?\d+) without reporting")
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,9 @@ class Supervisor:
         self.preemption = preemption
         self.callbacks = callbacks
         self.trainer_options = dict(trainer_options or {})
+        # one launcher object for every attempt: the supervisor forwards a SIGTERM to the ranks it runs
+        self.launcher: Launcher = resolve_launcher(self.trainer_options.get("launcher", "local"))
+        self.trainer_options["launcher"] = self.launcher
         self.max_restarts = max_restarts
         self.replan = replan
         self._job_notice: str | None = None
@@ -247,13 +251,20 @@ class Supervisor:
         if self._job_notice is None:
             self._job_notice = reason
             log.warning("supervisor received %s: asking every rank for an emergency checkpoint", self._job_notice)
-        for child in multiprocessing.active_children():
-            if child.name.startswith("starverse-rank") and child.pid is not None:
-                os.kill(child.pid, signal.SIGTERM)
+        # from a thread: a signal handler interrupts the main thread, maybe inside the launcher's own wait
+        threading.Thread(target=self.launcher.notify, args=(signal.SIGTERM,), name="notify-ranks", daemon=True).start()
 
     def run(self, model_factory: Callable[[Cluster], Any], dataset: Any, *, resume_from: int | str | None = "latest",
             **fit_kwargs: Any) -> SupervisedResult:
-        """Train until ``fit_kwargs['max_steps']``; ``model_factory(cluster)`` builds the (initial) model."""
+        """Train until ``fit_kwargs['max_steps']``; ``model_factory(cluster)`` builds the (initial) model.
+
+        Holds the run directory's lock throughout (:class:`~starverse.elastic.runlock.RunLock`): a second
+        supervisor on a live run directory is refused with :class:`RunDirBusyError` naming the holder."""
+        with RunLock(self.run_dir):
+            return self._run(model_factory, dataset, resume_from, fit_kwargs)
+
+    def _run(self, model_factory: Callable[[Cluster], Any], dataset: Any, resume_from: int | str | None,
+             fit_kwargs: dict[str, Any]) -> SupervisedResult:
         resume = self.resume_path(resume_from)
         first_model = model_factory(self.cluster)
         if resume is not None:
@@ -281,7 +292,7 @@ class Supervisor:
                 except DistributedError as e:
                     progress = read_progress(self.run_dir)
                     last = progress["step"] if progress else None
-                    lost = _lost_rank(str(e))
+                    lost = e.rank if isinstance(e, LostRankError) else None
                     outcome = "lost" if lost is not None else "error"
                     attempts.append(Attempt(number, kinds, resumed_step, outcome, last, str(e),
                                             time.monotonic() - t0, time.time()))
@@ -362,10 +373,4 @@ def _step_of(path: Path | None) -> int | None:
     if path is None:
         return None
     m = re.match(r"^step-(\d+)$", path.name)
-    return int(m.group(1)) if m else None
-
-
-def _lost_rank(message: str) -> int | None:
-    """The rank ``launch`` names as killed/exited (a lost device), or None for an exception (a bug)."""
-    m = _LOST_RANK.match(message)
     return int(m.group(1)) if m else None

@@ -1,17 +1,48 @@
-"""The local provider: the devices of this machine, one rank each.
+"""The local provider: the devices of this machine, one rank each, and the launcher that runs them.
 
-CUDA GPUs when present (one rank per GPU, the accelerator id derived from the device name), otherwise
+Devices: CUDA GPUs when present (one rank per GPU, the accelerator id derived from the device name), otherwise
 CPU ranks (``num_cpu_ranks``, else ``$STARVERSE_CPU_RANKS``, else 2), each with its share of the cores.
+
+:class:`LocalLauncher` spawns one process per rank (never forked: CUDA and thread pools do not survive a
+fork); they rendezvous through a ``TCPStore`` the launcher owns, listening on 127.0.0.1 only, and run
+``fn(rank_env, *args)``. The launcher watches every process and fails fast with a typed error
+(:mod:`starverse.providers.failures`). A rank never outlives its launcher: it asks the kernel for SIGKILL
+when its parent dies (``PR_SET_PDEATHSIG``) and its heartbeat thread exits it when its parent is gone;
+the launcher, in turn, declares a rank whose heartbeat stops (a stopped or hung process) lost.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import ctypes
 import logging
+import multiprocessing as mp
 import os
+import queue
 import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from starverse.errors import ConfigError
-from starverse.runtime.launch import RankSpec
+from starverse.errors import ConfigError, DistributedError
+from starverse.providers.failures import code_error, lost_heartbeat, lost_process, overrun, user_error
+from starverse.runtime.launch import (
+    LOOPBACK,
+    RankEnv,
+    RankError,
+    RankSpec,
+    error_report,
+    join_world,
+    ordered_ranks,
+    rank_environ,
+    store_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,3 +120,249 @@ def local_ranks(num_cpu_ranks: int | None = None, use_gpus: bool | None = None) 
     n = cpu_rank_count(num_cpu_ranks)
     threads = max(1, (os.cpu_count() or 1) // n)
     return [RankSpec(rank=r, device_kind="cpu", device="cpu", num_threads=threads) for r in range(n)]
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child process: be SIGKILLed by the kernel when the parent dies (Linux), and exit now if it
+    already has (the race between the fork and the prctl)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); the heartbeat still ends this rank",
+                        ctypes.get_errno())
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _heartbeat(beats: Any, rank: int, parent_pid: int, period_s: float) -> None:
+    """Rank side: stamp ``beats[rank]`` every ``period_s``; exit the process once the parent is gone."""
+    while True:
+        beats[rank] = time.monotonic()
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(period_s)
+
+
+def _rank_entry(
+    fn: Callable[..., Any],
+    env: RankEnv,
+    args: tuple[Any, ...],
+    store_port: int,
+    results: Any,
+    beats: Any,
+    parent_pid: int,
+    heartbeat_s: float,
+) -> None:
+    """Body of a rank process: tie it to its parent, start the heartbeat, set up the process group, run ``fn``."""
+    import torch.distributed as dist
+
+    die_with_parent(parent_pid)
+    threading.Thread(target=_heartbeat, args=(beats, env.rank, parent_pid, heartbeat_s), name="heartbeat",
+                     daemon=True).start()
+    spec = env.spec
+    rank_environ(env, LOOPBACK, store_port)
+    try:
+        join_world(env, LOOPBACK, store_port)
+        try:
+            value = fn(env, *args)
+        finally:
+            # Skip the barrier inside destroy when a peer is gone; it would only wait for the timeout.
+            dist.destroy_process_group()
+        results.put((spec.rank, "ok", value))
+    except BaseException as e:
+        text, tb, user = error_report(e)
+        try:
+            results.put((spec.rank, "error", (text, tb, user)))
+        except Exception:
+            results.put((spec.rank, "error", (text, tb, None)))
+        # Let the queue's feeder thread flush before exiting.
+        results.close()
+        results.join_thread()
+        os._exit(1)
+
+
+def _main_is_guarded(path: str) -> bool:
+    """True if the script has a top-level ``if __name__ == "__main__":`` block."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _main_reimport_guard() -> Iterator[None]:
+    """Keep spawned ranks from re-running an unguarded user script.
+
+    ``spawn`` re-imports the parent's main script in every child (to find classes defined there). A
+    script written without ``if __name__ == "__main__":`` -- like the product brief's five lines --
+    would then start training again inside each rank. For such scripts the main module is hidden while
+    the ranks start; classes defined in them are then not importable in the ranks (define them in a
+    module, or guard the script).
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or getattr(main, "__spec__", None) is not None or _main_is_guarded(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+@dataclass
+class LocalLauncher:
+    """Runs ``fn(rank_env, *args)`` in one spawned process per rank on this machine (``launcher="local"``)."""
+
+    heartbeat_s: float = 1.0
+    """How often each rank stamps its heartbeat (and checks that its parent is alive)."""
+    heartbeat_timeout_s: float = 60.0
+    """A rank whose process lives but whose heartbeat is older than this is lost (``LossCause.HEARTBEAT``)."""
+    _procs: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.heartbeat_timeout_s:
+            raise ConfigError(f"LocalLauncher: need 0 < heartbeat_s < heartbeat_timeout_s (got {self.heartbeat_s}, "
+                              f"{self.heartbeat_timeout_s}).")
+
+    def notify(self, signum: int) -> int:
+        """Send ``signum`` to every rank process still running (SIGTERM: a job-wide preemption notice)."""
+        n = 0
+        for p in list(self._procs):
+            if p.exitcode is None and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+                    n += 1
+        return n
+
+    def launch(
+        self,
+        fn: Callable[..., Any],
+        ranks: Sequence[RankSpec],
+        *,
+        timeout_s: float,
+        args: tuple[Any, ...] = (),
+        collective_timeout_s: float = 120.0,
+        grace_s: float = 3.0,
+    ) -> list[Any]:
+        """See :func:`starverse.runtime.launch.launch`."""
+        ranks = ordered_ranks(ranks)
+        world = len(ranks)
+        # The launcher owns the rendezvous store: port 0 lets the OS pick a free port, no race with other jobs.
+        store = store_server(LOOPBACK, world, collective_timeout_s)
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        beats = ctx.Array("d", world, lock=False)
+        procs: list[Any] = []
+        self._procs = procs
+        with _main_reimport_guard():
+            for spec in ranks:
+                env = RankEnv(spec=spec, ranks=tuple(ranks), collective_timeout_s=collective_timeout_s)
+                p = ctx.Process(
+                    target=_rank_entry,
+                    args=(fn, env, args, store.port, results, beats, os.getpid(), self.heartbeat_s),
+                    name=f"starverse-rank{spec.rank}",
+                )
+                p.start()
+                procs.append(p)
+        log.info("launched %d ranks (store 127.0.0.1:%d)", world, store.port)
+        values: dict[int, Any] = {}
+        errors: dict[int, RankError] = {}
+        silent: dict[int, float] = {}
+        try:
+            self._watch(ranks, procs, results, beats, values, errors, silent, timeout_s)
+        finally:
+            if len(values) < world:
+                _stop_all(procs, grace_s)
+            else:
+                for p in procs:
+                    p.join(timeout=grace_s)
+                _stop_all(procs, 0.0)
+            results.close()
+            self._procs = []
+        if len(values) < world:
+            raise _failure(ranks, procs, values, errors, silent)
+        return [values[r] for r in range(world)]
+
+    def _watch(self, ranks: list[RankSpec], procs: list[Any], results: Any, beats: Any, values: dict[int, Any],
+               errors: dict[int, RankError], silent: dict[int, float], timeout_s: float) -> None:
+        """Collect results until every rank reported, or shortly after the first failure."""
+        world = len(ranks)
+        deadline = time.monotonic() + timeout_s
+        failed_at: float | None = None
+        while len(values) < world:
+            try:
+                rank, status, payload = results.get(timeout=0.1)
+                if status == "ok":
+                    values[rank] = payload
+                else:
+                    errors[rank] = payload
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            dead = [s.rank for s, p in zip(ranks, procs, strict=True) if p.exitcode not in (None, 0)]
+            quiet = [s.rank for s, p in zip(ranks, procs, strict=True) if p.exitcode == 0 and s.rank not in values]
+            for s, p in zip(ranks, procs, strict=True):
+                last = beats[s.rank]
+                if p.exitcode is None and last > 0 and now - last > self.heartbeat_timeout_s:
+                    silent[s.rank] = now - last
+            if (errors or dead or quiet or silent) and failed_at is None:
+                failed_at = now
+            # After the first failure, wait briefly so the root cause (the rank that died first, whose
+            # peers then fail on a closed connection) can report too.
+            if failed_at is not None and (now - failed_at > 1.0 or silent):
+                return
+            if now > deadline:
+                raise overrun(timeout_s, len(values), world)
+
+
+def _failure(
+    ranks: Sequence[RankSpec],
+    procs: list[Any],
+    values: dict[int, Any],
+    errors: dict[int, RankError],
+    silent: dict[int, float],
+) -> BaseException:
+    """The error to raise for a failed job: the root-cause rank first.
+
+    Priority: a user error (bad input found inside a rank) is re-raised as itself; then a rank killed by
+    a signal, one that exited without reporting, or one whose heartbeat stopped (its peers' errors are only
+    consequences); then the first rank that reported an exception.
+    """
+    user = user_error(errors)
+    if user is not None:
+        return user
+    if silent:
+        rank = min(silent)
+        return lost_heartbeat(ranks[rank], silent[rank])
+    for spec, p in zip(ranks, procs, strict=True):
+        if getattr(p, "_starverse_killed_by_us", False) or spec.rank in errors or spec.rank in values:
+            continue
+        if p.exitcode is not None:
+            return lost_process(spec, p.exitcode)
+    if errors:
+        rank = min(errors)
+        return code_error(ranks, errors, exit_status=procs[rank].exitcode)
+    return DistributedError("a rank exited without a result; the other ranks were stopped.")
+
+
+def _stop_all(procs: list[Any], grace_s: float) -> None:
+    """Terminate what still runs (SIGTERM, then SIGKILL after ``grace_s``) and reap everything."""
+    for p in procs:
+        if p.exitcode is None:
+            p._starverse_killed_by_us = True
+            p.terminate()
+    end = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=5.0)

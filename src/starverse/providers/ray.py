@@ -1,17 +1,22 @@
 """The Ray provider: run a job's ranks as Ray actors, on one machine or across a Ray cluster's nodes.
 
 Each rank is one Ray actor (its own worker process) with its own ``torch.distributed`` rank, exactly as a
-process of the local launcher (:func:`starverse.runtime.launch.launch`): same ``RankEnv``, same default
-process group, same fail-fast rules and the same :class:`~starverse.errors.DistributedError` (with
-``failed_rank``) when a rank raises, dies or the job overruns ``timeout_s``.
+process of the local launcher (:class:`starverse.providers.local.LocalLauncher`): same ``RankEnv``, same
+default process group, same fail-fast rules and the same typed errors (:mod:`starverse.providers.failures`):
+``LostRankError`` with cause ``actor death`` and the node when an actor dies, ``RankCodeError`` when a rank
+raises, ``JobTimeoutError`` when the job overruns ``timeout_s``.
 
 What differs is where processes come from and where they meet:
 
 * The ranks are gang-scheduled with a placement group (one bundle per rank: ``num_cpus_per_rank`` CPUs,
   plus one GPU for a CUDA rank); a cluster that cannot hold them all fails after ``placement_timeout_s``
   with what it lacks, instead of leaving half the ranks waiting.
-* The rendezvous store lives in rank 0's actor, on rank 0's node IP (``MASTER_ADDR``), so ranks on other
-  nodes can reach it; the port is chosen by the OS, so jobs never race for one.
+* The rendezvous store lives in rank 0's actor, listening on rank 0's node IP only (``MASTER_ADDR``; 127.0.0.1
+  for a session on this machine), so ranks on other nodes can reach it and nothing else is exposed; the port
+  is chosen by the OS, so jobs never race for one.
+* The actors belong to the job: they are killed when it ends, fails or is stopped, and each rank process
+  dies with its Ray worker parent; a SIGTERM to the supervisor reaches every rank (:meth:`RayLauncher.notify`),
+  which writes the emergency checkpoint as under the local launcher.
 * ``address`` (else ``$RAY_ADDRESS``) joins an existing cluster; without one a private single-node Ray is
   started, bound to 127.0.0.1 only, and shut down when the job ends. A Ray session the caller had already
   initialised is left running; only this job's actors and placement group are removed.
@@ -31,24 +36,21 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 from typing import Any
 
-from starverse.errors import ConfigError, DistributedError
+from starverse.errors import ConfigError, DistributedError, JobTimeoutError, LossCause, LostRankError
+from starverse.providers.failures import code_error, lost_actor, overrun, user_error
 from starverse.runtime.launch import (
     LOOPBACK,
     RankEnv,
-    RankErrors,
+    RankError,
     RankSpec,
-    _error_report,
-    _join_world,
-    _ordered_ranks,
-    _overrun,
-    _rank_environ,
-    _rank_error,
-    reported_failure,
-    user_error,
+    error_report,
+    join_world,
+    ordered_ranks,
+    rank_environ,
+    store_server,
 )
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,7 @@ def _loopback_only(ray: Any) -> Iterator[None]:
             constants.ENABLE_RAY_CLUSTER = old_const  # type: ignore[union-attr]
 
 
-@dataclass(frozen=True)
+@dataclass
 class RayLauncher:
     """Runs ``fn(rank_env, *args)`` in one Ray actor per rank (``Trainer(launcher=RayLauncher(...))``).
 
@@ -137,6 +139,41 @@ class RayLauncher:
             raise ConfigError(
                 f"RayLauncher.object_store_memory_mb must be >= 75, Ray's minimum (got {self.object_store_memory_mb})."
             )
+        import_ray()  # a missing Ray fails here, before any data is prepared
+
+    _procs: list[tuple[str, int]] = field(default_factory=list, init=False, repr=False, compare=False)
+    """The running job's ranks as (Ray node id, process id), for :meth:`notify`."""
+
+    def notify(self, signum: int) -> int:
+        """Forward ``signum`` to every rank of the running job, on whatever node it runs (a job-wide
+        preemption notice: SIGTERM); returns how many were reached.
+
+        An actor runs one call at a time in its main thread (where Python handles signals, so the rank's
+        notice handler sees it): the signal is sent to its process directly on this node, and by a
+        zero-CPU task pinned to its node elsewhere."""
+        where = list(self._procs)
+        if not where:
+            return 0
+        ray = import_ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()
+        n, refs = 0, []
+        for node_id, pid in where:
+            if node_id == here:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+                    n += 1
+            else:
+                strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+                refs.append(ray.remote(num_cpus=0)(_send_signal).options(scheduling_strategy=strategy)
+                            .remote(pid, int(signum)))
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10.0)
+            for ref in ready:
+                with contextlib.suppress(Exception):
+                    n += int(ray.get(ref))
+        return n
 
     def launch(
         self,
@@ -156,7 +193,7 @@ class RayLauncher:
         ``failed_rank`` (``rank_exitcode`` is None for a dead actor: Ray does not report the exit status).
         ``grace_s`` is accepted for the contract but unused: actors are killed at once (``ray.kill``).
         """
-        ranks = _ordered_ranks(ranks)
+        ranks = ordered_ranks(ranks)
         ray = import_ray()
         run = functools.partial(_run_job, ray, self, fn, ranks, timeout_s, args, collective_timeout_s, grace_s)
         if ray.is_initialized():  # the caller's session: use it, leave it running
@@ -239,13 +276,15 @@ class _RankActor:
         return str(ray.util.get_node_ip_address())
 
     def open_store(self, host: str, world: int, timeout_s: float) -> int:
-        """Rank 0 only: own the rendezvous store for the job; returns its port (chosen by the OS)."""
-        import torch.distributed as dist
-
-        self._store = dist.TCPStore(
-            host, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        """Rank 0 only: own the rendezvous store for the job, listening on ``host`` only; returns its port."""
+        self._store = store_server(host, world, timeout_s)
         return int(self._store.port)
+
+    def where(self) -> tuple[str, int]:
+        """(Ray node id, process id) of this rank."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()), os.getpid()
 
     def run(
         self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], master_addr: str, port: int
@@ -258,15 +297,24 @@ class _RankActor:
         try:
             return ("ok", _run_rank(fn, env, args, master_addr, port))
         except BaseException as e:
-            return ("error", _error_report(e))
+            return ("error", error_report(e))
+
+
+def _send_signal(pid: int, signum: int) -> int:
+    """A Ray task on a rank's node: deliver ``signum`` to the rank's process; 1 if it was there."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        return 0
+    return 1
 
 
 def _run_rank(fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], master_addr: str, port: int) -> Any:
     """Body of a rank inside its actor: the same set-up as the local launcher's ``_rank_entry``."""
     import torch.distributed as dist
 
-    _rank_environ(env, master_addr, port)
-    _join_world(env, master_addr, port)
+    rank_environ(env, master_addr, port)
+    join_world(env, master_addr, port)
     try:
         return fn(env, *args)
     finally:
@@ -342,11 +390,14 @@ def _run_job(
                     scheduling_strategy=strategy,
                 ).remote(list(sys.path))
             )
-        node_ips = _get_before(ray, [a.node_ip.remote() for a in actors], deadline, timeout_s, "start its actors")
+        where = _get_before(ray, [a.where.remote() for a in actors], ranks, deadline, timeout_s, "start its actors")
+        opts._procs = [(str(node), int(pid)) for node, pid in where]
+        node_ips = _get_before(ray, [a.node_ip.remote() for a in actors], ranks, deadline, timeout_s,
+                               "start its actors")
         master_addr = node_ips[0]
         port = _get_before(
-            ray, [actors[0].open_store.remote(master_addr, world, collective_timeout_s)], deadline, timeout_s,
-            "open the rendezvous store",
+            ray, [actors[0].open_store.remote(master_addr, world, collective_timeout_s)], ranks, deadline,
+            timeout_s, "open the rendezvous store",
         )[0]
         log.info("launched %d ranks as Ray actors (store %s:%d, nodes %s)", world, master_addr, port, sorted(set(node_ips)))
         refs = []
@@ -359,6 +410,7 @@ def _run_job(
             refs.append(actor.run.remote(fn, env, args, master_addr, port))
         values, errors, dead = _collect(ray, refs, ranks, deadline, timeout_s)
     finally:
+        opts._procs = []
         for a in actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -373,7 +425,8 @@ def _run_job(
     return [values[r] for r in range(world)]
 
 
-def _get_before(ray: Any, refs: list[Any], deadline: float, timeout_s: float, what: str) -> list[Any]:
+def _get_before(ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: float, timeout_s: float,
+                what: str) -> list[Any]:
     """Rank by rank ``ray.get`` bounded by the job's deadline; a dead actor here is a start-up failure."""
     from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -382,27 +435,29 @@ def _get_before(ray: Any, refs: list[Any], deadline: float, timeout_s: float, wh
         try:
             out.append(ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
         except GetTimeoutError:
-            raise DistributedError(
+            raise JobTimeoutError(
                 f"job did not finish within {timeout_s:g} s ({rank}/{len(refs)} ranks ready: Ray did not {what} in "
-                "time); all ranks were stopped. To fix: raise the timeout, or check `ray status` for a busy cluster."
+                "time); all ranks were stopped. To fix: raise the timeout, or check `ray status` for a busy cluster.",
+                timeout_s=timeout_s, num_done=0, world_size=len(refs),
             ) from None
         except RayActorError as e:
-            raise _rank_error(
+            spec = ranks[rank]
+            raise LostRankError(
                 f"rank {rank}'s Ray actor died before training started (while trying to {what}): {_first_line(e)}. "
                 "To fix: check that starverse and torch import on its node (`ray logs`).",
-                rank, None,
+                rank=rank, device_kind=spec.device_kind, device=spec.device, cause=LossCause.ACTOR_DIED,
             ) from e
     return out
 
 
 def _collect(
     ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: float, timeout_s: float
-) -> tuple[dict[int, Any], dict[int, tuple[str, str | None, BaseException | None]], dict[int, str]]:
+) -> tuple[dict[int, Any], dict[int, RankError], dict[int, str]]:
     """Wait for every rank; stop waiting shortly after the first failure (see ``_ROOT_CAUSE_WAIT_S``)."""
     from ray.exceptions import RayActorError, RayTaskError
 
     values: dict[int, Any] = {}
-    errors: dict[int, tuple[str, str | None, BaseException | None]] = {}
+    errors: dict[int, RankError] = {}
     dead: dict[int, str] = {}
     rank_of = {ref: spec.rank for ref, spec in zip(refs, ranks, strict=True)}
     pending = list(refs)
@@ -430,7 +485,7 @@ def _collect(
         if failed_at is not None and now - failed_at > _ROOT_CAUSE_WAIT_S:
             break
         if now > deadline:
-            raise _overrun(timeout_s, len(values), len(refs))
+            raise overrun(timeout_s, len(values), len(refs))
     return values, errors, dead
 
 
@@ -438,7 +493,7 @@ def _failure(
     ranks: list[RankSpec],
     node_ips: list[str],
     values: dict[int, Any],
-    errors: RankErrors,
+    errors: dict[int, RankError],
     dead: dict[int, str],
 ) -> BaseException:
     """The error for a failed job, root cause first, with the local launcher's priorities.
@@ -451,16 +506,9 @@ def _failure(
         return user
     if dead:
         rank = min(dead)
-        spec = ranks[rank]
-        return _rank_error(
-            f"rank {rank} ({spec.device_kind}, {spec.device}) died on node {node_ips[rank]}: its Ray actor is "
-            f"gone without reporting a result ({dead[rank]}); the other ranks were stopped. To fix: check that "
-            "rank's log (`ray logs`), its memory (an out-of-memory kill ends the worker) and whether its node "
-            "was lost.",
-            rank, None,
-        )
+        return lost_actor(ranks[rank], dead[rank], node=node_ips[rank])
     if errors:
-        return reported_failure(ranks, errors, where=f" on node {node_ips[min(errors)]}")
+        return code_error(ranks, errors, node=node_ips[min(errors)])
     return DistributedError("a rank ended without a result; the other ranks were stopped.")
 
 

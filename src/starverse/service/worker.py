@@ -279,12 +279,12 @@ class Worker:
         args = [sys.executable, "-m", "starverse.service.runner", str(folder)]
         if job.resume_from is not None:
             args.append(str(job.resume_from))
-        out = (folder / RESULT_FILE).open("wb")
+        (folder / RESULT_FILE).unlink(missing_ok=True)  # the runner writes this launch's outcome
         err = (folder / LOG_FILE).open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(args, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=folder, env=env,
+        proc = subprocess.Popen(args, stdout=err, stderr=err, stdin=subprocess.DEVNULL, cwd=folder, env=env,
                                 preexec_fn=_term_with_parent)
-        self.running[job.id] = Running(job.id, job.tenant_id, proc, folder, [out, err])
+        self.running[job.id] = Running(job.id, job.tenant_id, proc, folder, [err])
         job.pid, job.started_at = proc.pid, job.started_at or time.time()
         how = "fresh start" if fresh else (f"rollback to step {job.resume_from}" if job.resume_from is not None
                                            else "resuming from its latest checkpoint")

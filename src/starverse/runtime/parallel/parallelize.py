@@ -78,6 +78,27 @@ class ParallelModel:
     """What was applied."""
     zero: ZeroModel | None
     """The FSDP2 state (None for ZeRO-0)."""
+    mesh: DeviceMesh | None = None
+    """The ``(dp, tp)`` mesh it runs on."""
+
+    def sync_gradients(self) -> None:
+        """Sum the gradients over the data-parallel replicas when FSDP does not (tensor parallel, ZeRO-0).
+
+        Each rank's local part (its TP shard, or a replicated norm) is summed with the same part of the other
+        replicas in one flat all-reduce over ``mesh["dp"]``; with ZeRO, FSDP2 reduced them in the backward.
+        """
+        if self.zero is not None or self.mesh is None or self.mesh["dp"].size() == 1:
+            return
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=self.mesh["dp"].get_group())
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def before_micro_batch(self, index: int, count: int) -> None:
         """Call before the forward of micro-batch ``index`` of ``count`` of a step."""
@@ -86,8 +107,70 @@ class ParallelModel:
 
     @property
     def syncs_own_gradients(self) -> bool:
-        """Gradients are reduced by FSDP over the data-parallel mesh (the trainer must not all-reduce them)."""
-        return self.zero is not None
+        """It reduces its gradients itself (FSDP2 in the backward under ZeRO, :meth:`sync_gradients` for tensor
+        parallel): the trainer's all-reduce over every rank must not run (it would sum different TP shards)."""
+        return self.zero is not None or self.config.tp > 1
+
+    # Where the rank loop holds a gradient sync (hetero DP's ``GradientSync``), a parallel model stands in.
+    blocked_s: float = 0.0
+    """Time blocked in a separate gradient reduction (FSDP2's is inside the backward, counted as compute)."""
+
+    def arm(self) -> None:
+        """Nothing to arm: FSDP2 reduce-scatters during the backward (see :meth:`before_micro_batch`)."""
+
+    def finish(self) -> None:
+        """After the last backward: sum the gradients over the replicas where FSDP2 did not (see
+        :meth:`sync_gradients`)."""
+        self.sync_gradients()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to ``max_norm`` (0: only measure); returns the global norm (see :func:`clip_grad_norm`)."""
+        return clip_grad_norm(self.model.parameters(), max_norm)
+
+
+def check_parallel_plan(
+    plan: Plan, rank_kinds: list[str], rebalance_every: int, shares: list[int] | None = None
+) -> None:
+    """Raise :class:`ConfigError` if the runtime cannot run ``plan``'s in-stage parallelism on these ranks.
+
+    FSDP2 shards over one device mesh, so ZeRO needs one device kind (one group). ZeRO-2 and ZeRO-3 gather
+    and reduce-scatter per micro-batch, a collective every rank must join: shares must stay equal
+    (``rebalance_every: 0``); ZeRO-1 reduces once per step and keeps uneven, rebalanced shares.
+    Tensor parallelism needs the replica-level data split of pipeline layouts (not yet run through the
+    trainer: ``tp: 1`` there; ``parallelize`` runs it directly).
+    """
+    cfg = ParallelConfig.from_plan(plan)
+    for gi, g in enumerate(plan.groups):
+        for si, s in enumerate(g.stages):
+            if s.tp != 1:
+                raise ConfigError(
+                    f"plan: groups[{gi}].stages[{si}].tp: {s.tp}: the trainer does not run tensor parallelism yet "
+                    "(runtime/parallel/tensor.py does, outside Trainer.fit). To fix: set tp: 1."
+                )
+    if cfg.zero_stage > 0 and len(set(rank_kinds)) > 1:
+        raise ConfigError(
+            f"plan: train.zero_stage: {cfg.zero_stage} shards over one device kind, but the ranks are "
+            f"{sorted(set(rank_kinds))}. To fix: set zero_stage: 0 for a mixed cluster, or use one device kind."
+        )
+    if cfg.zero_stage >= 2 and rebalance_every != 0:
+        raise ConfigError(
+            f"plan: train.zero_stage: {cfg.zero_stage} gathers and reduces per micro-batch in lockstep, so shares "
+            "cannot be rebalanced. To fix: Trainer(rebalance_every=0), or zero_stage: 1 (one reduction per step)."
+        )
+    if cfg.zero_stage >= 2 and shares is not None and len(set(shares)) > 1:
+        raise ConfigError(
+            f"plan: train.zero_stage: {cfg.zero_stage} runs the ranks in lockstep, but the micro-batches split "
+            f"unevenly ({shares}). To fix: a global batch that is a multiple of {len(shares)} x the micro-batch, "
+            "or zero_stage: 1."
+        )
+
+
+def parallelize_for_plan(model: torch.nn.Module, plan: Plan, device: torch.device, world: int) -> ParallelModel | None:
+    """:func:`parallelize` ``model`` as ``plan`` says over all ``world`` ranks; None when the plan is plain DP."""
+    config = ParallelConfig.from_plan(plan)
+    if config.is_plain:
+        return None
+    return parallelize(model, config, group_mesh(device.type, world, config.tp))
 
 
 def parallelize(
@@ -104,7 +187,7 @@ def parallelize(
     zero = None
     if config.zero_stage > 0:
         zero = apply_zero(model, mesh["dp"], config.zero_stage, config.offload, mp_policy)
-    return ParallelModel(model=model, config=config, zero=zero)
+    return ParallelModel(model=model, config=config, zero=zero, mesh=mesh)
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -128,3 +211,8 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
         for g in grads:
             g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else coef.to(g.device).item())
     return total
+
+
+def full_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every DTensor gathered whole (a collective: every rank of its mesh must call it)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
