@@ -16,7 +16,17 @@ each divided by plain data parallelism over the same 2 ranks (gradient all-reduc
 batch, same run. Reported, no bound: on CPU ranks the all-reduces of TP and the gathers of ZeRO-3 are not
 hidden behind compute as on GPUs.
 
-    .venv/bin/python benchmarks/bench_parallel.py [--steps 4]
+Pipelines (the same model, 8 micro-batches of one sequence, ``Trainer.fit`` on CPU ranks):
+
+- ``pp_bubble_error``: a 4-stage 1F1B pipeline (2+2+2+2 layers) on 4 CPU ranks: measured bubble fraction
+  (``FitResult.pipeline.bubble``: 1 - busiest stage's compute / step wall time, first step left out) minus the
+  cost model's (``pipeline_bubble`` / step time of the same plan). Target ``|error| <= 0.25``. Best of two runs.
+- ``hetero_pp_vs_even``: a 2-stage pipeline whose second rank is slowed 3x (``starverse.testing.SlowRank``):
+  steady throughput with the planner's uneven split (``planner.hetero.split_layers`` over the stages' relative
+  speeds 1 : 1/3, as a probe profile reports them) over throughput with an even split. Target ``>= 1.5``.
+  The two alternate (A B A B), each keeps its best run.
+
+    .venv/bin/python benchmarks/bench_parallel.py [--steps 4] [--only state|pipeline]
 """
 
 from __future__ import annotations
@@ -192,19 +202,73 @@ def throughput_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
             "dp2_step_s": base}
 
 
+PP_MICRO_BATCH, PP_STEPS = 1, 5
+
+
+def _pp_fit(work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list[Any]) -> Any:
+    """``Trainer.fit`` of one pipeline of ``stages`` ``(device kind, layers)``, one CPU rank per stage."""
+    from starverse.plan import Group, Plan, Stage, TrainSpec
+    from starverse.runtime.cluster import Cluster
+    from starverse.runtime.launch import RankSpec
+    from starverse.runtime.modeling import build_model
+    from starverse.runtime.trainer import Trainer
+
+    cfg_path = work / "config.json"
+    cfg_path.write_text(json.dumps(MODEL))
+    plan = Plan(model=str(cfg_path), train=TrainSpec(seq_len=SEQ, global_batch=GLOBAL_BATCH, precision="fp32"),
+                groups=[Group(micro_batch=PP_MICRO_BATCH, stages=[Stage(accelerator=k, layers=n) for k, n in stages])])
+    ranks = tuple(RankSpec(r, k, "cpu", num_threads=1) for r, (k, _) in enumerate(stages))
+    trainer = Trainer(Cluster(plan=plan, ranks=ranks), callbacks=callbacks, run_dir=work / tag, rebalance_every=0,
+                      timeout_s=900, progress=False)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, VOCAB, (SEQ * 8,), generator=g) for _ in range(32)]
+    return trainer.fit(build_model(MODEL), dataset=data, per_device_batch_size=PP_MICRO_BATCH, max_steps=PP_STEPS,
+                       seq_len=SEQ, global_batch=GLOBAL_BATCH, tokenizer="bytes")
+
+
+def pipeline_figures() -> dict[str, Any]:
+    """``pp_bubble_error`` and ``hetero_pp_vs_even`` (see the module docstring)."""
+    from starverse.planner.hetero import split_layers
+    from starverse.testing import SlowRank
+
+    layers = int(MODEL["num_hidden_layers"])
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        reports = [_pp_fit(work, f"pp4-{i}", [("cpu", layers // 4)] * 4, []).pipeline for i in range(2)]
+        rep = min(reports, key=lambda r: r.bubble)
+        out["pp_bubble_measured"] = round(rep.bubble, 4)
+        out["pp_bubble_predicted"] = None if rep.predicted_bubble is None else round(rep.predicted_bubble, 4)
+        out["pp_bubble_error"] = None if rep.predicted_bubble is None else round(rep.bubble - rep.predicted_bubble, 4)
+        splits = {"uneven": split_layers([1.0, 1.0 / 3.0], layers), "even": [layers // 2, layers - layers // 2]}
+        tps = dict.fromkeys(splits, 0.0)
+        for i in range(2):
+            for tag, split in splits.items():
+                res = _pp_fit(work, f"{tag}-{i}", [("cpu", split[0]), ("cpu", split[1])], [SlowRank(1, 3.0)])
+                times = res.step_times_s[1:] or res.step_times_s
+                tps[tag] = max(tps[tag], GLOBAL_BATCH * SEQ * len(times) / sum(times))
+        out["hetero_pp_splits"] = splits
+        out["hetero_pp_vs_even"] = round(tps["uneven"] / tps["even"], 3)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per throughput case (the first is dropped)")
+    parser.add_argument("--only", choices=("state", "pipeline"), default=None, help="run one half only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from starverse.runtime.launch import RankSpec, launch
 
     world = 2
-    results = launch(_rank_main, [RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(world)],
-                     timeout_s=900, args=(max(2, args.steps),))
     out: dict[str, Any] = {"model": "llama 8 layers, hidden 128, vocab 256", "ranks": world}
-    out.update(state_bytes_figures(results, world))
-    out.update(throughput_figures(results))
+    if args.only != "pipeline":
+        results = launch(_rank_main, [RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(world)],
+                         timeout_s=900, args=(max(2, args.steps),))
+        out.update(state_bytes_figures(results, world))
+        out.update(throughput_figures(results))
+    if args.only != "state":
+        out.update(pipeline_figures())
     print(json.dumps(out))
     return 0
 

@@ -58,14 +58,16 @@ def check_dataset(dataset: str, source: str) -> None:
                           "To fix: pass a text file, a folder of text files or a .jsonl file")
 
 
-def check_run_dir(run_dir: str, source: str, field: str = "run_dir") -> None:
-    """The run directory is a directory, or does not exist yet (it is created)."""
+def check_run_dir(run_dir: str | Path, source: str, field: str = "run_dir", *, option: str | None = None) -> None:
+    """The run directory is a directory, or does not exist yet (it is created). Given in a file (``source``,
+    ``field``) or by a command-line ``option`` (``--run-dir``)."""
     path = Path(run_dir)
     for p in (path, *path.parents):
         if p.exists():
             if not p.is_dir():
-                raise ConfigError(f"{where(source, (field,))}: {field}: {p} is a file, not a directory. To fix: "
-                                  "point it at a directory (created if missing), or move the file away")
+                origin = option or f"{where(source, (field,))}: {field}"
+                raise ConfigError(f"{origin}: {p} is a file, not a directory. To fix: point it at a directory "
+                                  "(created if missing), or move the file away")
             return
 
 

@@ -50,6 +50,11 @@ class PreemptedError(StarverseError):
     exit_code = 3
 
 
+class TrainingDivergedError(StarverseError):
+    """The loss or the gradient became inf/NaN: training stopped at that step, before the optimizer applied it
+    and before any checkpoint of it (restarting with the same settings would diverge again)."""
+
+
 class CheckpointError(StarverseError):
     """A checkpoint is missing, foreign, torn or corrupted."""
 

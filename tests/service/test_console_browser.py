@@ -142,10 +142,11 @@ def test_console_sign_in_plan_submit_watch_bill(browser, tmp_path: Path, db_url:
         bpage.wait_for_selector("main h1")
         assert bpage.inner_text("main h1") == "Not found"
         assert "browser-job" not in bpage.inner_text("body")
+        bpage.screenshot(path=str(shots / "10-other-tenant-job-not-found.png"), full_page=True)
         bpage.goto(f"{base}/#/jobs")
         bpage.wait_for_selector("#jobs-table")
         assert "No jobs yet" in bpage.inner_text("#jobs-table")
-        bpage.screenshot(path=str(shots / "10-other-tenant-refused.png"), full_page=True)
+        bpage.screenshot(path=str(shots / "11-other-tenant-jobs.png"), full_page=True)
         other.close()
     finally:
         server.send_signal(signal.SIGTERM)
@@ -154,4 +155,4 @@ def test_console_sign_in_plan_submit_watch_bill(browser, tmp_path: Path, db_url:
     keep = os.environ.get("STARVERSE_SCREENSHOTS")
     if keep:
         shutil.copytree(shots, keep, dirs_exist_ok=True)
-    assert len(list(shots.glob("*.png"))) == 10
+    assert len(list(shots.glob("*.png"))) == 11

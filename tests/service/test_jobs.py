@@ -48,6 +48,12 @@ def test_job_runs_reports_progress_checkpoints_and_bill_then_stop_resume_rollbac
     day = service.client.get("/api/bill?by=day", headers=alice).json()
     assert sum(x["charge_ticks"] for x in day["lines"]) == bill["charge_ticks"]
 
+    # the same progress as server-sent events; the stream ends with the job
+    with service.client.stream("GET", f"/api/jobs/{jid}/stream", headers=alice) as r:
+        text = "".join(r.iter_text())
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert text.index("event: progress") < text.index("event: end") and '"step": 8' in text
+
     # rollback to an earlier checkpoint: the job runs again from there to the end
     back = min(c["step"] for c in ckpts)
     r = service.client.post(f"/api/jobs/{jid}/rollback", headers=alice, json={"step": back})

@@ -14,6 +14,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from starverse.checks import check_port_free, check_run_dir
+
 DEMO_MODEL = "meta-llama/Llama-2-7b-hf"
 """The model the demo asks for (scaled down to what the local devices can train)."""
 
@@ -214,6 +216,8 @@ def demo(
     console = Console(highlight=False, soft_wrap=True)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_dir = (run_dir or Path("runs") / "demo" / stamp).resolve()
+    check_run_dir(run_dir, "", option="--run-dir")
+    check_port_free(metrics_port, "--metrics-port")
     if any((run_dir / "checkpoints").glob("step-*")):
         raise ConfigError(
             f"{run_dir}: already holds the checkpoints of an earlier run; the demo trains from scratch. "

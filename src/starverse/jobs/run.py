@@ -80,6 +80,7 @@ class JobResult:
             "checkpoint_interval": self.checkpoint_interval, "run_dir": str(self.run_dir),
             "checkpoints": str(self.checkpoints), "metrics_url": self.metrics_url,
             "bill": self.bill.as_dict() if self.bill is not None else None,
+            "pipeline": self.fit.pipeline.as_dict() if self.fit is not None and self.fit.pipeline else None,
         }
 
 

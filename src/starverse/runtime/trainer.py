@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from starverse.errors import ConfigError
+from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback
 from starverse.runtime.data import (
     HFTokenizer,
@@ -37,9 +38,14 @@ from starverse.runtime.hetero_dp import proportional_shares
 from starverse.runtime.launch import Launcher, RankSpec, launch, resolve_launcher
 from starverse.runtime.lora import apply_mode
 from starverse.runtime.parallel.parallelize import check_parallel_plan
+from starverse.runtime.parallel.pipeline import micro_batch_count_error, min_micro_batches
+from starverse.runtime.parallel.pipeline_layout import PipelineLayout
+from starverse.runtime.parallel.pipeline_report import PipelineReport, pipeline_report
+from starverse.runtime.parallel.pipeline_split import as_module
+from starverse.runtime.plan_check import check_model, check_ranks
 from starverse.runtime.rank_loop import FitJob, RankResult, train_rank
 from starverse.runtime.runlog import EVAL_FILE, EvalCallback, ProgressCallback, RunLogCallback
-from starverse.runtime.steps import LossFn, flops_per_token
+from starverse.runtime.steps import LossFn, config_int, flops_per_token
 
 if TYPE_CHECKING:
     from starverse.runtime.cluster import Cluster
@@ -109,6 +115,8 @@ class FitResult:
     """Mean token loss on the held-out split at the end (None: no held-out split, ``Trainer.eval_fraction``)."""
     eval_perplexity: float | None = None
     """``exp(eval_loss)``."""
+    pipeline: PipelineReport | None = None
+    """Per stage time per micro-batch, bubble and state bytes, beside the cost model's (None: no pipeline)."""
 
     def summary_lines(self) -> list[str]:
         """Human-readable summary (the CLI prints these)."""
@@ -125,6 +133,8 @@ class FitResult:
             )
         if len(self.shares_history) > 1:
             lines.append("  shares: " + " -> ".join(f"{list(s)}@{st}" for st, s in self.shares_history))
+        if self.pipeline is not None:
+            lines.extend(self.pipeline.summary_lines())
         if self.eval_loss is not None:
             lines.append(f"  held-out: loss {self.eval_loss:.4f}, perplexity {self.eval_perplexity:.2f}")
         if self.stop_reason:
@@ -192,7 +202,7 @@ class Trainer:
 
     def fit(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
         dataset: Any = None,
         per_device_batch_size: int = 1,
         max_steps: int = 100,
@@ -215,16 +225,25 @@ class Trainer:
         tokenizer when it has one, else bpe sized to the model's vocabulary). The plan's ``train.mode`` lora /
         qlora puts adapters on ``model`` first (in place). ``precision``: None takes the plan's
         (bf16 autocast where the device supports it). ``resume_from``: see ``Callback.on_resume``.
+        ``model`` may be a list of blocks (or an ``nn.Sequential``: the first takes token ids, the last returns
+        logits); a plan with pipeline stages splits it by the stages' ``layers``, as it splits the decoder blocks
+        of a bundled family. The plan is checked against the ranks and the model first (see ``plan_check``).
         After ``fit`` the user's ``model`` holds the trained weights.
         """
-        from starverse.runtime.cluster import accelerate
+        from starverse.runtime.cluster import accelerate, estimate_or_none
 
         cluster = self.cluster or accelerate()
         plan = cluster.plan
         ranks = list(cluster.ranks)
         world = len(ranks)
+        if isinstance(model, (list, tuple)):
+            model = as_module(list(model))
         if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module (got {type(model).__name__}).")
+            raise ConfigError(f"model must be a torch.nn.Module or a list of blocks (got {type(model).__name__}).")
+        check_ranks(plan, ranks, "the cluster's plan")
+        check_model(plan, model, "the cluster's plan")
+        layout = PipelineLayout.from_plan(plan)
+        _check_runs(plan, layout, loss_fn)
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
                 f"the model ({type(model).__name__}) has no trainable parameters. To fix: pass a model with "
@@ -245,8 +264,15 @@ class Trainer:
                 "To fix: choose a batch size that divides it, or pass global_batch=."
             )
         num_micro = gb // per_device_batch_size
-        init_shares = _initial_shares(cluster, num_micro, shares)
+        init_shares = _initial_shares(cluster, layout, num_micro, shares)
         check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares)
+        t = plan.train
+        if layout.is_pipelined and (t.zero_stage or t.offload != "none" or t.recompute != "none"):
+            raise ConfigError(
+                f"the cluster's plan: train: zero_stage {t.zero_stage}, offload {t.offload}, recompute {t.recompute} "
+                "are not applied inside pipeline stages yet. To fix: zero_stage: 0, offload: none, recompute: none "
+                "for a pipelined plan, or one stage per replica."
+            )
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
@@ -283,6 +309,11 @@ class Trainer:
         callbacks += [*self.callbacks, RunLogCallback(self.tensorboard)]
         if self.progress:
             callbacks.append(ProgressCallback(self.log_every))
+        if layout.is_pipelined and packed.labels is not None:
+            raise ConfigError(
+                "chat data (masked labels) is not trained with pipeline stages yet (the last stage scores every "
+                "next token). To fix: use one stage per group, or plain text data."
+            )
         tokens_path = run_dir / "data" / "tokens.npy"
         np.save(tokens_path, packed.tokens)
         labels_path = _save_array(run_dir / "data" / "labels.npy", packed.labels)
@@ -315,7 +346,11 @@ class Trainer:
         final = run_dir / FINAL_WEIGHTS
         if final.is_file():  # adapters only for LoRA (the frozen base is unchanged)
             model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True), strict=lora is None)
-        return _summarise(results, job, ranks)
+        report = None
+        if layout.is_pipelined:
+            est = cluster.estimate if cluster.estimate is not None else estimate_or_none(plan)
+            report = pipeline_report(layout, results, [r.device_kind for r in ranks], est)
+        return _summarise(results, job, ranks, report)
 
 
 def _save_array(path: Path, arr: np.ndarray | None) -> Path | None:
@@ -326,12 +361,7 @@ def _save_array(path: Path, arr: np.ndarray | None) -> Path | None:
 
 
 def _max_positions(model: torch.nn.Module) -> int | None:
-    cfg = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int):
-            return v
-    return None
+    return config_int(model, "max_position_embeddings", "n_positions", "max_seq_len")
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
@@ -342,16 +372,54 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
     return emb[0].num_embeddings if emb else None
 
 
-def _initial_shares(cluster: Cluster, num_micro: int, shares: Sequence[int] | None) -> list[int]:
-    world = len(cluster.ranks)
+def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> None:
+    """What this runtime does not run yet, refused rather than silently run as something else."""
+    for gi, g in enumerate(plan.groups):
+        for si, s in enumerate(g.stages):
+            if s.tp > 1:
+                raise ConfigError(
+                    f"the cluster's plan: groups[{gi}].stages[{si}].tp: {s.tp}: tensor parallelism is not run by this "
+                    "runtime yet. To fix: use tp: 1 (more replicas or pipeline stages instead)."
+                )
+    if layout.is_pipelined and loss_fn is not None:
+        raise ConfigError(
+            "loss_fn= cannot be used with pipeline stages (the last stage scores logits with next-token "
+            "cross-entropy). To fix: drop loss_fn, or use one stage per group."
+        )
+    if layout.is_pipelined and plan.train.mode != "full":
+        raise ConfigError(
+            f"the cluster's plan: train.mode: {plan.train.mode} is not run with pipeline stages yet. To fix: use "
+            "one stage per group for LoRA / QLoRA, or mode: full."
+        )
+
+
+def _initial_shares(
+    cluster: Cluster, layout: PipelineLayout, num_micro: int, shares: Sequence[int] | None
+) -> list[int]:
+    """Micro-batches per data-parallel replica (per rank without pipelines) at the start."""
+    schedule = cluster.plan.train.schedule
+    low = [min_micro_batches(schedule, layout.num_stages(g)) for g in layout.replica_group]
+    units = layout.num_replicas
     if shares is not None:
         shares = [int(s) for s in shares]
-        if len(shares) != world or sum(shares) != num_micro or min(shares) < 1:
+        what = "ranks" if not layout.is_pipelined else "pipeline replicas"
+        if len(shares) != units or sum(shares) != num_micro or any(s < lo for s, lo in zip(shares, low, strict=True)):
             raise ConfigError(
-                f"shares {shares} must give each of the {world} ranks >= 1 micro-batch and sum to {num_micro}."
+                f"shares {shares} must give each of the {units} {what} >= {max(low)} micro-batch(es) and sum to "
+                f"{num_micro}."
             )
-        return shares
-    return proportional_shares(num_micro, cluster.rank_weights())
+    elif not layout.is_pipelined:
+        shares = proportional_shares(num_micro, cluster.rank_weights())
+    else:
+        weights = [
+            (cluster.plan.groups[g].batch_share or 1.0) / cluster.plan.groups[g].replicas for g in layout.replica_group
+        ]
+        shares = proportional_shares(num_micro, weights, low)
+    for g, n in zip(layout.replica_group, shares, strict=True):
+        why = micro_batch_count_error(schedule, layout.num_stages(g), n)
+        if why is not None:
+            raise ConfigError(f"the cluster's plan: train.schedule: {why}. To fix: change the global batch or shares.")
+    return shares
 
 
 def _peak_tflops(kind: str, precision: str, device: str) -> float | None:
@@ -374,7 +442,9 @@ def _peak_tflops(kind: str, precision: str, device: str) -> float | None:
     return value if value > 0 and math.isfinite(value) else None
 
 
-def _summarise(results: list[RankResult], job: FitJob, ranks: list[RankSpec]) -> FitResult:
+def _summarise(
+    results: list[RankResult], job: FitJob, ranks: list[RankSpec], pipeline: PipelineReport | None = None
+) -> FitResult:
     r0 = results[0]
     per_rank = []
     achieved = 0.0
@@ -397,6 +467,6 @@ def _summarise(results: list[RankResult], job: FitJob, ranks: list[RankSpec]) ->
         ranks=tuple(per_rank), shares_history=r0.shares_history,
         micro_batch=job.micro_batch, global_batch=job.global_batch, seq_len=job.seq_len,
         stop_reason=r0.stop_reason, run_dir=job.run_dir, step_time_s=step_s,
-        step_times_s=r0.step_times,
+        step_times_s=r0.step_times, pipeline=pipeline,
         eval_loss=ev["loss"] if ev else None, eval_perplexity=ev["perplexity"] if ev else None,
     )

@@ -107,19 +107,21 @@ class ParallelModel:
 
     @property
     def syncs_own_gradients(self) -> bool:
-        """Gradients are reduced by FSDP over the data-parallel mesh (the trainer must not all-reduce them)."""
-        return self.zero is not None
+        """It reduces its gradients itself (FSDP2 in the backward under ZeRO, :meth:`sync_gradients` for tensor
+        parallel): the trainer's all-reduce over every rank must not run (it would sum different TP shards)."""
+        return self.zero is not None or self.config.tp > 1
 
-    # Where the rank loop holds a gradient sync (hetero DP's ``GradientSync``), a sharded model stands in:
-    # FSDP2 reduces the gradients inside the backward, so there is nothing to arm or finish.
+    # Where the rank loop holds a gradient sync (hetero DP's ``GradientSync``), a parallel model stands in.
     blocked_s: float = 0.0
-    """Time blocked in a separate gradient reduction (none: FSDP2's is inside the backward, counted as compute)."""
+    """Time blocked in a separate gradient reduction (FSDP2's is inside the backward, counted as compute)."""
 
     def arm(self) -> None:
         """Nothing to arm: FSDP2 reduce-scatters during the backward (see :meth:`before_micro_batch`)."""
 
     def finish(self) -> None:
-        """Nothing to wait for: the backward returned with the gradients reduced."""
+        """After the last backward: sum the gradients over the replicas where FSDP2 did not (see
+        :meth:`sync_gradients`)."""
+        self.sync_gradients()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to ``max_norm`` (0: only measure); returns the global norm (see :func:`clip_grad_norm`)."""
