@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean install
+.PHONY: demo test lint typecheck bench clean install docs
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# the planner's verdict and benchmark tables in README.md and docs/planner.md, from the real commands' --json
+# (benchmark figures: from benchmarks/results/bench_plan.json, written by `bench_plan.py --save`)
+docs: $(STAMP)
+	$(BIN)/python scripts/make_docs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,10 +1,14 @@
 """Throughput of the cost model: 100,000 candidate Llama-2-70B groups through the batch API vs the scalar
-``estimate()`` in a loop over a sample. Prints one JSON object (ratios measured in the same run)."""
+``estimate()`` in a loop over a sample; and the accuracy of a measured profile: two plans of the demo model
+(Llama-2-7B scaled down, CPU) estimated from a ``probe`` profile against their measured step times. Prints
+one JSON object (ratios measured in the same run)."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -74,7 +78,9 @@ def main() -> None:
     scalar_s = time.perf_counter() - t0
     per_s_batch = N_BATCH / batch_s
     per_s_scalar = N_SCALAR / scalar_s
+    profile = profile_accuracy(catalog)
     print(json.dumps({
+        **profile,
         "plans_per_s_batch": round(per_s_batch),
         "plans_per_s_batch_median": round(N_BATCH / sorted(times)[len(times) // 2]),
         "plans_per_s_scalar": round(per_s_scalar, 1),
@@ -83,6 +89,74 @@ def main() -> None:
         "scalar_sample": N_SCALAR,
         "target_plans_per_s_batch": 500_000,
     }))
+
+
+DEMO_PLANS = ((1, 8), (4, 2))
+"""(micro_batch, micro-batches per step) of the two demo plans: the same 8 sequences per step."""
+SEQ_LEN = 128
+
+
+def _measured_step_s(cfg: dict, micro_batch: int, num_micro: int, steps: int = 8) -> float:
+    """Median of ``steps`` real training steps (forward, backward per micro-batch, AdamW) on one CPU rank (the
+    profile's times are medians too: a shared machine's noise then biases neither side)."""
+    import torch
+
+    from starverse.runtime.modeling import build_model
+
+    model = build_model(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, int(cfg["vocab_size"]), (micro_batch, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        for _ in range(num_micro):
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:  # the first step allocates the optimizer state
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def profile_accuracy(catalog: object) -> dict[str, float]:
+    """Estimated (with a probe profile, and without) vs measured step time of the two demo plans."""
+    import torch
+
+    from starverse.runtime.modeling import scale_config
+    from starverse.runtime.probe import probe_model, write_json
+
+    torch.set_num_threads(1)  # one CPU rank's threads, the same for the profile and the measured steps
+    cfg = scale_config("meta-llama/Llama-2-7b-hf", max_params=3_000_000, vocab_size=2048)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "demo.json").write_text(json.dumps(cfg))
+        spec = load_model(str(Path(tmp) / "demo.json"))
+
+        def demo_plan(mb: int, m: int, profiles: dict[str, str]) -> Plan:
+            return parse(Plan, {"model": str(Path(tmp) / "demo.json"),
+                                "train": {"seq_len": SEQ_LEN, "global_batch": mb * m, "precision": "fp32"},
+                                "groups": [{"replicas": 1, "micro_batch": mb, "stages": [
+                                    {"accelerator": "cpu", "layers": spec.num_layers}]}],
+                                "network": {"profiles": profiles}}, "demo.yaml")
+
+        both = parse(Plan, {"model": "x", "train": {"seq_len": SEQ_LEN, "global_batch": 8, "precision": "fp32"},
+                            "groups": [{"micro_batch": mb, "stages": [{"accelerator": "cpu", "layers": 1}]}
+                                       for mb, _ in DEMO_PLANS]}, "both.yaml")
+        prof = write_json(probe_model(both, spec, "cpu", "cpu", repeats=10), Path(tmp) / "cpu-profile.json")
+        out: dict[str, float] = {}
+        errors, analytic = [], []
+        for mb, m in DEMO_PLANS:
+            measured = _measured_step_s(dict(spec.hf_config), mb, m)
+            with_profile = estimate(demo_plan(mb, m, {"cpu": str(prof)}), catalog, spec).step_time_s
+            without = estimate(demo_plan(mb, m, {}), catalog, spec).step_time_s
+            errors.append(with_profile / measured - 1.0)
+            analytic.append(without / measured - 1.0)
+            out[f"demo_mb{mb}_measured_step_s"] = round(measured, 4)
+            out[f"demo_mb{mb}_profile_step_s"] = round(with_profile, 4)
+        out["profile_step_error_max"] = round(max(abs(e) for e in errors), 3)
+        out["analytic_step_error_max"] = round(max(abs(e) for e in analytic), 3)
+        out["target_profile_step_error_max"] = 0.10
+    return out
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Prints one JSON object. Targets (issue 6): ``events_per_s`` >= 5,000 with WAL and synchronous=NORMAL,
 each event its own committed transaction; ``bill_1m_rows_s`` <= 1 s. Each figure comes with a baseline
 measured in the same run on the same disk: a plain one-row-per-commit INSERT loop at the same durability
-(for events), a bare ``SELECT SUM`` over the charge rows (for the bill).
+(for events), a bare ``SELECT SUM`` over the charge rows (for the bill). Case and baseline alternate over
+rounds (A B B A ...); each figure is the median with the spread of the rounds (``*_spread``), and a part that
+fails says so in the JSON instead of crashing the run (``_common.py``).
 """
 
 from __future__ import annotations
@@ -12,18 +14,23 @@ import json
 import os
 import random
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
+from _common import Report, interleave, paired_ratio, spread
 from starverse.billing import EventKind, LeasePricing, Ledger, PricingMode, check_ledger, make_bill
+from starverse.billing.schema import verify
 
 T0 = 1_700_000_000
 NUM_EVENTS = 6000
-REPEATS = 3
+ROUNDS = 4
+"""Rounds of each interleaved comparison (``BENCH_ROUNDS`` overrides)."""
 BILL_LEASES, BILL_SEGMENTS = 2000, 500  # 1,000,000 price segments -> >= 1,000,000 charge rows
 
 
@@ -90,66 +97,87 @@ def build_bill_ledger(path: Path) -> int:
 
 
 def main() -> None:
-    out: dict[str, object] = {}
+    report = Report()
+    rounds = int(os.environ.get("BENCH_ROUNDS", str(ROUNDS)))
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        # best of 3 for every timed figure, baseline included: on a shared machine the minimum is the
-        # least disturbed run
-        evs = [bench_events(tmp / f"events{i}.sqlite") for i in range(REPEATS)]
-        ev = max(evs, key=lambda e: e["events_per_s"])
-        base = max(bench_plain_inserts(tmp / f"plain{i}.sqlite") for i in range(REPEATS))
-        out["events_per_s"] = round(ev["events_per_s"])
-        # on a shared machine the wall figure is mostly waiting for a core: the CPU-time rate says what one
-        # free core would do (load average printed below)
-        out["events_per_cpu_s"] = round(ev["events_per_cpu_s"])
-        out["plain_insert_per_s"] = round(base)
-        out["events_vs_plain_insert_ratio"] = round(ev["events_per_s"] / base, 3)
-        out["events_target_met"] = ev["events_per_s"] >= 5000
+        runs = iter(range(10**6))
+        cpu_rates: list[float] = []
+
+        def events() -> float:
+            ev = bench_events(tmp / f"events{next(runs)}.sqlite")
+            cpu_rates.append(ev["events_per_cpu_s"])
+            return ev["events_per_s"]
+
+        with report.part("events"):
+            # the API and the bare INSERT loop alternate (A B B A ...): the ratio is taken per round
+            samples = interleave({"events": events, "plain": lambda: bench_plain_inserts(
+                tmp / f"plain{next(runs)}.sqlite")}, rounds)
+            report.figure("events_per_s", spread(samples["events"]))
+            # on a shared machine the wall figure is mostly waiting for a core: the CPU-time rate says what one
+            # free core would do
+            report.figure("events_per_cpu_s", spread(cpu_rates))
+            report.figure("plain_insert_per_s", spread(samples["plain"]))
+            report.figure("events_vs_plain_insert_ratio", paired_ratio(samples["events"], samples["plain"]))
+            report.figure("events_target_met", statistics.median(samples["events"]) >= 5000)
 
         db = tmp / "bill.sqlite"
         t = time.perf_counter()
         rows = build_bill_ledger(db)
-        out["bill_build_s"] = round(time.perf_counter() - t, 2)
-        out["charge_rows"] = rows
+        report.figure("bill_build_s", round(time.perf_counter() - t, 2))
+        report.figure("charge_rows", rows)
         conn = sqlite3.connect(db)
-        raw = float("inf")
-        for _ in range(REPEATS):
+
+        def raw_scan() -> float:
             t = time.perf_counter()
             conn.execute("SELECT SUM(ticks), SUM(seconds) FROM charges").fetchone()
-            raw = min(raw, time.perf_counter() - t)
-        conn.close()
-        out["raw_sum_scan_s"] = round(raw, 4)
-        with Ledger.open(db) as led:
-            for by in ("job", "device", "mode", "day"):
-                best = float("inf")
-                for _ in range(REPEATS):
+            return time.perf_counter() - t
+
+        with report.part("bill_inprocess"), Ledger.open(db) as led:
+            def bill_by(by: str) -> Callable[[], float]:
+                def run() -> float:
                     t = time.perf_counter()
                     make_bill(led, by)
-                    best = min(best, time.perf_counter() - t)
-                out[f"bill_{by}_inprocess_s"] = round(best, 4)
+                    return time.perf_counter() - t
+                return run
+
+            samples = interleave({"raw": raw_scan, **{by: bill_by(by) for by in ("job", "device", "mode", "day")}},
+                                 rounds)
+            for by in ("job", "device", "mode", "day"):
+                report.figure(f"bill_{by}_inprocess_s", spread(samples[by]))
+            report.figure("raw_sum_scan_s", spread(samples["raw"]))
+            report.figure("bill_vs_raw_scan_ratio", paired_ratio(samples["job"], samples["raw"]))
             t = time.perf_counter()
             assert check_ledger(led).ok
-            out["check_1m_rows_s"] = round(time.perf_counter() - t, 2)  # re-rates every lease in Python
+            report.figure("check_1m_rows_s", round(time.perf_counter() - t, 2))  # re-rates every lease in Python
+        conn.close()
+
         cli = str(Path(sys.executable).with_name("starverse"))
         subprocess.run([cli, "version"], check=True, capture_output=True)  # warm the page cache / imports
-        startup = cli_s = float("inf")
-        for _ in range(REPEATS):
+
+        def timed(*args: str) -> Callable[[], float]:
+            def run() -> float:
+                t = time.perf_counter()
+                res = subprocess.run([cli, *args], check=True, capture_output=True, text=True)
+                if args[0] == "bill":
+                    assert json.loads(res.stdout)["totals"][0]["charge_ticks"] > 0
+                return time.perf_counter() - t
+            return run
+
+        with report.part("bill_cli"):
+            # the CLI opens the ledger read-only after SQLite's quick_check of every page (issue 15)
+            samples = interleave({"startup": timed("version"), "bill": timed("bill", "--db", str(db), "--json")},
+                                 rounds)
+            report.figure("bill_1m_rows_s", spread(samples["bill"]))
+            report.figure("cli_startup_s", spread(samples["startup"]))
+            report.figure("bill_1m_rows_minus_startup_s",
+                          spread([b - s for b, s in zip(samples["bill"], samples["startup"], strict=True)]))
+            report.figure("bill_target_met", statistics.median(samples["bill"]) <= 1.0)
+        with report.part("quick_check"):
             t = time.perf_counter()
-            subprocess.run([cli, "version"], check=True, capture_output=True)
-            startup = min(startup, time.perf_counter() - t)
-            t = time.perf_counter()
-            res = subprocess.run([cli, "bill", "--db", str(db), "--json"], check=True, capture_output=True, text=True)
-            cli_s = min(cli_s, time.perf_counter() - t)
-        total = json.loads(res.stdout)["totals"][0]["charge_ticks"]
-        assert total > 0
-        out["bill_1m_rows_s"] = round(cli_s, 3)
-        out["cli_startup_s"] = round(startup, 3)
-        out["bill_1m_rows_minus_startup_s"] = round(cli_s - startup, 3)
-        out["bill_vs_raw_scan_ratio"] = round(out["bill_job_inprocess_s"] / raw, 2)  # type: ignore[operator]
-        out["bill_target_met"] = cli_s <= 1.0
-    out["load_average_1m"] = round(os.getloadavg()[0], 2)
-    out["cpus"] = os.cpu_count()
-    print(json.dumps(out))
+            verify(db)
+            report.figure("quick_check_1m_rows_s", round(time.perf_counter() - t, 3))
+    report.emit()
 
 
 if __name__ == "__main__":

@@ -4,26 +4,34 @@ Prints ONE JSON object; each figure is a ratio against a baseline measured in th
 
 - ``ddp_ratio``: Starverse hetero-DP throughput / ``DistributedDataParallel`` throughput, 2 equal CPU ranks,
   same model (the demo's scaled Llama), same micro-batches and global batch, same AdamW + clipping.
-  Target >= 0.95. Methods alternate (A B A B) and each keeps its best run, so load from other
-  processes on the machine hits both alike.
+  Target >= 0.95. The two alternate (A B B A ..., ``BENCH_ROUNDS`` rounds, default 4) and the ratio is taken
+  per round, so load from other processes on the machine hits both alike; the median is reported with the
+  spread of the rounds (``*_spread``: min, max, (max - min) / median).
 - ``straggler_balanced_vs_ideal``: rank 1 slowed 3x (``starverse.testing.SlowRank``), rebalancing on:
   job throughput after the last rebalance / ideal aggregate (sum of the ranks' measured compute
   throughputs in the same run). Target >= 0.85.
 - ``straggler_even_vs_ideal``: the same with shares kept even (rebalancing off); about 0.5 expected.
 - ``estimate_step_time_error``: ``starverse.costmodel.estimate`` step time for the demo plan with a fresh
-  probe profile / measured median step time - 1. Target within +-0.25.
+  probe profile / measured median step time - 1, a fresh probe and a measured run per round. Target
+  within +-0.25.
+
+Every figure is the median over rounds with its spread; a part that fails or has nothing to measure (a
+rebalance so late that no steady-state steps are left) says so in the JSON (``*_error``, ``*_too_short``)
+instead of crashing the run (see ``_common.py``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _common import Report, TooShort, interleave, paired_ratio, spread
 
 SEQ, MB, GB = 128, 2, 16
 VOCAB = 8192
@@ -90,7 +98,11 @@ def _tokens(n: int) -> Any:
 
 
 def _steady_tps(res: Any, after_step: int = 1) -> float:
+    """Tokens/s over the steps after ``after_step`` (at least 3 of them, else :class:`TooShort`)."""
     times = list(res.step_times_s)[after_step:]
+    if len(times) < 3 or sum(times) <= 0:
+        raise TooShort(f"{len(times)} steady-state steps after step {after_step} of {len(res.step_times_s)}; "
+                       "need 3 (the last rebalance came too late)")
     return res.global_batch * res.seq_len * len(times) / sum(times)
 
 
@@ -103,7 +115,8 @@ def main() -> None:
     from starverse.runtime.trainer import Trainer
     from starverse.testing import SlowRank
 
-    out: dict[str, Any] = {}
+    report = Report()
+    rounds = int(os.environ.get("BENCH_ROUNDS", "4"))
     work = Path(tempfile.mkdtemp(prefix="bench-runtime-"))
     cluster = _demo_cluster()
     with cluster.mixed_mesh():
@@ -111,69 +124,81 @@ def main() -> None:
     tokens = _tokens(400 * SEQ * GB // 8)
     model_path = work / "model.pt"
     torch.save(model, model_path)
+    runs = iter(range(10**6))
 
-    # --- ddp_ratio: A B A B, best of each -------------------------------------------------------
+    def fresh() -> Any:
+        return torch.load(model_path, weights_only=False)
+
+    # --- ddp_ratio: ours and DDP alternate (A B B A ...), the ratio taken per round ---------------
     steps = 25
-    ours: list[float] = []
-    ddp: list[float] = []
-    for rep in range(3):
-        # Whole training loops (every collective, vote and callback included), first step excluded.
-        res = Trainer(cluster, run_dir=work / f"ours{rep}", lr=1e-3, rebalance_every=0).fit(
-            torch.load(model_path, weights_only=False), dataset=[torch.from_numpy(tokens)], per_device_batch_size=MB,
-            max_steps=steps, seq_len=SEQ, global_batch=GB,
-        )
-        ours.append(GB * SEQ * (steps - 1) / (res.wall_s - res.step_times_s[0]))
-        walls = launch(_ddp_rank, list(cluster.ranks), timeout_s=600, args=(str(model_path), tokens, steps))
-        ddp.append(GB * SEQ * (steps - 1) / max(w - first for w, first in walls))
-    out["ddp_ratio"] = max(ours) / max(ddp)
-    out["ddp_tokens_per_s"] = max(ddp)
-    out["hetero_dp_tokens_per_s"] = max(ours)
 
+    def ours() -> float:
+        # The whole training loop (every collective, vote and callback included), first step excluded.
+        res = Trainer(cluster, run_dir=work / f"ours{next(runs)}", lr=1e-3, rebalance_every=0).fit(
+            fresh(), dataset=[torch.from_numpy(tokens)], per_device_batch_size=MB, max_steps=steps, seq_len=SEQ,
+            global_batch=GB,
+        )
+        return GB * SEQ * (steps - 1) / (res.wall_s - res.step_times_s[0])
+
+    def ddp() -> float:
+        walls = launch(_ddp_rank, list(cluster.ranks), timeout_s=600, args=(str(model_path), tokens, steps))
+        return GB * SEQ * (steps - 1) / max(w - first for w, first in walls)
+
+    with report.part("ddp_ratio"):
+        samples = interleave({"ours": ours, "ddp": ddp}, rounds)
+        report.figure("ddp_ratio", paired_ratio(samples["ours"], samples["ddp"]))
+        report.figure("ddp_tokens_per_s", spread(samples["ddp"]))
+        report.figure("hetero_dp_tokens_per_s", spread(samples["ours"]))
     if "--only-ddp" in sys.argv:
-        print(json.dumps(out))
+        report.emit()
         return
-    # --- stragglers: rank 1 three times slower ---------------------------------------------------
-    def straggle(rebalance_every: int, tag: str) -> tuple[float, Any]:
-        res = Trainer(cluster, callbacks=[SlowRank(1, 3.0)], run_dir=work / tag, lr=1e-3,
+
+    # --- stragglers: rank 1 three times slower, balanced and even alternating ----------------------
+    final_shares: list[Any] = []
+
+    def straggle(rebalance_every: int) -> float:
+        res = Trainer(cluster, callbacks=[SlowRank(1, 3.0)], run_dir=work / f"straggle{next(runs)}", lr=1e-3,
                       rebalance_every=rebalance_every, hysteresis=0.05).fit(
-            torch.load(model_path, weights_only=False), dataset=[torch.from_numpy(tokens)], per_device_batch_size=1,
-            max_steps=30, seq_len=SEQ, global_batch=GB,
+            fresh(), dataset=[torch.from_numpy(tokens)], per_device_batch_size=1, max_steps=30, seq_len=SEQ,
+            global_batch=GB,
         )
         last_change = res.shares_history[-1][0]
-        tps = _steady_tps(res, max(2, last_change + 1))
-        ideal = sum(r.tokens_per_s for r in res.ranks)
-        return tps / ideal, res
+        if rebalance_every:
+            final_shares.append(list(res.shares_history[-1][1]))
+        return _steady_tps(res, max(2, last_change + 1)) / sum(r.tokens_per_s for r in res.ranks)
 
-    bal, res_b = straggle(5, "balanced")
-    even, _ = straggle(0, "even")
-    out["straggler_balanced_vs_ideal"] = bal
-    out["straggler_even_vs_ideal"] = even
-    out["straggler_final_shares"] = list(res_b.shares_history[-1][1])
+    with report.part("straggler"):
+        samples = interleave({"balanced": lambda: straggle(5), "even": lambda: straggle(0)}, max(2, rounds // 2))
+        report.figure("straggler_balanced_vs_ideal", spread(samples["balanced"]))
+        report.figure("straggler_even_vs_ideal", spread(samples["even"]))
+        report.figure("straggler_final_shares", final_shares[-1])
 
-    # --- cost model vs measured, with a fresh probe profile ---------------------------------------
-    try:
-        from starverse.catalog import load_catalog
-        from starverse.costmodel import estimate
-        from starverse.runtime.probe import probe
+    # --- cost model vs measured: a fresh probe profile and a measured run per round ----------------
+    from starverse.catalog import load_catalog
+    from starverse.costmodel import estimate
+    from starverse.runtime.probe import probe
 
-        prof = probe(list(cluster.ranks)).write(work / "profile.json")
-        cat = load_catalog(profile=prof)
+    def predict() -> float:
+        prof = probe(list(cluster.ranks)).write(work / f"profile{next(runs)}.json")
         plan = cluster.plan
         plan = plan.model_copy(update={"groups": [g.model_copy(update={"micro_batch": MB}) for g in plan.groups]})
-        predicted = estimate(plan, catalog=cat).step_time_s
-        res = Trainer(cluster, run_dir=work / "measure", lr=1e-3, rebalance_every=0).fit(
-            torch.load(model_path, weights_only=False), dataset=[torch.from_numpy(tokens)], per_device_batch_size=MB,
-            max_steps=20, seq_len=SEQ, global_batch=GB,
+        return estimate(plan, catalog=load_catalog(profile=prof)).step_time_s
+
+    def measure() -> float:
+        res = Trainer(cluster, run_dir=work / f"measure{next(runs)}", lr=1e-3, rebalance_every=0).fit(
+            fresh(), dataset=[torch.from_numpy(tokens)], per_device_batch_size=MB, max_steps=20, seq_len=SEQ,
+            global_batch=GB,
         )
-        measured = statistics.median(res.step_times_s[2:])
-        out["estimate_step_time_error"] = predicted / measured - 1.0
-        out["estimate_step_time_s"] = predicted
-        out["measured_step_time_s"] = measured
-    except Exception as e:  # the cost model is another engineer's part: report why it is missing
-        out["estimate_step_time_error"] = None
-        out["estimate_step_time_error_reason"] = f"{e.__class__.__name__}: {e}"
-    print(json.dumps(out))
+        return statistics.median(res.step_times_s[2:])
+
+    with report.part("estimate_step_time_error"):
+        samples = interleave({"predicted": predict, "measured": measure}, max(2, rounds // 2))
+        errors = [a / b - 1.0 for a, b in zip(samples["predicted"], samples["measured"], strict=True)]
+        report.figure("estimate_step_time_error", spread(errors))
+        report.figure("estimate_step_time_s", spread(samples["predicted"]))
+        report.figure("measured_step_time_s", spread(samples["measured"]))
+    report.emit()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

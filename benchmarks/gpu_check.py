@@ -9,6 +9,12 @@ Prints ONE JSON object: the measured dense bf16 matmul peak of the GPU, the trai
 ``mfu_vs_measured_peak`` = model FLOP/s (6N + attention, as in ``FitResult``) / measured peak
 (target >= 0.40), plus ``mfu_vs_datasheet`` when the catalog knows the device. Without CUDA it prints
 ``{"skipped": "no CUDA device"}`` and exits 0.
+
+``fsdp2_ac`` (issue 10): the same model sharded with FSDP2 (``runtime/parallel``: ZeRO-3, bf16 parameters
+with fp32 reduction) and full activation checkpointing of every decoder block, trained with a plain loop on
+the one GPU (a world of one rank: FSDP2's gathers are local copies, the point is that the path runs and what
+it costs); reports its MFU against the same measured peak and its peak device memory. ``--dry-run-cpu``
+runs both checks on one CPU rank with a tiny model (no figures of value).
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # TinyLlama-1.1B's shape: 22 layers, hidden 2048, GQA 32/4 heads, SwiGLU 5632, vocab 32000.
-LLAMA_1B = {
+LLAMA_1B: dict[str, Any] = {
     "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
     "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
@@ -94,8 +101,72 @@ def main() -> int:
         "mfu_vs_measured_peak": achieved_tflops / peak,
         "mfu_vs_datasheet": res.mfu,
     }
+    out["fsdp2_ac"] = fsdp2_ac_check(config, args, device, peak)
     print(json.dumps(out))
     return 0
+
+
+def fsdp2_ac_check(config: dict[str, Any], args: argparse.Namespace, device: Any, peak_tflops: float) -> dict[str, Any]:
+    """FSDP2 (ZeRO-3) + full recompute of ``config`` on ``device`` in a world of one rank: MFU and memory."""
+    import socket
+    import time
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import starverse
+    from starverse.runtime.parallel.parallelize import ParallelConfig, clip_grad_norm, group_mesh, parallelize
+    from starverse.runtime.steps import flops_per_token
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    try:
+        model = starverse.build_model(config)
+        fpt = flops_per_token(model, args.seq_len)
+        low = torch.bfloat16 if device.type == "cuda" else torch.float32
+        pm = parallelize(model.to(device), ParallelConfig(zero_stage=3, recompute="full"),
+                         group_mesh(device.type, 1, 1),
+                         mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
+        opt = torch.optim.AdamW(pm.model.parameters(), lr=3e-4, fused=device.type == "cuda")
+        rng = np.random.default_rng(0)
+        times, losses = [], []
+        for _ in range(args.steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for k in range(args.accum):
+                pm.before_micro_batch(k, args.accum)
+                ids = torch.from_numpy(rng.integers(0, int(config["vocab_size"]), (args.batch, args.seq_len))).to(device)
+                loss = pm.model(input_ids=ids, labels=ids).loss / args.accum
+                loss.backward()
+            clip_grad_norm(pm.model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()) * args.accum)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        steady = times[2:] or times[1:] or times
+        tokens_per_s = args.batch * args.accum * args.seq_len * len(steady) / sum(steady)
+        achieved = tokens_per_s * fpt / 1e12
+        return {
+            "zero_stage": 3, "recompute": "full", "param_dtype": str(low).removeprefix("torch."),
+            "steps": args.steps, "final_loss": losses[-1], "tokens_per_s": tokens_per_s,
+            "step_time_s": float(np.median(steady)), "achieved_tflops": achieved,
+            # Full recompute runs each block's forward twice; MFU counts model FLOPs only (6N + attention).
+            "mfu_vs_measured_peak": achieved / peak_tflops,
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        }
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

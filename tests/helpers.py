@@ -6,9 +6,12 @@ local launcher's spawned ranks and the Ray provider's actors inherit the caller'
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,3 +57,59 @@ def new_user_env(tmp: Path) -> dict[str, str]:
     for k in ("STARVERSE_CATALOG", "STARVERSE_PROFILE", "STARVERSE_LEDGER", "XDG_DATA_HOME"):
         env.pop(k, None)
     return env
+
+
+CORPUS = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. " * 60
+"""A small repetitive corpus a tiny model learns quickly."""
+
+
+def save_tiny_pretrained(folder: Path, text: str = CORPUS, *, vocab: int = 300, layers: int = 2, seed: int = 0):
+    """A tiny Llama with its own BPE tokenizer, written with ``save_pretrained`` (no downloads); returns the model.
+
+    The tokenizer is trained on ``text`` with at most ``vocab`` ids; the model's vocabulary is exactly its size.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    hf_tok.save_pretrained(folder)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=len(hf_tok), max_position_embeddings=128,
+                      tie_word_embeddings=False, eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(folder)
+    return model
+
+
+def reference_training(
+    model: torch.nn.Module, trainer: Any, data: Any, steps: int, global_batch: int,
+    loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process training of a copy of ``model``: ``steps`` global batches of ``data`` (a
+    ``PackedDataset``) in the trainer's sampler order, ``loss_of(model, x)`` on the whole batch, clipping,
+    AdamW and the schedule from the trainer's settings. Returns the losses and the final state dict."""
+    from starverse.runtime.data import DeterministicSampler
+    from starverse.runtime.steps import make_optimizer, make_schedule
+
+    model = copy.deepcopy(model)
+    sampler = DeterministicSampler(len(data), seed=trainer.seed)
+    opt = make_optimizer(model, trainer.lr, trainer.weight_decay)
+    sched = make_schedule(opt, trainer.warmup_steps or 1, steps, trainer.min_lr_ratio)
+    losses = []
+    for _ in range(steps):
+        x = torch.from_numpy(data.batch(sampler.next_indices(global_batch)))
+        loss = loss_of(model, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), trainer.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, model.state_dict()

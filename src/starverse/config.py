@@ -5,29 +5,78 @@ the line, the field path and the fix, for example::
 
     pool.yaml:7: offers[2].price_per_hour: must be greater than 0 (got -1)
     plan.yaml:3: train.globl_batch: unknown field; did you mean 'global_batch'?
+
+A file is checked before its values are built: a key given twice in one mapping, a document that expands
+(aliases included) to more than :data:`MAX_YAML_VALUES` values, and a recursive alias are refused with their
+line. Every model is strict about numbers: no ``.inf``/``.nan`` (nor ``1e400``, which YAML reads as infinity),
+and sizes that the planner, the cost model or the runtime multiply or allocate carry an upper bound (the
+``MAX_*`` constants below), named in the message when it is broken.
 """
 
 from __future__ import annotations
 
 import difflib
+import reprlib
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from starverse.errors import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
 
+MAX_YAML_VALUES = 200_000
+"""Most values (scalars, lists and mappings, aliases expanded) one file may hold: a YAML alias bomb is refused
+before anything walks it."""
+MAX_SEQ_LEN = 1 << 24
+"""Longest sequence, tokens (16,777,216)."""
+MAX_BATCH = 1 << 16
+"""Most sequences in one optimizer step or micro-batch (65,536; published runs use a few thousand). The
+planner tabulates every batch split, so its memory grows with this bound."""
+MAX_COUNT = 1 << 20
+"""Most devices, replicas, layers, ranks, degrees or adapter ranks a file may give (1,048,576)."""
+MAX_STEPS = 10**12
+"""Most optimizer steps of a job."""
+MAX_TOKENS = 1e18
+"""Most tokens of a job (a million times the largest published training run)."""
+MAX_SECONDS = 10 * 366 * 86400
+"""Longest duration a file may give in seconds (ten years): billing units, intervals, grace periods."""
+MAX_MONEY = 10**12
+"""Largest amount of money (budget, price) in any currency; the ledger stores micro-units as 64-bit integers."""
+MAX_SEED = 2**63 - 1
+"""Largest random seed (torch seeds are 64-bit)."""
+MAX_PATH_PART = 255
+"""Longest file-name component a path may have (NAME_MAX of Linux and macOS)."""
+MAX_PATH = 4096
+"""Longest path (PATH_MAX of Linux)."""
+
 
 class FrozenModel(BaseModel):
-    """Base for every file-backed object: unknown keys are errors, values are immutable."""
+    """Base for every file-backed object: unknown keys are errors, values are immutable, numbers finite."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def check_path_text(value: str, what: str = "name or path") -> str:
+    """``value`` if it can name a file (no NUL byte, each part at most 255 characters, 4096 in all), else
+    ValueError saying which limit it breaks (a longer name is refused by the OS with a traceback later)."""
+    if "\x00" in value:
+        raise ValueError(f"a {what} cannot contain a NUL byte")
+    if len(value) > MAX_PATH:
+        raise ValueError(f"a {what} has at most {MAX_PATH} characters (got {len(value)})")
+    longest = max((len(part.encode()) for part in value.split("/")), default=0)
+    if longest > MAX_PATH_PART:
+        raise ValueError(f"a {what} has at most {MAX_PATH_PART} bytes between slashes (got {longest})")
+    return value
+
+
+PathText = Annotated[str, AfterValidator(check_path_text)]
+"""A string that names a file or a model (model ids are looked up as paths too)."""
 
 
 def read_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
@@ -44,6 +93,8 @@ def read_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
         loader = yaml.CSafeLoader(text) if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader(text)
         try:
             node = loader.get_single_node()
+            if node is not None:
+                check_tree(node, p)
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
@@ -51,8 +102,62 @@ def read_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        context = getattr(e, "context", None)
+        problem = f"{context} {problem}" if context and not context.startswith("while") else problem
         raise ConfigError(f"{p}{where}: malformed YAML: {problem}") from None
+    except ValueError as e:  # a number of more than 4300 digits (Python's int conversion limit)
+        raise ConfigError(f"{p}: malformed YAML: {str(e).split(';')[0]}") from None
     return data, node
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for kv in node.value for n in kv]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def check_tree(root: yaml.Node, source: str | Path) -> None:
+    """Refuse a duplicate key, a recursive alias, or more than :data:`MAX_YAML_VALUES` values once aliases are
+    expanded; one pass over the distinct nodes (an alias is a shared node, counted once per use, never walked
+    twice), so a billion-laughs file is refused in microseconds."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, tuple[int | str, ...], bool]] = [(root, (), False)]
+    while stack:
+        node, loc, done = stack.pop()
+        nid = id(node)
+        if done:
+            on_path.discard(nid)
+            sizes[nid] = 1 + sum(sizes[id(c)] for c in _children(node))
+            if sizes[nid] > MAX_YAML_VALUES:
+                raise ConfigError(
+                    f"{source}:{node.start_mark.line + 1}: {format_loc(loc)}: expands to more than "
+                    f"{MAX_YAML_VALUES:,} values (aliases expanded); a job, pool or plan file is far smaller. To "
+                    "fix: remove the repeated aliases (*name)")
+            continue
+        if nid in sizes:
+            continue
+        if nid in on_path:
+            raise ConfigError(f"{source}:{node.start_mark.line + 1}: {format_loc(loc)}: recursive alias (a value "
+                              "that contains itself). To fix: remove the alias (*name) inside its own anchor")
+        on_path.add(nid)
+        stack.append((node, loc, True))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], yaml.Node] = {}
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    prev = first.setdefault((k.tag, k.value), k)
+                    if prev is not k:
+                        raise ConfigError(
+                            f"{source}:{k.start_mark.line + 1}: {format_loc((*loc, k.value))}: duplicate key (first "
+                            f"given at line {prev.start_mark.line + 1}); YAML would keep only the last one, "
+                            "silently. To fix: give each key once")
+                stack.append((v, (*loc, str(k.value) if isinstance(k, yaml.ScalarNode) else "?"), False))
+                stack.append((k, loc, False))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((c, (*loc, i), False) for i, c in enumerate(node.value))
 
 
 def _line_of(node: yaml.Node | None, loc: Sequence[int | str]) -> int | None:
@@ -121,8 +226,17 @@ def _unwrap(tp: Any) -> Any:
     return tp if origin is not types.UnionType else None
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxtuple, _REPR.maxset = 2, 4, 4, 4, 4
+_REPR.maxstring, _REPR.maxlong, _REPR.maxother = 50, 40, 50
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    """A bounded repr (the value may be a huge list): at most ~60 characters, never the whole value."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # an int beyond Python's 4300-digit repr limit
+        return f"<{type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -161,6 +275,19 @@ def parse(cls: type[M], data: Any, source: str | Path, node: yaml.Node | None = 
         line = _line_of(node, loc)
         where = f"{source}:{line}" if line is not None else str(source)
         raise ConfigError(f"{where}: {text}") from None
+
+
+def where(source: str | Path, loc: Sequence[int | str] | None) -> str:
+    """``file:line`` of the field at ``loc`` of a YAML file, for errors found after loading (``file`` alone when
+    ``loc`` is None or the file cannot be read again)."""
+    if loc is None:
+        return str(source)
+    try:
+        _, node = read_yaml(source)
+    except ConfigError:
+        return str(source)
+    line = _line_of(node, loc)
+    return f"{source}:{line}" if line is not None else str(source)
 
 
 def load_file(cls: type[M], path: str | Path) -> M:

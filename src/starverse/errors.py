@@ -17,7 +17,15 @@ class StarverseError(Exception):
 
 
 class ConfigError(StarverseError):
-    """A file or argument the user gave is malformed or inconsistent."""
+    """A file or argument the user gave is malformed or inconsistent.
+
+    ``loc``: the field path inside the file (``("groups", 0, "stages", 0, "tp")``) when the check that failed
+    ran after loading (the plan against its model, say), so that the caller who knows the file adds its line.
+    """
+
+    def __init__(self, message: str, loc: Sequence[int | str] | None = None):
+        super().__init__(message)
+        self.loc = None if loc is None else tuple(loc)
 
 
 class CatalogError(ConfigError):
@@ -40,6 +48,11 @@ class PreemptedError(StarverseError):
     """The job stopped because devices were taken back (after writing what it could)."""
 
     exit_code = 3
+
+
+class TrainingDivergedError(StarverseError):
+    """The loss or the gradient became inf/NaN: training stopped at that step, before the optimizer applied it
+    and before any checkpoint of it (restarting with the same settings would diverge again)."""
 
 
 class CheckpointError(StarverseError):

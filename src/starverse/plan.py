@@ -12,7 +12,16 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from starverse.config import FrozenModel, load_file
+from starverse.config import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_SEQ_LEN,
+    MAX_STEPS,
+    MAX_TOKENS,
+    FrozenModel,
+    PathText,
+    load_file,
+)
 
 Precision = Literal["bf16", "fp16", "fp8", "fp32"]
 Mode = Literal["full", "lora", "qlora"]
@@ -20,22 +29,22 @@ Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Attention = Literal["auto", "flash", "eager"]
-PositiveInt = Annotated[int, Field(gt=0)]
+PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class TrainSpec(FrozenModel):
     """How the model is trained: shapes, precision and memory-saving choices shared by all groups."""
 
-    seq_len: int = Field(gt=0)
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
     """Tokens per sequence."""
-    global_batch: int = Field(gt=0)
+    global_batch: int = Field(gt=0, le=MAX_BATCH)
     """Sequences per optimizer step, over all data-parallel replicas of all groups."""
     precision: Precision = "bf16"
     """Compute precision of matmuls (weights kept in this precision, fp32 master copy for Adam)."""
     mode: Mode = "full"
     """full: every parameter trained; lora/qlora: frozen base (qlora: 4-bit base) plus low-rank adapters."""
-    lora_rank: int = Field(default=16, gt=0)
+    lora_rank: int = Field(default=16, gt=0, le=MAX_COUNT)
     """Rank of the LoRA adapters (mode lora/qlora)."""
     zero_stage: int = Field(default=0, ge=0, le=3)
     """ZeRO stage over the data-parallel group: 1 shards optimizer state, 2 also gradients, 3 also weights."""
@@ -45,7 +54,7 @@ class TrainSpec(FrozenModel):
     """Keep optimizer state (and optionally parameters) in host memory."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule."""
-    virtual_stages: int = Field(default=1, gt=0)
+    virtual_stages: int = Field(default=1, gt=0, le=MAX_COUNT)
     """Model chunks per device for the interleaved schedule (v in Narayanan et al. 2021)."""
     sequence_parallel: bool = False
     """Megatron-style sequence parallelism inside TP groups."""
@@ -56,9 +65,9 @@ class TrainSpec(FrozenModel):
     grad_reduce_fp32: bool = False
     """Gradients are accumulated and all-reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``,
     the default of its bf16 runs): twice the data-parallel traffic of 16-bit reduction."""
-    tokens: float | None = Field(default=None, gt=0)
+    tokens: float | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
-    steps: int | None = Field(default=None, gt=0)
+    steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
     """Total optimizer steps (alternative to ``tokens``)."""
 
 
@@ -67,20 +76,20 @@ class Stage(FrozenModel):
 
     accelerator: str
     """Catalog id of the accelerator (``starverse catalog`` lists them)."""
-    tp: int = Field(default=1, gt=0)
+    tp: int = Field(default=1, gt=0, le=MAX_COUNT)
     """Tensor-parallel degree (must divide attention and KV heads; devices within one node)."""
-    layers: int = Field(gt=0)
+    layers: int = Field(gt=0, le=MAX_COUNT)
     """Transformer layers held by this stage."""
-    repeat: int = Field(default=1, gt=0)
+    repeat: int = Field(default=1, gt=0, le=MAX_COUNT)
     """Number of identical stages in a row (shorthand)."""
 
 
 class Group(FrozenModel):
     """``replicas`` identical pipelines (data-parallel replicas) of the same stages."""
 
-    replicas: int = Field(default=1, gt=0)
+    replicas: int = Field(default=1, gt=0, le=MAX_COUNT)
     """Data-parallel replicas of this pipeline."""
-    micro_batch: int | None = Field(default=None, gt=0)
+    micro_batch: int | None = Field(default=None, gt=0, le=MAX_BATCH)
     """Sequences per micro-batch; omitted = the estimator picks the fastest that fits."""
     batch_share: float | None = Field(default=None, gt=0, le=1)
     """Share of ``global_batch`` over all replicas of this group; omitted = proportional to speed."""
@@ -149,7 +158,7 @@ class Pricing(FrozenModel):
 class Plan(FrozenModel):
     """A concrete plan: model, training settings and the device groups that run it."""
 
-    model: str
+    model: PathText
     """Registry id, Hugging Face id, or path to a config.json (relative to the plan file)."""
     train: TrainSpec
     """Training settings shared by all groups."""
@@ -186,10 +195,14 @@ class Plan(FrozenModel):
 
 
 def _resolve_model_path(plan: Plan, base_dir: Path) -> Plan:
-    """A relative ``model:`` path is relative to the plan file; make it absolute."""
+    """A relative ``model:`` path (and ``network.profiles`` paths) are relative to the plan file; make them
+    absolute."""
     candidate = base_dir / plan.model
     if candidate.is_file():
-        return plan.model_copy(update={"model": str(candidate.resolve())})
+        plan = plan.model_copy(update={"model": str(candidate.resolve())})
+    if plan.network.profiles:
+        profiles = {k: str((base_dir / v).resolve()) for k, v in plan.network.profiles.items()}
+        plan = plan.model_copy(update={"network": plan.network.model_copy(update={"profiles": profiles})})
     return plan
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import SEQ, TinyLM
+from helpers import SEQ, TinyLM, reference_training
 from helpers import ramp_tokens as _tokens
 from starverse.runtime.callbacks import Callback
 from starverse.runtime.cluster import Cluster, local_plan
@@ -37,23 +37,8 @@ class SleepyRank(Callback):
 
 def _reference(model: torch.nn.Module, trainer: Trainer) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process training on the same global batches, with the trainer's own building blocks."""
-    model = copy.deepcopy(model)
     tokens = np.concatenate([t.numpy() for t in _tokens()]).astype(np.int32)
-    data = PackedDataset(tokens, SEQ)
-    sampler = DeterministicSampler(len(data), seed=trainer.seed)
-    opt = make_optimizer(model, trainer.lr, trainer.weight_decay)
-    sched = make_schedule(opt, trainer.warmup_steps or 1, STEPS, trainer.min_lr_ratio)
-    losses = []
-    for _ in range(STEPS):
-        x = torch.from_numpy(data.batch(sampler.next_indices(GB)))
-        loss = batch_loss(model, x)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), trainer.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    return reference_training(model, trainer, PackedDataset(tokens, SEQ), STEPS, GB, batch_loss)
 
 
 def _cluster(kinds: list[str]) -> Cluster:

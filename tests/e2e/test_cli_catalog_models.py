@@ -38,8 +38,9 @@ def test_catalog_table(run) -> None:
     row = next(line for line in r.stdout.splitlines() if " rtx-4090 " in line)
     cells = [c.strip() for c in row.strip("│ ").split("│")]
     assert cells[:9] == ["rtx-4090", "nvidia", "165.2", "24", "1008", "pcie", "32", "450", "cuda"]
-    # cheapest: the brief's monthly $0.1541 on-demand; spot 0.5 CNY = 0.068 USD
-    assert cells[9:] == ["0.154", "0.068"]
+    # cheapest hourly price (monthly/daily packages are not hourly ones): the brief's 1.2 CNY = 0.164 USD
+    # on-demand; spot 0.5 CNY = 0.068 USD
+    assert cells[9:] == ["0.164", "0.068"]
     for acc_id in ("tpu-v5e", "ascend-910b", "mlu370-x8", "cpu"):
         assert f" {acc_id} " in r.stdout
 

@@ -145,3 +145,35 @@ def test_help_lists_options():
     assert r.returncode == 0
     for opt in ("--pool", "--top", "--json", "--out", "--plot", "--catalog"):
         assert opt in r.stdout
+
+
+def test_simulate_plan_on_a_trace(tmp_path):
+    """`starverse simulate` replays a written plan on a bundled trace: p50 <= p90, the planner's figure beside
+    the simulated one; a bad policy or a missing trace is one line and exit code 2."""
+    trace = ROOT / "data/traces/bamboo/p3-trace.csv"
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(textwrap.dedent("""\
+        model: llama-1b
+        train: {seq_len: 2048, global_batch: 32, tokens: 1.0e9, zero_stage: 1}
+        groups:
+          - replicas: 8
+            micro_batch: 2
+            stages: [{accelerator: rtx-4090, tp: 1, layers: 16}]
+        pricing: {currency: USD, price_per_hour: {rtx-4090: 0.34}}
+        """))
+    r = run("simulate", str(plan), "--trace", str(trace), "--runs", "300", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["policy"] == "restart" and doc["runs"] == 300
+    assert 1.0 < doc["p50"]["factor"] <= doc["p90"]["factor"]
+    assert doc["p50"]["wall_hours"] == pytest.approx(doc["p50"]["factor"] * doc["work_hours"])
+    assert doc["p50"]["cost"] == pytest.approx(doc["p50"]["wall_hours"] * 8 * 0.34, rel=1e-6)
+    assert doc["spot_factor_vs_sim"] == pytest.approx(doc["planner_spot_factor"] / doc["p50"]["factor"])
+    table = run("simulate", str(plan), "--trace", str(trace), "--runs", "200", "--policy", "in-place")
+    assert table.returncode == 0 and "p90" in table.stdout and "planner (Young/Daly" in table.stdout
+    bad = run("simulate", str(plan), "--trace", str(trace), "--policy", "pray")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: --policy: unknown policy 'pray'; use one of: restart, in-place")
+    missing = run("simulate", str(plan), "--trace", str(tmp_path / "none.csv"))
+    assert missing.returncode == 2 and "none.csv: trace file not found" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1

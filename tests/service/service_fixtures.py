@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi.testclient import TestClient
 
 from helpers import TINY
@@ -105,3 +108,21 @@ def make_settings(root: Path, db_url: str, **kw: Any) -> ServiceSettings:
     return settings
 
 
+def start_server(root: Path, db_url: str, port: int, slots: int) -> subprocess.Popen[bytes]:
+    """``starverse serve`` on 127.0.0.1:port; returns once /api/health answers (bounded)."""
+    cmd = [str(Path(sys.executable).parent / "starverse"), "serve", "--root", str(root), "--port", str(port),
+           "--slots", str(slots)]
+    if db_url:
+        cmd += ["--database", db_url]
+    log = (root / f"serve-{port}-{time.time():.0f}.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "server did not answer within 120 s"
+        time.sleep(0.3)

@@ -309,7 +309,7 @@ def test_foreign_and_corrupted_files_are_refused_and_never_modified(tmp_path: Pa
     for path, pattern in [
         (garbage, r"garbage.sqlite: not a Starverse ledger \(not an SQLite database, or corrupted\); left untouched"),
         (foreign, r"foreign.sqlite: an SQLite database of another application \(application_id 0x0\)"),
-        (torn, r"torn.sqlite: ledger is corrupted \(.*\); left untouched"),
+        (torn, r"torn.sqlite: ledger is damaged \(SQLite quick_check: .*\); left untouched and never written to"),
     ]:
         digest = sha(path)
         with pytest.raises(BillingError, match=pattern), Ledger.open(path) as led:

@@ -220,6 +220,27 @@ def test_hetero_pipeline_when_no_single_kind_holds_the_model(catalog):
     assert re.fullmatch(r"1×\[(rtx-4090|a100-40gb-sxm) tp\d .+ → (rtx-4090|a100-40gb-sxm) tp\d .+\] mb1 \| .+",
                         best.layout())
     assert estimate(best.plan, catalog).fits
+    # the chosen plan does not depend on how many are shown, and a heuristic pipeline is never called proven
+    one = search(job, pool, catalog, top=1).best
+    assert (one.plan, one.objective_value) == (best.plan, best.objective_value)
+    from starverse.cli.plan import optimality_claim, result_to_json
+
+    assert "NOT proven optimal" in optimality_claim(r) and "heuristic" in optimality_claim(r)
+    assert result_to_json(r)["stats"]["claim"] == optimality_claim(r)
+    assert r.stats.hetero_pipelines > 0
+
+
+def test_best_plan_does_not_depend_on_top(catalog):
+    """Mixed pools where a heterogeneous-DP plan wins: the heuristic pipelines are tried or not by a rule on
+    the best plan alone, so top=1 and top=5 choose the same plan (it used to depend on the plans shown)."""
+    for job_d in ({"model": "llama-2-7b", "train": {"seq_len": 4096, "global_batch": 128}, "objective": "throughput",
+                   "constraints": {"max_budget_per_hour": 20}},
+                  {"model": "llama-2-13b", "train": {"seq_len": 2048, "global_batch": 64}, "objective": "throughput"}):
+        job = job_from_dict(job_d)
+        pool = pool_from_dict(MIXED, catalog)
+        a, b = search(job, pool, catalog, top=1), search(job, pool, catalog, top=5)
+        assert (a.best.plan, a.best.objective_value) == (b.best.plan, b.best.objective_value)
+        assert [p.objective_value for p in b.plans] == sorted((p.objective_value for p in b.plans), reverse=True)
 
 
 def test_split_layers():

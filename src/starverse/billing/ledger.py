@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from starverse.billing.insurance import (
     Credit,
@@ -55,7 +55,7 @@ from starverse.billing.rating import (
     hourly_rate_micros,
     rate_lease,
 )
-from starverse.billing.schema import APPLICATION_ID, check_header, migrate
+from starverse.billing.schema import APPLICATION_ID, SCHEMA_VERSION, check_header, migrate, verify
 from starverse.errors import BillingError, BudgetExceededError
 
 LEDGER_FILE = "ledger.sqlite"
@@ -171,17 +171,29 @@ class Ledger:
 
     # ---------------------------------------------------------------- opening
     @classmethod
-    def open(cls, path: str | Path, *, create: bool = True, timeout_s: float = 30.0) -> Ledger:
+    def open(cls, path: str | Path, *, create: bool = True, read_only: bool = False,
+             check: Literal["quick", "full"] = "quick", timeout_s: float = 30.0) -> Ledger:
         """Open (or create) the ledger at ``path``, migrating its schema to the current version.
 
-        A foreign or corrupted file raises ``BillingError`` and is left byte-for-byte untouched.
-        ``timeout_s`` bounds the wait for another process's write lock.
+        An existing file is checked first on a read-only connection (:func:`~starverse.billing.schema.verify`:
+        SQLite's page checks at level ``check``, schema and version): a foreign, damaged or newer file raises
+        ``BillingError`` and is left byte-for-byte untouched, its ``-wal`` included. ``read_only``: for reports
+        (``bill``): the connection cannot write, so no file is changed or removed (a healthy ledger of an older
+        schema is first migrated by a short read-write open). ``timeout_s`` bounds the wait for another
+        process's write lock.
         """
         p = Path(path)
         exists = check_header(p)
         if not exists and not create:
             raise BillingError(f"{p}: no ledger here. To fix: pass the run directory of a job that ran "
                                "with billing, or --db FILE")
+        version = verify(p, check, timeout_s) if exists else 0
+        if read_only and exists:
+            if version < SCHEMA_VERSION:
+                cls.open(p, create=False, timeout_s=timeout_s).close()  # a healthy older ledger: migrate it
+            conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
+                                   timeout=timeout_s)
+            return cls(conn, p)
         p.parent.mkdir(parents=True, exist_ok=True)
         try:
             conn = sqlite3.connect(p, isolation_level=None, timeout=timeout_s)

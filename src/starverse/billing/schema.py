@@ -2,7 +2,10 @@
 
 A ledger file is recognised by SQLite's ``application_id`` header field (:data:`APPLICATION_ID`), which is
 read from the raw file header *before* SQLite opens it for writing: a foreign SQLite database, a corrupted
-file or anything else raises ``BillingError`` and is never modified. The ``schema_version`` table records
+file or anything else raises ``BillingError`` and is never modified. Its write-ahead log is checked the same
+way (an invalid ``-wal`` would be ignored and then deleted by SQLite, losing what it held), and
+:func:`verify` runs SQLite's own page checks and the schema check on a read-only connection before the file
+is opened for writing: a damaged ledger is never written to. The ``schema_version`` table records
 each applied migration; :data:`MIGRATIONS` is the ordered list of them, applied in one transaction each.
 """
 
@@ -13,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from starverse.billing.rating import PricingMode, Segment, rate_lease
 from starverse.errors import BillingError
@@ -179,7 +183,89 @@ def check_header(path: Path) -> bool:
     if app_id != APPLICATION_ID:
         raise BillingError(f"{path}: an SQLite database of another application (application_id "
                            f"{app_id:#x}), not a Starverse ledger; left untouched. To fix: use another --db path")
+    check_wal(path)
     return True
+
+
+_WAL_MAGIC = (0x377F0682, 0x377F0683)
+"""First four bytes of a write-ahead log (the low bit: checksums over big-endian words)."""
+_WAL_VERSION = 3007000
+_WAL_HEADER = 32
+
+
+def _wal_checksum(data: bytes, big_endian: bool) -> tuple[int, int]:
+    """SQLite's WAL checksum (Fletcher-like over pairs of 32-bit words), as in ``walChecksumBytes``."""
+    order: Literal["big", "little"] = "big" if big_endian else "little"
+    s0 = s1 = 0
+    for i in range(0, len(data), 8):
+        s0 = (s0 + int.from_bytes(data[i:i + 4], order) + s1) & 0xFFFFFFFF
+        s1 = (s1 + int.from_bytes(data[i + 4:i + 8], order) + s0) & 0xFFFFFFFF
+    return s0, s1
+
+
+def check_wal(path: Path) -> None:
+    """The ledger's ``-wal`` file, if any, has a valid header; ``BillingError`` (file untouched) otherwise.
+
+    A log shorter than its 32-byte header is what a crash during its first write leaves, and holds no
+    committed transaction; SQLite ignores it rightly. A full header that is not valid is damage: SQLite would
+    ignore the log, and delete it when the last connection closes, with every transaction it held.
+    """
+    wal = path.with_name(path.name + "-wal")
+    try:
+        with wal.open("rb") as f:
+            header = f.read(_WAL_HEADER)
+    except FileNotFoundError:
+        return
+    if len(header) < _WAL_HEADER:
+        return
+    magic = int.from_bytes(header[:4], "big")
+    ok = (magic in _WAL_MAGIC and int.from_bytes(header[4:8], "big") == _WAL_VERSION
+          and _wal_checksum(header[:24], bool(magic & 1)) == (int.from_bytes(header[24:28], "big"),
+                                                              int.from_bytes(header[28:32], "big")))
+    if not ok:
+        raise BillingError(f"{wal}: the ledger's write-ahead log is damaged (invalid header), so the transactions "
+                           "it holds cannot be read; ledger and log left untouched. To fix: restore both from a "
+                           "backup (moving the -wal away accepts losing its transactions)")
+
+
+_TABLES = {1: ("jobs", "leases", "price_segments", "events", "schema_version"), 2: ("charges",)}
+"""Tables each schema version adds (later versions change indexes and keys, not the set of tables)."""
+
+
+def verify(path: Path, level: Literal["quick", "full"] = "quick", timeout_s: float = 30.0) -> int:
+    """Check an existing ledger on a read-only connection before anyone writes to it: SQLite's page checks
+    (``PRAGMA quick_check``, or ``integrity_check`` that also matches every index to its table), the schema
+    version (not newer than this code) and its tables. Returns the schema version; ``BillingError`` naming
+    the first problem otherwise. Nothing is written and no file is removed."""
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=timeout_s)
+    except sqlite3.Error as e:
+        raise BillingError(f"{path}: cannot open ledger ({e})") from None
+    try:
+        pragma = "quick_check" if level == "quick" else "integrity_check"
+        rows = [str(r[0]).replace("*** in database main ***", "").strip() for r in conn.execute(
+            f"PRAGMA {pragma}(3)")]
+        if rows != ["ok"]:
+            problems = [line for r in rows for line in r.splitlines() if line.strip()]
+            raise _damaged(path, f"SQLite {pragma}: " + "; ".join(problems[:2]))
+        version = current_version(conn)
+        if version > SCHEMA_VERSION:
+            raise BillingError(f"{path}: ledger schema version {version} is newer than this Starverse "
+                               f"({SCHEMA_VERSION}); left untouched. To fix: upgrade starverse")
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        missing = [t for v, tables in _TABLES.items() if v <= version for t in tables if t not in names]
+        if missing:
+            raise _damaged(path, f"schema version {version} but no table {', '.join(missing)}")
+        return version
+    except sqlite3.DatabaseError as e:
+        raise _damaged(path, str(e)) from None
+    finally:
+        conn.close()
+
+
+def _damaged(path: Path, what: str) -> BillingError:
+    return BillingError(f"{path}: ledger is damaged ({what}); left untouched and never written to. To fix: "
+                        "restore it from a backup")
 
 
 def current_version(conn: sqlite3.Connection) -> int:

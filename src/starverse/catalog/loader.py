@@ -238,6 +238,9 @@ def _load_profile(path: Path, catalog: Catalog) -> Catalog:
         raise CatalogError(
             f"{path}:{e.lineno}: malformed probe profile JSON: {e.msg}; rerun `starverse probe`"
         ) from None
+    except (ValueError, RecursionError) as e:  # a number beyond 4300 digits; nesting deeper than the stack
+        raise CatalogError(f"{path}: malformed probe profile JSON: {str(e).split(';')[0]}; rerun `starverse probe`"
+                           ) from None
     try:
         profile = parse(ProfileFile, data, str(path))
     except ConfigError as e:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from starverse.config import FrozenModel
+from starverse.config import MAX_COUNT, MAX_SECONDS, FrozenModel
 
 Stack = Literal["cuda", "rocm", "xla", "npu", "mlu", "cpu"]
 Link = Literal["nvlink", "pcie", "ici", "hccs", "infinity-fabric", "mlu-link", "none"]
@@ -41,7 +41,7 @@ class AcceleratorEntry(FrozenModel):
     """Kind of intra-node link."""
     intra_node_gb_per_s: float | None = Field(default=None, gt=0)
     """Intra-node bandwidth per device, one direction, GB/s."""
-    devices_per_node: int | None = Field(default=None, gt=0)
+    devices_per_node: int | None = Field(default=None, gt=0, le=MAX_COUNT)
     """Default devices per node."""
     inter_node_gbps: float | None = Field(default=None, gt=0)
     """Default NIC bandwidth per node, Gbit/s."""
@@ -66,7 +66,7 @@ class OfferEntry(FrozenModel):
     """Spot price per device-hour (optional)."""
     currency: str = "USD"
     """ISO 4217 code; must be in the currency table."""
-    billing_granularity_s: int = Field(default=1, gt=0)
+    billing_granularity_s: int = Field(default=1, gt=0, le=MAX_SECONDS)
     """Billing increment, seconds."""
     as_of: str
     """Date of the price."""

@@ -118,7 +118,7 @@ class CheckpointCallback(Callback):
             store = CheckpointStore(resolve_root(path))
             store.require_any()
             latest = store.latest()
-            assert latest is not None
+            assert latest is not None  # require_any raised otherwise
             info = latest
         self._load(ctx, ck, info)
         return True
@@ -285,7 +285,7 @@ def apply_extras(ctx: TrainContext, extras: Mapping[str, Any]) -> None:
     ctx.step = int(extras["step"])
     ctx.metrics.tokens_total = int(extras.get("tokens_total", 0))
     shares = [int(s) for s in extras.get("shares") or []]
-    if len(shares) == ctx.world_size and sum(shares) == sum(ctx.shares or shares):
+    if len(shares) == len(ctx.shares) and sum(shares) == sum(ctx.shares or shares):
         ctx.shares = shares
 
 

@@ -75,8 +75,17 @@ def plain(tree: Any) -> Any:
 
 
 def fingerprint(model: torch.nn.Module) -> tuple[str, int]:
-    """(hash of parameter names, shapes and dtypes, number of parameters): a resume must match both."""
+    """(hash of parameter names, shapes and dtypes, number of parameters): a resume must match both.
+
+    A rank that holds part of the model (a pipeline stage) fingerprints the whole model it is part of
+    (``model.unsplit_signature``), so a checkpoint written under one layout loads under another.
+    """
     h = hashlib.sha256()
+    signature = getattr(model, "unsplit_signature", None)
+    if signature is not None:
+        for name, shape, dtype in signature.entries:
+            h.update(f"{name}:{shape}:{dtype};".encode())
+        return h.hexdigest()[:16], int(signature.num_params)
     # the module's own state_dict keys, as DCP's get_model_state_dict reports them for a plain module
     for name, t in sorted(model.state_dict().items()):
         if isinstance(t, torch.Tensor):

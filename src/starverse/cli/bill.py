@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -30,18 +31,32 @@ def bill(
     by: Annotated[str, typer.Option("--by", help="Lines per: job, device, mode (pricing mode) or day (UTC).")] = "job",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Verify the ledger's integrity instead of billing "
-                                                       "(exit 1 if anything is wrong).")] = False,
+                                                       "(exit 1 if a charge or lease is inconsistent, 2 if the "
+                                                       "file is damaged).")] = False,
     currency: Annotated[str | None, typer.Option("--currency", help="Convert every amount to this currency "
                                                                     "(rounded to 6 places).")] = None,
 ) -> None:
-    """Totals of the per-second charges of a ledger, insurance credits itemised separately."""
-    from starverse.billing import Ledger, check_ledger, make_bill, resolve_ledger_path
+    """Totals of the per-second charges of a ledger, insurance credits itemised separately.
+
+    The ledger is opened read-only after SQLite's page checks (all of them with --check): a damaged file is one
+    error line (exit 2), and nothing is written or removed."""
+    from starverse.billing import resolve_ledger_path
     from starverse.errors import BillingError
 
     if run_dir is not None and db is not None:
         raise BillingError("give either RUN_DIR or --db FILE, not both")
     path = resolve_ledger_path(run_dir, db)
-    with Ledger.open(path, create=False) as ledger:
+    try:
+        _bill(path, by, as_json, check, currency)
+    except sqlite3.DatabaseError as e:  # damage the page checks did not see, met while reading rows
+        raise BillingError(f"{path}: ledger is damaged ({e}); left untouched. To fix: restore it from a backup"
+                           ) from None
+
+
+def _bill(path: Path, by: str, as_json: bool, check: bool, currency: str | None) -> None:
+    from starverse.billing import Ledger, check_ledger, make_bill
+
+    with Ledger.open(path, create=False, read_only=True, check="full" if check else "quick") as ledger:
         if check:
             res = check_ledger(ledger)
             if as_json:

@@ -34,6 +34,7 @@ def estimate(
 ) -> None:
     """Step time, tokens/s, MFU, memory per device, cost and power of a plan, with its breakdown."""
     from starverse.catalog import load_catalog
+    from starverse.config import where
     from starverse.costmodel import estimate as run_estimate
     from starverse.costmodel.validate import load_plan_or_case
     from starverse.errors import ConfigError
@@ -44,11 +45,12 @@ def estimate(
     try:
         spec = load_model(plan.model, base_dir=plan_file.parent)
     except ConfigError as e:
-        raise type(e)(f"{plan_file}: model: {e}") from None
+        raise type(e)(f"{where(plan_file, ('model',))}: model: {e}") from None
     try:
         est = run_estimate(plan, catalog, spec)
     except ConfigError as e:
-        raise type(e)(f"{plan_file}: {e}") from None
+        # checks of the plan against its model and the catalog name the field; the file gives its line
+        raise type(e)(f"{where(plan_file, e.loc)}: {e}") from None
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
         return
@@ -111,12 +113,19 @@ def validate(
     as_json: Annotated[bool, typer.Option("--json", help="Print {cases, summary, sources} as one JSON object.")] = False,
 ) -> None:
     """Predicted vs measured tokens/s (and peak memory) for published runs, per source and overall; exit 1
-    if any case failed (reason on stderr)."""
+    if any case failed (reason on stderr), 2 if a case file is malformed or there are no cases."""
     from starverse.catalog import load_catalog
-    from starverse.costmodel.validate import find_cases, report, run_case
+    from starverse.costmodel.validate import find_cases, load_case, report, score_case
+    from starverse.errors import ConfigError
 
     catalog = load_catalog(catalog_file)
-    results = [run_case(p, catalog) for p in find_cases([str(p) for p in paths])]
+    files = find_cases([str(p) for p in paths])
+    if not files:
+        raise ConfigError(f"{', '.join(map(str, paths))}: no validation cases (*.yaml) here; pass case files or "
+                          "folders of them (data/validation holds the bundled ones)")
+    # a malformed file (or an unknown model) is bad input, exit 2; a case the estimator gets wrong fails, exit 1
+    cases = [load_case(p) for p in files]
+    results = [score_case(c, catalog) for c in cases]
     doc = report(results)
     failed = [r for r in results if not r.ok]
     err = Console(stderr=True, highlight=False, soft_wrap=True)

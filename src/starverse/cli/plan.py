@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from starverse.checks import check_output_file
+
 
 def _headroom_gb(est: Any) -> float:
     """Smallest memory margin over the plan's devices (GB), from the estimate."""
@@ -31,7 +33,8 @@ def result_to_json(result: Any) -> dict[str, Any]:
             "rank": i, "kind": rp.kind, "mode": rp.mode, "alternative": rp.alternative,
             "devices": dict(rp.devices), "layout": rp.layout(),
             "tokens_per_s": rp.tokens_per_s, "effective_tokens_per_s": rp.effective_tokens_per_s,
-            "spot_factor": rp.spot_factor, "mfu": float(est.mfu), "step_time_s": float(est.step_time_s),
+            "spot_factor": rp.spot_factor, "spot_factor_formula": rp.spot_factor_formula,
+            "spot_factor_simulated": rp.spot_factor_simulated, "mfu": float(est.mfu), "step_time_s": float(est.step_time_s),
             "cost_per_hour": rp.cost_per_hour, "hours": rp.hours, "total_cost": rp.total_cost,
             "power_kw": rp.power_kw, "headroom_gb": _headroom_gb(est), "bottleneck": str(est.bottleneck),
             "host_memory_gb_per_node": dict(rp.host_memory_gb_per_node),
@@ -152,6 +155,9 @@ def plan_cmd(
     from starverse.planner import load_job, load_pool, search
     from starverse.planner.policy import describe
 
+    for path, option in ((out, "--out"), (plot, "--plot")):
+        if path is not None:
+            check_output_file(path, option)
     catalog = load_catalog(catalog_file)
     job = load_job(job_file)
     pool_obj = load_pool(pool, catalog)
@@ -193,5 +199,64 @@ def _finite(x: Any) -> Any:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``starverse plan``."""
+    """Add ``starverse plan`` and ``starverse simulate``."""
     app.command("plan")(plan_cmd)
+    app.command("simulate")(simulate_cmd)
+
+
+def simulate_cmd(
+    plan_file: Annotated[Path, typer.Argument(help="plan.yaml (e.g. written by `starverse plan --out`).")],
+    trace: Annotated[Path, typer.Option("--trace", help="Preemption trace: Bamboo CSV or node-count JSON "
+                                        "(data/traces/).")],
+    policy: Annotated[str, typer.Option("--policy", help="restart (roll back to the last checkpoint) or "
+                                        "in-place (survivors go on).")] = "restart",
+    runs: Annotated[int, typer.Option("--runs", min=1, help="Simulated jobs (random starts in the trace).")] = 1000,
+    hours: Annotated[float, typer.Option("--hours", min=0.001, help="Compute hours of the job when the plan gives "
+                                         "no train.tokens or train.steps.")] = 24.0,
+    restart_s: Annotated[float, typer.Option("--restart-s", min=0, help="Seconds to restart (or reconfigure) "
+                                             "after a loss.")] = 300.0,
+    checkpoint_gb_per_s: Annotated[float, typer.Option("--checkpoint-gb-per-s", min=0.001,
+                                                       help="Checkpoint write speed per node, GB/s.")] = 2.0,
+    interval_s: Annotated[float | None, typer.Option("--interval-s", min=0.001, help="Work between checkpoints "
+                                                     "(default: Young/Daly at the trace's loss rate).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    catalog_file: Annotated[Path | None, typer.Option("--catalog", help="Catalog file extending the bundled one.")
+                            ] = None,
+) -> None:
+    """Replay a spot plan on a real preemption trace: wall time, cost and redone work (p50/p90)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from starverse.catalog import load_catalog
+    from starverse.errors import ConfigError
+    from starverse.plan import load_plan
+    from starverse.planner.simulate import POLICIES, load_trace_events
+    from starverse.planner.spotcheck import simulate_plan
+
+    if policy not in POLICIES:
+        raise ConfigError(f"--policy: unknown policy '{policy}'; use one of: {', '.join(POLICIES)}")
+    sim = simulate_plan(load_plan(plan_file), load_trace_events(trace), catalog=load_catalog(catalog_file),
+                        policy=policy, runs=runs, hours=hours, restart_s=restart_s,  # type: ignore[arg-type]
+                        checkpoint_gb_per_s=checkpoint_gb_per_s, interval_s=interval_s)
+    p50, p90 = sim.result.p(50), sim.result.p(90)
+    if as_json:
+        doc = {"plan": str(plan_file), "trace": sim.trace, "policy": sim.policy, "runs": runs,
+               "work_hours": sim.job.work_s / 3600, "checkpoint_s": sim.job.checkpoint_s,
+               "interval_s": sim.job.interval_s, "restart_s": sim.job.restart_s,
+               "interruptions_per_hour": sim.interruptions_per_hour, "p50": p50, "p90": p90,
+               "planner_spot_factor": sim.formula, "spot_factor_vs_sim": sim.ratio}
+        typer.echo(json.dumps(_finite(doc), indent=2, allow_nan=False))
+        return
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 170)
+    t = Table(title=f"{plan_file} on {sim.trace} ({sim.policy}, {runs:,} jobs, {sim.job.num_devices} spot devices)")
+    for col in ("", "wall hours", "cost", "redone hours", "× compute time"):
+        t.add_column(col)
+    for name, q in (("p50", p50), ("p90", p90)):
+        t.add_row(name, f"{q['wall_hours']:,.2f}", _money(q["cost"]), f"{q['redone_hours']:,.2f}", f"{q['factor']:.3f}")
+    console.print(t)
+    console.print(f"compute {sim.job.work_s / 3600:,.2f} h; checkpoint {sim.job.checkpoint_s:.1f} s every "
+                  f"{sim.job.interval_s:,.0f} s of work; restart {sim.job.restart_s:.0f} s; "
+                  f"{sim.interruptions_per_hour:.3g} losses/h at the trace's per-device rate")
+    console.print(f"planner (Young/Daly, independent losses): ×{sim.formula:.3f} = {sim.ratio:.2f} × the simulated "
+                  "median" + ("" if abs(sim.ratio - 1) <= 0.10 else " (differs by more than 10 %: the planner uses "
+                                                                   "the simulated figure for pools with this trace)"))

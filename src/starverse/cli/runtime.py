@@ -14,6 +14,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from starverse.checks import check_port_free, check_run_dir
+
 DEMO_MODEL = "meta-llama/Llama-2-7b-hf"
 """The model the demo asks for (scaled down to what the local devices can train)."""
 
@@ -70,19 +72,32 @@ class RichProgress:
 
 def probe(
     out: Annotated[
-        Path | None, typer.Option("--out", help="Profile path (default ~/.cache/starverse/profile.json).")
+        Path | None, typer.Option("--out", help="Profile path (default ~/.cache/starverse/profile.json; with "
+                                  "--plan: <accelerator>-model-profile.json).")
     ] = None,
     ranks: Annotated[
         int | None, typer.Option("--ranks", help="CPU ranks to measure when there is no GPU (default 2).")
     ] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Short measurements (a few seconds; less precise).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON.")] = False,
+    plan_file: Annotated[
+        Path | None, typer.Option("--plan", help="Measure this plan's model per layer at its micro-batch, sequence "
+                                  "length, TP and precision (a model profile for estimate/validate/plan).",
+                                  show_default=False)
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Model of the profile (default: the plan's).", show_default=False)
+    ] = None,
 ) -> None:
-    """Measure local devices (matmul TFLOPS per precision, memory and all-reduce bandwidth); write the profile."""
+    """Measure local devices (matmul TFLOPS per precision, memory and all-reduce bandwidth); write the profile.
+    With --plan: per-layer forward/backward times of the plan's model (a model profile, docs/costmodel.md)."""
     from starverse.catalog import default_profile_path
     from starverse.providers.local import local_ranks
     from starverse.runtime.probe import probe as run_probe
 
+    if plan_file is not None or model is not None:
+        _probe_model(plan_file, model, out, ranks, quick, as_json)
+        return
     result = run_probe(local_ranks(ranks), quick=quick)
     path = result.write(out or default_profile_path())
     if as_json:
@@ -94,6 +109,42 @@ def probe(
         for k, v in figs.items():
             console.print(f"  {k:22s} {v:10.3f}")
     console.print(f"profile written to {path}")
+
+
+def _probe_model(plan_file: Path | None, model: str | None, out: Path | None, ranks: int | None, quick: bool,
+                 as_json: bool) -> None:
+    """``probe --plan P [--model M]``: write a model profile of this machine's device kind."""
+    from starverse.costmodel.validate import load_plan_or_case
+    from starverse.errors import ConfigError
+    from starverse.models import load_model
+    from starverse.providers.local import local_ranks
+    from starverse.runtime.probe import probe as run_probe
+    from starverse.runtime.probe import probe_model, write_json
+
+    if plan_file is None:
+        raise ConfigError("probe --model: also pass --plan PLAN.yaml (its micro-batch, sequence length, TP and "
+                          "precision are what gets measured)")
+    plan = load_plan_or_case(plan_file)
+    spec = load_model(model or plan.model, base_dir=plan_file.parent)
+    local = local_ranks(ranks)
+    links: dict[str, float] = {}
+    if len(local) > 1:
+        figures = run_probe(local, quick=True).accelerators.get(local[0].device_kind, {})
+        if "intra_node_gb_per_s" in figures:
+            links["intra_node"] = figures["intra_node_gb_per_s"]
+    doc = probe_model(plan, spec, local[0].device_kind, local[0].device, repeats=2 if quick else 5,
+                      links_gb_per_s=links)
+    path = write_json(doc, out or Path(f"{local[0].device_kind}-model-profile.json"))
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    console = Console(highlight=False)
+    for e in doc["entries"]:
+        console.print(f"micro-batch {e['micro_batch']} x {e['seq_len']} tokens, tp {e['tp']}, {e['precision']}: "
+                      f"layer {e['layer_forward_s'] * 1e3:.2f} + {e['layer_backward_s'] * 1e3:.2f} ms, "
+                      f"head {e['head_forward_s'] * 1e3:.2f} + {e['head_backward_s'] * 1e3:.2f} ms")
+    console.print(f"model profile of {doc['accelerator']} written to {path}; name it in a plan as "
+                  f"network.profiles.{doc['accelerator']}")
 
 
 def _ensure_profile(console: Console, run_dir: Path, ranks: int) -> str:
@@ -165,6 +216,8 @@ def demo(
     console = Console(highlight=False, soft_wrap=True)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_dir = (run_dir or Path("runs") / "demo" / stamp).resolve()
+    check_run_dir(run_dir, "", option="--run-dir")
+    check_port_free(metrics_port, "--metrics-port")
     if any((run_dir / "checkpoints").glob("step-*")):
         raise ConfigError(
             f"{run_dir}: already holds the checkpoints of an earlier run; the demo trains from scratch. "
@@ -191,7 +244,8 @@ def demo(
     with cluster.mixed_mesh():
         model = starverse.build_model(cluster.model_config)
     corpus = _demo_corpus(run_dir, int(corpus_mb * 1e6))
-    billing = BillingCallback(job=f"demo-{stamp}", ledger_path=run_dir / LEDGER_FILE, currency=prices.currency,
+    job_name = f"demo-{stamp}"
+    billing = BillingCallback(job=job_name, ledger_path=run_dir / LEDGER_FILE, currency=prices.currency,
                               prices=prices.prices)
     ckpt = CheckpointCallback(run_dir / "checkpoints", interval_steps=checkpoint_every, keep_last=2,
                               billing_cursor=billing.checkpoint_cursor)
@@ -199,7 +253,8 @@ def demo(
     console.print(f"  metrics: Prometheus on 127.0.0.1:{metrics_port or '<free port>'} while training "
                   f"(URL in {run_dir / ENDPOINT_FILE})", markup=False)
     # billing after the checkpoint callback (it records the checkpoint of the same step), metrics after billing
-    trainer = Trainer(cluster, callbacks=[ckpt, billing, metrics, RichProgress()], run_dir=run_dir, lr=1e-3,
+    callbacks: list[Any] = [ckpt, billing, metrics, RichProgress()]  # RichProgress: a Callback by its hooks
+    trainer = Trainer(cluster, callbacks=callbacks, run_dir=run_dir, lr=1e-3,
                       rebalance_every=20)
     result = trainer.fit(model, dataset=corpus, per_device_batch_size=batch, max_steps=steps, seq_len=seq_len)
     console.print("[bold]summary[/bold]")
@@ -211,7 +266,7 @@ def demo(
             f"({est.step_time_s / result.step_time_s - 1:+.0%}; {basis})",
             markup=False,
         )
-    print_bill(console, job_bill(run_dir / LEDGER_FILE, billing.job_name))
+    print_bill(console, job_bill(run_dir / LEDGER_FILE, job_name))
     if pool is None:
         console.print("  (your own devices are free; `starverse demo --pool examples/train/pool.yaml` prices them "
                       "as rented spot CPUs)", markup=False)

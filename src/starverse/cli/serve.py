@@ -14,7 +14,7 @@ import subprocess
 import sys
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -40,10 +40,14 @@ DatabaseOpt = Annotated[str | None, typer.Option(
                        "ROOT/service.sqlite).", show_default=False)]
 
 
-def _settings(root: Path | None, database: str | None, **kw: object):  # type: ignore[no-untyped-def]
+def _settings(root: Path | None, database: str | None, ctx: typer.Context | None = None,  # type: ignore[no-untyped-def]
+              **kw: object):
     from starverse.service.db import migrate
     from starverse.service.settings import ServiceSettings
 
+    given = (ctx.obj if ctx is not None and isinstance(ctx.obj, dict) else {})
+    root = root or given.get("root")
+    database = database or given.get("database")
     base = root or Path(os.environ.get(ROOT_ENV) or Path.home() / ".local" / "share" / "starverse" / "service")
     settings = ServiceSettings(root=base.resolve(), database_url=database or os.environ.get(DATABASE_ENV, ""),
                                **kw)  # type: ignore[arg-type]
@@ -78,6 +82,7 @@ def serve(
 ) -> None:
     """Serve the REST API (OpenAPI at /docs) and the web console (/) and run queued jobs in a worker."""
     if ctx.invoked_subcommand is not None:
+        ctx.obj = {"root": root, "database": database}  # `serve --root R token create ...` means R too
         return
     import uvicorn
 
@@ -100,6 +105,7 @@ def serve(
 
 @tenant_app.command("create")
 def tenant_create(
+    ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Tenant name (lower-case letters, digits, '-', '_').")],
     credit: Annotated[str | None, typer.Option("--credit", help="Sign-up credit (default: the service's).")] = None,
     root: RootOpt = None, database: DatabaseOpt = None,
@@ -108,7 +114,7 @@ def tenant_create(
     from starverse.service.db import Database
     from starverse.service.tenants import create_tenant
 
-    settings = _settings(root, database)
+    settings = _settings(root, database, ctx)
     t = create_tenant(Database(settings.url), settings, name,
                       credit=None if credit is None else _amount(credit, "--credit"))
     typer.echo(t.id)
@@ -116,6 +122,7 @@ def tenant_create(
 
 @tenant_app.command("topup")
 def tenant_topup(
+    ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Tenant name.")],
     amount: Annotated[str, typer.Argument(help="Amount added to the prepaid balance.")],
     root: RootOpt = None, database: DatabaseOpt = None,
@@ -124,12 +131,13 @@ def tenant_topup(
     from starverse.service.db import Database
     from starverse.service.tenants import top_up
 
-    settings = _settings(root, database)
+    settings = _settings(root, database, ctx)
     top_up(Database(settings.url), name, _amount(amount, "AMOUNT"))
 
 
 @token_app.command("create")
 def token_create(
+    ctx: typer.Context,
     tenant: Annotated[str, typer.Argument(help="Tenant the token acts for (created if it does not exist).")],
     ttl_hours: Annotated[float | None, typer.Option("--ttl-hours", help="Expire after this many hours.")] = None,
     root: RootOpt = None, database: DatabaseOpt = None,
@@ -138,7 +146,7 @@ def token_create(
     from starverse.service.db import Database, Tenant
     from starverse.service.tenants import create_tenant, create_token
 
-    settings = _settings(root, database)
+    settings = _settings(root, database, ctx)
     db = Database(settings.url)
     from sqlalchemy import select
 
@@ -151,32 +159,33 @@ def token_create(
     typer.echo(create_token(db, tenant, ttl_s=None if ttl_hours is None else ttl_hours * 3600))
 
 
-def _register(kind: str, name: str, path: Path, root: Path | None, database: str | None) -> None:
+def _register(kind: str, name: str, path: Path, settings: Any) -> None:
     from starverse.service.storage import register_platform
 
-    settings = _settings(root, database)
     dest = register_platform(settings, kind, name, path)  # type: ignore[arg-type]
     typer.echo(str(dest))
 
 
 @dataset_app.command("register")
 def dataset_register(
+    ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Name jobs use (dataset: NAME).")],
     path: Annotated[Path, typer.Argument(help="Text file, folder of text files or .jsonl.")],
     root: RootOpt = None, database: DatabaseOpt = None,
 ) -> None:
     """Register a platform dataset (copied into ROOT/platform/datasets)."""
-    _register("datasets", name, path, root, database)
+    _register("datasets", name, path, _settings(root, database, ctx))
 
 
 @model_app.command("register")
 def model_register(
+    ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Name jobs use (model: NAME).")],
     path: Annotated[Path, typer.Argument(help="A Hugging Face config.json.")],
     root: RootOpt = None, database: DatabaseOpt = None,
 ) -> None:
     """Register a platform model config (copied into ROOT/platform/models)."""
-    _register("models", name, path, root, database)
+    _register("models", name, path, _settings(root, database, ctx))
 
 
 def register(app: typer.Typer) -> None:

@@ -35,11 +35,12 @@ thermally-limited clocks across a whole node (Bekman, same chapter, "Not all acc
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-This is the one constant of the model whose value is FITTED (``costmodel.fit.FITTED``): 0.74 (fit:
-0.7385) makes the mean tokens/s error zero over all 43 runs of data/validation that the estimator
-accepts (5 sources: Korthikanti 2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry,
-Sailor's mixed consumer-GPU cluster). Its leave-one-source-out refits land at 0.72-0.76, i.e. it is not
-specific to one software stack (``scripts/loso.py``; held-out figures in docs/costmodel.md). For
+FITTED (``costmodel.fit.FITTED``): 0.74 (fit 0.7403) makes the mean over sources of each source's mean
+tokens/s error zero on the runs of data/validation that do not use pre-Ampere tensor cores (A100/H100:
+Korthikanti 2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry; Sailor's fp32 consumer
+cluster); the runs with pre-Ampere tensor cores identify :data:`PRE_AMPERE_EFFICIENCY` instead.
+Leave-one-source-out refits 0.72-0.77, i.e. it is not specific to one software stack
+(``scripts/loso.py``; held-out figures in docs/costmodel.md). For
 comparison, Bekman quotes ~150-180 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model
 A100 training reached; 0.74 x MAMF is the matmul-only part of that."""
 
@@ -55,12 +56,31 @@ FP8_VS_BF16_EFFICIENCY = 0.88
 """FP8 matmuls reach a smaller fraction of their (2x) peak than BF16 ones: H100 0.709 vs 0.803 in the same
 MAMF table (ratio 0.88); used for accelerators with an FP8 peak but no FP8 measurement."""
 
+PRE_AMPERE: frozenset[str] = frozenset({"v100-16gb-sxm", "v100-32gb-sxm", "t4", "rtx-2080", "titan-rtx"})
+"""Volta (sm70: V100) and Turing (sm75: T4, RTX 2080, Titan RTX) cards: first- and second-generation
+tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table)."""
+
+TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
+"""Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
+
+PRE_AMPERE_EFFICIENCY = 0.213
+"""Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
+in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
+``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) on every run of data/validation that
+uses such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, fp16; each source weighted equally),
+after :data:`SUSTAINED_FRACTION` is fitted on the other runs; leave-one-source-out refits 0.205-0.22. Physically: the T4's 65 TFLOP/s fp16 peak is a 70 W part's boost
+figure it does not sustain, Turing GeForce/Titan peaks are boost-clock figures, and the 2020-era stacks
+these runs used (Megatron-LM 1.1.5 in DeepSpeed pipelines, fp32 Megatron-DeepSpeed) reach less of the
+tensor cores than today's kernels. A measured profile (``starverse probe``) replaces it for the cards a
+user has."""
+
 GEMM_EFFICIENCY_BY_STACK: dict[str, float] = {
-    # No MAMF measurement in the table above: the median of the measured NVIDIA parts (0.80) for CUDA
-    # (consumer cards run at their boost clock and reach their dense fp32-accumulate peak similarly),
-    # the MI250X figure for ROCm, and for XLA/NPU/MLU/CPU the same 0.80 (TPU systolic arrays reach a
-    # similar fraction on large matmuls: PaLM reports 57.8 % HFU of whole-model training on TPU v4, the
-    # same level as the best A100 runs; Ascend/MLU unpublished).
+    # No MAMF measurement in the table above (pre-Ampere cards: PRE_AMPERE_EFFICIENCY, fitted): the median
+    # of the measured NVIDIA parts (0.80) for other CUDA cards (Ampere/Ada consumer and workstation cards
+    # run at their boost clock and reach their dense fp32-accumulate peak similarly), the MI250X figure for
+    # ROCm, and for XLA/NPU/MLU/CPU the same 0.80 (TPU systolic arrays reach a similar fraction on large
+    # matmuls: PaLM reports 57.8 % HFU of whole-model training on TPU v4, the same level as the best A100
+    # runs; Ascend/MLU unpublished).
     "cuda": 0.80,
     "rocm": 0.767,
     "xla": 0.80,
@@ -226,6 +246,8 @@ def gemm_efficiency(acc: Any, precision: str = "bf16") -> float:
     """Large-matmul fraction of peak a ``catalog.Accelerator`` sustains in training (MAMF x sustained)."""
     if acc.id in GEMM_EFFICIENCY:
         mamf = GEMM_EFFICIENCY[acc.id]
+    elif acc.id in PRE_AMPERE and precision in TENSOR_CORE_PRECISIONS:
+        mamf = PRE_AMPERE_EFFICIENCY
     else:
         mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
     if precision == "fp8" and getattr(acc, "fp8_tflops", None) is not None:

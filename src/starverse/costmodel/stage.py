@@ -73,6 +73,14 @@ class StageRows:
     """Devices of one pipeline replica (sum of tp over stages), for placement on nodes."""
     flash_attention: BoolArray
     """The accelerator has a fused (Flash) attention kernel (``constants.has_flash_attention``)."""
+    measured_layer_s: FloatArray | None = None
+    """Measured forward + backward of one layer per micro-batch (``costmodel.profile``); NaN = analytic."""
+    measured_layer_forward_s: FloatArray | None = None
+    """Measured forward of one layer (recomputed once more under full recompute)."""
+    measured_head_s: FloatArray | None = None
+    """Measured forward + backward of embedding, LM head and loss per micro-batch; NaN = analytic."""
+    measured_optimizer_s_per_param: FloatArray | None = None
+    """Measured Adam step time per parameter held (``costmodel.profile``); NaN = analytic."""
 
 
 def _f(x: object) -> FloatArray:
@@ -226,6 +234,16 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm)
     head_elem = tokens * (mn.vocab * C.CROSS_ENTROPY_BYTES_PER_LOGIT) / t / bw
     emb_elem = tokens * (3.0 * h * bv) / bw
+    if rows.measured_layer_s is not None and rows.measured_head_s is not None \
+            and rows.measured_layer_forward_s is not None:
+        # a measured profile replaces the compute terms it contains (matmuls, attention, elementwise)
+        has = np.isfinite(rows.measured_layer_s)
+        gemm_layer = np.where(has, rows.measured_layer_s + rc_full * rows.measured_layer_forward_s, gemm_layer)
+        elem_layer = np.where(has, 0.0, elem_layer)
+        has_head = np.isfinite(rows.measured_head_s)
+        head_gemm = np.where(has_head, rows.measured_head_s, head_gemm)
+        head_elem = np.where(has_head, 0.0, head_elem)
+        emb_elem = np.where(has_head, 0.0, emb_elem)
 
     # ---- activations (Korthikanti et al. 2022, generalised to GQA / gated MLP / MoE; flash attention
     # stores no s x s scores, so selective recompute keeps the same bytes as none) -----------------
@@ -344,6 +362,9 @@ def stage_totals(
     # ---- per-step work -----------------------------------------------------------------------------
     opt_params = trainable / shard_o
     opt_gpu = opt_params * C.ADAM_BYTES_PER_PARAM / lc["bw"]
+    if rows.measured_optimizer_s_per_param is not None:
+        measured_opt = rows.measured_optimizer_s_per_param
+        opt_gpu = np.where(np.isfinite(measured_opt), opt_params * measured_opt, opt_gpu)
     opt_cpu = opt_params * (2.0 * bv / (C.PCIE_HOST_GB_PER_S * 1e9) + 1.0 / C.CPU_ADAM_PARAMS_PER_S)
     optimizer_s = np.where(rows.offload >= 1, opt_cpu, opt_gpu)
     compute_mb = gemm_mb + elem_mb + tp_mb

@@ -19,6 +19,7 @@ from starverse.costmodel.batch import cross_group_sync_s
 from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.group import PART_NAMES, combine, model_numbers
 from starverse.costmodel.pricing import cheapest_price_per_hour
+from starverse.costmodel.profile import ModelProfile, check_profile_fits, load_profile
 from starverse.costmodel.shapes import OFFLOAD_CODES, RECOMPUTE_CODES, ModelShape, TrainShape
 from starverse.costmodel.stage import StageRows, stage_costs
 from starverse.errors import ConfigError, StarverseError
@@ -161,23 +162,73 @@ def check_plan(plan: Plan, spec: Any, catalog: Any) -> None:
         if total != spec.num_layers:
             raise ConfigError(
                 f"groups[{gi}].stages: layers sum to {total} but model '{name}' has {spec.num_layers}; "
-                f"make the stages' layers (times repeat) add up to {spec.num_layers}"
+                f"make the stages' layers (times repeat) add up to {spec.num_layers}", loc=("groups", gi, "stages")
             )
         for si, s in enumerate(g.stages):
             try:
                 catalog.accelerator(s.accelerator)
             except StarverseError as e:
-                raise ConfigError(f"groups[{gi}].stages[{si}].accelerator: {e}") from None
+                raise ConfigError(f"groups[{gi}].stages[{si}].accelerator: {e}",
+                                  loc=("groups", gi, "stages", si, "accelerator")) from None
             if spec.num_heads % s.tp or spec.num_kv_heads % s.tp:
                 ok = [d for d in range(1, spec.num_kv_heads + 1)
                       if spec.num_heads % d == 0 and spec.num_kv_heads % d == 0]
                 raise ConfigError(
                     f"groups[{gi}].stages[{si}].tp: {s.tp} does not divide the model's {spec.num_heads} attention "
-                    f"heads and {spec.num_kv_heads} KV heads; use one of {', '.join(map(str, ok))}"
+                    f"heads and {spec.num_kv_heads} KV heads; use one of {', '.join(map(str, ok))}",
+                    loc=("groups", gi, "stages", si, "tp"),
                 )
 
 
-def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m: np.ndarray) -> StageRows:
+def plan_profiles(plan: Plan, shape: ModelShape) -> dict[str, ModelProfile]:
+    """The measured profiles a plan names (``network.profiles``), loaded and checked against the stage's
+    accelerator and the plan's model shape (ConfigError naming the field otherwise)."""
+    out: dict[str, ModelProfile] = {}
+    for acc_id, path in plan.network.profiles.items():
+        where = f"network.profiles.{acc_id}"
+        try:
+            prof = load_profile(path)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        check_profile_fits(prof, acc_id, shape, where)
+        out[acc_id] = prof
+    return out
+
+
+def _measured(profiles: dict[str, ModelProfile], stages: list[Any], micro_batches: np.ndarray, seq_len: int,
+              precision: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(layer fwd+bwd, layer fwd, head fwd+bwd) per stage and micro-batch choice, NaN where not measured."""
+    shape = (len(stages), len(micro_batches))
+    layer, fwd, head = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
+    for i, st in enumerate(stages):
+        prof = profiles.get(st.accelerator)
+        if prof is None:
+            continue
+        for j, mb in enumerate(micro_batches):
+            e = prof.entry(int(mb), seq_len, st.tp, precision)
+            if e is not None:
+                layer[i, j] = e.layer_forward_s + e.layer_backward_s
+                fwd[i, j] = e.layer_forward_s
+                head[i, j] = e.head_forward_s + e.head_backward_s
+    return layer, fwd, head
+
+
+def _optimizer_s_per_param(profiles: dict[str, ModelProfile], acc_id: str) -> float:
+    prof = profiles.get(acc_id)
+    return np.nan if prof is None or prof.optimizer_s_per_param is None else prof.optimizer_s_per_param
+
+
+def _intra_node(plan: Plan, acc: Any, profiles: dict[str, ModelProfile]) -> float:
+    """Per-device intra-node bandwidth: a profile's measured bus bandwidth (divided by the efficiency the
+    model applies to datasheet links), else the catalog's."""
+    prof = profiles.get(acc.id)
+    if prof is not None and "intra_node" in prof.links_gb_per_s:
+        return prof.links_gb_per_s["intra_node"] / C.LINK_EFFICIENCY
+    return C.intra_node_gb_per_s(acc)
+
+
+def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m: np.ndarray,
+                profiles: dict[str, ModelProfile]) -> StageRows:
     """Rows of shape (S, K): S stages of the group, K micro-batch choices."""
     stages = g.expanded_stages()
     precision = plan.train.precision
@@ -195,12 +246,13 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         return np.full((len(stages), k), float(value))
 
     pp = len(stages)
+    layer_s, layer_fwd_s, head_s = _measured(profiles, stages, micro_batches, tr.seq_len, precision)
     return StageRows(
         peak_tflops=col([a.peak_tflops(precision) for a in accs]),
         gemm_efficiency=col([C.gemm_efficiency(a, precision) for a in accs]),
         memory_gb=col([plan.network.usable_memory_gb.get(a.id, C.usable_memory_gb(a)) for a in accs]),
         memory_bw_gb_per_s=col([a.memory_bw_gb_per_s for a in accs]),
-        intra_node_gb_per_s=col([C.intra_node_gb_per_s(a) for a in accs]),
+        intra_node_gb_per_s=col([_intra_node(plan, a, profiles) for a in accs]),
         devices_per_node=col([float(d) for d in dpn]),
         inter_node_gbps=col([float(x) for x in nic]),
         tp=col([float(s.tp) for s in stages]),
@@ -218,6 +270,10 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         sequence_parallel=np.full((pp, k), tr.sequence_parallel),
         pipeline_devices=full(sum(s.tp for s in stages)),
         flash_attention=np.repeat(np.array([C.has_flash_attention(a) for a in accs])[:, None], k, axis=1),
+        measured_layer_s=layer_s,
+        measured_layer_forward_s=layer_fwd_s,
+        measured_head_s=head_s,
+        measured_optimizer_s_per_param=col([_optimizer_s_per_param(profiles, a.id) for a in accs]),
     )
 
 
@@ -287,14 +343,15 @@ def _cross_node_costs(plan: Plan, g: Group, catalog: Any, mn: Any, mbs: np.ndarr
         costs["tied_s"][-1] = np.maximum(costs["tied_s"][-1], tied)
 
 
-def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences: int) -> _GroupEval:
+def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences: int,
+                profiles: dict[str, ModelProfile]) -> _GroupEval:
     per_replica = sequences // g.replicas
     if g.micro_batch is not None:
         mbs = np.array([g.micro_batch], dtype=np.int64)
     else:
         mbs = np.array(_divisors(per_replica), dtype=np.int64)
     m = per_replica // mbs
-    rows = _stage_rows(plan, g, catalog, mbs, m)
+    rows = _stage_rows(plan, g, catalog, mbs, m, profiles)
     pp = rows.tp.shape[0]
     best_eval: _GroupEval | None = None
     best_key: tuple[float, float] = (np.inf, np.inf)
@@ -323,7 +380,7 @@ def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences:
     return best_eval
 
 
-def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
+def _split_batch(plan: Plan, catalog: Any, mn: Any, profiles: dict[str, ModelProfile]) -> list[int]:
     """Sequences per step for each group (given shares, or proportional to speed)."""
     gb = plan.train.global_batch
     groups = plan.groups
@@ -337,7 +394,7 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
         for gi, g in enumerate(groups):
             unit = g.replicas * (g.micro_batch or 1)
             provisional = max(unit, gb // len(groups) // unit * unit)
-            ev = _eval_group(plan, gi, g, catalog, mn, provisional)
+            ev = _eval_group(plan, gi, g, catalog, mn, provisional, profiles)
             speeds.append(provisional / float(ev.out["step_time_s"][ev.best]))
         given = sum(g.batch_share or 0.0 for g in groups)
         free = [i for i, g in enumerate(groups) if g.batch_share is None]
@@ -354,7 +411,8 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
         if g.batch_share is not None and abs(n - exact) > 1e-6:
             raise ConfigError(
                 f"groups[{gi}].batch_share: {g.batch_share} of train.global_batch={gb} is {exact:g} sequences, "
-                f"not a multiple of replicas x micro_batch = {unit}; change the share or the batch"
+                f"not a multiple of replicas x micro_batch = {unit}; change the share or the batch",
+                loc=("groups", gi, "batch_share"),
             )
         seqs.append(n)
     diff = gb - sum(seqs)
@@ -375,7 +433,7 @@ def _split_batch(plan: Plan, catalog: Any, mn: Any) -> list[int]:
             raise ConfigError(
                 f"train.global_batch: {gb} sequences cannot be divided into micro-batches over "
                 f"groups[{gi}] ({what}); use a global_batch that is a multiple of {unit}"
-                + (" per group share" if len(groups) > 1 else "")
+                + (" per group share" if len(groups) > 1 else ""), loc=("train", "global_batch"),
             )
     return seqs
 
@@ -387,13 +445,14 @@ def estimate(plan: Plan, catalog: Any = None, spec: Any = None) -> Estimate:
     shape = ModelShape.from_spec(spec)
     train = TrainShape.from_train(plan.train)
     mn = model_numbers(shape, train)
-    seqs = _split_batch(plan, catalog, mn)
+    profiles = plan_profiles(plan, shape)
+    seqs = _split_batch(plan, catalog, mn, profiles)
     warnings: list[str] = []
 
     groups: list[GroupEstimate] = []
     evals: list[_GroupEval] = []
     for gi, (g, n) in enumerate(zip(plan.groups, seqs, strict=True)):
-        ev = _eval_group(plan, gi, g, catalog, mn, n)
+        ev = _eval_group(plan, gi, g, catalog, mn, n, profiles)
         evals.append(ev)
         b = ev.best
         stages = []

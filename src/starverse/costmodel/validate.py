@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from starverse.config import FrozenModel, parse, read_yaml
+from starverse.config import FrozenModel, parse, read_yaml, where
 from starverse.costmodel.constants import RESERVED_GB
 from starverse.errors import ConfigError, StarverseError
 from starverse.plan import Plan, _resolve_model_path
@@ -135,7 +135,7 @@ def load_case(path: Path) -> LoadedCase:
     try:
         spec = load_model(plan.model, base_dir=path.parent)
     except StarverseError as e:
-        raise ConfigError(f"{path}: model: {e}") from None
+        raise ConfigError(f"{where(path, ('model',))}: model: {e}") from None
     return LoadedCase(path.stem, str(path), source_of(path), plan, spec, case.measured)
 
 
@@ -147,7 +147,8 @@ def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
     try:
         est = estimate(case.plan, catalog, case.spec)
     except StarverseError as e:
-        return CaseResult(case.name, case.path, None, measured, False, reason=f"{case.path}: {e}",
+        return CaseResult(case.name, case.path, None, measured, False,
+                          reason=f"{where(case.path, getattr(e, 'loc', None))}: {e}",
                           source=case.source)
     peak = max(s.total_gb for g in est.groups for s in g.stages) - RESERVED_GB
     oom = case.measured.out_of_memory

@@ -28,28 +28,41 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from starverse.config import FrozenModel, _line_of, parse, read_yaml
+from starverse.config import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_MONEY,
+    MAX_SECONDS,
+    MAX_SEED,
+    MAX_SEQ_LEN,
+    MAX_STEPS,
+    FrozenModel,
+    PathText,
+    _line_of,
+    parse,
+    read_yaml,
+)
 from starverse.errors import BillingError, BudgetExceededError, ConfigError
 
 
 class TrainSettings(FrozenModel):
     """How long and with which batch to train."""
 
-    steps: int = Field(default=100, gt=0)
+    steps: int = Field(default=100, gt=0, le=MAX_STEPS)
     """Optimizer steps of the whole job (a resume continues to this step)."""
-    seq_len: int = Field(default=128, gt=0)
+    seq_len: int = Field(default=128, gt=0, le=MAX_SEQ_LEN)
     """Tokens per sequence."""
-    global_batch: int = Field(default=16, gt=0)
+    global_batch: int = Field(default=16, gt=0, le=MAX_BATCH)
     """Sequences per optimizer step over all ranks; kept when devices are lost, so the trajectory continues."""
-    micro_batch: int = Field(default=2, gt=0)
+    micro_batch: int = Field(default=2, gt=0, le=MAX_BATCH)
     """Sequences per micro-batch (must divide ``global_batch``)."""
     lr: float = Field(default=1e-3, gt=0)
     """Peak learning rate."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     """Seed of data order and initial weights."""
-    max_params: int | None = Field(default=3_000_000, gt=0)
+    max_params: int | None = Field(default=3_000_000, gt=0, le=10**13)
     """Largest model trained on these devices (a bigger ``model`` is trained as a scaled-down copy)."""
-    rebalance_every: int = Field(default=10, ge=0)
+    rebalance_every: int = Field(default=10, ge=0, le=MAX_STEPS)
     """Re-split the batch by measured speed every this many steps (0: never)."""
     mode: Literal["full", "lora", "qlora"] = "full"
     """full: train every weight; lora: frozen base plus low-rank adapters (peft); qlora: 4-bit base (CUDA only)."""
@@ -67,7 +80,7 @@ class TrainSettings(FrozenModel):
 class DeviceSettings(FrozenModel):
     """Which local devices to use."""
 
-    cpu_ranks: int | None = Field(default=None, gt=0)
+    cpu_ranks: int | None = Field(default=None, gt=0, le=MAX_COUNT)
     """CPU ranks when there is no GPU (default: $STARVERSE_CPU_RANKS, else 2)."""
     use_gpus: bool | None = None
     """Use CUDA devices when present (default: yes)."""
@@ -79,25 +92,25 @@ class DeviceSettings(FrozenModel):
 class CheckpointSettings(FrozenModel):
     """Checkpoint insurance of the job."""
 
-    dir: str | None = None
+    dir: PathText | None = None
     """Checkpoint folder (default ``RUN_DIR/checkpoints``; relative to the job file)."""
-    interval_steps: int | None = Field(default=None, gt=0)
+    interval_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
     """Steps between checkpoints; null: Young/Daly from the measured save cost and the interruption rate."""
     interruptions_per_hour: float | None = Field(default=None, ge=0)
     """Expected losses per device-hour (spot); overrides ``trace`` and the pool."""
-    trace: str | None = None
+    trace: PathText | None = None
     """A spot trace (``data/traces/``) to measure the interruption rate from, correlation included."""
-    max_interval_s: float = Field(default=1800.0, gt=0)
+    max_interval_s: float = Field(default=1800.0, gt=0, le=MAX_SECONDS)
     """Longest time between checkpoints whatever the rate (rollback snapshots, on-demand failures)."""
-    keep_last: int | None = Field(default=3, ge=1)
+    keep_last: int | None = Field(default=3, ge=1, le=MAX_STEPS)
     """Newest checkpoints kept (null: all)."""
-    keep_every: int | None = Field(default=None, ge=1)
+    keep_every: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     """Also keep every checkpoint whose step is a multiple of this (snapshots for rollback)."""
     async_save: bool = True
     """Write checkpoints in the background while training continues."""
-    grace_s: float = Field(default=30.0, gt=0)
+    grace_s: float = Field(default=30.0, gt=0, le=MAX_SECONDS)
     """Seconds between a preemption notice and the loss of the device (AWS: 120, GCP: 30)."""
-    notice_file: str | None = None
+    notice_file: PathText | None = None
     """Also treat this file appearing as a preemption notice (for a sidecar that talks to the provider)."""
     notice_url: str | None = None
     """Also poll a metadata endpoint: ``aws``, ``gcp``, or a URL that answers 200 when preempted."""
@@ -110,16 +123,16 @@ class BillingSettings(FrozenModel):
 
     enabled: bool = True
     """Keep a ledger of the run (leases, checkpoint/preemption/resume events, insurance credits)."""
-    ledger: str | None = None
+    ledger: PathText | None = None
     """Ledger file (default ``RUN_DIR/ledger.sqlite``; relative to this file). Several jobs may share one."""
     job: str | None = None
     """The job's name in the ledger (default: the run directory's folder name); a rerun continues it."""
     currency: str | None = None
     """Currency the job is billed in (default: the pool's, else USD); other prices are converted."""
-    budget_total: Decimal | None = Field(default=None, gt=0)
+    budget_total: Decimal | None = Field(default=None, gt=0, le=MAX_MONEY)
     """Total budget of the job (all runs of it): before the next interval would exceed it, the job writes a
     checkpoint and stops cleanly (overshoot: at most one billing interval)."""
-    max_budget_per_hour: Decimal | None = Field(default=None, gt=0)
+    max_budget_per_hour: Decimal | None = Field(default=None, gt=0, le=MAX_MONEY)
     """Most the job's devices may cost per hour together; a job above it is refused before it starts."""
 
     @model_validator(mode="after")
@@ -137,22 +150,22 @@ class MetricsSettings(FrozenModel):
     """Serve ``/metrics`` while the job trains (on by default: it binds to 127.0.0.1 only)."""
     port: int = Field(default=0, ge=0, le=65535)
     """Port on 127.0.0.1; 0 picks a free one (written to ``RUN_DIR/metrics.json``). Fix it for a scrape config."""
-    linger_s: float = Field(default=0.0, ge=0)
+    linger_s: float = Field(default=0.0, ge=0, le=MAX_SECONDS)
     """Keep serving this long after training ends (a last scrape)."""
 
 
 class TrainJob(FrozenModel):
     """A training job run by ``starverse train`` under the supervisor."""
 
-    model: str = "llama"
+    model: PathText = "llama"
     """Registry id, Hugging Face id or config.json path (relative to this file); ``llama``: a small Llama."""
-    dataset: str
+    dataset: PathText
     """Text file, folder of text files or .jsonl file (relative to this file)."""
-    run_dir: str = "runs/job"
+    run_dir: PathText = "runs/job"
     """Run directory (relative to this file)."""
-    plan: str | None = None
+    plan: PathText | None = None
     """A plan file for these devices (default: planned on the local devices)."""
-    pool: str | None = None
+    pool: PathText | None = None
     """A pool file: its offers price the leases of the job's devices (by accelerator id; a device it does not
     offer is free: your own machine) and their interruption rates set the checkpoint interval."""
     train: TrainSettings = Field(default_factory=TrainSettings)
@@ -161,7 +174,7 @@ class TrainJob(FrozenModel):
     """Local devices to use."""
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     """Checkpoint insurance."""
-    max_restarts: int = Field(default=5, ge=0)
+    max_restarts: int = Field(default=5, ge=0, le=MAX_COUNT)
     """Relaunches allowed after losses before giving up."""
     billing: BillingSettings = Field(default_factory=BillingSettings)
     """Ledger and budgets."""

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import starverse
+from starverse.checks import check_dataset, check_port_free, check_run_dir, check_seq_len
+from starverse.config import where
 from starverse.elastic.job import JobPrices, TrainJob, job_mtbf, job_prices, load_job
 from starverse.elastic.supervisor import Attempt, SupervisedResult, Supervisor, read_progress
 from starverse.jobs.ledger import JobBill, check_ledger_job, job_bill
@@ -78,6 +80,7 @@ class JobResult:
             "checkpoint_interval": self.checkpoint_interval, "run_dir": str(self.run_dir),
             "checkpoints": str(self.checkpoints), "metrics_url": self.metrics_url,
             "bill": self.bill.as_dict() if self.bill is not None else None,
+            "pipeline": self.fit.pipeline.as_dict() if self.fit is not None and self.fit.pipeline else None,
         }
 
 
@@ -90,6 +93,10 @@ class PreparedJob:
         self.job = job
         self.source = source
         self.run_dir = Path(job.run_dir)
+        check_run_dir(job.run_dir, source)
+        check_dataset(job.dataset, source)
+        if job.metrics.enabled:
+            check_port_free(job.metrics.port, f"{where(source, ('metrics', 'port'))}: metrics.port")
         pretrained = Path(job.model).is_dir()
         # a pretrained folder is never scaled down: the default size cap applies only when the job file sets it
         max_params = job.train.max_params if not pretrained or "max_params" in job.train.model_fields_set else None
@@ -98,6 +105,7 @@ class PreparedJob:
             seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=max_params,
             mode=job.train.mode, lora_rank=job.train.lora_rank,
         )
+        check_seq_len(job.train.seq_len, self.cluster.model_config, job.model, source)
         check_mode(job.train.mode, [r.device for r in self.cluster.ranks], source)
         kinds = [r.device_kind for r in self.cluster.ranks]
         self.mtbf_s, self.mtbf_why = job_mtbf(job, kinds)

@@ -16,6 +16,12 @@ from starverse.models.spec import FAMILIES, ModelSpec
 
 Reader = Callable[[Mapping[str, Any], str], ModelSpec]
 
+MAX_CONFIG_INT = 1 << 27
+"""Largest size a config may give (134,217,728 positions; hidden sizes, vocabularies are far smaller): the cost
+model multiplies them and the runtime allocates them."""
+MAX_LAYERS = 1 << 14
+"""Most layers (16,384; the largest published models have ~130); the planner enumerates their divisors."""
+
 
 class _Cfg:
     """Typed access to a config dict with the family's defaults; errors name the key and the file."""
@@ -40,6 +46,10 @@ class _Cfg:
             raise ModelError(f"{self.where}: {keys[0]} must be an integer (got {value!r})")
         if positive and value <= 0:
             raise ModelError(f"{self.where}: {keys[0]} must be > 0 (got {value})")
+        bound = MAX_LAYERS if "layer" in keys[0] else MAX_CONFIG_INT
+        if value > bound:
+            got = f"{value:,}" if value < 10**18 else f"a {len(str(value))}-digit number"
+            raise ModelError(f"{self.where}: {keys[0]} must be at most {bound:,} (got {got})")
         return value
 
     def bool(self, *keys: str, default: bool) -> bool:

@@ -63,6 +63,8 @@ def _read_json(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    except (ValueError, RecursionError) as e:  # a number beyond 4300 digits; nesting deeper than Python's stack
+        raise ModelError(f"{path}: malformed JSON: {str(e).split(';')[0] or type(e).__name__}") from None
 
 
 def _from_path(path: Path) -> ModelSpec:

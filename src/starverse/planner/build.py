@@ -11,7 +11,7 @@ import numpy as np
 
 from starverse.costmodel.constants import BYTES_PER_VALUE
 from starverse.plan import Network, Plan, Pricing, Stage, TrainSpec
-from starverse.planner import hostmem, space
+from starverse.planner import hostmem, space, spotcheck
 from starverse.planner.job import Job
 from starverse.planner.policy import billed_hours, checkpoint_seconds, score, spot_factor, within
 from starverse.planner.pool import Pool
@@ -94,13 +94,19 @@ def rank_plan(job: Job, pool: Pool, catalog: Any, spec: Any, plan: Plan, devices
     mode = plan.train.mode
     trainable = trainable_params(spec, mode, plan.train.lora_rank)
     ckpt = checkpoint_seconds(checkpoint_bytes(trainable, plan.train.precision), nodes, job.search.checkpoint_gb_per_s)
-    factor = float(spot_factor(lam, ckpt, job.search.restart_s))
-    if not math.isfinite(factor):
+    formula = float(spot_factor(lam, ckpt, job.search.restart_s))
+    if not math.isfinite(formula):
         return None
     tps = float(est.tokens_per_s)
-    tps_eff = tps / factor
     price = sum(devices[o.name] * o.price_per_hour for o in offers)
     tokens = job.train.total_tokens
+    work_s = (tokens if tokens is not None else NOMINAL_TOKENS) / tps
+    checked, _ = spotcheck.checked_factor(
+        formula, spotcheck.sim_job(work_s, sum(devices.values()), lam, ckpt, job.search.restart_s,
+                                   float(est.step_time_s), price),
+        spotcheck.traced(offers, devices))
+    factor = checked.factor
+    tps_eff = tps / factor
     hours = (tokens if tokens is not None else NOMINAL_TOKENS) / tps_eff / 3600.0
     total = float(sum(devices[o.name] * o.price_per_hour * billed_hours(np.asarray(hours), o.billing_granularity_s)
                       for o in offers))
@@ -118,7 +124,11 @@ def rank_plan(job: Job, pool: Pool, catalog: Any, spec: Any, plan: Plan, devices
     value = float(score(job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
                         np.asarray(hours)))
     all_notes = list(notes)
-    if factor > 1:
+    if checked.simulated is not None:
+        used = "used" if checked.source == "simulated" else "within 10 %, Young/Daly kept"
+        all_notes.append(f"spot overhead ×{factor:.3f}: Young/Daly says ×{formula:.3f} ({lam:.2g} interruptions/h), "
+                         f"the trace-driven simulation ×{checked.simulated:.3f} ({used})")
+    elif factor > 1:
         all_notes.append(f"spot overhead ×{factor:.3f} (Young/Daly, {lam:.2g} interruptions/h)")
     stacks = {catalog.accelerator(a).stack for a in plan.accelerators()}
     if len(stacks) > 1:
@@ -134,6 +144,7 @@ def rank_plan(job: Job, pool: Pool, catalog: Any, spec: Any, plan: Plan, devices
         power_kw=float(est.power_kw), hours=hours if tokens is not None else None,
         total_cost=total if tokens is not None else None, objective_value=value, notes=tuple(all_notes),
         host_memory_gb_per_node={k: v for k, v in host_per_offer.items() if v > 0},
+        spot_factor_formula=formula, spot_factor_simulated=checked.simulated,
     )
 
 

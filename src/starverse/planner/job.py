@@ -8,7 +8,20 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from starverse.config import FrozenModel, _line_of, format_loc, parse, read_yaml
+from starverse.config import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_SECONDS,
+    MAX_SEQ_LEN,
+    MAX_STEPS,
+    MAX_TOKENS,
+    FrozenModel,
+    PathText,
+    _line_of,
+    format_loc,
+    parse,
+    read_yaml,
+)
 from starverse.errors import ConfigError
 
 
@@ -28,18 +41,18 @@ class Objective(StrEnum):
 class JobTrain(FrozenModel):
     """Training settings of a job; fields left out are chosen by the planner."""
 
-    seq_len: int = Field(gt=0)
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
     """Tokens per sequence."""
-    global_batch: int = Field(gt=0)
+    global_batch: int = Field(gt=0, le=MAX_BATCH)
     """Sequences per optimizer step over all devices."""
-    tokens: float | None = Field(default=None, gt=0)
+    tokens: float | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Total tokens to train (for the job's time and cost); alternative to ``steps``."""
-    steps: int | None = Field(default=None, gt=0)
+    steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
     """Total optimizer steps (alternative to ``tokens``)."""
     mode: Literal["full", "lora", "qlora"] = "full"
     """full: every parameter; lora/qlora: adapters on a frozen base (the planner also proposes them, labelled,
     when full training cannot fit)."""
-    lora_rank: int = Field(default=16, gt=0)
+    lora_rank: int = Field(default=16, gt=0, le=MAX_COUNT)
     """Rank of LoRA adapters."""
     precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     """Compute precision."""
@@ -49,7 +62,7 @@ class JobTrain(FrozenModel):
     """Fix activation recomputation (default: searched)."""
     offload: Literal["none", "optimizer", "optimizer+params"] | None = None
     """Fix CPU offload (default: searched)."""
-    micro_batch: int | None = Field(default=None, gt=0)
+    micro_batch: int | None = Field(default=None, gt=0, le=MAX_BATCH)
     """Fix the micro-batch size (default: searched)."""
 
     @model_validator(mode="after")
@@ -94,11 +107,11 @@ class SearchOptions(FrozenModel):
     """When full training cannot fit, also plan LoRA and QLoRA (labelled as alternatives)."""
     checkpoint_gb_per_s: float = Field(default=2.0, gt=0)
     """Checkpoint write bandwidth per node, GB/s (for the spot overhead)."""
-    restart_s: float = Field(default=300.0, ge=0)
+    restart_s: float = Field(default=300.0, ge=0, le=MAX_SECONDS)
     """Time to get going again after a spot loss (re-acquire, relaunch, load), seconds."""
-    max_tp: int | None = Field(default=None, gt=0)
+    max_tp: int | None = Field(default=None, gt=0, le=MAX_COUNT)
     """Largest tensor-parallel degree tried (1: no tensor parallelism, for a runtime that does not run it)."""
-    max_pipeline_stages: int | None = Field(default=None, gt=0)
+    max_pipeline_stages: int | None = Field(default=None, gt=0, le=MAX_COUNT)
     """Deepest pipeline tried, heterogeneous pipelines included (1: no pipeline parallelism)."""
     use_all_devices: bool = False
     """Use every device of every offer, one group per offer (a fixed set of ranks such as this machine's):
@@ -108,7 +121,7 @@ class SearchOptions(FrozenModel):
 class Job(FrozenModel):
     """``job.yaml``: model, training settings, objective and constraints."""
 
-    model: str
+    model: PathText
     """Registry id, Hugging Face id, or path to a config.json (relative to the job file)."""
     train: JobTrain
     """Training settings."""

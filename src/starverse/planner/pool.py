@@ -14,8 +14,18 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from starverse.config import FrozenModel, _line_of, format_loc, parse, read_yaml
+from starverse.config import (
+    MAX_COUNT,
+    MAX_MONEY,
+    MAX_SECONDS,
+    FrozenModel,
+    _line_of,
+    format_loc,
+    parse,
+    read_yaml,
+)
 from starverse.errors import CatalogError, ConfigError
+from starverse.planner.simulate import Trace, load_trace_events
 
 
 class Pricing(StrEnum):
@@ -30,18 +40,18 @@ class OfferSpec(FrozenModel):
 
     accelerator: str
     """Catalog id of the accelerator (``starverse catalog`` lists them)."""
-    count: int = Field(gt=0)
+    count: int = Field(gt=0, le=MAX_COUNT)
     """Devices available; the planner never rents more."""
     name: str | None = None
     """Label shown in tables (default: the accelerator id); must be unique in the pool."""
     provider: str | None = None
     """Who rents it (informative)."""
-    devices_per_node: int | None = Field(default=None, gt=0)
+    devices_per_node: int | None = Field(default=None, gt=0, le=MAX_COUNT)
     """Devices per node (default: the catalog's); tensor parallelism stays inside one node."""
-    price_per_hour: float | None = Field(default=None, ge=0)
+    price_per_hour: float | None = Field(default=None, ge=0, le=MAX_MONEY)
     """On-demand price per device-hour; omitted = the catalog's cheapest on-demand offer (0 for an ``owned``
     offer). 0 only with ``owned: true``."""
-    spot_price_per_hour: float | None = Field(default=None, gt=0)
+    spot_price_per_hour: float | None = Field(default=None, gt=0, le=MAX_MONEY)
     """Spot price per device-hour (needed when ``pricing: spot``; else the catalog's cheapest spot price)."""
     currency: str | None = None
     """Currency of this offer's prices (default: the pool's)."""
@@ -50,9 +60,14 @@ class OfferSpec(FrozenModel):
     interruptions_per_hour: float | None = Field(default=None, ge=0)
     """Spot only: expected device losses per device-hour (see ``data/traces``); charged as checkpoint and
     lost-work overhead (Young/Daly)."""
+    trace: str | None = None
+    """Spot only: a preemption trace (``data/traces``; path relative to the pool file). It sets
+    ``interruptions_per_hour`` when that is not given, and the planner checks its Young/Daly spot overhead
+    against a simulation on it (:mod:`~starverse.planner.simulate`), using the simulated figure when the
+    two differ by more than 10 %."""
     inter_node_gbps: float | None = Field(default=None, gt=0)
     """NIC bandwidth per node in Gbit/s (default: the catalog's)."""
-    billing_granularity_s: int | None = Field(default=None, gt=0)
+    billing_granularity_s: int | None = Field(default=None, gt=0, le=MAX_SECONDS)
     """Billing unit in seconds (3600 = started hours are billed in full); used by the ``cost`` objective.
     Default: the catalog offer's when the price comes from the catalog, else 1 (per second)."""
     host_memory_gb: float | None = Field(default=None, gt=0)
@@ -76,6 +91,9 @@ class OfferSpec(FrozenModel):
                 f"spot_price_per_hour ({self.spot_price_per_hour:g}) is above price_per_hour "
                 f"({self.price_per_hour:g}); a spot price is a discount on the on-demand one. Check the two prices"
             )
+        if self.trace and self.pricing != Pricing.SPOT:
+            raise ValueError("trace is set but pricing is 'on-demand'; traces describe spot losses. Set "
+                             "pricing: spot, or remove trace")
         if self.interruptions_per_hour and self.pricing != Pricing.SPOT:
             raise ValueError(
                 "interruptions_per_hour is set but pricing is 'on-demand'; on-demand devices are not "
@@ -139,6 +157,8 @@ class Offer:
     """Where ``host_memory_gb`` comes from (the pool file, or the catalog's default instance type)."""
     price_source: str = ""
     """Where ``price_per_hour`` comes from, with its date when it is the catalog's."""
+    trace: Trace | None = None
+    """Spot only: the preemption trace the spot overhead is simulated on (None: Young/Daly alone)."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +251,13 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
                 f"no {field} given and the catalog has no {'spot' if spot else 'on-demand'} price for "
                 f"'{acc.id}' billed by the hour; add {field}: to this offer",
             )
+        trace = None
+        if o.trace:
+            path = Path(o.trace) if Path(o.trace).is_absolute() or source.startswith("<") else Path(source).parent / o.trace
+            try:
+                trace = load_trace_events(path)
+            except ConfigError as e:
+                raise fail(("offers", i, "trace"), str(e)) from None
         host = o.host_memory_gb if o.host_memory_gb is not None else acc.host_memory_gb
         host_source = (f"{source}: offers[{i}].host_memory_gb" if o.host_memory_gb is not None
                        else f"catalog: {acc.sources.get('host_memory_gb', 'default instance type')}")
@@ -242,7 +269,8 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
                 devices_per_node=o.devices_per_node or acc.devices_per_node,
                 price_per_hour=float(price),
                 pricing=o.pricing,
-                interruptions_per_hour=float(o.interruptions_per_hour or 0.0),
+                interruptions_per_hour=float(o.interruptions_per_hour if o.interruptions_per_hour is not None
+                                             else trace.removals_per_node_hour if trace is not None else 0.0),
                 inter_node_gbps=o.inter_node_gbps or acc.inter_node_gbps,
                 billing_granularity_s=granularity or 1,
                 memory_gb=acc.memory_gb,
@@ -250,6 +278,7 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
                 host_memory_gb=host,
                 host_memory_source=host_source if host is not None else "",
                 price_source=price_source,
+                trace=trace,
             )
         )
     return Pool(spec.currency, tuple(offers), spec.cross_offer_gbps, source)

@@ -34,7 +34,8 @@ class RankedPlan:
     effective_tokens_per_s: float
     """Throughput after the spot checkpoint/lost-work overhead (= tokens_per_s on on-demand devices)."""
     spot_factor: float
-    """Young/Daly wall-time multiplier (1 on on-demand devices)."""
+    """Wall-time multiplier of spot interruptions (1 on on-demand devices): Young/Daly, or the simulated
+    median when the spot offers carry traces and the two differ by more than 10 %."""
     power_kw: float
     """Power drawn by the rented devices, kW."""
     hours: float | None
@@ -45,6 +46,11 @@ class RankedPlan:
     """The objective, as "higher is better" (see ``policy.score``)."""
     notes: tuple[str, ...] = ()
     """Warnings and labels worth showing."""
+    spot_factor_formula: float = 1.0
+    """Young/Daly's factor (what the search ranked by); ``spot_factor`` differs when a simulation on the spot
+    offers' traces disagreed by more than 10 %."""
+    spot_factor_simulated: float | None = None
+    """Median factor of the trace-driven simulation (None when the spot offers carry no trace)."""
     host_memory_gb_per_node: Mapping[str, float] = field(default_factory=dict)
     """Offer name -> host RAM one node needs for the offloaded state, GB (empty when nothing is offloaded)."""
 

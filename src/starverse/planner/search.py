@@ -93,8 +93,6 @@ class _Ctx:
     tokens: float | None
     state_bytes: float
     grad_bytes: float
-    single_fits: bool = False
-    """Set by the search: some option holds the model and takes the whole batch alone."""
 
     @property
     def budget_per_hour(self) -> float | None:
@@ -503,7 +501,6 @@ def _best(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int, st
     """Options of the space and the ``top`` best combinations of them (branch and bound)."""
     ctx = _context(job, pool, catalog, spec, mode)
     opts, tables, power = _options(ctx, stats)
-    ctx.single_fits = bool(len(opts)) and bool(np.isfinite(tables[:, ctx.batch]).any())
     combos = _branch_and_bound(ctx, opts, tables, power, max(top, 1), stats) if len(opts) else []
     return ctx, opts, combos
 
@@ -529,19 +526,14 @@ def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: i
             ranked.append(rp)
     so = job.search
     pipelines_allowed = not so.use_all_devices and (so.max_pipeline_stages is None or so.max_pipeline_stages > 1)
-    if so.hetero_pipelines and pipelines_allowed and not _single_kind_holds(ctx, opts):
-        # tried when no accelerator kind holds the model alone, decided on the whole space (not on the
-        # plans shown), so the answer does not depend on `top`
+    if so.hetero_pipelines and pipelines_allowed and not (combos and len(combos[0].options) == 1):
+        # tried unless the exact search's best plan runs on one accelerator kind (mixing does not pay): the
+        # rule looks at the best plan only, never at how many are shown, so the answer does not depend on `top`
         pipes = hetero.search_pipelines(job, pool, catalog, spec, mode, top, alternative)
         stats.hetero_pipelines += len(pipes)
         ranked.extend(pipes)
     ranked.sort(key=lambda r: -r.objective_value)
     return ranked[:top]
-
-
-def _single_kind_holds(ctx: _Ctx, opts: space.Options) -> bool:
-    """Some option of one accelerator kind fits and can take the whole global batch on its own."""
-    return bool(len(opts)) and bool(np.any(ctx.single_fits))
 
 
 def resolve_objective(job: Job, pool: Pool) -> tuple[Job, str | None]:

@@ -206,7 +206,7 @@ class TrainContext:
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(torch.as_tensor(rng["cuda"], dtype=torch.uint8), self.device)
         shares = list(sd.get("shares") or [])
-        if len(shares) == self.world_size and sum(shares) == sum(self.shares or shares):
+        if len(shares) == len(self.shares) and sum(shares) == sum(self.shares or shares):
             self.shares = [int(s) for s in shares]
 
 

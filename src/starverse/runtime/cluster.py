@@ -28,6 +28,7 @@ from starverse.plan import Group, Plan, Stage, TrainSpec, load_plan
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.mesh import MeshLayout
 from starverse.runtime.modeling import WEIGHTS_KEY
+from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 
 log = logging.getLogger(__name__)
 
@@ -137,34 +138,28 @@ def _rank_groups(plan: Plan) -> list[int]:
 
 
 def check_plan_fits_ranks(plan: Plan, ranks: tuple[RankSpec, ...] | list[RankSpec], source: str = "plan") -> None:
-    """Raise ConfigError unless ``plan`` is pure data parallelism over exactly these ranks' device kinds."""
+    """Raise ConfigError unless these ranks can run ``plan``: its device kinds and counts, in any order (the
+    ranks are then ordered like the plan by :func:`order_ranks_like_plan`), and no tensor parallelism yet."""
+    from starverse.runtime.plan_check import check_ranks
+
     for gi, g in enumerate(plan.groups):
         for si, s in enumerate(g.stages):
-            if s.tp != 1 or g.num_stages != 1:
+            if s.tp != 1:
                 raise ConfigError(
-                    f"{source}: groups[{gi}].stages[{si}]: the runtime runs data parallelism only (tp 1, one stage "
-                    "per group); tensor/pipeline-parallel plans are estimated but not yet run. To fix: use tp: 1 "
-                    "and one stage per group."
+                    f"{source}: groups[{gi}].stages[{si}].tp: {s.tp}: the runtime does not run tensor parallelism "
+                    "yet (pipelines and data parallelism it runs). To fix: use tp: 1."
                 )
-    if plan.num_devices != len(ranks):
-        have = Counter(r.device_kind for r in ranks)
-        raise ConfigError(
-            f"{source}: the plan uses {plan.num_devices} devices but the provider has {len(ranks)} "
-            f"({', '.join(f'{n} x {k}' for k, n in have.items())}). To fix: make the groups' replicas sum to "
-            f"{len(ranks)}, or change the number of ranks."
-        )
-    want = [plan.groups[g].stages[0].accelerator for g in _rank_groups(plan)]
-    got = [r.device_kind for r in ranks]
-    if Counter(want) != Counter(got):
-        raise ConfigError(
-            f"{source}: the plan wants {dict(Counter(want))} but the provider has {dict(Counter(got))}. "
-            "To fix: plan for the devices you have (`starverse probe` lists them)."
-        )
+    check_ranks(plan, order_ranks_like_plan(plan, list(ranks)) if _kinds_match(plan, ranks) else ranks, source)
+
+
+def _kinds_match(plan: Plan, ranks: tuple[RankSpec, ...] | list[RankSpec]) -> bool:
+    want = Counter(p.accelerator for p in PipelineLayout.from_plan(plan).places)
+    return want == Counter(r.device_kind for r in ranks)
 
 
 def order_ranks_like_plan(plan: Plan, ranks: list[RankSpec]) -> tuple[RankSpec, ...]:
-    """Renumber ranks so consecutive ranks follow the plan's groups (group by group)."""
-    want = [plan.groups[g].stages[0].accelerator for g in _rank_groups(plan)]
+    """Renumber ranks so consecutive ranks follow the plan's places (group, replica, stage, TP rank)."""
+    want = [p.accelerator for p in PipelineLayout.from_plan(plan).places]
     pool = list(ranks)
     out: list[RankSpec] = []
     for i, kind in enumerate(want):
@@ -319,7 +314,7 @@ def _choose_model(
 
     if model_ref == "llama":
         cfg = dict(_SMALL_LLAMA)
-        return cfg, cfg["num_hidden_layers"], [f"model: small Llama ({describe_config(cfg)})"], False
+        return cfg, int(cfg["num_hidden_layers"]), [f"model: small Llama ({describe_config(cfg)})"], False
     cfg = hf_config_dict(model_ref)
     pretrained = WEIGHTS_KEY in cfg or isinstance(model_ref, torch.nn.Module)
     name = _model_name(model_ref) if isinstance(model_ref, (str, Path, torch.nn.Module)) else (

@@ -29,41 +29,49 @@ from starverse.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def proportional_shares(num_micro: int, weights: Sequence[float]) -> list[int]:
-    """Split ``num_micro`` micro-batches in proportion to ``weights``, at least one each (largest remainder)."""
+def proportional_shares(num_micro: int, weights: Sequence[float], min_shares: Sequence[int] | None = None) -> list[int]:
+    """Split ``num_micro`` micro-batches in proportion to ``weights``, at least ``min_shares`` (default 1) each
+    (largest remainder)."""
     n = len(weights)
     if n == 0:
         raise ConfigError("no ranks to share the batch between.")
-    if num_micro < n:
+    low = list(min_shares) if min_shares is not None else [1] * n
+    if num_micro < sum(low):
+        need = (
+            "every rank needs at least one" if max(low) == 1
+            else f"together they need at least {sum(low)} ({low}: a pipeline needs one per stage)"
+        )
         raise ConfigError(
-            f"the global batch holds {num_micro} micro-batch(es) for {n} ranks; every rank needs at least one. "
-            "To fix: raise the global batch or lower per_device_batch_size."
+            f"the global batch holds {num_micro} micro-batch(es) for {n} {'ranks' if max(low) == 1 else 'replicas'}; "
+            f"{need}. To fix: raise the global batch or lower per_device_batch_size."
         )
     if any(w <= 0 for w in weights):
         raise ConfigError(f"share weights must be > 0 (got {list(weights)}).")
     total = float(sum(weights))
     exact = [num_micro * w / total for w in weights]
-    shares = [max(1, int(e)) for e in exact]
+    shares = [max(lo, int(e)) for lo, e in zip(low, exact, strict=True)]
     while sum(shares) < num_micro:
         i = max(range(n), key=lambda r: (exact[r] - shares[r], -r))
         shares[i] += 1
     while sum(shares) > num_micro:
-        i = max((r for r in range(n) if shares[r] > 1), key=lambda r: (shares[r] - exact[r], r))
+        i = max((r for r in range(n) if shares[r] > low[r]), key=lambda r: (shares[r] - exact[r], r))
         shares[i] -= 1
     return shares
 
 
-def balanced_shares(num_micro: int, time_per_micro_s: Sequence[float]) -> list[int]:
-    """Shares minimising ``max_r shares[r] * time_per_micro_s[r]`` with every share ≥ 1.
+def balanced_shares(
+    num_micro: int, time_per_micro_s: Sequence[float], min_shares: Sequence[int] | None = None
+) -> list[int]:
+    """Shares minimising ``max_r shares[r] * time_per_micro_s[r]`` with every share ≥ ``min_shares`` (default 1).
 
     Greedy: give each next micro-batch to the rank that would finish it first. For identical
     independent items this greedy choice is optimal for the makespan.
     """
     n = len(time_per_micro_s)
-    if num_micro < n:
-        raise ConfigError(f"{num_micro} micro-batches cannot give each of {n} ranks one.")
-    shares = [1] * n
-    for _ in range(num_micro - n):
+    shares = list(min_shares) if min_shares is not None else [1] * n
+    if num_micro < sum(shares):
+        raise ConfigError(f"{num_micro} micro-batches cannot give the {n} replicas their minimum {shares}.")
+    for _ in range(num_micro - sum(shares)):
         best = min(range(n), key=lambda r: ((shares[r] + 1) * time_per_micro_s[r], r))
         shares[best] += 1
     return shares
@@ -86,6 +94,8 @@ class Rebalancer:
     """Adopt new shares only if predicted ≥ this fraction faster than the current ones."""
     window: int = 5
     """Steps of history used (median time per micro-batch per rank)."""
+    min_shares: tuple[int, ...] | None = None
+    """Fewest micro-batches each unit may get (None: 1; a pipeline replica: as its schedule needs)."""
     _history: deque[list[float]] = field(default_factory=deque)
 
     def observe(self, shares: Sequence[int], compute_times_s: Sequence[float]) -> None:
@@ -106,7 +116,7 @@ class Rebalancer:
         t = self.time_per_micro_s()
         if any(x <= 0 for x in t):
             return None
-        new = balanced_shares(self.num_micro, t)
+        new = balanced_shares(self.num_micro, t, self.min_shares)
         if new == list(shares):
             return None
         now_s, new_s = predicted_step_s(shares, t), predicted_step_s(new, t)
@@ -204,3 +214,76 @@ class GradientSync:
         self._armed = True
         self._next = 0
         self.finish()
+
+
+class HolderSync:
+    """Sums each parameter's gradient over every rank that holds it, in groups of ranks holding the same ones.
+
+    With pipelines, and groups whose pipelines split the layers differently, a parameter lives on one rank per
+    replica, and which ranks those are differs between parameters. Parameters are keyed by their name in the
+    unsplit model (and the rank's tensor-parallel index, whose shard differs); ranks holding the same set of
+    parameters get one mesh over them (native inside a device kind, gloo bridge between kinds) and one
+    :class:`GradientSync`. Built collectively: every rank passes its own ``(name, parameter)`` list.
+    """
+
+    def __init__(
+        self, named_params: Sequence[tuple[str, torch.nn.Parameter]], tp_rank: int, rank_kinds: Sequence[str],
+        rank_devices: Sequence[str], host_group: Any, bucket_mb: float = 25.0,
+    ):
+        import torch.distributed as dist
+
+        from starverse.runtime.mesh import MixedMesh
+
+        world = dist.get_world_size()
+        mine = [(f"{tp_rank}:{n}", p) for n, p in named_params if p.requires_grad]
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, [k for k, _ in mine], group=host_group)
+        holders: dict[str, list[int]] = {}
+        for r, keys in enumerate(every):
+            for k in keys:
+                holders.setdefault(k, []).append(r)
+        self.owner = {k: rs[0] for k, rs in holders.items()}
+        """The rank that counts each parameter once in the gradient norm (its first holder)."""
+        by_set: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+        me = dist.get_rank()
+        params = dict(mine)
+        for k in sorted(holders):
+            rs = tuple(holders[k])
+            if me in rs and k in params:
+                by_set.setdefault(rs, []).append(params[k])
+        self.syncs: list[GradientSync] = []
+        for rs in sorted({tuple(v) for v in holders.values() if len(v) > 1}):
+            mesh = MixedMesh.build_over(rank_kinds, rank_devices, rs)  # collective: every rank, same order
+            if mesh is not None:
+                self.syncs.append(GradientSync(by_set[rs], mesh, bucket_mb, len(rs)))
+        self._owned = [p for k, p in mine if self.owner[k] == me]
+        self._held = [p for _, p in mine]
+        self._host = host_group
+        self.blocked_s = 0.0
+        """As :attr:`GradientSync.blocked_s` (always 0: the sums run after the schedule, not inside backward)."""
+
+    def arm(self) -> None:
+        """No overlap with backward: a pipeline's backward runs inside its schedule; :meth:`all_reduce` follows it."""
+
+    def all_reduce(self) -> None:
+        """Sum every held parameter's gradient over its holders, in place."""
+        for s in self.syncs:
+            s.all_reduce()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm over all parameters (each counted once); scales gradients to ``max_norm``
+        when it is above (``max_norm`` 0: only measured), as ``torch.nn.utils.clip_grad_norm_`` on one process."""
+        import torch.distributed as dist
+
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self._owned:
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(sq, group=self._host)
+        norm = sq.sqrt().float()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in self._held:
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.device))
+        return norm

@@ -53,14 +53,8 @@ class LoraSettings:
 
 
 def default_targets(model: torch.nn.Module) -> tuple[str, ...]:
-    """Linear layers to adapt: peft's per-family default for transformers models, else every linear layer but
-    the output head."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type:
-        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
-
-        if model_type in defaults:
-            return tuple(defaults[model_type])
+    """Every linear layer but the output head: what the cost model's ``lora`` memory and the planner assume
+    (``adapter_params_per_layer``: attention and MLP projections), and what QLoRA trains."""
     head = output_head(model)
     names = [n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
     if head is None and names:

@@ -52,12 +52,17 @@ class MeshLayout:
     """One entry per device kind, in order of first appearance."""
 
     @classmethod
-    def from_ranks(cls, rank_kinds: Sequence[str], rank_devices: Sequence[str] | None = None) -> MeshLayout:
-        """Group ranks by kind; ``rank_devices`` (torch device strings) picks each kind's native backend."""
+    def from_ranks(
+        cls, rank_kinds: Sequence[str], rank_devices: Sequence[str] | None = None, members: Sequence[int] | None = None
+    ) -> MeshLayout:
+        """Group ranks by kind; ``rank_devices`` (torch device strings) picks each kind's native backend.
+
+        ``members``: only these global ranks (None: all); ``rank_kinds``/``rank_devices`` stay indexed by rank.
+        """
         devices = list(rank_devices) if rank_devices is not None else ["cpu"] * len(rank_kinds)
         order: dict[str, list[int]] = {}
-        for r, k in enumerate(rank_kinds):
-            order.setdefault(k, []).append(r)
+        for r in sorted(members) if members is not None else range(len(rank_kinds)):
+            order.setdefault(rank_kinds[r], []).append(r)
         return cls(tuple(KindGroup(k, tuple(rs), native_backend(devices[rs[0]])) for k, rs in order.items()))
 
     @property
@@ -95,9 +100,22 @@ class MixedMesh:
     @classmethod
     def build(cls, rank_kinds: Sequence[str], rank_devices: Sequence[str] | None = None) -> MixedMesh:
         """Create the groups; every rank must call this with the same arguments (collective)."""
+        mesh = cls.build_over(rank_kinds, rank_devices, None)
+        assert mesh is not None
+        return mesh
+
+    @classmethod
+    def build_over(
+        cls, rank_kinds: Sequence[str], rank_devices: Sequence[str] | None, members: Sequence[int] | None
+    ) -> MixedMesh | None:
+        """The mesh over ``members`` (None: all ranks); None on a rank outside them.
+
+        Collective over the whole world: every rank calls it with the same arguments, in the same order.
+        A mesh over a subset has no host group (host-side coordination uses the world's).
+        """
         if not dist.is_initialized():
             raise RuntimeError("MixedMesh.build needs an initialised process group (run inside launch()).")
-        layout = MeshLayout.from_ranks(rank_kinds, rank_devices)
+        layout = MeshLayout.from_ranks(rank_kinds, rank_devices, members)
         rank = dist.get_rank()
         mine: KindGroup | None = None
         kind_group = None
@@ -106,12 +124,15 @@ class MixedMesh:
             pg = dist.new_group(list(g.ranks), backend=g.backend)
             if rank in g.ranks:
                 mine, kind_group = g, pg
-        assert mine is not None
         bridge = None
         if layout.is_mixed:
             pg = dist.new_group([g.leader for g in layout.kinds], backend="gloo")
-            bridge = pg if rank == mine.leader else None
-        host = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            bridge = pg if mine is not None and rank == mine.leader else None
+        host = None
+        if members is None:
+            host = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        if mine is None:
+            return None
         log.info("mixed mesh: %s", layout.describe())
         return cls(layout, rank, kind_group, mine, bridge, host)
 

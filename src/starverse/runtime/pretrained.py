@@ -82,7 +82,12 @@ def load_weights(
     unexpected: list[str] = []
     mismatched: list[str] = []
     for file in mf.weight_files:
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
+            raise ModelError(f"{file}: not a readable safetensors file ({' '.join(str(e).split())[:120]}). To fix: "
+                             "copy the file again, or re-save the model with save_pretrained.") from None
+        with handle as f:
             for name in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
                 if name not in expected:
                     unexpected.append(name)

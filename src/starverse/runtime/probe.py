@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from starverse.errors import ConfigError
 from starverse.runtime.launch import RankEnv, RankSpec, launch
 
 log = logging.getLogger(__name__)
@@ -148,12 +149,7 @@ class ProbeResult:
 
     def write(self, path: str | Path) -> Path:
         """Write the profile atomically; returns the path."""
-        p = Path(path).expanduser()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.profile(), indent=2) + "\n")
-        tmp.replace(p)
-        return p
+        return write_json(self.profile(), path)
 
 
 def probe(ranks: list[RankSpec] | None = None, *, quick: bool = False, timeout_s: float = 300.0) -> ProbeResult:
@@ -170,3 +166,137 @@ def probe(ranks: list[RankSpec] | None = None, *, quick: bool = False, timeout_s
         keys = sorted(set().union(*rows))
         accs[kind] = {k: float(torch.tensor([r[k] for r in rows if k in r]).median()) for k in keys}
     return ProbeResult(socket.gethostname(), datetime.now(UTC).isoformat(timespec="seconds"), accs, len(ranks))
+
+
+# --- model profiles (``starverse probe --model M --plan P``) ------------------------------------------
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_HEAD_DIM_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2"})
+"""Families whose HF config takes ``head_dim``, so one TP shard of a layer can be built as a layer with
+``heads / tp`` heads of the same width."""
+
+
+def _shard_config(cfg: dict[str, Any], layers: int, tp: int, seq_len: int) -> dict[str, Any]:
+    """``cfg`` at ``layers`` depth, one TP shard wide (heads, KV heads and MLP width divided by ``tp``)."""
+    from starverse.runtime.modeling import _ALIASES, _get
+
+    out = dict(cfg)
+    for key in _ALIASES["layers"]:
+        if key in out:
+            out[key] = layers
+    pkey, positions = _get(out, "positions")
+    if pkey is not None and int(positions) < seq_len:
+        out[pkey] = seq_len
+    if tp == 1:
+        return out
+    if out.get("model_type") not in _HEAD_DIM_FAMILIES:
+        raise ConfigError(f"probe: tp={tp} needs a model family whose layers can be built as one TP shard "
+                          f"({', '.join(sorted(_HEAD_DIM_FAMILIES))}); got {out.get('model_type')!r}; probe tp 1")
+    hkey, hidden = _get(out, "hidden")
+    qkey, heads = _get(out, "heads")
+    kvkey, kv = _get(out, "kv_heads")
+    fkey, ffn = _get(out, "ffn")
+    out["head_dim"] = int(out.get("head_dim") or int(hidden) // int(heads))
+    assert qkey is not None and fkey is not None and hkey is not None
+    out[qkey] = int(heads) // tp
+    if kvkey is not None:
+        out[kvkey] = max(int(kv) // tp, 1)
+    out[fkey] = int(ffn) // tp
+    return out
+
+
+def _fwd_bwd_s(cfg: dict[str, Any], micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device,
+               repeats: int) -> tuple[float, float]:
+    """Forward and backward time (median of ``repeats``) of one training micro-batch of the model ``cfg`` (loss included)."""
+    from starverse.runtime.modeling import build_model
+
+    model = build_model(cfg, dtype=dtype).to(device)
+    model.train()
+    vocab = int(cfg["vocab_size"])
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen).to(device)
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i in range(repeats + 2):  # two warm-up iterations
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        _sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if i >= 2:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    # medians: a step is a sum of micro-batches, whose typical (not best) times add up to the step's
+    return float(torch.tensor(fwd).median()), float(torch.tensor(bwd).median())
+
+
+def profile_entry(cfg: dict[str, Any], micro_batch: int, seq_len: int, tp: int, precision: str,
+                  device: torch.device, repeats: int = 5, depths: tuple[int, int] = (1, 3)) -> dict[str, Any]:
+    """Measure one profile entry: the model built at two depths; the difference per added layer is one
+    layer's time, what remains at the shallow depth is the embedding, head and loss."""
+    lo, hi = depths
+    f_lo, b_lo = _fwd_bwd_s(_shard_config(cfg, lo, tp, seq_len), micro_batch, seq_len, _DTYPES[precision], device,
+                            repeats)
+    f_hi, b_hi = _fwd_bwd_s(_shard_config(cfg, hi, tp, seq_len), micro_batch, seq_len, _DTYPES[precision], device,
+                            repeats)
+    # timing noise can make a difference negative on tiny layers; a measured time is never below 1 us
+    layer_f = max((f_hi - f_lo) / (hi - lo), 1e-6)
+    layer_b = max((b_hi - b_lo) / (hi - lo), 1e-6)
+    return {"micro_batch": micro_batch, "seq_len": seq_len, "tp": tp, "precision": precision,
+            "layer_forward_s": layer_f, "layer_backward_s": layer_b,
+            "head_forward_s": max(f_lo - lo * layer_f, 1e-6), "head_backward_s": max(b_lo - lo * layer_b, 1e-6)}
+
+
+def optimizer_s_per_param(device: torch.device, num_params: int = 4_000_000, repeats: int = 5) -> float:
+    """Median AdamW step over ``num_params`` fp32 parameters with gradients, per parameter."""
+    params = [torch.nn.Parameter(torch.randn(num_params // 4, device=device)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    times = []
+    for i in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        if i:  # the first step allocates the moments
+            times.append(time.perf_counter() - t0)
+    return float(torch.tensor(times).median()) / num_params
+
+
+def probe_model(plan: Any, spec: Any, accelerator: str, device: str = "cpu", *, repeats: int = 5,
+                links_gb_per_s: dict[str, float] | None = None) -> dict[str, Any]:
+    """The profile document (format: :mod:`starverse.costmodel.profile`) of ``spec`` on this device kind,
+    with one entry per (micro-batch, sequence length, TP) of the plan's stages on ``accelerator`` (a stage
+    without a fixed micro-batch is measured at 1)."""
+    from starverse.costmodel.profile import PROFILE_FORMAT, PROFILE_VERSION, shape_key
+    from starverse.costmodel.shapes import ModelShape
+    from starverse.runtime.modeling import hf_config_dict
+
+    settings = sorted({(g.micro_batch or 1, st.tp) for g in plan.groups for st in g.stages
+                       if st.accelerator == accelerator})
+    if not settings:
+        raise ConfigError(f"probe: the plan has no stage on '{accelerator}' (this machine's device kind); "
+                          "probe with a plan that uses it")
+    cfg = hf_config_dict(spec)
+    dev = torch.device(device)
+    entries = [profile_entry(cfg, mb, plan.train.seq_len, tp, plan.train.precision, dev, repeats)
+               for mb, tp in settings]
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "accelerator": accelerator,
+            "host": socket.gethostname(), "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "model": shape_key(ModelShape.from_spec(spec)), "entries": entries,
+            "links_gb_per_s": dict(links_gb_per_s or {}), "optimizer_s_per_param": optimizer_s_per_param(dev)}
+
+
+def write_json(doc: dict[str, Any], path: str | Path) -> Path:
+    """Write a JSON document atomically; returns the path."""
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(p)
+    return p

@@ -55,8 +55,22 @@ def batch_loss(
     loss = getattr(out, "loss", None)
     if loss is not None:
         return loss
-    logits = _logits(model, out)
+    return shifted_cross_entropy(_logits(model, out), input_ids)
+
+
+def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits ``[batch, seq, vocab]`` against the same sequences' ids."""
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), input_ids[:, 1:].reshape(-1))
+
+
+def config_int(model: torch.nn.Module, *keys: str) -> int | None:
+    """The first of ``keys`` that the model's (Hugging Face) ``config`` holds as an int; None if none."""
+    cfg = getattr(model, "config", None)
+    for key in keys:
+        v = getattr(cfg, key, None)
+        if isinstance(v, int):
+            return v
+    return None
 
 
 def _logits(model: torch.nn.Module, out: Any) -> torch.Tensor:

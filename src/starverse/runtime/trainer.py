@@ -2,9 +2,9 @@
 
 The user's process prepares everything that must be identical on every rank (tokenised corpus, initial
 weights, initial shares), then :func:`~starverse.runtime.launch.launch` starts one process per rank.
-Each rank runs :func:`_train_rank`: micro-batches of its share, gradients summed over the mixed mesh,
-AdamW with warm-up + cosine, clipping, a per-step exchange of losses/times/stop votes, rebalancing of
-shares. Rank 0 writes the final weights, which are loaded back into the user's model, so ``model`` is
+Each rank runs :func:`~starverse.runtime.rank_loop.train_rank` (a :class:`~starverse.runtime.rank_loop.RankTrainer`):
+micro-batches of its share, gradients summed over the mixed mesh, AdamW with warm-up + cosine, clipping, a
+per-step exchange of losses/times/stop votes, rebalancing of shares. Rank 0 writes the final weights, which are loaded back into the user's model, so ``model`` is
 trained after ``fit`` returns, as with a single-process trainer.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,11 +24,9 @@ import torch
 
 from starverse.errors import ConfigError
 from starverse.plan import Plan
-from starverse.runtime.callbacks import Callback, CallbackList, TrainContext
+from starverse.runtime.callbacks import Callback
 from starverse.runtime.data import (
-    DeterministicSampler,
     HFTokenizer,
-    PackedDataset,
     TokenizedCorpus,
     load_tokenizer,
     model_tokenizer,
@@ -37,18 +34,18 @@ from starverse.runtime.data import (
     tokenize_corpus,
 )
 from starverse.runtime.export import FINAL_WEIGHTS, record_model
-from starverse.runtime.hetero_dp import GradientSync, Rebalancer, proportional_shares
-from starverse.runtime.launch import Launcher, RankEnv, RankSpec, launch, resolve_launcher
-from starverse.runtime.lora import apply_mode, trainable_state_dict
+from starverse.runtime.hetero_dp import proportional_shares
+from starverse.runtime.launch import Launcher, RankSpec, launch, resolve_launcher
+from starverse.runtime.lora import apply_mode
+from starverse.runtime.parallel.parallelize import check_parallel_plan
+from starverse.runtime.parallel.pipeline import micro_batch_count_error, min_micro_batches
+from starverse.runtime.parallel.pipeline_layout import PipelineLayout
+from starverse.runtime.parallel.pipeline_report import PipelineReport, pipeline_report
+from starverse.runtime.parallel.pipeline_split import as_module
+from starverse.runtime.plan_check import check_model, check_ranks
+from starverse.runtime.rank_loop import FitJob, RankResult, train_rank
 from starverse.runtime.runlog import EVAL_FILE, EvalCallback, ProgressCallback, RunLogCallback
-from starverse.runtime.steps import (
-    LossFn,
-    autocast_dtype,
-    batch_loss,
-    flops_per_token,
-    make_optimizer,
-    make_schedule,
-)
+from starverse.runtime.steps import LossFn, config_int, flops_per_token
 
 if TYPE_CHECKING:
     from starverse.runtime.cluster import Cluster
@@ -118,6 +115,8 @@ class FitResult:
     """Mean token loss on the held-out split at the end (None: no held-out split, ``Trainer.eval_fraction``)."""
     eval_perplexity: float | None = None
     """``exp(eval_loss)``."""
+    pipeline: PipelineReport | None = None
+    """Per stage time per micro-batch, bubble and state bytes, beside the cost model's (None: no pipeline)."""
 
     def summary_lines(self) -> list[str]:
         """Human-readable summary (the CLI prints these)."""
@@ -134,42 +133,13 @@ class FitResult:
             )
         if len(self.shares_history) > 1:
             lines.append("  shares: " + " -> ".join(f"{list(s)}@{st}" for st, s in self.shares_history))
+        if self.pipeline is not None:
+            lines.extend(self.pipeline.summary_lines())
         if self.eval_loss is not None:
             lines.append(f"  held-out: loss {self.eval_loss:.4f}, perplexity {self.eval_perplexity:.2f}")
         if self.stop_reason:
             lines.append(f"  stopped early: {self.stop_reason}")
         return lines
-
-
-@dataclass(frozen=True)
-class _FitJob:
-    """Everything a rank needs (pickled into the rank processes)."""
-
-    plan: Plan
-    run_dir: Path
-    model_path: Path
-    tokens_path: Path
-    seq_len: int
-    micro_batch: int
-    global_batch: int
-    shares: tuple[int, ...]
-    max_steps: int
-    lr: float
-    warmup_steps: int
-    min_lr_ratio: float
-    weight_decay: float
-    grad_clip: float
-    seed: int
-    rebalance_every: int
-    hysteresis: float
-    precision: str
-    callbacks: tuple[Callback, ...]
-    loss_fn: LossFn | None
-    resume_from: Path | None
-    peaks_tflops: tuple[float | None, ...]
-    flops_per_token: float
-    bucket_mb: float = 25.0
-    labels_path: Path | None = None
 
 
 @dataclass
@@ -232,7 +202,7 @@ class Trainer:
 
     def fit(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
         dataset: Any = None,
         per_device_batch_size: int = 1,
         max_steps: int = 100,
@@ -255,16 +225,25 @@ class Trainer:
         tokenizer when it has one, else bpe sized to the model's vocabulary). The plan's ``train.mode`` lora /
         qlora puts adapters on ``model`` first (in place). ``precision``: None takes the plan's
         (bf16 autocast where the device supports it). ``resume_from``: see ``Callback.on_resume``.
+        ``model`` may be a list of blocks (or an ``nn.Sequential``: the first takes token ids, the last returns
+        logits); a plan with pipeline stages splits it by the stages' ``layers``, as it splits the decoder blocks
+        of a bundled family. The plan is checked against the ranks and the model first (see ``plan_check``).
         After ``fit`` the user's ``model`` holds the trained weights.
         """
-        from starverse.runtime.cluster import accelerate
+        from starverse.runtime.cluster import accelerate, estimate_or_none
 
         cluster = self.cluster or accelerate()
         plan = cluster.plan
         ranks = list(cluster.ranks)
         world = len(ranks)
+        if isinstance(model, (list, tuple)):
+            model = as_module(list(model))
         if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module (got {type(model).__name__}).")
+            raise ConfigError(f"model must be a torch.nn.Module or a list of blocks (got {type(model).__name__}).")
+        check_ranks(plan, ranks, "the cluster's plan")
+        check_model(plan, model, "the cluster's plan")
+        layout = PipelineLayout.from_plan(plan)
+        _check_runs(plan, layout, loss_fn)
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
                 f"the model ({type(model).__name__}) has no trainable parameters. To fix: pass a model with "
@@ -285,7 +264,15 @@ class Trainer:
                 "To fix: choose a batch size that divides it, or pass global_batch=."
             )
         num_micro = gb // per_device_batch_size
-        init_shares = _initial_shares(cluster, num_micro, shares)
+        init_shares = _initial_shares(cluster, layout, num_micro, shares)
+        check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares)
+        t = plan.train
+        if layout.is_pipelined and (t.zero_stage or t.offload != "none" or t.recompute != "none"):
+            raise ConfigError(
+                f"the cluster's plan: train: zero_stage {t.zero_stage}, offload {t.offload}, recompute {t.recompute} "
+                "are not applied inside pipeline stages yet. To fix: zero_stage: 0, offload: none, recompute: none "
+                "for a pipelined plan, or one stage per replica."
+            )
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
@@ -322,6 +309,11 @@ class Trainer:
         callbacks += [*self.callbacks, RunLogCallback(self.tensorboard)]
         if self.progress:
             callbacks.append(ProgressCallback(self.log_every))
+        if layout.is_pipelined and packed.labels is not None:
+            raise ConfigError(
+                "chat data (masked labels) is not trained with pipeline stages yet (the last stage scores every "
+                "next token). To fix: use one stage per group, or plain text data."
+            )
         tokens_path = run_dir / "data" / "tokens.npy"
         np.save(tokens_path, packed.tokens)
         labels_path = _save_array(run_dir / "data" / "labels.npy", packed.labels)
@@ -332,7 +324,7 @@ class Trainer:
         torch.save(model, model_path)
 
         prec = precision or plan.train.precision
-        job = _FitJob(
+        job = FitJob(
             plan=plan, run_dir=run_dir, model_path=model_path, tokens_path=tokens_path, seq_len=seq_len,
             micro_batch=per_device_batch_size, global_batch=gb, shares=tuple(init_shares), max_steps=max_steps,
             lr=self.lr, warmup_steps=self.warmup_steps if self.warmup_steps is not None else max(1, max_steps // 20),
@@ -348,13 +340,17 @@ class Trainer:
             world, gb, num_micro, per_device_batch_size, init_shares, max_steps, seq_len,
         )
         results = launch(
-            _train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
+            train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
             launcher=self.launcher,
         )
         final = run_dir / FINAL_WEIGHTS
         if final.is_file():  # adapters only for LoRA (the frozen base is unchanged)
             model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True), strict=lora is None)
-        return _summarise(results, job, ranks)
+        report = None
+        if layout.is_pipelined:
+            est = cluster.estimate if cluster.estimate is not None else estimate_or_none(plan)
+            report = pipeline_report(layout, results, [r.device_kind for r in ranks], est)
+        return _summarise(results, job, ranks, report)
 
 
 def _save_array(path: Path, arr: np.ndarray | None) -> Path | None:
@@ -365,12 +361,7 @@ def _save_array(path: Path, arr: np.ndarray | None) -> Path | None:
 
 
 def _max_positions(model: torch.nn.Module) -> int | None:
-    cfg = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int):
-            return v
-    return None
+    return config_int(model, "max_position_embeddings", "n_positions", "max_seq_len")
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
@@ -381,16 +372,54 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
     return emb[0].num_embeddings if emb else None
 
 
-def _initial_shares(cluster: Cluster, num_micro: int, shares: Sequence[int] | None) -> list[int]:
-    world = len(cluster.ranks)
+def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> None:
+    """What this runtime does not run yet, refused rather than silently run as something else."""
+    for gi, g in enumerate(plan.groups):
+        for si, s in enumerate(g.stages):
+            if s.tp > 1:
+                raise ConfigError(
+                    f"the cluster's plan: groups[{gi}].stages[{si}].tp: {s.tp}: tensor parallelism is not run by this "
+                    "runtime yet. To fix: use tp: 1 (more replicas or pipeline stages instead)."
+                )
+    if layout.is_pipelined and loss_fn is not None:
+        raise ConfigError(
+            "loss_fn= cannot be used with pipeline stages (the last stage scores logits with next-token "
+            "cross-entropy). To fix: drop loss_fn, or use one stage per group."
+        )
+    if layout.is_pipelined and plan.train.mode != "full":
+        raise ConfigError(
+            f"the cluster's plan: train.mode: {plan.train.mode} is not run with pipeline stages yet. To fix: use "
+            "one stage per group for LoRA / QLoRA, or mode: full."
+        )
+
+
+def _initial_shares(
+    cluster: Cluster, layout: PipelineLayout, num_micro: int, shares: Sequence[int] | None
+) -> list[int]:
+    """Micro-batches per data-parallel replica (per rank without pipelines) at the start."""
+    schedule = cluster.plan.train.schedule
+    low = [min_micro_batches(schedule, layout.num_stages(g)) for g in layout.replica_group]
+    units = layout.num_replicas
     if shares is not None:
         shares = [int(s) for s in shares]
-        if len(shares) != world or sum(shares) != num_micro or min(shares) < 1:
+        what = "ranks" if not layout.is_pipelined else "pipeline replicas"
+        if len(shares) != units or sum(shares) != num_micro or any(s < lo for s, lo in zip(shares, low, strict=True)):
             raise ConfigError(
-                f"shares {shares} must give each of the {world} ranks >= 1 micro-batch and sum to {num_micro}."
+                f"shares {shares} must give each of the {units} {what} >= {max(low)} micro-batch(es) and sum to "
+                f"{num_micro}."
             )
-        return shares
-    return proportional_shares(num_micro, cluster.rank_weights())
+    elif not layout.is_pipelined:
+        shares = proportional_shares(num_micro, cluster.rank_weights())
+    else:
+        weights = [
+            (cluster.plan.groups[g].batch_share or 1.0) / cluster.plan.groups[g].replicas for g in layout.replica_group
+        ]
+        shares = proportional_shares(num_micro, weights, low)
+    for g, n in zip(layout.replica_group, shares, strict=True):
+        why = micro_batch_count_error(schedule, layout.num_stages(g), n)
+        if why is not None:
+            raise ConfigError(f"the cluster's plan: train.schedule: {why}. To fix: change the global batch or shares.")
+    return shares
 
 
 def _peak_tflops(kind: str, precision: str, device: str) -> float | None:
@@ -413,195 +442,31 @@ def _peak_tflops(kind: str, precision: str, device: str) -> float | None:
     return value if value > 0 and math.isfinite(value) else None
 
 
-def _summarise(results: list[dict[str, Any]], job: _FitJob, ranks: list[RankSpec]) -> FitResult:
+def _summarise(
+    results: list[RankResult], job: FitJob, ranks: list[RankSpec], pipeline: PipelineReport | None = None
+) -> FitResult:
     r0 = results[0]
     per_rank = []
     achieved = 0.0
     peaks = 0.0
     for res, spec, peak in zip(results, ranks, job.peaks_tflops, strict=True):
-        tps = res["tokens"] / res["compute_s"] if res["compute_s"] > 0 else 0.0
+        tps = res.tokens / res.compute_s if res.compute_s > 0 else 0.0
         mfu = tps * job.flops_per_token / (peak * 1e12) if peak else None
         achieved += tps * job.flops_per_token
         peaks += peak or float("nan")
-        per_rank.append(RankSummary(spec.rank, spec.device_kind, res["share"], res["tokens"], res["compute_s"], tps, peak, mfu))
+        per_rank.append(RankSummary(spec.rank, spec.device_kind, res.share, res.tokens, res.compute_s, tps, peak, mfu))
     ev = json.loads((job.run_dir / EVAL_FILE).read_text()) if (job.run_dir / EVAL_FILE).is_file() else None
-    times = r0["step_times"][1:] or r0["step_times"]
+    times = r0.step_times[1:] or r0.step_times
     step_s = float(np.median(times)) if times else float("nan")
     tokens_step = job.global_batch * job.seq_len
     tps_job = tokens_step * len(times) / sum(times) if times and sum(times) > 0 else 0.0
     mfu_job = tps_job * job.flops_per_token / (peaks * 1e12) if math.isfinite(peaks) and peaks > 0 else None
     return FitResult(
-        steps=r0["step"], final_loss=r0["losses"][-1] if r0["losses"] else float("nan"), losses=tuple(r0["losses"]),
-        tokens_total=r0["tokens_total"], wall_s=r0["wall_s"], tokens_per_s=tps_job, mfu=mfu_job,
-        ranks=tuple(per_rank), shares_history=tuple((s, tuple(sh)) for s, sh in r0["shares_history"]),
+        steps=r0.step, final_loss=r0.losses[-1] if r0.losses else float("nan"), losses=r0.losses,
+        tokens_total=r0.tokens_total, wall_s=r0.wall_s, tokens_per_s=tps_job, mfu=mfu_job,
+        ranks=tuple(per_rank), shares_history=r0.shares_history,
         micro_batch=job.micro_batch, global_batch=job.global_batch, seq_len=job.seq_len,
-        stop_reason=r0["stop_reason"], run_dir=job.run_dir, step_time_s=step_s,
-        step_times_s=tuple(r0["step_times"]),
+        stop_reason=r0.stop_reason, run_dir=job.run_dir, step_time_s=step_s,
+        step_times_s=r0.step_times, pipeline=pipeline,
         eval_loss=ev["loss"] if ev else None, eval_perplexity=ev["perplexity"] if ev else None,
     )
-
-
-@dataclass
-class _Timer:
-    device: torch.device
-
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-
-def _train_rank(env: RankEnv, job: _FitJob) -> dict[str, Any]:
-    """One rank's training loop (runs inside a launched process)."""
-    import torch.distributed as dist
-
-    from starverse.runtime.mesh import MixedMesh
-
-    rank, world = env.rank, env.world_size
-    device = torch.device(env.spec.device)
-    torch.manual_seed(job.seed)
-    np.random.seed(job.seed)
-    mesh = MixedMesh.build([r.device_kind for r in env.ranks], [r.device for r in env.ranks])
-    model = torch.load(job.model_path, map_location="cpu", weights_only=False).to(device)
-    model.train()
-    optimizer = make_optimizer(model, job.lr, job.weight_decay)
-    scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
-    tokens = np.load(job.tokens_path, mmap_mode="r")
-    labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
-    data = PackedDataset(tokens, job.seq_len, labels)
-    sampler = DeterministicSampler(len(data), seed=job.seed)
-    callbacks = CallbackList(job.callbacks)
-    ctx = TrainContext(
-        rank=rank, world_size=world, plan=job.plan, run_dir=job.run_dir, step=0, model=model, optimizer=optimizer,
-        lr_scheduler=scheduler, sampler=sampler, group=mesh.host_group, device_kind=env.spec.device_kind,
-        device=device, rank_kinds=[r.device_kind for r in env.ranks], max_steps=job.max_steps,
-        shares=list(job.shares),
-    )
-    ctx.metrics.micro_batch = job.micro_batch
-    if job.resume_from is not None:
-        ctx.extra["resume_from"] = job.resume_from
-        if not callbacks.on_resume(ctx, job.resume_from):
-            if not job.resume_from.is_file():
-                raise ConfigError(
-                    f"resume_from={job.resume_from}: no callback loaded it and it is not a state file. To fix: "
-                    "pass the checkpoint callback that wrote it, or a file saved from TrainContext.state_dict()."
-                )
-            ctx.load_state_dict(torch.load(job.resume_from, map_location=device, weights_only=False))
-    callbacks.on_fit_start(ctx)
-
-    grads = GradientSync(list(model.parameters()), mesh, job.bucket_mb, world)
-    params = [p for p in model.parameters() if p.requires_grad]
-    rebalancer = Rebalancer(sum(ctx.shares), every=job.rebalance_every, hysteresis=job.hysteresis)
-    amp = autocast_dtype(job.precision, device)
-    timer = _Timer(device)
-    losses: list[float] = []
-    step_times: list[float] = []
-    shares_history: list[tuple[int, list[int]]] = [(ctx.step, list(ctx.shares))]
-    my_tokens = 0
-    my_compute = 0.0
-    scale = job.micro_batch / job.global_batch
-    t_loop = time.perf_counter()
-    while ctx.step < job.max_steps:
-        t0 = timer.now()
-        batch_idx = sampler.next_indices(job.global_batch)
-        start = sum(ctx.shares[:rank]) * job.micro_batch
-        mine = batch_idx[start : start + ctx.shares[rank] * job.micro_batch]
-        num_targets = data.num_targets(batch_idx) if data.labels is not None else None
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        grads.blocked_s = 0.0  # time waiting for peers is not this device's compute (see GradientSync)
-        for k in range(ctx.shares[rank]):
-            tm, blocked0 = timer.now(), grads.blocked_s
-            micro = mine[k * job.micro_batch : (k + 1) * job.micro_batch]
-            x = torch.from_numpy(data.batch(micro)).to(device)
-            y = data.batch_labels(micro)
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                loss = batch_loss(model, x, job.loss_fn, None if y is None else torch.from_numpy(y).to(device),
-                                  num_targets)
-            if k == ctx.shares[rank] - 1:
-                grads.arm()  # the last backward: overlap the gradient all-reduce with it
-            weight = scale if y is None else 1.0  # masked labels: already this micro-batch's part of the mean
-            (loss * weight).backward()
-            loss_sum += loss.detach().double().cpu() * weight
-            callbacks.on_micro_batch_end(ctx, timer.now() - tm - (grads.blocked_s - blocked0))
-        compute_s = timer.now() - t0 - grads.blocked_s
-        grads.finish()
-        norm = torch.nn.utils.clip_grad_norm_(params, job.grad_clip) if job.grad_clip > 0 else _grad_norm(params)
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        wall_s = timer.now() - t0
-        # One small host-side exchange per step: every rank learns every rank's loss part and times.
-        mine_t = torch.tensor([float(loss_sum), compute_s, wall_s], dtype=torch.float64)
-        gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
-        if world > 1:
-            dist.all_gather(gathered, mine_t, group=mesh.host_group)
-        else:
-            gathered = [mine_t]
-        step_loss = float(sum(g[0] for g in gathered))
-        compute_times = [float(g[1]) for g in gathered]
-        step_times_r = [float(g[2]) for g in gathered]
-        ctx.step += 1
-        my_tokens += ctx.shares[rank] * job.micro_batch * job.seq_len
-        my_compute += compute_s
-        m = ctx.metrics
-        m.loss = step_loss
-        m.tokens_step = job.global_batch * job.seq_len
-        m.tokens_total += m.tokens_step
-        m.step_time_s = max(step_times_r)
-        m.step_times_s = step_times_r
-        m.compute_times_s = compute_times
-        m.shares = list(ctx.shares)
-        m.tokens_per_s = m.tokens_step / m.step_time_s if m.step_time_s > 0 else 0.0
-        m.mfu = _step_mfu(job, ctx.shares, compute_times, m.step_time_s)
-        m.lr = lr
-        m.grad_norm = float(norm)
-        losses.append(step_loss)
-        step_times.append(m.step_time_s)
-        rebalancer.observe(ctx.shares, compute_times)
-        new = rebalancer.propose(ctx.step, ctx.shares)
-        callbacks.on_step_end(ctx)
-        if new is not None:
-            ctx.shares = new
-            shares_history.append((ctx.step, list(new)))
-        if _agree_to_stop(ctx, mesh.host_group, world):
-            break
-    wall = time.perf_counter() - t_loop
-    callbacks.on_fit_end(ctx)
-    if rank == 0:
-        final = job.run_dir / FINAL_WEIGHTS
-        tmp = final.with_suffix(".tmp")
-        torch.save({k: v.detach().cpu() for k, v in trainable_state_dict(model).items()}, tmp)
-        tmp.replace(final)
-    return {
-        "step": ctx.step, "losses": losses, "tokens_total": ctx.metrics.tokens_total, "wall_s": wall,
-        "step_times": step_times, "shares_history": shares_history, "stop_reason": ctx.stop_reason,
-        "tokens": my_tokens, "compute_s": my_compute, "share": ctx.shares[rank],
-    }
-
-
-def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-    return torch.stack(norms).norm() if norms else torch.zeros(())
-
-
-def _step_mfu(job: _FitJob, shares: Sequence[int], compute_times: Sequence[float], step_s: float) -> float | None:
-    if any(p is None for p in job.peaks_tflops) or step_s <= 0:
-        return None
-    flops = job.global_batch * job.seq_len * job.flops_per_token
-    return flops / step_s / (sum(p for p in job.peaks_tflops if p) * 1e12)
-
-
-def _agree_to_stop(ctx: TrainContext, group: Any, world: int) -> bool:
-    """All ranks stop together if any asked; the reason of the lowest asking rank is adopted everywhere."""
-    import torch.distributed as dist
-
-    if world == 1:
-        return ctx.stop_reason is not None
-    vote = torch.tensor([0 if ctx.stop_reason is None else 1], dtype=torch.int64)
-    dist.all_reduce(vote, group=group)
-    if int(vote) == 0:
-        return False
-    if ctx.stop_reason is None:
-        ctx.stop_reason = "stop requested by another rank"
-    return True

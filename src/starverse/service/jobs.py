@@ -2,7 +2,7 @@
 
 A submitted job is the job file of ``starverse train`` (:class:`starverse.elastic.job.TrainJob`) given as
 JSON or YAML, minus everything that names a place on the server: the service sets the run directory
-(``ROOT/tenants/<tenant>/jobs/<id>/run``), the ledger (the tenant's own), the job's name in it (the job id)
+(``ROOT/tenants/<tenant>/jobs/<id>/run``, its ledger inside), the job's name in the ledger (the job id)
 and the metrics port; ``dataset`` and ``model`` are names resolved through :mod:`starverse.service.storage`
 and ``pool``/``plan`` are given inline. The file is then loaded by the library's own loader, so the service
 accepts exactly what ``starverse train`` accepts, with the same messages.
@@ -25,7 +25,7 @@ from starverse.errors import ConfigError
 from starverse.service import storage
 from starverse.service.db import Database, Job, JobEvent, JobSample, JobState, Tenant
 from starverse.service.settings import ServiceSettings
-from starverse.service.tenants import ledger_path
+from starverse.service.tenants import job_ledgers
 
 JOB_FILE = "job.yaml"
 LAUNCH_FILE = "launch.yaml"
@@ -40,7 +40,7 @@ _FORBIDDEN = {
     "checkpoint.trace": "traces are not read from the server's disk; give checkpoint.interruptions_per_hour",
     "checkpoint.notice_file": "the service sends stop notices itself (POST /api/jobs/{id}/stop)",
     "checkpoint.notice_url": "the service sends stop notices itself (POST /api/jobs/{id}/stop)",
-    "billing.ledger": "every job of a tenant is billed in the tenant's own ledger",
+    "billing.ledger": "every job is billed in its own ledger, in its run directory",
     "billing.job": "the job's name in the ledger is its id",
     "billing.enabled": "the service bills every job",
     "metrics.port": "the service picks a free port",
@@ -121,8 +121,7 @@ def build_job_file(settings: ServiceSettings, tenant: Tenant, job_id: str, job: 
     data["devices"] = devices
     data["run_dir"] = RUN_DIR
     billing = dict(data.get("billing") or {})
-    billing.update({"ledger": str(ledger_path(settings, tenant.id)), "job": job_id,
-                    "currency": billing.get("currency", tenant.currency)})
+    billing.update({"job": job_id, "currency": billing.get("currency", tenant.currency)})
     data["billing"] = billing
     data["metrics"] = {**(data.get("metrics") or {}), "port": 0}
     path = folder / JOB_FILE
@@ -199,7 +198,7 @@ def job_bill(settings: ServiceSettings, job: Job) -> dict[str, Any] | None:
     from starverse.errors import BillingError
     from starverse.jobs.ledger import job_bill as ledger_job_bill
 
-    path = ledger_path(settings, job.tenant_id)
+    path = job_ledger(settings, job)
     if not path.is_file():
         return None
     with Ledger.open(path, create=False) as ledger:
@@ -212,24 +211,49 @@ def job_bill(settings: ServiceSettings, job: Job) -> dict[str, Any] | None:
     return bill
 
 
+def job_ledger(settings: ServiceSettings, job: Job) -> Path:
+    """The job's billing ledger."""
+    from starverse.billing.ledger import LEDGER_FILE
+
+    return job_dir(settings, job) / RUN_DIR / LEDGER_FILE
+
+
 def tenant_bill(settings: ServiceSettings, tenant: Tenant, by: str) -> dict[str, Any]:
-    """The tenant's bill grouped by job or day (from its own ledger only)."""
+    """The tenant's bill grouped by job or day: the library's bill of each of its jobs' ledgers (and of no
+    other tenant's), lines of the same key and currency added up in exact ticks."""
+    from collections import defaultdict
+
     from starverse.billing import Ledger
+    from starverse.billing.money import ticks_to_decimal
     from starverse.billing.report import make_bill
 
-    path = ledger_path(settings, tenant.id)
-    if not path.is_file():
-        return {"by": by, "lines": [], "totals": [], "open_leases": 0}
-    with Ledger.open(path, create=False) as ledger:
-        bill = make_bill(ledger, by)
+    lines: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    accrued: dict[str, int] = defaultdict(int)
+    open_leases = 0
+    for path in job_ledgers(settings, tenant.id):
+        with Ledger.open(path, create=False) as ledger:
+            bill = make_bill(ledger, by)
+        for x in bill.lines:
+            acc = lines[(x.key, x.currency)]
+            acc[0] += x.seconds
+            acc[1] += x.charge_ticks
+            acc[2] += x.credit_ticks
+        for x in bill.accrued:
+            accrued[x.currency] += x.charge_ticks
+        open_leases += bill.open_leases
 
-    def line(x: Any) -> dict[str, Any]:
-        return {"key": x.key, "currency": x.currency, "seconds": x.seconds, "charges": str(x.charges),
-                "credits": str(x.credits), "net": str(x.net), "charge_ticks": x.charge_ticks,
-                "credit_ticks": x.credit_ticks}
+    def line(key: str, ccy: str, secs: int, charge: int, credit: int) -> dict[str, Any]:
+        return {"key": key, "currency": ccy, "seconds": secs, "charges": str(ticks_to_decimal(charge)),
+                "credits": str(ticks_to_decimal(credit)), "net": str(ticks_to_decimal(charge - credit)),
+                "charge_ticks": charge, "credit_ticks": credit}
 
-    return {"by": by, "lines": [line(x) for x in bill.lines], "totals": [line(x) for x in bill.totals],
-            "accrued": [line(x) for x in bill.accrued], "open_leases": bill.open_leases}
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for (_, ccy), v in lines.items():
+        totals[ccy] = [a + b for a, b in zip(totals[ccy], v, strict=True)]
+    return {"by": by, "lines": [line(k, c, *v) for (k, c), v in sorted(lines.items())],
+            "totals": [line("total", c, *v) for c, v in sorted(totals.items())],
+            "accrued": [line("accrued", c, 0, t, 0) for c, t in sorted(accrued.items())],
+            "open_leases": open_leases}
 
 
 def read_log(settings: ServiceSettings, job: Job, tail_bytes: int = 64_000) -> str:
@@ -242,4 +266,4 @@ def read_log(settings: ServiceSettings, job: Job, tail_bytes: int = 64_000) -> s
         fh.seek(max(0, size - tail_bytes))
         text = fh.read().decode("utf-8", errors="replace")
     # the tenant's own paths, without the server's layout above them
-    return text.replace(str(settings.tenant_dir(job.tenant_id)), "~")
+    return text.replace(str(settings.tenant_dir(job.tenant_id)), "~").replace(str(settings.platform_dir), "platform:")

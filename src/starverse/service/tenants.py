@@ -5,6 +5,9 @@ access. A token may expire (``expires_at``) or be revoked. A tenant's balance is
 sign-up credit and top-ups, rows of ``balance_entries``) minus what its jobs' ledger charged, plus the
 insurance credits the ledger granted: the worker stops a tenant's running jobs (emergency checkpoint) when
 it reaches zero, and a job is refused at submit while it is not positive.
+
+Top-ups are recorded in the service database (``balance_entries``), not in the jobs' ledgers: the ledger
+records what devices cost, the balance what the tenant paid in.
 """
 
 from __future__ import annotations
@@ -132,21 +135,21 @@ class Balance:
                 "remaining": str(self.remaining)}
 
 
-def ledger_path(settings: ServiceSettings, tenant_id: str) -> Path:
-    """The tenant's billing ledger: every job of the tenant, and only of it, is billed there."""
-    return settings.tenant_dir(tenant_id) / LEDGER_FILE
+def job_ledgers(settings: ServiceSettings, tenant_id: str) -> list[Path]:
+    """The billing ledgers of the tenant's jobs (each job has its own, in its run directory: two jobs run on
+    devices of the same name, which one ledger would take for overlapping leases of one device)."""
+    return sorted((settings.tenant_dir(tenant_id) / "jobs").glob(f"*/run/{LEDGER_FILE}"))
 
 
 def balance(db: Database, settings: ServiceSettings, tenant: Tenant) -> Balance:
-    """The tenant's balance from its balance entries and its ledger."""
+    """The tenant's balance from its balance entries and its jobs' ledgers."""
     from starverse.billing import Ledger
 
     with db.session() as s:
         paid = int(s.scalar(select(func.coalesce(func.sum(BalanceEntry.amount_micros), 0))
                             .where(BalanceEntry.tenant_id == tenant.id)) or 0)
     charged = credited = 0
-    path = ledger_path(settings, tenant.id)
-    if path.is_file():
+    for path in job_ledgers(settings, tenant.id):
         with Ledger.open(path, create=False) as ledger:
             for j in ledger.jobs():
                 charged += ledger.spent_ticks(j)

@@ -42,7 +42,7 @@ from sqlalchemy import select, update
 
 from starverse.service.db import Database, Job, JobSample, JobState, Tenant
 from starverse.service.jobs import LAUNCH_FILE, LOG_FILE, RESULT_FILE, RUN_DIR, job_dir
-from starverse.service.runner import LOCK_FILE, is_locked, try_lock
+from starverse.service.runner import EXIT_LOCKED, LOCK_FILE, is_locked, try_lock
 from starverse.service.settings import ServiceSettings
 from starverse.service.tenants import balance
 
@@ -161,6 +161,12 @@ class Worker:
                 f.close()
             del self.running[job_id]
             self.sample(r)
+            if rc == EXIT_LOCKED:  # another runner holds the job's folder: it is not ours to run
+                with self.db.session() as s:
+                    s.execute(update(Job).where(Job.id == job_id, Job.worker_id == self.id).values(
+                        state=JobState.QUEUED.value, worker_id=None, pid=None, updated_at=time.time()))
+                    self.db.add_event(s, job_id, "requeued", "another runner still held the job's folder")
+                continue
             result = _read_json(r.folder / RESULT_FILE)
             stop = (result or {}).get("stop_reason")
             if rc == 0 and isinstance(stop, str) and stop.startswith("budget"):
@@ -169,6 +175,9 @@ class Worker:
                 state, reason = JobState.SUCCEEDED, None
             elif rc == 3:
                 state, reason = JobState.STOPPED, r.stop_reason or "preempted: emergency checkpoint written"
+            elif rc == -signal.SIGTERM and r.stop_reason is not None:
+                # stopped before the training loop could write a checkpoint: the earlier ones stand
+                state, reason = JobState.STOPPED, r.stop_reason.split(":")[0] + " before it started training"
             else:
                 state, reason = JobState.FAILED, _last_error(r.folder / LOG_FILE) or f"exit code {rc}"
             with self.db.session() as s:
@@ -270,12 +279,12 @@ class Worker:
         args = [sys.executable, "-m", "starverse.service.runner", str(folder)]
         if job.resume_from is not None:
             args.append(str(job.resume_from))
-        out = (folder / RESULT_FILE).open("wb")
+        (folder / RESULT_FILE).unlink(missing_ok=True)  # the runner writes this launch's outcome
         err = (folder / LOG_FILE).open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(args, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=folder, env=env,
+        proc = subprocess.Popen(args, stdout=err, stderr=err, stdin=subprocess.DEVNULL, cwd=folder, env=env,
                                 preexec_fn=_term_with_parent)
-        self.running[job.id] = Running(job.id, job.tenant_id, proc, folder, [out, err])
+        self.running[job.id] = Running(job.id, job.tenant_id, proc, folder, [err])
         job.pid, job.started_at = proc.pid, job.started_at or time.time()
         how = "fresh start" if fresh else (f"rollback to step {job.resume_from}" if job.resume_from is not None
                                            else "resuming from its latest checkpoint")
@@ -311,9 +320,9 @@ def _last_error(path: Path) -> str | None:
 def _job_spent(settings: ServiceSettings, job: Job) -> Decimal:
     from starverse.billing import Ledger
     from starverse.errors import BillingError
-    from starverse.service.tenants import ledger_path
+    from starverse.service.jobs import job_ledger
 
-    path = ledger_path(settings, job.tenant_id)
+    path = job_ledger(settings, job)
     if not path.is_file():
         return Decimal(0)
     with Ledger.open(path, create=False) as ledger:

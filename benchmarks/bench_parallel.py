@@ -1,0 +1,277 @@
+"""In-stage parallelism measured next to the cost model (CPU ranks, gloo, fp32). Prints ONE JSON object.
+
+``state_bytes_error``: per rank, the bytes of parameters + gradients + optimizer state the ranks really hold
+(measured from the tensors, at their peak over a step) against ``costmodel.estimate``'s weights + grads +
+optimizer for the same plan, for ZeRO-0, ZeRO-1, ZeRO-3 (2 data-parallel ranks) and TP 2; the figure is the
+worst relative error (target |error| <= 0.05), each case is listed with its parts.
+
+Where the bytes are measured: parameters at every block's forward (after FSDP gathered it) and after each
+backward — sharded storage always, plus the gathered copies alive at that moment; gradients after each
+backward (accumulated whole gradients under ZeRO-1, shards after the reduce-scatter); optimizer state after
+the step. Each part's maximum over the step is its peak. FSDP2's gathered copies are read from its
+parameter state (``FSDPParam.sharded_state``), the only place that says which are alive.
+
+``tp2_vs_dp2`` and ``zero3_vs_dp2``: training throughput of TP 2 (one replica) and of ZeRO-3 over 2 ranks,
+each divided by plain data parallelism over the same 2 ranks (gradient all-reduce), same model and global
+batch, same run. Reported, no bound: on CPU ranks the all-reduces of TP and the gathers of ZeRO-3 are not
+hidden behind compute as on GPUs.
+
+Pipelines (the same model, 8 micro-batches of one sequence, ``Trainer.fit`` on CPU ranks):
+
+- ``pp_bubble_error``: a 4-stage 1F1B pipeline (2+2+2+2 layers) on 4 CPU ranks: measured bubble fraction
+  (``FitResult.pipeline.bubble``: 1 - busiest stage's compute / step wall time, first step left out) minus the
+  cost model's (``pipeline_bubble`` / step time of the same plan). Target ``|error| <= 0.25``. Best of two runs.
+- ``hetero_pp_vs_even``: a 2-stage pipeline whose second rank is slowed 3x (``starverse.testing.SlowRank``):
+  steady throughput with the planner's uneven split (``planner.hetero.split_layers`` over the stages' relative
+  speeds 1 : 1/3, as a probe profile reports them) over throughput with an even split. Target ``>= 1.5``.
+  The two alternate (A B A B), each keeps its best run.
+
+    .venv/bin/python benchmarks/bench_parallel.py [--steps 4] [--only state|pipeline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 256
+MODEL: dict[str, Any] = {
+    "model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+}
+SEQ, GLOBAL_BATCH, MICRO_BATCH = 64, 8, 2
+STATE_CASES = {"zero0": {"zero_stage": 0}, "zero1": {"zero_stage": 1}, "zero3": {"zero_stage": 3}, "tp2": {"tp": 2}}
+THROUGHPUT_CASES = {"dp2": {"zero_stage": 0}, "tp2": {"tp": 2}, "zero3": {"zero_stage": 3}}
+
+
+def _local_bytes(t: torch.Tensor | None) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if t is None:
+        return 0
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+class StateMeter:
+    """Peaks of parameter, gradient and optimizer bytes held by this rank (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.model, self.optimizer = model, optimizer
+        self.fsdp_params = [
+            fp for m in model.modules() if isinstance(m, FSDPModule)
+            for group in m._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params
+        ]
+        self.peak = {"params": 0, "grads": 0, "optimizer": 0}
+
+    def _params_grads(self) -> tuple[int, int]:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+        if not self.fsdp_params:
+            params = list(self.model.parameters())
+            return sum(_local_bytes(p) for p in params), sum(_local_bytes(p.grad) for p in params)
+        p_bytes = g_bytes = 0
+        for fp in self.fsdp_params:
+            p_bytes += _local_bytes(fp.sharded_param)
+            g_bytes += _local_bytes(fp.sharded_param.grad)
+            if fp.sharded_state == ShardedState.UNSHARDED:
+                p_bytes += _local_bytes(fp.unsharded_param)
+            if fp.unsharded_accumulated_grad is not None:
+                g_bytes += _local_bytes(fp.unsharded_accumulated_grad)
+            elif fp.sharded_state == ShardedState.UNSHARDED:
+                g_bytes += _local_bytes(fp.unsharded_param.grad)
+        return p_bytes, g_bytes
+
+    def sample(self) -> None:
+        """Record the parameter and gradient bytes alive now."""
+        p, g = self._params_grads()
+        self.peak["params"] = max(self.peak["params"], p)
+        self.peak["grads"] = max(self.peak["grads"], g)
+
+    def sample_optimizer(self) -> None:
+        """Record the optimizer state bytes (after a step)."""
+        total = sum(_local_bytes(v) for s in self.optimizer.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        self.peak["optimizer"] = max(self.peak["optimizer"], total)
+
+
+def _run_case(env: Any, variant: dict[str, Any], steps: int, measure: bool) -> dict[str, Any]:
+    """Train ``steps`` steps of ``variant`` on this rank; its state-byte peaks or its step times."""
+    import torch.distributed as dist
+
+    from starverse.runtime.modeling import build_model
+    from starverse.runtime.parallel.blocks import decoder_blocks
+    from starverse.runtime.parallel.parallelize import ParallelConfig, clip_grad_norm, group_mesh, parallelize
+
+    config = ParallelConfig(**variant)
+    mesh = group_mesh("cpu", env.world_size, config.tp)
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    pm = parallelize(build_model(MODEL, seed=0), config, mesh)
+    model = pm.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    meter = StateMeter(model, opt) if measure else None
+    if meter is not None:
+        for block in decoder_blocks(model)[1]:
+            block.register_forward_pre_hook(lambda *_: meter.sample())
+    gen = torch.Generator().manual_seed(0)
+    per_replica = GLOBAL_BATCH // dp
+    num_micro = per_replica // MICRO_BATCH
+    times = []
+    for _ in range(steps):
+        x = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+        mine = x[dp_rank * per_replica : (dp_rank + 1) * per_replica]
+        dist.barrier()
+        t0 = time.perf_counter()
+        for k in range(num_micro):
+            pm.before_micro_batch(k, num_micro)
+            xs = mine[k * MICRO_BATCH : (k + 1) * MICRO_BATCH]
+            (model(input_ids=xs, labels=xs).loss * (MICRO_BATCH / GLOBAL_BATCH)).backward()
+            if meter is not None:
+                meter.sample()
+        pm.sync_gradients()  # plain DP: one flat all-reduce of the gradients over the replicas
+        clip_grad_norm(model.parameters(), 1.0)
+        opt.step()
+        if meter is not None:
+            meter.sample_optimizer()
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return {"peak": meter.peak if meter else None, "times": times}
+
+
+def _rank_main(env: Any, steps: int) -> dict[str, Any]:
+    state = {name: _run_case(env, v, 1, True)["peak"] for name, v in STATE_CASES.items()}
+    speed = {name: _run_case(env, v, steps, False)["times"] for name, v in THROUGHPUT_CASES.items()}
+    return {"state": state, "times": speed}
+
+
+def _predicted_state_bytes(variant: dict[str, Any], world: int) -> dict[str, float]:
+    """The cost model's weights + grads + optimizer bytes per device for the same plan."""
+    from starverse.costmodel.step import estimate
+    from starverse.plan import Group, Plan, Stage, TrainSpec
+
+    tp = variant.get("tp", 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "config.json"
+        cfg.write_text(json.dumps(MODEL))
+        plan = Plan(
+            model=str(cfg),
+            train=TrainSpec(seq_len=SEQ, global_batch=GLOBAL_BATCH, precision="fp32",
+                            zero_stage=variant.get("zero_stage", 0)),
+            groups=[Group(replicas=world // tp, micro_batch=MICRO_BATCH,
+                          stages=[Stage(accelerator="cpu", tp=tp, layers=MODEL["num_hidden_layers"])])],
+        )
+        stage = estimate(plan).groups[0].stages[0]
+    return {"params": stage.weights_gb * 1e9, "grads": stage.grads_gb * 1e9, "optimizer": stage.optimizer_gb * 1e9}
+
+
+def state_bytes_figures(results: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    """``state_bytes_error`` (worst case) and each case's measured and predicted parts (rank 0's peaks,
+    the largest over ranks)."""
+    cases = {}
+    for name, variant in STATE_CASES.items():
+        measured = {k: max(r["state"][name][k] for r in results) for k in ("params", "grads", "optimizer")}
+        predicted = _predicted_state_bytes(variant, world)
+        total_m, total_p = sum(measured.values()), sum(predicted.values())
+        cases[name] = {"measured_bytes": measured, "predicted_bytes": {k: round(v) for k, v in predicted.items()},
+                       "error": total_m / total_p - 1.0}
+    worst = max(cases.values(), key=lambda c: abs(c["error"]))
+    return {"state_bytes_error": worst["error"], "state_bytes_cases": cases}
+
+
+def throughput_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """``tp2_vs_dp2`` and ``zero3_vs_dp2``: throughput ratios (median step time, first step dropped)."""
+    import statistics
+
+    def median_step(name: str) -> float:
+        return statistics.median(max(r["times"][name][i] for r in results) for i in range(1, len(results[0]["times"][name])))
+
+    base = median_step("dp2")
+    return {"tp2_vs_dp2": base / median_step("tp2"), "zero3_vs_dp2": base / median_step("zero3"),
+            "dp2_step_s": base}
+
+
+PP_MICRO_BATCH, PP_STEPS = 1, 5
+
+
+def _pp_fit(work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list[Any]) -> Any:
+    """``Trainer.fit`` of one pipeline of ``stages`` ``(device kind, layers)``, one CPU rank per stage."""
+    from starverse.plan import Group, Plan, Stage, TrainSpec
+    from starverse.runtime.cluster import Cluster
+    from starverse.runtime.launch import RankSpec
+    from starverse.runtime.modeling import build_model
+    from starverse.runtime.trainer import Trainer
+
+    cfg_path = work / "config.json"
+    cfg_path.write_text(json.dumps(MODEL))
+    plan = Plan(model=str(cfg_path), train=TrainSpec(seq_len=SEQ, global_batch=GLOBAL_BATCH, precision="fp32"),
+                groups=[Group(micro_batch=PP_MICRO_BATCH, stages=[Stage(accelerator=k, layers=n) for k, n in stages])])
+    ranks = tuple(RankSpec(r, k, "cpu", num_threads=1) for r, (k, _) in enumerate(stages))
+    trainer = Trainer(Cluster(plan=plan, ranks=ranks), callbacks=callbacks, run_dir=work / tag, rebalance_every=0,
+                      timeout_s=900, progress=False)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, VOCAB, (SEQ * 8,), generator=g) for _ in range(32)]
+    return trainer.fit(build_model(MODEL), dataset=data, per_device_batch_size=PP_MICRO_BATCH, max_steps=PP_STEPS,
+                       seq_len=SEQ, global_batch=GLOBAL_BATCH, tokenizer="bytes")
+
+
+def pipeline_figures() -> dict[str, Any]:
+    """``pp_bubble_error`` and ``hetero_pp_vs_even`` (see the module docstring)."""
+    from starverse.planner.hetero import split_layers
+    from starverse.testing import SlowRank
+
+    layers = int(MODEL["num_hidden_layers"])
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        reports = [_pp_fit(work, f"pp4-{i}", [("cpu", layers // 4)] * 4, []).pipeline for i in range(2)]
+        rep = min(reports, key=lambda r: r.bubble)
+        out["pp_bubble_measured"] = round(rep.bubble, 4)
+        out["pp_bubble_predicted"] = None if rep.predicted_bubble is None else round(rep.predicted_bubble, 4)
+        out["pp_bubble_error"] = None if rep.predicted_bubble is None else round(rep.bubble - rep.predicted_bubble, 4)
+        splits = {"uneven": split_layers([1.0, 1.0 / 3.0], layers), "even": [layers // 2, layers - layers // 2]}
+        tps = dict.fromkeys(splits, 0.0)
+        for i in range(2):
+            for tag, split in splits.items():
+                res = _pp_fit(work, f"{tag}-{i}", [("cpu", split[0]), ("cpu", split[1])], [SlowRank(1, 3.0)])
+                times = res.step_times_s[1:] or res.step_times_s
+                tps[tag] = max(tps[tag], GLOBAL_BATCH * SEQ * len(times) / sum(times))
+        out["hetero_pp_splits"] = splits
+        out["hetero_pp_vs_even"] = round(tps["uneven"] / tps["even"], 3)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per throughput case (the first is dropped)")
+    parser.add_argument("--only", choices=("state", "pipeline"), default=None, help="run one half only")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    from starverse.runtime.launch import RankSpec, launch
+
+    world = 2
+    out: dict[str, Any] = {"model": "llama 8 layers, hidden 128, vocab 256", "ranks": world}
+    if args.only != "pipeline":
+        results = launch(_rank_main, [RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(world)],
+                         timeout_s=900, args=(max(2, args.steps),))
+        out.update(state_bytes_figures(results, world))
+        out.update(throughput_figures(results))
+    if args.only != "state":
+        out.update(pipeline_figures())
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

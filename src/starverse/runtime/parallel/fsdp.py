@@ -1,0 +1,130 @@
+"""ZeRO stages and offload with FSDP2 ``fully_shard``, over the data-parallel ranks of one group.
+
+The mapping (docs/runtime.md, "ZeRO with FSDP2"):
+
+===========  ===========================================================================================
+plan         FSDP2
+===========  ===========================================================================================
+zero 0       no FSDP: replicated parameters, gradients summed by hetero DP's bucketed all-reduce
+zero 1       ``fully_shard(reshard_after_forward=False)``; during gradient accumulation the parameters stay
+             gathered and gradients are *not* reduced (``set_requires_gradient_sync(False)``,
+             ``set_reshard_after_backward(False)``) until the last micro-batch, which reduce-scatters once.
+             During the step a rank therefore holds full parameters and full gradients and 1/N of the
+             optimizer state, and per step moves one all-gather + one reduce-scatter (= one all-reduce):
+             ZeRO-1's memory and traffic. Between steps FSDP2 keeps the parameters sharded (ZeRO-1 proper
+             keeps them whole): torch has no optimizer-only sharding for FSDP2, and this is the closest.
+zero 2       ``fully_shard(reshard_after_forward=False)``: parameters gathered once per micro-batch and
+             kept through its backward; gradients reduce-scattered after every micro-batch (1/N kept).
+zero 3       ``fully_shard(reshard_after_forward=True)``: each block's parameters are gathered for its
+             forward, freed, gathered again for its backward (FSDP2 prefetches the next block).
+===========  ===========================================================================================
+
+Each decoder block is its own FSDP unit (one all-gather / reduce-scatter per block); the root unit holds the
+rest (embeddings, final norm, head). Gradients are *summed* over the shard group (divide factor 1), as
+hetero DP sums them: the loss of each micro-batch is already scaled by its share of the global batch.
+
+Offload: FSDP2's only offload policy, ``CPUOffloadPolicy``, keeps the sharded parameters, their gradients
+and the optimizer state in host memory and runs the optimizer step on the host. ``offload: optimizer+params``
+is exactly that. ``offload: optimizer`` (optimizer state alone on the host, parameters on the device, as
+DeepSpeed's ZeRO-Offload) has no FSDP2 equivalent: it runs with the same policy, so it saves *more*
+device memory than planned (the sharded parameters too) and pays the host-to-device copy of the
+parameters every forward, which the cost model charges only to ``optimizer+params``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from starverse.errors import ConfigError
+from starverse.runtime.parallel.blocks import decoder_blocks
+
+log = logging.getLogger(__name__)
+
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+
+
+@dataclass
+class ZeroModel:
+    """A model sharded for a ZeRO stage; drives FSDP2 through a step's micro-batches."""
+
+    model: torch.nn.Module
+    """The sharded model (its parameters are DTensors on the data-parallel mesh)."""
+    stage: int
+    """The ZeRO stage (1-3)."""
+    offload: str
+    """The plan's offload setting."""
+    units: list[FSDPModule] = field(default_factory=list)
+    """FSDP units, blocks first, the root last."""
+
+    @property
+    def root(self) -> FSDPModule:
+        """The root FSDP unit (the whole model)."""
+        return self.units[-1]
+
+    def before_micro_batch(self, index: int, count: int) -> None:
+        """Call before the forward of micro-batch ``index`` of ``count`` in a step.
+
+        ZeRO-1 accumulates whole gradients and keeps parameters gathered until the last micro-batch; ZeRO-2
+        and ZeRO-3 reduce-scatter after every micro-batch (FSDP2's default).
+        """
+        last = index == count - 1
+        if self.stage == 1:
+            self.root.set_requires_gradient_sync(last, recurse=True)
+            for unit in self.units:
+                unit.set_reshard_after_backward(last, recurse=False)
+        self.root.set_is_last_backward(last)
+
+
+def offload_policy(offload: str, device: torch.device) -> OffloadPolicy:
+    """FSDP2's policy for the plan's ``offload`` (see the module docstring for ``optimizer``)."""
+    if offload not in OFFLOAD_MODES:
+        raise ConfigError(f"offload must be one of {', '.join(OFFLOAD_MODES)} (got {offload!r}).")
+    if offload == "none":
+        return OffloadPolicy()
+    # Pinned host memory speeds the copies to an accelerator; a CPU rank has nothing to pin for.
+    return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+
+
+def apply_zero(
+    model: torch.nn.Module,
+    dp_mesh: DeviceMesh,
+    stage: int,
+    offload: str = "none",
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> ZeroModel:
+    """Shard ``model`` over ``dp_mesh`` for ZeRO ``stage`` (1-3) with FSDP2, in place.
+
+    Apply after tensor parallelism (then ``dp_mesh`` is the data-parallel dimension of the same 2-D mesh,
+    and parameters become 2-D DTensors) and after recompute wrapping. Build the optimizer afterwards, on
+    the sharded parameters.
+    """
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"zero_stage must be 1, 2 or 3 for FSDP (got {stage}); ZeRO-0 needs no sharding.")
+    device = torch.device(dp_mesh.device_type)
+    kwargs = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": stage == 3,
+        "offload_policy": offload_policy(offload, device),
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+    }
+    units: list[FSDPModule] = []
+    _, blocks = decoder_blocks(model)
+    for block in blocks:
+        units.append(fully_shard(block, **kwargs))  # type: ignore[call-overload]
+    units.append(fully_shard(model, **kwargs))  # type: ignore[call-overload]
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    log.info("ZeRO-%d with FSDP2 over %d ranks (%d units), offload %s", stage, dp_mesh.size(), len(units), offload)
+    return ZeroModel(model=model, stage=stage, offload=offload, units=units)

@@ -1,0 +1,72 @@
+"""Activation recomputation as the plan says: ``none``, ``selective`` or ``full``.
+
+- ``full`` checkpoints every decoder block (``checkpoint_wrapper``, non-reentrant): a block keeps only its
+  input through the forward and is run again in the backward. Activation memory per block falls from the
+  whole block's to one tensor ``[batch, seq, hidden]``; compute rises by one forward (~33 %).
+- ``selective`` is op-level selective activation checkpointing (``torch.utils.checkpoint``'s
+  ``create_selective_checkpoint_contexts``, as torchtitan's op SAC) with Korthikanti et al.'s (2022) choice:
+  the outputs of the matmuls (``mm``/``addmm``/``bmm`` of the linear layers) are saved, everything else in
+  the block is recomputed — the attention core (scores, softmax, dropout, or the fused SDPA kernel),
+  activations functions, norms and rotary embeddings. It runs eagerly on every device, CPU included.
+  Unlike torchtitan's list, the SDPA output is *not* saved: the attention core is what Korthikanti et al.
+  (and the cost model, ``rc: selective``) recompute.
+
+Recompute never changes the result: the same ops run on the same inputs (random state is preserved for
+dropout), so losses and weights equal those without recompute; tests assert it.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from starverse.errors import ConfigError
+from starverse.runtime.parallel.blocks import decoder_blocks
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+_SAVED_OPS = frozenset({
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_mm.default,
+})
+"""Ops whose outputs selective recompute keeps (the linear layers' matmuls); all others are recomputed.
+``bmm`` is left out: in eager attention it computes the scores and the weighted values (the attention core)."""
+
+
+def _keep_matmuls(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> Any:
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def apply_recompute(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """Wrap ``model``'s decoder blocks for ``mode`` recompute in place; returns ``model``.
+
+    Apply after tensor parallelism and before ``fully_shard`` (torchtitan's order): FSDP then shards the
+    wrapped blocks. State-dict keys are unchanged (the wrapper strips its prefix).
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)} (got {mode!r}).")
+    if mode == "none":
+        return model
+    _, blocks = decoder_blocks(model)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # A KV cache filled in the forward would be filled again by the recompute (the keys concatenated
+        # twice); training needs no cache (transformers' own gradient checkpointing turns it off too).
+        config.use_cache = False  # type: ignore[union-attr]
+    wrap = checkpoint_wrapper if mode == "full" else partial(checkpoint_wrapper, context_fn=_selective_contexts)
+    for i, block in enumerate(list(blocks)):
+        blocks[i] = wrap(block, preserve_rng_state=True)
+    log.info("recompute %s: %d blocks wrapped", mode, len(blocks))
+    return model

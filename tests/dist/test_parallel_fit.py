@@ -1,0 +1,79 @@
+"""``Trainer.fit`` runs a plan's ZeRO stage, offload and recompute (FSDP2 over the ranks) and stays exact:
+losses and final weights equal one process training on the same global batches (fp32, 2 CPU ranks)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers import TINY, reference_training
+from helpers import ramp_tokens as _tokens
+from starverse.errors import ConfigError
+from starverse.runtime.cluster import Cluster, local_plan
+from starverse.runtime.data import PackedDataset, pack, tokenize_corpus
+from starverse.runtime.launch import RankSpec
+from starverse.runtime.modeling import build_model
+from starverse.runtime.trainer import Trainer
+
+MB, GB, STEPS, SEQ = 1, 4, 3, 16
+LLAMA = {**TINY, "num_hidden_layers": 2}
+
+
+def _cluster(kinds: list[str], **train: object) -> Cluster:
+    ranks = tuple(RankSpec(r, k, "cpu", num_threads=1) for r, k in enumerate(kinds))
+    plan = local_plan(ranks, "tiny", 2, SEQ, GB, precision="fp32")
+    return Cluster(plan=plan.model_copy(update={"train": plan.train.model_copy(update=train)}), ranks=ranks)
+
+
+def _reference(model: torch.nn.Module, trainer: Trainer) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole global batch per step: the model's own loss, AdamW, clipping."""
+    data = PackedDataset(pack(tokenize_corpus(_tokens(), tokenizer="bytes"), SEQ, min_sequences=GB).tokens, SEQ)
+    return reference_training(model, trainer, data, STEPS, GB, lambda m, x: m(input_ids=x, labels=x).loss)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("train", "shares", "rebalance_every"),
+    [
+        # ZeRO-1 reduces once per step, so uneven shares (1:3) run; offload and selective recompute on top.
+        ({"zero_stage": 1, "offload": "optimizer", "recompute": "selective"}, [1, 3], 1),
+        ({"zero_stage": 3, "recompute": "full"}, [2, 2], 0),
+    ],
+    ids=["zero1-offload-selective-uneven", "zero3-full"],
+)
+def test_fit_with_zero_and_recompute_equals_single_process(tmp_path, train, shares, rebalance_every):
+    model = build_model(LLAMA, seed=0)
+    initial = copy.deepcopy(model)
+    trainer = Trainer(_cluster(["cpu", "cpu"], **train), run_dir=tmp_path, lr=2e-2, warmup_steps=1,
+                      grad_clip=0.5, rebalance_every=rebalance_every, timeout_s=560)
+    res = trainer.fit(model, dataset=_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
+                      global_batch=GB, shares=shares, tokenizer="bytes")
+    ref_losses, ref_state = _reference(initial, trainer)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert ref_losses[-1] < ref_losses[0] - 0.05  # it learned: not two untouched models compared
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fit_refuses_parallel_settings_it_cannot_run(tmp_path):
+    model = build_model(LLAMA, seed=0)
+    fit = {"dataset": _tokens(), "per_device_batch_size": MB, "max_steps": 1, "seq_len": SEQ, "global_batch": GB,
+           "tokenizer": "bytes"}
+    with pytest.raises(ConfigError, match=r"zero_stage: 3 gathers and reduces per micro-batch in lockstep"):
+        Trainer(_cluster(["cpu", "cpu"], zero_stage=3), run_dir=tmp_path / "a", rebalance_every=5).fit(model, **fit)
+    with pytest.raises(ConfigError, match=r"zero_stage: 2 runs the ranks in lockstep, but the micro-batches split "
+                                          r"unevenly \(\[1, 3\]\)"):
+        Trainer(_cluster(["cpu", "cpu"], zero_stage=2), run_dir=tmp_path / "b", rebalance_every=0).fit(
+            model, shares=[1, 3], **fit)
+    with pytest.raises(ConfigError, match=r"zero_stage: 1 shards over one device kind, but the ranks are "
+                                          r"\['cpu', 'cpu-b'\]"):
+        Trainer(_cluster(["cpu", "cpu-b"], zero_stage=1), run_dir=tmp_path / "c").fit(model, **fit)
+    ranks = tuple(RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(2))
+    plan = local_plan(ranks, "tiny", 2, SEQ, GB, precision="fp32")
+    group = plan.groups[0].model_copy(update={"replicas": 1, "stages": [plan.groups[0].stages[0].model_copy(
+        update={"tp": 2})]})
+    tp_plan = plan.model_copy(update={"groups": [group]})
+    with pytest.raises(ConfigError, match=r"groups\[0\].stages\[0\].tp: 2: the trainer does not run tensor"):
+        Trainer(Cluster(plan=tp_plan, ranks=ranks), run_dir=tmp_path / "d").fit(model, **fit)

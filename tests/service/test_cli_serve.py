@@ -1,0 +1,55 @@
+"""``starverse serve`` admin commands: a token made on the command line opens the API; top-ups and
+registrations; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from starverse.cli import main
+from starverse.service.app import create_app
+from starverse.service.settings import ServiceSettings
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out.strip(), err.strip()
+
+
+def test_token_create_topup_and_register(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "root"
+    code, token, err = run(capsys, "serve", "token", "create", "alice", "--root", str(root))
+    assert code == 0 and token.startswith("sv_") and "created tenant alice" in err
+    assert run(capsys, "serve", "tenant", "topup", "alice", "12.5", "--root", str(root))[0] == 0
+    (tmp_path / "c.txt").write_text("hello " * 100)
+    code, dest, _ = run(capsys, "serve", "dataset", "register", "hello", str(tmp_path / "c.txt"), "--root", str(root))
+    assert code == 0 and Path(dest).is_file()
+    client = TestClient(create_app(ServiceSettings(root=root)))
+    h = {"Authorization": f"Bearer {token}"}
+    assert client.get("/api/whoami", headers=h).json()["tenant"] == "alice"
+    bal = client.get("/api/balance", headers=h).json()
+    assert bal["paid_in"] == "17.500000" and [e["kind"] for e in bal["entries"]] == ["signup", "topup"]
+    names = {(i["name"], i["owner"]) for i in client.get("/api/storage/datasets", headers=h).json()["items"]}
+    assert names == {("hello", "platform")}
+    # a second token of the same tenant; an expired one is refused
+    code, expired, _ = run(capsys, "serve", "token", "create", "alice", "--ttl-hours", "-1", "--root", str(root))
+    assert code == 0 and client.get("/api/whoami", headers={"Authorization": f"Bearer {expired}"}).status_code == 401
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("serve", "tenant", "topup", "nobody", "5"), "no tenant 'nobody'"),
+    (("serve", "tenant", "topup", "alice", "lots"), "not a number"),
+    (("serve", "tenant", "create", "Bad Name"), "tenant name"),
+    (("serve", "dataset", "register", "../x", "/etc/hostname"), "no '/'"),
+    (("serve", "--database", "mysql://x", "tenant", "create", "bob"), "--database"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          args: tuple[str, ...], words: str) -> None:
+    root = str(tmp_path / "root")
+    run(capsys, "serve", "tenant", "create", "alice", "--root", root)
+    code, _, err = run(capsys, *args, "--root", root)
+    assert code == 2, err
+    assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err

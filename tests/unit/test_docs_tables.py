@@ -1,0 +1,33 @@
+"""The planner's tables in README.md and docs/planner.md are what `make docs` writes from the commands' --json:
+a hand edit, or a planner change that moves a figure, fails here until `make docs` is rerun."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _make_docs():
+    spec = importlib.util.spec_from_file_location("make_docs", ROOT / "scripts/make_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_tables_are_what_make_docs_writes():
+    make_docs = _make_docs()
+    for path, tables in make_docs.render().items():
+        text = path.read_text()
+        for name, make in tables.items():
+            assert make_docs.rewrite(text, name, make()) == text, (
+                f"{path.name}: table '{name}' differs from what scripts/make_docs.py writes; run `make docs`")
+
+
+def test_a_hand_edit_is_caught():
+    make_docs = _make_docs()
+    text = "intro\n<!-- table:bench -->\n| figure | value |\n<!-- /table:bench -->\nafter\n"
+    assert make_docs.rewrite(text, "bench", "| new |") == "intro\n<!-- table:bench -->\n| new |\n<!-- /table:bench -->\nafter\n"
+    assert make_docs.rewrite(text, "bench", "| figure | value |") == text

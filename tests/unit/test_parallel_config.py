@@ -1,0 +1,74 @@
+"""In-stage parallelism without processes: bad input gets one clear error, recompute really saves memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from helpers import TINY, TinyLM
+from starverse.errors import ConfigError
+from starverse.runtime.modeling import build_model
+from starverse.runtime.parallel.blocks import decoder_blocks
+from starverse.runtime.parallel.parallelize import ParallelConfig
+from starverse.runtime.parallel.recompute import apply_recompute
+from starverse.runtime.parallel.tensor import TensorParallelError, check_tensor_parallel, tp_layout
+
+LLAMA = {**TINY, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_tp_must_divide_heads_kv_heads_and_mlp():
+    model = build_model(LLAMA)
+    check_tensor_parallel(model.config, 2)
+    with pytest.raises(TensorParallelError, match=r"tp 4 does not divide the llama's 2 KV heads\. To fix: .*\(e\.g\. 2\)"):
+        check_tensor_parallel(model.config, 4)
+    with pytest.raises(TensorParallelError, match=r"tp 3 does not divide the llama's 4 attention heads"):
+        check_tensor_parallel(model.config, 3)
+
+
+def test_family_without_a_split_table_is_refused():
+    gpt2 = build_model({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "vocab_size": 64,
+                        "n_positions": 32})
+    with pytest.raises(TensorParallelError, match=r"not available for 'gpt2'.*To fix: set tp: 1"):
+        tp_layout(gpt2)
+    layout = tp_layout(build_model(LLAMA))
+    assert layout.base_prefix == "model"
+    assert "layers.*.self_attn.q_proj" in layout.column and "layers.*.mlp.down_proj" in layout.row
+    assert layout.regions == ("layers.*.self_attn", "layers.*.mlp")
+
+
+def test_plan_settings_that_cannot_run_together():
+    with pytest.raises(ConfigError, match=r"offload: optimizer needs zero_stage >= 1"):
+        ParallelConfig(offload="optimizer")
+    with pytest.raises(ConfigError, match=r"sequence_parallel needs tp > 1"):
+        ParallelConfig(sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"recompute must be one of none, selective, full \(got 'some'\)"):
+        apply_recompute(build_model(LLAMA), "some")
+    with pytest.raises(ConfigError, match=r"TinyLM has no nn.ModuleList of blocks"):
+        decoder_blocks(TinyLM())
+
+
+def _activation_bytes(mode: str) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
+    """Bytes of activations alive after the forward (torch's MemTracker), the loss and the gradients."""
+    model = apply_recompute(build_model(LLAMA, seed=1), mode)
+    x = torch.arange(64).reshape(2, 32) % LLAMA["vocab_size"]
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        loss = model(input_ids=x, labels=x).loss
+        snapshot = tracker.get_tracker_snapshot("current")
+    loss.backward()
+    grads = {k.replace("._checkpoint_wrapped_module", ""): p.grad for k, p in model.named_parameters()}
+    return snapshot[torch.device("cpu")][_MemRefType.ACT], loss.detach(), grads
+
+
+def test_recompute_saves_less_and_changes_nothing():
+    none, loss0, grads0 = _activation_bytes("none")
+    selective, loss1, grads1 = _activation_bytes("selective")
+    full, loss2, grads2 = _activation_bytes("full")
+    assert full < selective < none
+    for loss, grads in ((loss1, grads1), (loss2, grads2)):
+        torch.testing.assert_close(loss, loss0, rtol=0, atol=0)
+        assert grads.keys() == grads0.keys()
+        for k in grads0:
+            torch.testing.assert_close(grads[k], grads0[k], rtol=0, atol=0, msg=k)
