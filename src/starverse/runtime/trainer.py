@@ -399,7 +399,8 @@ def _initial_shares(
         what = "ranks" if not layout.is_pipelined else "pipeline replicas"
         if len(shares) != units or sum(shares) != num_micro or any(s < lo for s, lo in zip(shares, low, strict=True)):
             raise ConfigError(
-                f"shares {shares} must give each of the {units} {what} >= {max(low)} micro-batch(es) and sum to "
+                f"shares {shares} must give each of the {units} {what} >= {max(low)} micro-batch"
+                f"{'es' if max(low) > 1 else ''} and sum to "
                 f"{num_micro}."
             )
     elif units == len(cluster.ranks):  # one replica per rank: by the ranks' speed
