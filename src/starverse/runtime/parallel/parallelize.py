@@ -128,6 +128,27 @@ class ParallelModel:
         return clip_grad_norm(self.model.parameters(), max_norm)
 
 
+def check_tensor_parallel_plan(plan: Plan, rank_kinds: list[str], source: str = "plan") -> None:
+    """Raise :class:`ConfigError` unless ``plan``'s tensor parallelism is of a shape the runtime runs: one
+    group of one device kind, no pipeline stages, full training (see :func:`check_parallel_plan`)."""
+    for gi, g in enumerate(plan.groups):
+        for si, s in enumerate(g.stages):
+            if s.tp == 1:
+                continue
+            where = f"{source}: groups[{gi}].stages[{si}].tp: {s.tp}"
+            if len(plan.groups) > 1 or g.num_stages > 1 or len(set(rank_kinds)) > 1:
+                raise ConfigError(
+                    f"{where}: tensor parallelism runs in a plan of one group of one device kind without pipeline "
+                    "stages (TP inside pipeline stages or across groups is not run yet). To fix: set tp: 1, or use "
+                    "one group with one stage."
+                )
+            if plan.train.mode != "full":
+                raise ConfigError(
+                    f"{where}: tensor parallelism with train.mode: {plan.train.mode} is not run (the adapters wrap the "
+                    "linears TP splits). To fix: tp: 1 for LoRA / QLoRA."
+                )
+
+
 def check_parallel_plan(
     plan: Plan, rank_kinds: list[str], rebalance_every: int, shares: list[int] | None = None,
     model: torch.nn.Module | None = None,
@@ -142,25 +163,10 @@ def check_parallel_plan(
     per step and keeps uneven, rebalanced shares.
     """
     cfg = ParallelConfig.from_plan(plan)
-    for gi, g in enumerate(plan.groups):
-        for si, s in enumerate(g.stages):
-            if s.tp == 1:
-                continue
-            where = f"plan: groups[{gi}].stages[{si}].tp: {s.tp}"
-            if len(plan.groups) > 1 or g.num_stages > 1 or len(set(rank_kinds)) > 1:
-                raise ConfigError(
-                    f"{where}: tensor parallelism runs in a plan of one group of one device kind without pipeline "
-                    "stages (TP inside pipeline stages or across groups is not run yet). To fix: set tp: 1, or use "
-                    "one group with one stage."
-                )
-            if plan.train.mode != "full":
-                raise ConfigError(
-                    f"{where}: tensor parallelism with train.mode: {plan.train.mode} is not run (the adapters wrap the "
-                    "linears TP splits). To fix: tp: 1 for LoRA / QLoRA."
-                )
-            if model is not None:
-                tp_layout(model)
-                check_tensor_parallel(getattr(model, "config", None), s.tp)
+    check_tensor_parallel_plan(plan, rank_kinds)
+    if model is not None and cfg.tp > 1:
+        tp_layout(model)
+        check_tensor_parallel(getattr(model, "config", None), cfg.tp)
     if cfg.zero_stage > 0 and len(set(rank_kinds)) > 1:
         raise ConfigError(
             f"plan: train.zero_stage: {cfg.zero_stage} shards over one device kind, but the ranks are "
