@@ -63,7 +63,7 @@ def test_accelerate_falls_back_per_kind_with_the_planners_reason():
     assert reason.endswith("every device must be used (3×cpu, one group per kind, equal replicas within a group, "
                            "whole micro-batches), and a global batch of 16 sequences cannot be split that way; to "
                            "fix: a global batch of 15 or 18, or use fewer devices (searched only what the runtime "
-                           "executes: TP ≤ 1, ≤ 1 pipeline stage, ZeRO-0, recompute none, offload none, full "
+                           "executes: TP ≤ 1, ZeRO-0, recompute none, offload none, full "
                            "training, every device used))")
     assert "plan: local devices, one data-parallel group per device kind" in cluster.notes
     assert [(g.replicas, g.stages[0].accelerator) for g in cluster.plan.groups] == [(3, "cpu")]

@@ -78,7 +78,7 @@ def test_replan_falls_back_per_kind_when_the_batch_does_not_split(caplog):
                            "kind (planner not used: InfeasiblePlanError: no plan for small-llama on <devices>: "
                            "every device must be used (3×cpu")
     assert note.endswith("a global batch of 15 or 18, or use fewer devices (searched only what the runtime executes: "
-                         "TP ≤ 1, ≤ 1 pipeline stage, ZeRO-0, recompute none, offload none, full training, every "
+                         "TP ≤ 1, ZeRO-0, recompute none, offload none, full training, every "
                          "device used)), global batch 16")
     assert any(r.message.startswith("planner not used for the re-plan (InfeasiblePlanError: ")
                for r in caplog.records)

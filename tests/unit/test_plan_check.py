@@ -115,3 +115,16 @@ def test_chunks_chained_equal_the_whole_model_with_unsplit_names(family):
     torch.testing.assert_close(h, model(x).logits, rtol=0, atol=0)
     names = {n for ch in chunks for n, _ in ch.named_parameters_unsplit()}
     assert names == {n for n, _ in model.named_parameters()}
+
+
+def test_fit_refuses_the_plan_before_starting_ranks(tmp_path):
+    """``Trainer.fit`` checks the cluster's plan first: a wrong split is one error, no rank is started."""
+    from starverse.runtime.cluster import Cluster
+    from starverse.runtime.trainer import Trainer
+
+    plan = _plan(Stage(accelerator="cpu", layers=3), Stage(accelerator="cpu-b", layers=3))
+    cluster = Cluster(plan=plan, ranks=tuple(_ranks("cpu", "cpu-b")))
+    with pytest.raises(ConfigError, match=r"the cluster's plan: groups\[0\]\.stages\[\*\]\.layers sum to 6 but the "
+                                          r"model has 4 layers\. To fix: make the stages' layers sum to 4\."):
+        Trainer(cluster, run_dir=tmp_path).fit(build_model(LLAMA), dataset=["x" * 100], max_steps=1, seq_len=8)
+    assert not (tmp_path / "data").exists()

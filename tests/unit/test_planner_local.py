@@ -167,7 +167,7 @@ def test_plan_for_devices_errors_say_what_to_do(catalog):
         "no plan for small on <devices>: every device must be used (3×cpu, one group per kind, equal replicas "
         "within a group, whole micro-batches), and a global batch of 16 sequences cannot be split that way; to "
         "fix: a global batch of 15 or 18, or use fewer devices (searched only what the runtime executes: TP ≤ 1, "
-        "≤ 1 pipeline stage, ZeRO-0, recompute none, offload none, full training, every device used)")
+        "ZeRO-0, recompute none, offload none, full training, every device used)")
     with pytest.raises(ConfigError, match=r"^plan_for_devices: devices must map accelerator ids to counts >= 1"):
         plan_for_devices(SMALL, {}, train=TRAIN, catalog=catalog)
     with pytest.raises(ConfigError, match=r"^plan_for_devices: prices given for h100-80gb-sxm, which are not among"):

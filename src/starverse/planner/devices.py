@@ -4,9 +4,9 @@ Where ``search`` chooses what to rent from a pool, here the devices are given (`
 ``{"h100-80gb-sxm": 4, "rtx-4090": 2}``): they become a pool of **owned** offers (price 0, so
 ``cost-performance`` ranks by throughput; see :func:`~starverse.planner.search.resolve_objective`), or of
 rented ones where ``prices`` names a price. ``runtime_caps`` restricts the space to what the runtime that will
-execute the plan can run; by default (:data:`RUNTIME_CAPS`) that is today's runtime: data parallelism only
-(TP 1, one stage per group), no ZeRO / recompute / offload, full training, every device used, one group per
-device kind.
+execute the plan can run; by default (:data:`RUNTIME_CAPS`) that is today's runtime: data parallelism and
+pipelines (any depth, uneven layer splits, stages of different kinds), TP 1, no ZeRO / recompute / offload,
+full training, every device used.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ class RuntimeCaps:
         return {k: v for k, v in fixes.items() if v is not None}
 
 
-RUNTIME_CAPS = RuntimeCaps()
-"""What ``starverse.runtime`` executes today: data parallelism across (possibly mixed) device kinds."""
+RUNTIME_CAPS = RuntimeCaps(max_pipeline_stages=None)
+"""What ``starverse.runtime`` executes today: data parallelism across (possibly mixed) device kinds and pipelines
+(``torch.distributed.pipelining``, uneven splits, heterogeneous stages); TP, ZeRO, recompute, offload not yet."""
 UNRESTRICTED = RuntimeCaps(max_tp=None, max_pipeline_stages=None, zero_stage=None, recompute=None, offload=None,
                            fine_tuning=True, use_all_devices=False)
 """The planner's whole space (TP, pipelines, ZeRO, offload, LoRA; any subset of the devices)."""

@@ -26,17 +26,23 @@ def check_ranks(plan: Plan, ranks: Sequence[RankSpec], source: str = "plan") -> 
     layout = PipelineLayout.from_plan(plan)
     want = Counter(p.accelerator for p in layout.places)
     have = Counter(r.device_kind for r in ranks)
+    have_text = ", ".join(f"{n} x {k}" for k, n in have.items())
+    if len(layout.places) != len(ranks):
+        raise ConfigError(
+            f"{source}: the plan uses {len(layout.places)} devices but the provider has {len(ranks)} ({have_text}). "
+            f"To fix: make the groups' devices (replicas x stages x tp) sum to {len(ranks)}, or change the number "
+            "of ranks."
+        )
     missing = sorted(set(want) - set(have))
     if missing:
         raise ConfigError(
-            f"{source}: the plan uses {', '.join(missing)} but the cluster has no such device "
-            f"(it has {', '.join(f'{n} x {k}' for k, n in have.items())}). To fix: plan for the devices you have "
-            "(`starverse probe` lists them)."
+            f"{source}: the plan uses {', '.join(missing)} but the cluster has no such device (it has {have_text}). "
+            "To fix: plan for the devices you have (`starverse probe` lists them)."
         )
-    if len(layout.places) != len(ranks) or want != have:
+    if want != have:
         raise ConfigError(
-            f"{source}: the plan uses {dict(want)} ({len(layout.places)} devices) but the cluster has {dict(have)} "
-            f"({len(ranks)}). To fix: make the groups' replicas x devices per replica match the cluster."
+            f"{source}: the plan wants {dict(want)} but the provider has {dict(have)}. To fix: plan for the devices "
+            "you have (`starverse probe` lists them)."
         )
     for place, spec in zip(layout.places, ranks, strict=True):
         if place.accelerator != spec.device_kind:
