@@ -26,9 +26,11 @@ TINY_JOB: dict[str, Any] = {
     "model": "tiny", "dataset": "corpus",
     "train": {"steps": 6, "seq_len": 16, "global_batch": 2, "micro_batch": 2, "rebalance_every": 0},
     "checkpoint": {"interval_steps": 2, "async_save": False},
-    "pool": {"currency": "USD", "offers": [{"accelerator": "cpu", "count": 4, "price_per_hour": 3.6}]},
+    "pool": {"currency": "USD", "offers": [{"accelerator": "cpu", "count": 4, "price_per_hour": 3.6,
+                                          "billing_granularity_s": 60}]},
 }
-"""A job that trains a one-layer llama for a few steps on one CPU rank, priced so the bill is not zero."""
+"""A job that trains a one-layer llama for a few steps on one CPU rank, priced so the bill is not zero (billed
+by the minute: a lease of a fast machine can open and close within one second)."""
 
 
 def free_port() -> int:

@@ -82,9 +82,12 @@ def test_twenty_concurrent_tenants_bills_never_mix(tmp_path: Path, db_url: str) 
             with httpx.Client(base_url=base, headers=headers[n], timeout=120) as c:
                 jid = ids[n]
                 job_bill = c.get(f"/api/jobs/{jid}/bill").json()
-                assert job_bill["job"] == jid and job_bill["charge_ticks"] > 0
+                # a lease of a fast machine can open and close within one second (0 ticks): the check is that
+                # the job has its own closed lease and that only its ticks are on its tenant's bill
+                assert job_bill["job"] == jid and job_bill["leases"] and job_bill["open_leases"] == 0
                 by_job = c.get("/api/bill?by=job").json()
-                assert [(x["key"], x["charge_ticks"]) for x in by_job["lines"]] == [(jid, job_bill["charge_ticks"])]
+                assert {x["key"] for x in by_job["lines"]} <= {jid}
+                assert sum(x["charge_ticks"] for x in by_job["lines"]) == job_bill["charge_ticks"]
                 by_day = c.get("/api/bill?by=day").json()
                 assert sum(x["charge_ticks"] for x in by_day["lines"]) == job_bill["charge_ticks"]
                 assert Decimal(by_job["balance"]["remaining"]) == Decimal("5") - Decimal(job_bill["net"])

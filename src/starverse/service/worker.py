@@ -285,7 +285,9 @@ class Worker:
             args.append(str(job.resume_from))
         (folder / RESULT_FILE).unlink(missing_ok=True)  # the runner writes this launch's outcome
         err = (folder / LOG_FILE).open("ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # each job its own cache of tokenised corpora: no tenant's data in a shared cache, and no two jobs
+        # writing the same cache file at once
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "STARVERSE_CACHE": str(folder / "cache")}
         proc = subprocess.Popen(args, stdout=err, stderr=err, stdin=subprocess.DEVNULL, cwd=folder, env=env,
                                 preexec_fn=_term_with_parent)
         self.running[job.id] = Running(job.id, job.tenant_id, proc, folder, [err])
