@@ -8,7 +8,7 @@ Prints ONE JSON object; each figure is a ratio against a baseline measured in th
   per round, so load from other processes on the machine hits both alike; the median is reported with the
   spread of the rounds (``*_spread``: min, max, (max - min) / median).
 - ``straggler_balanced_vs_ideal``: rank 1 slowed 3x (``starverse.testing.SlowRank``), rebalancing on:
-  job throughput after the last rebalance / ideal aggregate (sum of the ranks' measured compute
+  job throughput over the last 10 of 30 steps / ideal aggregate (sum of the ranks' measured compute
   throughputs in the same run). Target >= 0.85.
 - ``straggler_even_vs_ideal``: the same with shares kept even (rebalancing off); about 0.5 expected.
 - ``estimate_step_time_error``: ``starverse.costmodel.estimate`` step time for the demo plan with a fresh
@@ -34,6 +34,7 @@ from typing import Any
 from _common import Report, TooShort, interleave, paired_ratio, spread
 
 SEQ, MB, GB = 128, 2, 16
+STRAGGLE_STEPS = 30
 VOCAB = 8192
 
 
@@ -101,8 +102,8 @@ def _steady_tps(res: Any, after_step: int = 1) -> float:
     """Tokens/s over the steps after ``after_step`` (at least 3 of them, else :class:`TooShort`)."""
     times = list(res.step_times_s)[after_step:]
     if len(times) < 3 or sum(times) <= 0:
-        raise TooShort(f"{len(times)} steady-state steps after step {after_step} of {len(res.step_times_s)}; "
-                       "need 3 (the last rebalance came too late)")
+        raise TooShort(f"{len(times)} steps after step {after_step} of {len(res.step_times_s)}; need 3 (the run "
+                       "stopped early)")
     return res.global_batch * res.seq_len * len(times) / sum(times)
 
 
@@ -159,13 +160,14 @@ def main() -> None:
     def straggle(rebalance_every: int) -> float:
         res = Trainer(cluster, callbacks=[SlowRank(1, 3.0)], run_dir=work / f"straggle{next(runs)}", lr=1e-3,
                       rebalance_every=rebalance_every, hysteresis=0.05).fit(
-            fresh(), dataset=[torch.from_numpy(tokens)], per_device_batch_size=1, max_steps=30, seq_len=SEQ,
-            global_batch=GB,
+            fresh(), dataset=[torch.from_numpy(tokens)], per_device_batch_size=1, max_steps=STRAGGLE_STEPS,
+            seq_len=SEQ, global_batch=GB,
         )
-        last_change = res.shares_history[-1][0]
         if rebalance_every:
             final_shares.append(list(res.shares_history[-1][1]))
-        return _steady_tps(res, max(2, last_change + 1)) / sum(r.tokens_per_s for r in res.ranks)
+        # the last 10 steps, whenever the last rebalance came: on a loaded machine the balancer may still be
+        # moving shares at step 30, and the figure is then what it achieves while doing so
+        return _steady_tps(res, STRAGGLE_STEPS - 10) / sum(r.tokens_per_s for r in res.ranks)
 
     with report.part("straggler"):
         samples = interleave({"balanced": lambda: straggle(5), "even": lambda: straggle(0)}, max(2, rounds // 2))

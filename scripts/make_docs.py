@@ -2,7 +2,8 @@
 
 Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; only that text is rewritten.
 Verdict tables come from ``starverse plan JOB --pool POOL --json`` on the files in ``examples/`` (run
-in-process through the same ``result_to_json`` the command prints); benchmark tables from the JSON that
+in-process through the same ``result_to_json`` the command prints); the README's benchmark table from the
+records ``scripts/run_benches.py`` stores (``make bench``); the planner's benchmark tables from the JSON that
 ``benchmarks/bench_plan.py --save`` stores in ``benchmarks/results/bench_plan.json`` (timings move from run to
 run, so the committed text follows the stored run, not a fresh one).
 
@@ -27,6 +28,8 @@ from starverse.planner import load_job, load_pool, search
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 BENCH_RESULT = ROOT / "benchmarks" / "results" / "bench_plan.json"
+BENCH_RUNS = ROOT / "benchmarks" / "results"
+"""``scripts/run_benches.py`` stores one ``<bench>.run.json`` per benchmark here (the README's benchmark table)."""
 
 S1, S2, S3, HD = "scenario1-mixed-70b", "scenario2-100b", "scenario3-power-cap", "hetero-dp"
 SCENARIO_TABLES: dict[str, list[tuple[str, str]]] = {
@@ -181,6 +184,39 @@ def quality_table(bench: dict[str, Any]) -> str:
     return "\n".join(["| scenario | vs best single accelerator | vs even split |", "|---|---|---|", *rows])
 
 
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    return str(v)
+
+
+def _flat(figures: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """Scalar figures of a benchmark's JSON, nested objects as ``a.b`` (lists left out: per-round samples)."""
+    out: list[tuple[str, str]] = []
+    for k, v in figures.items():
+        if isinstance(v, dict):
+            out += _flat(v, f"{prefix}{k}.")
+        elif not isinstance(v, list):
+            out.append((f"{prefix}{k}", _fmt(v)))
+    return out
+
+
+def benchmarks_table(records: list[dict[str, Any]]) -> str:
+    """README: every stored benchmark run (``scripts/run_benches.py``) with its figures and the load it ran under."""
+    rows = ["| benchmark | ran at (load average, 1 min) | figures |", "|---|---|---|"]
+    for r in records:
+        load = r.get("load_average_1min") or {}
+        when = f"{r['ran_at'][:16].replace('T', ' ')} UTC (load {load.get('start', '?')} → {load.get('end', '?')})"
+        figs = r.get("figures")
+        body = "; ".join(f"`{k}` {v}" for k, v in _flat(figs)) if figs else f"**no figures**: {r.get('error')}"
+        rows.append(f"| `{r['bench']}.py` | {when} | {body} |")
+    return "\n".join(rows)
+
+
 def render() -> dict[Path, dict[str, Callable[[], str]]]:
     """File -> marker -> the text that belongs between its markers."""
     pairs = {pair for rows in SCENARIO_TABLES.values() for pair in rows}
@@ -195,6 +231,10 @@ def render() -> dict[Path, dict[str, Callable[[], str]]]:
         ROOT / "docs/planner.md": {name: (lambda n=name: scenario_table(n, docs())) for name in SCENARIO_TABLES},
         ROOT / "README.md": {"verdicts": lambda: verdict_table(docs())},
     }
+    runs = sorted(BENCH_RUNS.glob("*.run.json"))
+    if runs:
+        records = [json.loads(f.read_text()) for f in runs]
+        out[ROOT / "README.md"]["benchmarks"] = lambda: benchmarks_table(records)
     if BENCH_RESULT.exists():
         bench = json.loads(BENCH_RESULT.read_text())
         out[ROOT / "docs/planner.md"]["bench"] = lambda: bench_table(bench)

@@ -100,8 +100,9 @@ def test_live_scrape_matches_training_and_ledger(tmp_path: Path):
     run_dir = tmp_path / "run"
     scraper = Scraper(run_dir)
     scraper.start()
-    trainer = Trainer(_cluster(3.6), callbacks=[SlowRank(1, 3.0), Pace(0.2), BillingCallback(job="live"),
-                                                MetricsCallback(linger_s=1.5)],
+    billing = BillingCallback(job="live")
+    trainer = Trainer(_cluster(3.6), callbacks=[SlowRank(1, 3.0), Pace(0.2), billing,
+                                                MetricsCallback(linger_s=1.5, billing=billing)],
                       run_dir=run_dir, rebalance_every=0)
     res = trainer.fit(TinyLM(), dataset=_tokens(), per_device_batch_size=MB, max_steps=steps, seq_len=SEQ,
                       tokenizer="bytes")

@@ -25,16 +25,33 @@ CFG = {
 }
 
 
-def _batches() -> list[torch.Tensor]:
+def _batches(cfg: dict) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, CFG["vocab_size"], (GB, SEQ), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, cfg["vocab_size"], (GB, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = build_model(CFG, seed=0)
+FAMILIES = {
+    "llama": CFG,
+    # tied embeddings and a vocabulary tp does not divide: embedding and head stay replicated
+    "qwen2": {**CFG, "model_type": "qwen2", "tie_word_embeddings": True, "vocab_size": 65},
+    # fused per-head QKV, parallel residual, partial rotary
+    "gpt_neox": {**CFG, "model_type": "gpt_neox", "num_key_value_heads": None, "rotary_pct": 0.5,
+                 "use_parallel_residual": True, "layer_norm_eps": 1e-5, "hidden_dropout": 0.0,
+                 "attention_dropout": 0.0},
+}
+
+
+def _split(variant: dict) -> tuple[dict, dict]:
+    """(model config, parallel settings) of a variant."""
+    settings = dict(variant)
+    return FAMILIES[settings.pop("family", "llama")], settings
+
+
+def _reference(cfg: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build_model(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     losses = []
-    for x in _batches():
+    for x in _batches(cfg):
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), CLIP)
@@ -53,16 +70,17 @@ def _train(env, variants):
 
     out = []
     for variant in variants:
-        config = ParallelConfig(**variant)
+        cfg, settings = _split(variant)
+        config = ParallelConfig(**settings)
         mesh = group_mesh("cpu", env.world_size, config.tp)
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-        pm = parallelize(build_model(CFG, seed=0), config, mesh)
+        pm = parallelize(build_model(cfg, seed=0), config, mesh)
         model = pm.model
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
         per_replica = GB // dp
         mb = per_replica // MICRO
         losses = []
-        for x in _batches():
+        for x in _batches(cfg):
             mine = x[dp_rank * per_replica : (dp_rank + 1) * per_replica]
             loss_sum = torch.zeros(())
             for k in range(MICRO):
@@ -87,16 +105,19 @@ def _train(env, variants):
 
 
 def _check(results, variants):
-    ref_losses, ref_weights = _reference()
+    references = {name: _reference(cfg) for name, cfg in FAMILIES.items()}
     for rank_results in results:
         for (losses, weights), variant in zip(rank_results, variants, strict=True):
-            torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6, msg=f"losses of {variant}")
+            ref_losses, ref_weights = references[variant.get("family", "llama")]
+            torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, v=variant: f"losses of {v}: {m}")
             assert weights.keys() == ref_weights.keys()
             for k, w in weights.items():
-                # Adam normalises each update, so summation-order differences of ~1e-7 in a gradient move
-                # a weight by up to ~lr * 1e-4 over K steps; anything wrong moves it by ~lr.
-                torch.testing.assert_close(torch.from_numpy(w), ref_weights[k], rtol=1e-4, atol=1e-5,
-                                           msg=f"{k} of {variant}")
+                # Adam normalises each update: where a gradient element is near 0, summation-order
+                # differences of ~1e-7 move that weight by up to ~lr * 1e-2 (seen: 6e-5, 1 of 2048 elements);
+                # anything wrong moves many weights by ~lr = 1e-2.
+                torch.testing.assert_close(torch.from_numpy(w), ref_weights[k], rtol=1e-4, atol=1e-4,
+                                           msg=lambda m, k=k, v=variant: f"{k} of {v}: {m}")
 
 
 TWO_RANKS = [
@@ -106,6 +127,8 @@ TWO_RANKS = [
     {"zero_stage": 2},
     {"zero_stage": 3, "recompute": "full"},
     {"zero_stage": 3, "offload": "optimizer+params"},
+    {"family": "qwen2", "tp": 2, "sequence_parallel": True},
+    {"family": "gpt_neox", "tp": 2, "sequence_parallel": True, "zero_stage": 0},
 ]
 FOUR_RANKS = [
     {"tp": 2},  # TP 2 x plain DP 2: the replicas' TP shards summed by sync_gradients

@@ -37,6 +37,7 @@ def test_json_ranked_plans(quickstart):
     assert values == sorted(values, reverse=True)
     for p in plans:
         assert p["cost_per_hour"] <= 20 + 1e-9  # the job's budget
+        assert set(p["price_sources"]) == set(p["devices"]) and all(p["price_sources"].values())
         assert p["objective_value"] == pytest.approx(p["effective_tokens_per_s"] * 3600 / p["cost_per_hour"])
         assert p["hours"] == pytest.approx(2e9 / p["effective_tokens_per_s"] / 3600)
     assert doc["stats"]["proven_optimal"] is True
@@ -169,6 +170,8 @@ def test_simulate_plan_on_a_trace(tmp_path):
     assert doc["p50"]["wall_hours"] == pytest.approx(doc["p50"]["factor"] * doc["work_hours"])
     assert doc["p50"]["cost"] == pytest.approx(doc["p50"]["wall_hours"] * 8 * 0.34, rel=1e-6)
     assert doc["spot_factor_vs_sim"] == pytest.approx(doc["planner_spot_factor"] / doc["p50"]["factor"])
+    helptext = run("simulate", "--help").stdout
+    assert all(opt in helptext for opt in ("--trace", "--policy", "--runs", "--hours", "--json"))
     table = run("simulate", str(plan), "--trace", str(trace), "--runs", "200", "--policy", "in-place")
     assert table.returncode == 0 and "p90" in table.stdout and "planner (Young/Daly" in table.stdout
     bad = run("simulate", str(plan), "--trace", str(trace), "--policy", "pray")

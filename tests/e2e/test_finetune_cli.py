@@ -79,6 +79,7 @@ def test_lora_fine_tune_export_and_reload(tmp_path: Path):
     assert listed.returncode == 0, listed.stderr
     (row,) = json.loads(listed.stdout)
     assert row["status"] == "finished" and row["steps"] == 12 and row["mode"] == "lora"
+    assert row["cost"] == "0 USD"  # from the run's ledger: this machine's own CPUs are free
     assert row["eval_loss"] == pytest.approx(evals[-1]["loss"])
 
     exported = _run(["export", "runs/lora", "--out", "exported", "--merge-lora"], env, tmp_path)

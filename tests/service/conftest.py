@@ -100,7 +100,7 @@ def make_service(tmp_path: Path, db_url: str) -> Iterator[Callable[..., Service]
     for svc in made:
         svc.stop_workers()
         svc.client.close()
-        svc.db.dispose()
+        svc.client.app.state.ctx.close()  # type: ignore[attr-defined]
 
 
 @pytest.fixture

@@ -294,3 +294,33 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_otherwise(tmp_path, cap
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("event", r["type"]) for r in rows] == ["start", "step", "step", "step", "step", "eval", "end"]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_lora_state_saves_and_restores_the_adapters_only(tiny, tmp_path):
+    from starverse.checkpoint.state import apply_train_state, train_state
+    from starverse.errors import CheckpointError
+    from starverse.runtime.steps import make_optimizer
+
+    folder = tiny[0]
+    model = starverse.build_model(folder)
+    apply_lora(model, 4)
+    opt = make_optimizer(model, 1e-2, 0.0)
+    x = torch.randint(0, 200, (2, 12))
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    sd = train_state(model, opt)
+    assert sd["model"] and all(".lora_" in k for k in sd["model"])
+    fresh = starverse.build_model(folder)
+    apply_lora(fresh, 4)
+    fresh_opt = make_optimizer(fresh, 1e-2, 0.0)
+    apply_train_state(fresh, fresh_opt, sd)
+    assert _same(fresh, model)
+    ctx = _ctx(tmp_path)
+    ctx.model, ctx.optimizer = fresh, fresh_opt
+    state = ctx.state_dict()
+    assert all(".lora_" in k for k in state["model"])
+    state["model"] = {k: v for k, v in state["model"].items() if "layers.0." not in k}
+    with pytest.raises(CheckpointError, match=r"trainable tensor\(s\) missing"):
+        ctx.load_state_dict(state)

@@ -138,7 +138,7 @@ def test_a_valid_wal_is_read_and_kept(tmp_path: Path, capsys: pytest.CaptureFixt
     _assert_untouched(before, run)
 
 
-@pytest.mark.parametrize("where", [0, 8, 24], ids=["magic", "salt", "checksum"])
+@pytest.mark.parametrize("where", [0, 8, 16], ids=["magic", "page-size", "salt"])
 def test_an_invalid_wal_is_one_error_and_never_deleted(tmp_path: Path, where: int,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     run = _with_wal(tmp_path)

@@ -95,8 +95,11 @@ def test_plan_must_match_the_devices():
     with pytest.raises(ConfigError, match=r"the plan uses rtx-4090 but the cluster has no such device"):
         check_plan_fits_ranks(gpu, CPU2)
     tp = _plan([Group(replicas=1, stages=[Stage(accelerator="cpu", tp=2, layers=2)])])
-    with pytest.raises(ConfigError, match=r"groups\[0\].stages\[0\].tp: 2: the runtime does not run tensor"):
-        check_plan_fits_ranks(tp, CPU2)
+    check_plan_fits_ranks(tp, CPU2)  # tensor parallel runs: one group of one kind, one stage
+    tp_pp = _plan([Group(replicas=1, stages=[Stage(accelerator="cpu", tp=2, layers=1)] * 2)])
+    with pytest.raises(ConfigError, match=r"p.yaml: groups\[0\].stages\[0\].tp: 2: tensor parallelism runs in a plan "
+                                          r"of one group of one device kind without pipeline stages"):
+        check_plan_fits_ranks(tp_pp, CPU2 + CPU2, "p.yaml")
     pp = _plan([Group(replicas=1, stages=[Stage(accelerator="cpu", layers=1), Stage(accelerator="cpu", layers=1)])])
     check_plan_fits_ranks(pp, CPU2)  # pipelines run
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from starverse.checks import check_output_file
+from starverse.cli.options import finite
 
 
 def _headroom_gb(est: Any) -> float:
@@ -37,7 +38,7 @@ def result_to_json(result: Any) -> dict[str, Any]:
             "spot_factor_simulated": rp.spot_factor_simulated, "mfu": float(est.mfu), "step_time_s": float(est.step_time_s),
             "cost_per_hour": rp.cost_per_hour, "hours": rp.hours, "total_cost": rp.total_cost,
             "power_kw": rp.power_kw, "headroom_gb": _headroom_gb(est), "bottleneck": str(est.bottleneck),
-            "host_memory_gb_per_node": dict(rp.host_memory_gb_per_node),
+            "host_memory_gb_per_node": dict(rp.host_memory_gb_per_node), "price_sources": dict(rp.price_sources),
             "objective_value": rp.objective_value, "notes": list(rp.notes),
             "plan": rp.plan.model_dump(mode="json", exclude_none=True),
         })
@@ -211,13 +212,13 @@ def simulate_cmd(
     policy: Annotated[str, typer.Option("--policy", help="restart (roll back to the last checkpoint) or "
                                         "in-place (survivors go on).")] = "restart",
     runs: Annotated[int, typer.Option("--runs", min=1, help="Simulated jobs (random starts in the trace).")] = 1000,
-    hours: Annotated[float, typer.Option("--hours", min=0.001, help="Compute hours of the job when the plan gives "
+    hours: Annotated[float, typer.Option("--hours", callback=finite, min=0.001, help="Compute hours of the job when the plan gives "
                                          "no train.tokens or train.steps.")] = 24.0,
-    restart_s: Annotated[float, typer.Option("--restart-s", min=0, help="Seconds to restart (or reconfigure) "
+    restart_s: Annotated[float, typer.Option("--restart-s", callback=finite, min=0, help="Seconds to restart (or reconfigure) "
                                              "after a loss.")] = 300.0,
-    checkpoint_gb_per_s: Annotated[float, typer.Option("--checkpoint-gb-per-s", min=0.001,
+    checkpoint_gb_per_s: Annotated[float, typer.Option("--checkpoint-gb-per-s", callback=finite, min=0.001,
                                                        help="Checkpoint write speed per node, GB/s.")] = 2.0,
-    interval_s: Annotated[float | None, typer.Option("--interval-s", min=0.001, help="Work between checkpoints "
+    interval_s: Annotated[float | None, typer.Option("--interval-s", callback=finite, min=0.001, help="Work between checkpoints "
                                                      "(default: Young/Daly at the trace's loss rate).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     catalog_file: Annotated[Path | None, typer.Option("--catalog", help="Catalog file extending the bundled one.")

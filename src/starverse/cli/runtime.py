@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from starverse.checks import check_port_free, check_run_dir
+from starverse.cli.options import finite
 
 DEMO_MODEL = "meta-llama/Llama-2-7b-hf"
 """The model the demo asks for (scaled down to what the local devices can train)."""
@@ -190,7 +191,7 @@ def demo(
     run_dir: Annotated[Path | None, typer.Option(
         "--run-dir", help="Where the run writes its files (default: a new runs/demo/<UTC time>).",
         show_default=False)] = None,
-    corpus_mb: Annotated[float, typer.Option("--corpus-mb", help="MB of stdlib source to train on.")] = 2.0,
+    corpus_mb: Annotated[float, typer.Option("--corpus-mb", callback=finite, help="MB of stdlib source to train on.")] = 2.0,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1,
                                                   help="Steps between checkpoints.")] = 50,
     pool: Annotated[Path | None, typer.Option(

@@ -18,6 +18,8 @@ from typing import Annotated, Any
 
 import typer
 
+from starverse.cli.options import finite
+
 serve_app = typer.Typer(name="serve", help="Run Starverse as a service (REST API + web console), and administer it.",
                         add_completion=False, invoke_without_command=True)
 tenant_app = typer.Typer(help="Create tenants and top up their prepaid balance.", no_args_is_help=True)
@@ -139,7 +141,7 @@ def tenant_topup(
 def token_create(
     ctx: typer.Context,
     tenant: Annotated[str, typer.Argument(help="Tenant the token acts for (created if it does not exist).")],
-    ttl_hours: Annotated[float | None, typer.Option("--ttl-hours", help="Expire after this many hours.")] = None,
+    ttl_hours: Annotated[float | None, typer.Option("--ttl-hours", callback=finite, help="Expire after this many hours.")] = None,
     root: RootOpt = None, database: DatabaseOpt = None,
 ) -> None:
     """Print a new API token (shown once: only its hash is stored)."""

@@ -268,8 +268,14 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
                                 rows.inter_node_gbps)
 
     # pipeline point-to-point: activations of one micro-batch (split over TP ranks: scatter/gather)
-    pp_bus_same_node = rows.pipeline_devices <= rows.devices_per_node
-    nic_per_dev = rows.inter_node_gbps * (C.NETWORK_EFFICIENCY / 8.0) / rows.devices_per_node
+    # ranks in Megatron/DeepSpeed order (TP fastest, then data parallel, then pipeline): stage i of all
+    # replicas holds the contiguous ranks [i, i+1) * replicas * tp, so the pipeline stays inside one node
+    # only if the whole group does; at a crossing hop the stage's ranks on the node send at once and
+    # share its NIC
+    stage_ranks = rows.replicas * rows.tp
+    pp_bus_same_node = stage_ranks * rows.pp <= rows.devices_per_node
+    senders = np.clip(stage_ranks, 1.0, rows.devices_per_node)
+    nic_per_dev = rows.inter_node_gbps * (C.NETWORK_EFFICIENCY / 8.0) / senders
     intra = rows.intra_node_gb_per_s * C.LINK_EFFICIENCY
     pp_bw = np.where(pp_bus_same_node & (intra > 0), intra, nic_per_dev)
     p2p = tokens * (h * bv) / t / (pp_bw * 1e9) + C.COLLECTIVE_LATENCY_S

@@ -145,6 +145,7 @@ def rank_plan(job: Job, pool: Pool, catalog: Any, spec: Any, plan: Plan, devices
         total_cost=total if tokens is not None else None, objective_value=value, notes=tuple(all_notes),
         host_memory_gb_per_node={k: v for k, v in host_per_offer.items() if v > 0},
         spot_factor_formula=formula, spot_factor_simulated=checked.simulated,
+        price_sources={o.name: o.price_source for o in offers},
     )
 
 

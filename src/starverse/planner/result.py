@@ -51,6 +51,8 @@ class RankedPlan:
     offers' traces disagreed by more than 10 %."""
     spot_factor_simulated: float | None = None
     """Median factor of the trace-driven simulation (None when the spot offers carry no trace)."""
+    price_sources: Mapping[str, str] = field(default_factory=dict)
+    """Offer name -> where its price comes from (the pool file's field, or the catalog offer with its date)."""
     host_memory_gb_per_node: Mapping[str, float] = field(default_factory=dict)
     """Offer name -> host RAM one node needs for the offloaded state, GB (empty when nothing is offloaded)."""
 

@@ -235,7 +235,6 @@ def simulate(job: SimJob, traces: Sequence[tuple[Trace, int]], policy: Policy = 
     redone = np.zeros(runs)
     seg = np.zeros(runs)  # when the current stretch of work started (right after a checkpoint load)
     finish = np.full(runs, np.nan)
-    rows = np.arange(runs)
     window = job.work_s * (1.0 + c / tau) * 1.25 + 3600.0
     t_from = 0.0
     while np.isnan(finish).any():
@@ -243,33 +242,39 @@ def simulate(job: SimJob, traces: Sequence[tuple[Trace, int]], policy: Policy = 
         t_to = t_from + window
         t_ev, delay, share = _events(copies, job.num_devices, t_from, t_to, rng)
         width = t_ev.shape[1]
-        # per job, the next loss not yet handled; losses during a restart (before `seg`) are stepped over
-        ptr = np.zeros(runs, dtype=np.int64)
+        # per job, the next loss not yet handled; losses during a restart (before `seg`) are stepped over.
+        # Only the jobs still running are touched: `live` shrinks as jobs finish or run out of losses
         last = max(width - 1, 0)
-        while width:
-            t_hit = t_ev[rows, np.minimum(ptr, last)]
-            stale = (ptr < width) & (t_hit <= seg)
+        live = np.flatnonzero(np.isnan(finish)) if width else np.zeros(0, dtype=np.int64)
+        ptr = np.zeros(live.size, dtype=np.int64)
+        while live.size:
+            s0 = seg[live]
+            t_hit = t_ev[live, np.minimum(ptr, last)]
+            stale = (ptr < width) & (t_hit <= s0)
             while stale.any():
                 ptr += stale
-                t_hit = t_ev[rows, np.minimum(ptr, last)]
-                stale = (ptr < width) & (t_hit <= seg)
-            col = np.minimum(ptr, last)
-            active = np.isnan(finish) & (ptr < width) & np.isfinite(t_hit)
-            if not active.any():
+                t_hit = t_ev[live, np.minimum(ptr, last)]
+                stale = (ptr < width) & (t_hit <= s0)
+            more = (ptr < width) & np.isfinite(t_hit)
+            live, ptr, t_hit, s0 = live[more], ptr[more], t_hit[more], s0[more]
+            if not live.size:
                 break
-            ptr += 1
-            dt = np.where(active, t_hit - seg, 0.0)
+            col = ptr
+            ptr = ptr + 1
+            d0 = done[live]
+            dt = t_hit - s0
             cycles = np.floor(dt / cycle)
             into = dt - cycles * cycle
             worked = cycles * tau + np.minimum(into, tau)
-            ends = active & (done + worked >= job.work_s)
-            finish = np.where(ends, seg + _time_for(job.work_s - done, tau, cycle), finish)
-            hit = active & ~ends
+            ends = d0 + worked >= job.work_s
+            finish[live[ends]] = s0[ends] + _time_for(job.work_s - d0[ends], tau, cycle)
+            hit = ~ends
             lost = np.minimum(into, tau) if policy == "restart" else np.minimum(np.minimum(into, tau), job.step_s)
-            resume = t_hit + job.restart_s + delay[rows, col] * share[rows, col]
-            done = np.where(hit, done + worked - lost, done)
-            redone = np.where(hit, redone + lost, redone)
-            seg = np.where(hit, resume, seg)
+            h = live[hit]
+            done[h] = d0[hit] + worked[hit] - lost[hit]
+            redone[h] += lost[hit]
+            seg[h] = t_hit[hit] + job.restart_s + delay[h, col[hit]] * share[h, col[hit]]
+            live, ptr = h, ptr[hit]
         # jobs that finish before the next window's first loss
         end = seg + _time_for(job.work_s - done, tau, cycle)
         finish = np.where(np.isnan(finish) & (end <= t_to), end, finish)

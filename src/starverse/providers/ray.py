@@ -33,7 +33,9 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ from typing import Any
 
 from starverse.errors import ConfigError, DistributedError, JobTimeoutError, LossCause, LostRankError
 from starverse.providers.failures import code_error, lost_actor, overrun, user_error
+from starverse.providers.reaper import start_reaper, stop_reaper
 from starverse.runtime.launch import (
     LOOPBACK,
     RankEnv,
@@ -210,11 +213,16 @@ class RayLauncher:
                 finally:
                     ray.shutdown()  # disconnects this driver; the cluster keeps running
         with _loopback_only(ray):
-            _start_private(ray, self, ranks)
+            # the session's daemons must not outlive this process, even when it is SIGKILLed
+            reaper = start_reaper()
             try:
-                return run()
+                _start_private(ray, self, ranks)
+                try:
+                    return run()
+                finally:
+                    ray.shutdown()  # stops the private session's daemons and workers
             finally:
-                ray.shutdown()  # stops the private session's daemons and workers
+                stop_reaper(reaper)
 
 
 def _is_loopback(address: str) -> bool:
@@ -223,11 +231,25 @@ def _is_loopback(address: str) -> bool:
     return host == "localhost" or host.startswith("127.")
 
 
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """Keep this process's SIGTERM handler across ``ray.init``: Ray's core worker installs its own (it dumps a
+    stack and aborts), which would turn the supervisor's SIGTERM -> emergency checkpoint -> exit 3 into a crash."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main else None
+    try:
+        yield
+    finally:
+        if in_main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def _join(ray: Any, opts: RayLauncher, address: str) -> None:
     """Connect this process to the Ray cluster at ``address`` as a driver."""
     log.info("joining the Ray cluster at %s", address)
     try:
-        ray.init(address=address, logging_level=logging.WARNING, runtime_env=opts.runtime_env)
+        with _keep_sigterm_handler():
+            ray.init(address=address, logging_level=logging.WARNING, runtime_env=opts.runtime_env)
     except Exception as e:
         raise DistributedError(
             f"cannot join the Ray cluster at {address}: {_root_cause(e)}. To fix: start it with `ray start --head` "
@@ -244,6 +266,11 @@ def _start_private(ray: Any, opts: RayLauncher, ranks: Sequence[RankSpec]) -> No
     num_cpus = opts.local_num_cpus or max(os.cpu_count() or 1, want_cpus)
     num_gpus = sum(1 for r in ranks if r.device.startswith("cuda"))
     log.info("starting a private Ray session on %s (%d CPUs, %d GPUs)", LOOPBACK, num_cpus, num_gpus)
+    with _keep_sigterm_handler():
+        _init_private(ray, opts, num_cpus, num_gpus)
+
+
+def _init_private(ray: Any, opts: RayLauncher, num_cpus: int, num_gpus: int) -> None:
     ray.init(
         # "local": start a new session even where Ray would auto-join one (a `ray start` on this machine,
         # or a stale record of one in /tmp/ray); joining is only ever asked for with an address.

@@ -139,16 +139,12 @@ def _rank_groups(plan: Plan) -> list[int]:
 
 def check_plan_fits_ranks(plan: Plan, ranks: tuple[RankSpec, ...] | list[RankSpec], source: str = "plan") -> None:
     """Raise ConfigError unless these ranks can run ``plan``: its device kinds and counts, in any order (the
-    ranks are then ordered like the plan by :func:`order_ranks_like_plan`), and no tensor parallelism yet."""
+    ranks are then ordered like the plan by :func:`order_ranks_like_plan`), and tensor parallelism of a shape
+    the runtime runs."""
+    from starverse.runtime.parallel.parallelize import check_tensor_parallel_plan
     from starverse.runtime.plan_check import check_ranks
 
-    for gi, g in enumerate(plan.groups):
-        for si, s in enumerate(g.stages):
-            if s.tp != 1:
-                raise ConfigError(
-                    f"{source}: groups[{gi}].stages[{si}].tp: {s.tp}: the runtime does not run tensor parallelism "
-                    "yet (pipelines and data parallelism it runs). To fix: use tp: 1."
-                )
+    check_tensor_parallel_plan(plan, [r.device_kind for r in ranks], source)
     check_ranks(plan, order_ranks_like_plan(plan, list(ranks)) if _kinds_match(plan, ranks) else ranks, source)
 
 

@@ -338,6 +338,8 @@ class RankTrainer:
         num_targets = self.data.num_targets(batch_idx) if self.data.labels is not None else None
         self.grads.blocked_s = 0.0  # time waiting for peers is not this device's compute (see GradientSync)
         loss_part = self.forward_backward_step(self.my_micro_batches(batch_idx), num_targets)
+        if isinstance(self.grads, ParallelModel) and self.layout.places[self.rank].tp_rank:
+            loss_part = loss_part * 0.0  # a TP group computes its replica's loss once per rank: count it once
         clip = self.job.grad_clip
         if isinstance(self.grads, HolderSync):
             compute_s = self.timer.now() - t0

@@ -265,7 +265,7 @@ class Trainer:
             )
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
-        check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares)
+        check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
         t = plan.train
         if layout.is_pipelined and (t.zero_stage or t.offload != "none" or t.recompute != "none"):
             raise ConfigError(
@@ -374,13 +374,7 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> None:
     """What this runtime does not run yet, refused rather than silently run as something else."""
-    for gi, g in enumerate(plan.groups):
-        for si, s in enumerate(g.stages):
-            if s.tp > 1:
-                raise ConfigError(
-                    f"the cluster's plan: groups[{gi}].stages[{si}].tp: {s.tp}: tensor parallelism is not run by this "
-                    "runtime yet. To fix: use tp: 1 (more replicas or pipeline stages instead)."
-                )
+    # tensor parallelism: checked by parallel.parallelize.check_parallel_plan (with the shares)
     if layout.is_pipelined and loss_fn is not None:
         raise ConfigError(
             "loss_fn= cannot be used with pipeline stages (the last stage scores logits with next-token "
@@ -409,7 +403,7 @@ def _initial_shares(
                 f"{'es' if max(low) > 1 else ''} and sum to "
                 f"{num_micro}."
             )
-    elif not layout.is_pipelined:
+    elif units == len(cluster.ranks):  # one replica per rank: by the ranks' speed
         shares = proportional_shares(num_micro, cluster.rank_weights())
     else:
         weights = [

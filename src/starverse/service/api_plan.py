@@ -7,6 +7,7 @@ so the service accepts and rejects exactly what the CLI does, with the same mess
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import tempfile
 from pathlib import Path
@@ -99,12 +100,16 @@ def models() -> list[dict[str, Any]]:
     return [s.summary() for s in list_models()]
 
 
-def _scratch(request: Request) -> tempfile.TemporaryDirectory[str]:
+def _scratch_base(request: Request) -> Path:
     from starverse.service.app import context
 
     base = context(request).settings.root / "scratch"
     base.mkdir(parents=True, exist_ok=True)
-    return tempfile.TemporaryDirectory(dir=base)
+    return base
+
+
+def _scratch(request: Request) -> tempfile.TemporaryDirectory[str]:
+    return tempfile.TemporaryDirectory(dir=_scratch_base(request))
 
 
 @router.post("/estimate")
@@ -127,30 +132,45 @@ def estimate(body: EstimateRequest, request: Request) -> dict[str, Any]:
         return out
 
 
-@router.post("/plan")
-def plan(body: PlanRequest, request: Request) -> dict[str, Any]:
-    """Ranked plans, the time/cost Pareto frontier and why each plan ranks where it does; an infeasible job
-    answers ``feasible: false`` with the reasons and what would make it feasible."""
+def plan_document(scratch: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The ``/api/plan`` answer for a :class:`PlanRequest` (as a dict); runs in a planner process."""
     from starverse.catalog import load_catalog
     from starverse.cli.plan import _finite, result_to_json
     from starverse.planner import load_job, load_pool, search
     from starverse.planner.policy import describe
 
-    with _scratch(request) as d:
+    req = PlanRequest.model_validate(body)
+    with tempfile.TemporaryDirectory(dir=scratch) as d:
         folder = Path(d)
-        job_path = _file(folder, "job", body.job, body.job_yaml)
-        pool_path = _file(folder, "pool", body.pool, body.pool_yaml)
+        job_path = _file(folder, "job", req.job, req.job_yaml)
+        pool_path = _file(folder, "pool", req.pool, req.pool_yaml)
         cat = load_catalog()
         try:
-            result = search(load_job(job_path), load_pool(pool_path, cat), cat, top=body.top)
+            result = search(load_job(job_path), load_pool(pool_path, cat), cat, top=req.top)
         except InfeasiblePlanError as e:
             return {"feasible": False, "message": _clean(str(e), folder), "reasons": list(e.reasons)}
         except ConfigError as e:
-            raise type(e)(_clean(str(e), folder)) from None
+            raise ConfigError(_clean(str(e), folder)) from None
         doc: dict[str, Any] = _finite(result_to_json(result))
         doc["feasible"] = True
         doc["chosen"] = describe(result.objective, result.best.objective_value, result.currency)
         return doc
+
+
+@router.post("/plan")
+async def plan(body: PlanRequest, request: Request) -> dict[str, Any]:
+    """Ranked plans, the time/cost Pareto frontier and why each plan ranks where it does; an infeasible job
+    answers ``feasible: false`` with the reasons and what would make it feasible.
+
+    The search runs in a separate planner process: it is CPU-bound Python, and in the server's own process
+    it would hold the interpreter lock and stall every other request (job status included)."""
+    from starverse.service.app import context
+
+    ctx = context(request)
+    loop = asyncio.get_running_loop()
+    doc: dict[str, Any] = await loop.run_in_executor(ctx.planner_pool(), plan_document,
+                                                     str(_scratch_base(request)), body.model_dump())
+    return doc
 
 
 @router.post("/validate")

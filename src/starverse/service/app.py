@@ -9,6 +9,10 @@ package's ``static/`` folder at ``/`` (no CDN).
 
 from __future__ import annotations
 
+import multiprocessing
+from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +34,25 @@ UPLOAD_PREFIX = "/api/storage/"
 
 @dataclass
 class ServiceContext:
-    """What every route needs: the settings and the database."""
+    """What every route needs: the settings and the database; the planner processes, started on first use."""
 
     settings: ServiceSettings
     db: Database
+    _planners: ProcessPoolExecutor | None = None
+
+    def planner_pool(self) -> ProcessPoolExecutor:
+        """Processes that run planner searches (spawned: the server's threads are not forked)."""
+        if self._planners is None:
+            self._planners = ProcessPoolExecutor(max_workers=self.settings.planner_processes,
+                                                 mp_context=multiprocessing.get_context("spawn"))
+        return self._planners
+
+    def close(self) -> None:
+        """Stop the planner processes and close the database connections."""
+        if self._planners is not None:
+            self._planners.shutdown(cancel_futures=True)
+            self._planners = None
+        self.db.dispose()
 
 
 class BodyLimit:
@@ -133,9 +152,16 @@ def create_app(settings: ServiceSettings, *, db: Database | None = None, migrate
     settings.root.mkdir(parents=True, exist_ok=True)
     if migrate_db:
         migrate(settings.url)
+    ctx = ServiceContext(settings, db or Database(settings.url))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        ctx.close()
+
     app = FastAPI(title="Starverse", version="1", description="Plans, jobs, checkpoints and bills as a service.",
-                  docs_url="/docs", openapi_url="/openapi.json")
-    app.state.ctx = ServiceContext(settings, db or Database(settings.url))
+                  docs_url="/docs", openapi_url="/openapi.json", lifespan=lifespan)
+    app.state.ctx = ctx
 
     @app.exception_handler(StarverseError)
     async def _starverse_error(request: Request, e: StarverseError) -> JSONResponse:

@@ -201,11 +201,11 @@ def job_bill(settings: ServiceSettings, job: Job) -> dict[str, Any] | None:
     path = job_ledger(settings, job)
     if not path.is_file():
         return None
-    with Ledger.open(path, create=False) as ledger:
-        try:
+    try:
+        with Ledger.open(path, create=False) as ledger:
             ledger.job(job.id)
-        except BillingError:
-            return None
+    except BillingError:
+        return None  # no ledger yet, or the job has not started a lease in it
     bill = ledger_job_bill(path, job.id).as_dict()
     bill.pop("ledger", None)  # a server path
     return bill
@@ -226,12 +226,17 @@ def tenant_bill(settings: ServiceSettings, tenant: Tenant, by: str) -> dict[str,
     from starverse.billing import Ledger
     from starverse.billing.money import ticks_to_decimal
     from starverse.billing.report import make_bill
+    from starverse.errors import BillingError
 
     lines: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     accrued: dict[str, int] = defaultdict(int)
     open_leases = 0
     for path in job_ledgers(settings, tenant.id):
-        with Ledger.open(path, create=False) as ledger:
+        try:
+            ledger = Ledger.open(path, create=False)
+        except BillingError:
+            continue  # a job creating its ledger right now: nothing billed in it yet
+        with ledger:
             bill = make_bill(ledger, by)
         for x in bill.lines:
             acc = lines[(x.key, x.currency)]

@@ -34,6 +34,8 @@ class ServiceSettings:
     """Jobs the worker runs at once."""
     poll_s: float = 0.5
     """How often the worker looks at the queue and samples running jobs."""
+    planner_processes: int = 1
+    """Processes that run planner searches next to the server (the server itself stays responsive)."""
     cpu_ranks: int = 1
     """CPU ranks of a job that does not set ``devices.cpu_ranks``."""
 

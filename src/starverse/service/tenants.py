@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from starverse.billing.ledger import LEDGER_FILE
 from starverse.billing.money import MICROS_PER_UNIT, TICKS_PER_UNIT, price_to_micros
-from starverse.errors import ConfigError
+from starverse.errors import BillingError, ConfigError
 from starverse.service.db import BalanceEntry, Database, Tenant, Token
 from starverse.service.settings import ServiceSettings
 
@@ -150,7 +150,11 @@ def balance(db: Database, settings: ServiceSettings, tenant: Tenant) -> Balance:
                             .where(BalanceEntry.tenant_id == tenant.id)) or 0)
     charged = credited = 0
     for path in job_ledgers(settings, tenant.id):
-        with Ledger.open(path, create=False) as ledger:
+        try:
+            ledger = Ledger.open(path, create=False)
+        except BillingError:
+            continue  # a job creating its ledger right now: nothing charged in it yet
+        with ledger:
             for j in ledger.jobs():
                 charged += ledger.spent_ticks(j)
                 credited += sum(c.ticks for c in ledger.credits(j))

@@ -107,7 +107,11 @@ class Worker:
         """Poll until asked to stop; then stop the runners and wait for their checkpoints."""
         self.start()
         while not self._stop:
-            self.poll_once()
+            try:
+                self.poll_once()
+            except Exception:
+                # a bug or a database hiccup must not take the worker (and every running job) down
+                log.exception("worker poll failed; retrying")
             time.sleep(self.settings.poll_s)
         for r in self.running.values():
             _signal(r.proc, signal.SIGTERM)
@@ -325,11 +329,11 @@ def _job_spent(settings: ServiceSettings, job: Job) -> Decimal:
     path = job_ledger(settings, job)
     if not path.is_file():
         return Decimal(0)
-    with Ledger.open(path, create=False) as ledger:
-        try:
+    try:
+        with Ledger.open(path, create=False) as ledger:
             return ledger.spent(ledger.job(job.id))
-        except BillingError:
-            return Decimal(0)
+    except BillingError:
+        return Decimal(0)
 
 
 def _scrape(run: Path) -> tuple[float | None, list[float]]:

@@ -21,7 +21,7 @@ from starverse.errors import ConfigError
 from starverse.plan import Plan
 from starverse.runtime.parallel.fsdp import ZeroModel, apply_zero
 from starverse.runtime.parallel.recompute import apply_recompute
-from starverse.runtime.parallel.tensor import apply_tensor_parallel
+from starverse.runtime.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tp_layout
 
 
 @dataclass(frozen=True)
@@ -128,25 +128,45 @@ class ParallelModel:
         return clip_grad_norm(self.model.parameters(), max_norm)
 
 
+def check_tensor_parallel_plan(plan: Plan, rank_kinds: list[str], source: str = "plan") -> None:
+    """Raise :class:`ConfigError` unless ``plan``'s tensor parallelism is of a shape the runtime runs: one
+    group of one device kind, no pipeline stages, full training (see :func:`check_parallel_plan`)."""
+    for gi, g in enumerate(plan.groups):
+        for si, s in enumerate(g.stages):
+            if s.tp == 1:
+                continue
+            where = f"{source}: groups[{gi}].stages[{si}].tp: {s.tp}"
+            if len(plan.groups) > 1 or g.num_stages > 1 or len(set(rank_kinds)) > 1:
+                raise ConfigError(
+                    f"{where}: tensor parallelism runs in a plan of one group of one device kind without pipeline "
+                    "stages (TP inside pipeline stages or across groups is not run yet). To fix: set tp: 1, or use "
+                    "one group with one stage."
+                )
+            if plan.train.mode != "full":
+                raise ConfigError(
+                    f"{where}: tensor parallelism with train.mode: {plan.train.mode} is not run (the adapters wrap the "
+                    "linears TP splits). To fix: tp: 1 for LoRA / QLoRA."
+                )
+
+
 def check_parallel_plan(
-    plan: Plan, rank_kinds: list[str], rebalance_every: int, shares: list[int] | None = None
+    plan: Plan, rank_kinds: list[str], rebalance_every: int, shares: list[int] | None = None,
+    model: torch.nn.Module | None = None,
 ) -> None:
     """Raise :class:`ConfigError` if the runtime cannot run ``plan``'s in-stage parallelism on these ranks.
 
-    FSDP2 shards over one device mesh, so ZeRO needs one device kind (one group). ZeRO-2 and ZeRO-3 gather
-    and reduce-scatter per micro-batch, a collective every rank must join: shares must stay equal
-    (``rebalance_every: 0``); ZeRO-1 reduces once per step and keeps uneven, rebalanced shares.
-    Tensor parallelism needs the replica-level data split of pipeline layouts (not yet run through the
-    trainer: ``tp: 1`` there; ``parallelize`` runs it directly).
+    Tensor parallelism runs in plans of one group of one device kind without pipeline stages (the TP groups
+    and the replicas form one ``(dp, tp)`` mesh), for a model whose family has a split table and whose heads,
+    KV heads and MLP width ``tp`` divides (``model``, when given, is checked). FSDP2 shards over one device
+    mesh, so ZeRO needs one device kind. ZeRO-2 and ZeRO-3 gather and reduce-scatter per micro-batch, a
+    collective every rank must join: shares must stay equal (``rebalance_every: 0``); ZeRO-1 reduces once
+    per step and keeps uneven, rebalanced shares.
     """
     cfg = ParallelConfig.from_plan(plan)
-    for gi, g in enumerate(plan.groups):
-        for si, s in enumerate(g.stages):
-            if s.tp != 1:
-                raise ConfigError(
-                    f"plan: groups[{gi}].stages[{si}].tp: {s.tp}: the trainer does not run tensor parallelism yet "
-                    "(runtime/parallel/tensor.py does, outside Trainer.fit). To fix: set tp: 1."
-                )
+    check_tensor_parallel_plan(plan, rank_kinds)
+    if model is not None and cfg.tp > 1:
+        tp_layout(model)
+        check_tensor_parallel(getattr(model, "config", None), cfg.tp)
     if cfg.zero_stage > 0 and len(set(rank_kinds)) > 1:
         raise ConfigError(
             f"plan: train.zero_stage: {cfg.zero_stage} shards over one device kind, but the ranks are "
