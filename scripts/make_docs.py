@@ -22,6 +22,8 @@ from typing import Any
 
 from starverse.catalog import load_catalog
 from starverse.cli.plan import result_to_json
+from starverse.costmodel.fit import leave_one_source_out
+from starverse.costmodel.validate import by_source, find_cases, load_case, score_case
 from starverse.errors import InfeasiblePlanError
 from starverse.planner import load_job, load_pool, search
 
@@ -217,6 +219,32 @@ def benchmarks_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def validation_table() -> str:
+    """README: the cost model against every source of data/validation, in-sample and held out (every fitted
+    constant refitted without the source: ``scripts/loso.py``), with issue 9's held-out targets."""
+    cases = [load_case(p) for p in find_cases([str(ROOT / "data" / "validation")])]
+    catalog = load_catalog()
+    loso = leave_one_source_out(cases, catalog)
+    rows = ["| source | runs | median | p90 | max | Spearman | held out: median / p90 / Spearman | held-out targets met |",
+            "|---|---|---|---|---|---|---|---|"]
+    in_sample = by_source([score_case(c, catalog) for c in cases])
+    for name, h in sorted(loso["held_out"].items()):
+        src = in_sample[name]
+        missed = [k for k, ok in h["meets"].items() if ok is False]
+        rows.append(
+            f"| {name} | {h['n']} | {_pct(src['median_abs_error'])} | {_pct(src['p90_abs_error'])} | "
+            f"{_pct(src['max_abs_error'])} | {src['spearman']:.2f} | {_pct(h['median_abs_error'])} / "
+            f"{_pct(h['p90_abs_error'])} / {h['spearman']:.2f} | {'missed: ' + ', '.join(missed) if missed else 'all'} |"
+        )
+    fitted = "; ".join(f"`{k}` = {v['all']:.4g} (held out: {min(v['without'].values()):.4g}–{max(v['without'].values()):.4g})"
+                       for k, v in loso["fitted"].items())
+    return "\n".join(rows) + f"\n\nFitted over all sources together: {fitted}."
+
+
 def render() -> dict[Path, dict[str, Callable[[], str]]]:
     """File -> marker -> the text that belongs between its markers."""
     pairs = {pair for rows in SCENARIO_TABLES.values() for pair in rows}
@@ -229,7 +257,7 @@ def render() -> dict[Path, dict[str, Callable[[], str]]]:
 
     out: dict[Path, dict[str, Callable[[], str]]] = {
         ROOT / "docs/planner.md": {name: (lambda n=name: scenario_table(n, docs())) for name in SCENARIO_TABLES},
-        ROOT / "README.md": {"verdicts": lambda: verdict_table(docs())},
+        ROOT / "README.md": {"verdicts": lambda: verdict_table(docs()), "validation": validation_table},
     }
     runs = sorted(BENCH_RUNS.glob("*.run.json"))
     if runs:
