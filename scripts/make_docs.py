@@ -13,6 +13,7 @@ writing nothing; ``tests/unit/test_docs_tables.py`` runs it).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -223,6 +224,7 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f} %"
 
 
+@functools.cache
 def validation_table() -> str:
     """README: the cost model against every source of data/validation, in-sample and held out (every fitted
     constant refitted without the source: ``scripts/loso.py``), with issue 9's held-out targets."""
@@ -245,6 +247,23 @@ def validation_table() -> str:
     return "\n".join(rows) + f"\n\nFitted over all sources together: {fitted}."
 
 
+def cases_table() -> str:
+    """docs/costmodel.md: every validation case outside AMP's (whose 90 runs have their own folder) with its error."""
+    rows = ["| case | predicted tokens/s | measured tokens/s | error | predicted / measured peak GB |",
+            "|---|---:|---:|---:|---:|"]
+    catalog = load_catalog()
+    for path in find_cases([str(ROOT / "data" / "validation")]):
+        if "amp-aws" in path.parts:
+            continue
+        r = score_case(load_case(path), catalog)
+        mem = (f"{r.predicted_memory_gb:.1f} / {r.measured_memory_gb:.2f}"
+               if r.predicted_memory_gb is not None and r.measured_memory_gb is not None else "")
+        name = path.stem + (" (refused)" if not r.fits else "")
+        rows.append(f"| {name} | {_n(r.predicted) if r.predicted else '–'} | {_n(r.measured) if r.measured else '–'} | "
+                    f"{f'{100 * r.error:+.1f} %' if r.error is not None else '–'} | {mem} |")
+    return "\n".join(rows)
+
+
 def render() -> dict[Path, dict[str, Callable[[], str]]]:
     """File -> marker -> the text that belongs between its markers."""
     pairs = {pair for rows in SCENARIO_TABLES.values() for pair in rows}
@@ -258,6 +277,7 @@ def render() -> dict[Path, dict[str, Callable[[], str]]]:
     out: dict[Path, dict[str, Callable[[], str]]] = {
         ROOT / "docs/planner.md": {name: (lambda n=name: scenario_table(n, docs())) for name in SCENARIO_TABLES},
         ROOT / "README.md": {"verdicts": lambda: verdict_table(docs()), "validation": validation_table},
+        ROOT / "docs/costmodel.md": {"validation": validation_table, "cases": cases_table},
     }
     runs = sorted(BENCH_RUNS.glob("*.run.json"))
     if runs:
