@@ -279,10 +279,14 @@ def render() -> dict[Path, dict[str, Callable[[], str]]]:
         ROOT / "README.md": {"verdicts": lambda: verdict_table(docs()), "validation": validation_table},
         ROOT / "docs/costmodel.md": {"validation": validation_table, "cases": cases_table},
     }
-    runs = sorted(BENCH_RUNS.glob("*.run.json"))
-    if runs:
-        records = [json.loads(f.read_text()) for f in runs]
-        out[ROOT / "README.md"]["benchmarks"] = lambda: benchmarks_table(records)
+    records = {f.name.removesuffix(".run.json"): json.loads(f.read_text()) for f in sorted(BENCH_RUNS.glob("*.run.json"))}
+    out[ROOT / "README.md"]["benchmarks"] = lambda: benchmarks_table(list(records.values()))
+    for doc in sorted((ROOT / "docs").glob("*.md")):  # `<!-- table:bench-NAME -->`: that benchmark's last run
+        for name in re.findall(r"<!-- table:(bench_\w+) -->", doc.read_text()):
+            out.setdefault(doc, {})[name] = (
+                lambda n=name: benchmarks_table([records[n]]) if n in records
+                else f"`{n}.py` has not been run by `make bench` yet."
+            )
     if BENCH_RESULT.exists():
         bench = json.loads(BENCH_RESULT.read_text())
         out[ROOT / "docs/planner.md"]["bench"] = lambda: bench_table(bench)
