@@ -27,8 +27,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
+# every benchmark, its JSON kept in benchmarks/results/ and rendered into README.md (make docs)
 bench: $(STAMP)
-	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	$(BIN)/python scripts/run_benches.py
+	$(BIN)/python scripts/make_docs.py
 
 # the planner's verdict and benchmark tables in README.md and docs/planner.md, from the real commands' --json
 # (benchmark figures: from benchmarks/results/bench_plan.json, written by `bench_plan.py --save`)

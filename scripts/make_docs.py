@@ -2,7 +2,8 @@
 
 Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; only that text is rewritten.
 Verdict tables come from ``starverse plan JOB --pool POOL --json`` on the files in ``examples/`` (run
-in-process through the same ``result_to_json`` the command prints); benchmark tables from the JSON that
+in-process through the same ``result_to_json`` the command prints); the README's benchmark table from the
+records ``scripts/run_benches.py`` stores (``make bench``); the planner's benchmark tables from the JSON that
 ``benchmarks/bench_plan.py --save`` stores in ``benchmarks/results/bench_plan.json`` (timings move from run to
 run, so the committed text follows the stored run, not a fresh one).
 
@@ -12,6 +13,7 @@ writing nothing; ``tests/unit/test_docs_tables.py`` runs it).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -21,12 +23,16 @@ from typing import Any
 
 from starverse.catalog import load_catalog
 from starverse.cli.plan import result_to_json
+from starverse.costmodel.fit import leave_one_source_out
+from starverse.costmodel.validate import by_source, find_cases, load_case, score_case
 from starverse.errors import InfeasiblePlanError
 from starverse.planner import load_job, load_pool, search
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 BENCH_RESULT = ROOT / "benchmarks" / "results" / "bench_plan.json"
+BENCH_RUNS = ROOT / "benchmarks" / "results"
+"""``scripts/run_benches.py`` stores one ``<bench>.run.json`` per benchmark here (the README's benchmark table)."""
 
 S1, S2, S3, HD = "scenario1-mixed-70b", "scenario2-100b", "scenario3-power-cap", "hetero-dp"
 SCENARIO_TABLES: dict[str, list[tuple[str, str]]] = {
@@ -181,6 +187,83 @@ def quality_table(bench: dict[str, Any]) -> str:
     return "\n".join(["| scenario | vs best single accelerator | vs even split |", "|---|---|---|", *rows])
 
 
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    return str(v)
+
+
+def _flat(figures: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """Scalar figures of a benchmark's JSON, nested objects as ``a.b`` (lists left out: per-round samples)."""
+    out: list[tuple[str, str]] = []
+    for k, v in figures.items():
+        if isinstance(v, dict):
+            out += _flat(v, f"{prefix}{k}.")
+        elif not isinstance(v, list):
+            out.append((f"{prefix}{k}", _fmt(v)))
+    return out
+
+
+def benchmarks_table(records: list[dict[str, Any]]) -> str:
+    """README: every stored benchmark run (``scripts/run_benches.py``) with its figures and the load it ran under."""
+    rows = ["| benchmark | ran at (load average, 1 min) | figures |", "|---|---|---|"]
+    for r in records:
+        load = r.get("load_average_1min") or {}
+        when = f"{r['ran_at'][:16].replace('T', ' ')} UTC (load {load.get('start', '?')} → {load.get('end', '?')})"
+        figs = r.get("figures")
+        body = "; ".join(f"`{k}` {v}" for k, v in _flat(figs)) if figs else f"**no figures**: {r.get('error')}"
+        rows.append(f"| `{r['bench']}.py` | {when} | {body} |")
+    return "\n".join(rows)
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f} %"
+
+
+@functools.cache
+def validation_table() -> str:
+    """README: the cost model against every source of data/validation, in-sample and held out (every fitted
+    constant refitted without the source: ``scripts/loso.py``), with issue 9's held-out targets."""
+    cases = [load_case(p) for p in find_cases([str(ROOT / "data" / "validation")])]
+    catalog = load_catalog()
+    loso = leave_one_source_out(cases, catalog)
+    rows = ["| source | runs | median | p90 | max | Spearman | held out: median / p90 / Spearman | held-out targets met |",
+            "|---|---|---|---|---|---|---|---|"]
+    in_sample = by_source([score_case(c, catalog) for c in cases])
+    for name, h in sorted(loso["held_out"].items()):
+        src = in_sample[name]
+        missed = [k for k, ok in h["meets"].items() if ok is False]
+        rows.append(
+            f"| {name} | {h['n']} | {_pct(src['median_abs_error'])} | {_pct(src['p90_abs_error'])} | "
+            f"{_pct(src['max_abs_error'])} | {src['spearman']:.2f} | {_pct(h['median_abs_error'])} / "
+            f"{_pct(h['p90_abs_error'])} / {h['spearman']:.2f} | {'missed: ' + ', '.join(missed) if missed else 'all'} |"
+        )
+    fitted = "; ".join(f"`{k}` = {v['all']:.4g} (held out: {min(v['without'].values()):.4g}–{max(v['without'].values()):.4g})"
+                       for k, v in loso["fitted"].items())
+    return "\n".join(rows) + f"\n\nFitted over all sources together: {fitted}."
+
+
+def cases_table() -> str:
+    """docs/costmodel.md: every validation case outside AMP's (whose 90 runs have their own folder) with its error."""
+    rows = ["| case | predicted tokens/s | measured tokens/s | error | predicted / measured peak GB |",
+            "|---|---:|---:|---:|---:|"]
+    catalog = load_catalog()
+    for path in find_cases([str(ROOT / "data" / "validation")]):
+        if "amp-aws" in path.parts:
+            continue
+        r = score_case(load_case(path), catalog)
+        mem = (f"{r.predicted_memory_gb:.1f} / {r.measured_memory_gb:.2f}"
+               if r.predicted_memory_gb is not None and r.measured_memory_gb is not None else "")
+        name = path.stem + (" (refused)" if not r.fits else "")
+        rows.append(f"| {name} | {_n(r.predicted) if r.predicted else '–'} | {_n(r.measured) if r.measured else '–'} | "
+                    f"{f'{100 * r.error:+.1f} %' if r.error is not None else '–'} | {mem} |")
+    return "\n".join(rows)
+
+
 def render() -> dict[Path, dict[str, Callable[[], str]]]:
     """File -> marker -> the text that belongs between its markers."""
     pairs = {pair for rows in SCENARIO_TABLES.values() for pair in rows}
@@ -193,8 +276,17 @@ def render() -> dict[Path, dict[str, Callable[[], str]]]:
 
     out: dict[Path, dict[str, Callable[[], str]]] = {
         ROOT / "docs/planner.md": {name: (lambda n=name: scenario_table(n, docs())) for name in SCENARIO_TABLES},
-        ROOT / "README.md": {"verdicts": lambda: verdict_table(docs())},
+        ROOT / "README.md": {"verdicts": lambda: verdict_table(docs()), "validation": validation_table},
+        ROOT / "docs/costmodel.md": {"validation": validation_table, "cases": cases_table},
     }
+    records = {f.name.removesuffix(".run.json"): json.loads(f.read_text()) for f in sorted(BENCH_RUNS.glob("*.run.json"))}
+    out[ROOT / "README.md"]["benchmarks"] = lambda: benchmarks_table(list(records.values()))
+    for doc in sorted((ROOT / "docs").glob("*.md")):  # `<!-- table:bench-NAME -->`: that benchmark's last run
+        for name in re.findall(r"<!-- table:(bench_\w+) -->", doc.read_text()):
+            out.setdefault(doc, {})[name] = (
+                lambda n=name: benchmarks_table([records[n]]) if n in records
+                else f"`{n}.py` has not been run by `make bench` yet."
+            )
     if BENCH_RESULT.exists():
         bench = json.loads(BENCH_RESULT.read_text())
         out[ROOT / "docs/planner.md"]["bench"] = lambda: bench_table(bench)

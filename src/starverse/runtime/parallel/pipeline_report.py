@@ -2,9 +2,11 @@
 
 The measured bubble is defined as the cost model defines its own: a pipeline step of ``m`` micro-batches takes
 ``m × t_stage`` on its busiest stage plus the bubble, so the bubble fraction is ``1 - busiest stage's compute /
-step wall time`` (the step wall time of the slowest rank of the replica). The prediction is the cost model's
-``pipeline_bubble`` part over its step time for the same group; the time per micro-batch is its compute +
-memory parts over its micro-batch count; state bytes are its weights + gradients + optimizer state per device.
+step wall time`` (the step wall time of the slowest rank of the replica): everything but the busiest stage's own
+work, so the waits for point-to-point transfers count as bubble. The prediction is defined the same way on the
+cost model's estimate of the same group: ``1 - (compute + memory) / step time`` (the slowest stage's own work;
+its fill/drain bubble and its p2p time are the rest). The time per micro-batch is the estimate's compute + memory
+over its micro-batch count; state bytes are its weights + gradients + optimizer state per device.
 Predictions are None where the cost model cannot estimate the plan (a device kind it does not know).
 """
 
@@ -54,7 +56,8 @@ class PipelineReport:
     bubble: float
     """Measured bubble fraction (mean over replicas; see the module docstring)."""
     predicted_bubble: float | None
-    """The cost model's bubble fraction (step-weighted over groups; None: no estimate)."""
+    """The cost model's bubble fraction, defined as the measured one (step-weighted over groups; None: no
+    estimate)."""
 
     def summary_lines(self) -> list[str]:
         """Human-readable lines for the CLI."""
@@ -104,7 +107,8 @@ def pipeline_report(layout: PipelineLayout, results: Sequence[Any], kinds: Seque
     if groups:
         total = sum(ge.step_time_s for ge in groups)
         if total > 0:
-            predicted = sum(ge.breakdown.get("pipeline_bubble", 0.0) for ge in groups) / total
+            own = sum(ge.breakdown.get("compute", 0.0) + ge.breakdown.get("memory", 0.0) for ge in groups)
+            predicted = max(0.0, 1.0 - own / total)
     return PipelineReport(tuple(stages), sum(bubbles) / len(bubbles) if bubbles else 0.0, predicted)
 
 
