@@ -71,9 +71,9 @@ def test_accelerate_falls_back_per_kind_with_the_planners_reason():
 
 
 def test_accelerate_falls_back_on_a_device_the_catalog_does_not_know(monkeypatch):
-    import starverse.providers.local as local
+    import starverse.runtime.devices as devices
 
-    monkeypatch.setattr(local, "local_ranks", lambda n=None, g=None: [
+    monkeypatch.setattr(devices, "local_ranks", lambda n=None, g=None: [
         RankSpec(i, "cuda-mystery-gpu", "cpu", 1) for i in range(2)])
     cluster = starverse.accelerate(num_cpu_ranks=2, use_gpus=False, seq_len=32, global_batch=8)
     reason = next(n for n in cluster.notes if n.startswith("planner: not used"))

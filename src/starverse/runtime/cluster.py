@@ -215,7 +215,7 @@ def accelerate(
     implemented). ``max_params``: cap on the model size built here (default: what fits; on CPU ranks
     also at most 20M parameters).
     """
-    from starverse.providers.local import local_ranks
+    from starverse.runtime.devices import local_ranks
 
     if pool is not None:
         raise ConfigError(

@@ -154,7 +154,7 @@ class ProbeResult:
 
 def probe(ranks: list[RankSpec] | None = None, *, quick: bool = False, timeout_s: float = 300.0) -> ProbeResult:
     """Measure the local devices (one process per rank, as training runs them)."""
-    from starverse.providers.local import local_ranks
+    from starverse.runtime.devices import local_ranks
 
     ranks = ranks or local_ranks()
     results = launch(_probe_rank, ranks, timeout_s=timeout_s, args=(quick,))
