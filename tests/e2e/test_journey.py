@@ -59,7 +59,7 @@ def _scrape(url: str) -> dict[str, float]:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "job")
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "starverse_job")
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
 

@@ -44,8 +44,9 @@ def test_job_runs_reports_progress_checkpoints_and_bill_then_stop_resume_rollbac
     assert bill["leases"][0]["price_per_hour"] == "3.6"
     # the tenant's bill by job has exactly this job; the balance went down by its charges
     tb = service.client.get("/api/bill?by=job", headers=alice).json()
-    assert [line["key"] for line in tb["lines"]] == [jid]
-    assert tb["lines"][0]["charge_ticks"] == bill["charge_ticks"]
+    # a lease under one billed second has no charge row, hence no line (a fast machine finishes 8 steps in it)
+    assert [line["key"] for line in tb["lines"]] == ([jid] if bill["charge_ticks"] else [])
+    assert sum(line["charge_ticks"] for line in tb["lines"]) == bill["charge_ticks"]
     assert Decimal(tb["balance"]["remaining"]) == Decimal("5") - Decimal(bill["net"])
     day = service.client.get("/api/bill?by=day", headers=alice).json()
     assert sum(x["charge_ticks"] for x in day["lines"]) == bill["charge_ticks"]

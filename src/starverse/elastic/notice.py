@@ -223,6 +223,20 @@ class NoticeWatcher:
                     break
         return self.notice
 
+    def check_now(self) -> Notice | None:
+        """Ask every source that can be asked synchronously (``check_once``: an endpoint) right now, rather than
+        waiting for its next poll: used when a peer saw a notice, so that a notice already up on this
+        device's endpoint is seen in the same step and the device is counted as preempted, not as a survivor."""
+        if self.notice is None:
+            for s in self.sources:
+                check = getattr(s, "check_once", None)
+                n = check() if callable(check) else None
+                if n is not None:
+                    self.notice = n
+                    log.warning("preemption notice from %s: %s", n.source, n.detail)
+                    break
+        return self.notice
+
     def stop(self) -> None:
         """Stop every source."""
         for s in self.sources:

@@ -52,6 +52,7 @@ class PreemptionCallback(Callback):
         else:
             agreed = local is not None
         if agreed and ctx.notice is None:
+            local = local or self.watcher.check_now()  # a peer saw one: is it up on this device's endpoint too?
             notice = local or Notice(source="another rank", detail=f"a peer of rank {ctx.rank} got a notice")
             ctx.notice = notice
             ctx.request_stop(f"preempted ({notice.source}): emergency checkpoint at step {ctx.step}")

@@ -110,7 +110,9 @@ class ProgressCallback(Callback):
         if ctx.rank == 0:
             p = Path(ctx.run_dir) / PROGRESS_FILE
             tmp = p.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"step": ctx.step, "time": time.time(), "loss": ctx.metrics.loss}))
+            m = ctx.metrics
+            tmp.write_text(json.dumps({"step": ctx.step, "time": time.time(), "loss": m.loss,
+                                       "tokens_per_s": m.tokens_per_s, "shares": list(ctx.shares)}))
             tmp.replace(p)
 
     def on_fit_end(self, ctx: TrainContext) -> None:

@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -225,7 +224,7 @@ class Worker:
         if not prog or int(prog.get("step", -1)) <= r.last_step:
             return
         r.last_step = int(prog["step"])
-        tps, shares = _scrape(run)
+        tps, shares = _progress_figures(prog)
         loss = prog.get("loss")
         with self.db.session() as s:
             s.add(JobSample(job_id=r.job_id, at=float(prog.get("time") or time.time()), step=r.last_step,
@@ -338,28 +337,14 @@ def _job_spent(settings: ServiceSettings, job: Job) -> Decimal:
         return Decimal(0)
 
 
-def _scrape(run: Path) -> tuple[float | None, list[float]]:
-    """tokens/s and batch share per rank from the job's Prometheus endpoint (None, [] when unreachable)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    ep = _read_json(run / "metrics.json")
-    url = (ep or {}).get("url")
-    if not isinstance(url, str) or not url.startswith("http://127.0.0.1:"):
-        return None, []
-    try:
-        with urllib.request.urlopen(url, timeout=0.5) as resp:
-            text = resp.read().decode("utf-8", errors="replace")
-    except OSError:
-        return None, []
-    tps: float | None = None
-    shares: dict[int, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            if smp.name == "starverse_tokens_per_second":
-                tps = float(smp.value)
-            elif smp.name == "starverse_batch_share_ratio" and "rank" in smp.labels:
-                shares[int(smp.labels["rank"])] = float(smp.value)
-    return tps, [shares[k] for k in sorted(shares)]
+def _progress_figures(prog: dict[str, Any]) -> tuple[float | None, list[float]]:
+    """tokens/s and each rank's share of the global batch from the job's ``progress.json`` (written at every
+    step by the supervisor's progress callback, so a job that ends between two polls still has them)."""
+    tps = prog.get("tokens_per_s")
+    raw = prog.get("shares")
+    shares = [float(x) for x in raw] if isinstance(raw, list) and all(isinstance(x, (int, float)) for x in raw) else []
+    total = sum(shares)
+    return (float(tps) if isinstance(tps, (int, float)) else None), ([x / total for x in shares] if total else [])
 
 
 def main(argv: list[str] | None = None) -> int:
