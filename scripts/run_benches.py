@@ -26,16 +26,17 @@ RESULTS = BENCH_DIR / "results"
 
 
 def last_json_object(text: str) -> dict[str, Any] | None:
-    """The last line of ``text`` that is a JSON object (benchmarks may log before it)."""
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                return obj
+    """The last JSON object ``text`` ends with, on one line or indented over several (benchmarks may log before it)."""
+    lines = text.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("{"):
+            for chunk in (lines[i], "\n".join(lines[i:])):
+                try:
+                    obj = json.loads(chunk)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(obj, dict):
+                    return obj
     return None
 
 

@@ -24,6 +24,7 @@ devices at most ``max_restarts`` times, then re-raised.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -50,6 +51,7 @@ from starverse.runtime.cluster import (
     order_ranks_like_plan,
 )
 from starverse.runtime.launch import Launcher, RankSpec, resolve_launcher
+from starverse.runtime.parallel.pipeline_split import can_be_pipelined
 from starverse.runtime.trainer import FitResult, Trainer
 
 log = logging.getLogger(__name__)
@@ -149,13 +151,16 @@ def replan_local(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence
     return _replanned(cluster, plan, ranks, lost, how, estimate_or_none(plan))
 
 
-def replan_with_planner(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence[RankSpec]) -> Cluster:
+def replan_with_planner(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence[RankSpec], *,
+                        pipelines: bool = True) -> Cluster:
     """The default re-plan: :func:`starverse.planner.plan_for_devices` on the surviving devices, within what
     the runtime executes, for the same model (the cluster's config, scaled copy included), sequence length,
     precision and **global batch**, with the cluster's policy. Falls back to :func:`replan_local` only when
     the planner fails (unknown model or device, a batch that does not split over the survivors...), logged
-    with the planner's reason."""
+    with the planner's reason. ``pipelines=False``: one stage per group (the model cannot be cut into stages)."""
     from starverse.planner import RUNTIME_CAPS, plan_for_devices
+
+    caps = RUNTIME_CAPS if pipelines else dataclasses.replace(RUNTIME_CAPS, max_pipeline_stages=1)
 
     ranks = tuple(RankSpec(i, r.device_kind, r.device, r.num_threads, r.env) for i, r in enumerate(survivors))
     old = cluster.plan
@@ -165,7 +170,7 @@ def replan_with_planner(cluster: Cluster, survivors: Sequence[RankSpec], lost: S
             model, dict(Counter(r.device_kind for r in ranks)), policy=cluster.policy, model_name=old.model,
             train={"seq_len": old.train.seq_len, "global_batch": old.train.global_batch,
                    "precision": old.train.precision},
-            runtime_caps=RUNTIME_CAPS, top=1,
+            runtime_caps=caps, top=1,
         )
         best = result.best
         check_plan_fits_ranks(best.plan, ranks, "the planner's re-plan")
@@ -269,6 +274,8 @@ class Supervisor:
              fit_kwargs: dict[str, Any]) -> SupervisedResult:
         resume = self.resume_path(resume_from)
         first_model = model_factory(self.cluster)
+        if self.replan is replan_with_planner and not can_be_pipelined(first_model):
+            self.replan = functools.partial(replan_with_planner, pipelines=False)  # a user's model, not cut
         if resume is not None:
             self._check_model(first_model, resume)
         # signal handlers can only be set from the main thread; elsewhere (a service) stop with request_stop

@@ -115,6 +115,15 @@ def num_blocks(model: nn.Module | list[nn.Module]) -> int:
     return len(getattr(getattr(model, fam.base), fam.blocks))
 
 
+def can_be_pipelined(model: nn.Module | list[nn.Module]) -> bool:
+    """Whether a pipeline can cut ``model`` into stages (a bundled family or a list of blocks)."""
+    try:
+        num_blocks(model)
+    except ConfigError:
+        return False
+    return True
+
+
 def family_of(model: nn.Module) -> Family:
     """The :class:`Family` of a ``transformers`` causal LM; ConfigError naming the fix otherwise."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
