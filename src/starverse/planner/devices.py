@@ -2,7 +2,7 @@
 
 Where ``search`` chooses what to rent from a pool, here the devices are given (``{"cpu": 2}``,
 ``{"h100-80gb-sxm": 4, "rtx-4090": 2}``): they become a pool of **owned** offers (price 0, so
-``cost-performance`` ranks by throughput; see :func:`~starverse.planner.search.resolve_objective`), or of
+``cost-performance`` ranks by throughput; see :func:`~starverse.planner.policy.resolve_objective`), or of
 rented ones where ``prices`` names a price. ``runtime_caps`` restricts the space to what the runtime that will
 execute the plan can run; by default (:data:`RUNTIME_CAPS`) that is today's runtime: data parallelism and
 pipelines (any depth, uneven layer splits, stages of different kinds), TP 1, no ZeRO / recompute / offload,

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from starverse.elastic.interval import waste_fraction, young_daly_interval_s
-from starverse.planner.job import Objective
+from starverse.errors import ConfigError
+from starverse.planner.job import Job, Objective
+from starverse.planner.pool import Pool
 
 
 @dataclass(frozen=True)
@@ -156,3 +158,30 @@ def billed_hours_per_row(hours: np.ndarray, granularity_s: np.ndarray) -> np.nda
     """``billed_hours`` with a per-row granularity."""
     g = np.maximum(granularity_s, 1) / 3600.0
     return np.where(granularity_s <= 1, hours, np.ceil(hours / g - 1e-9) * g)
+
+
+def resolve_objective(job: Job, pool: Pool) -> tuple[Job, str | None]:
+    """The objective the search really ranks by, and why when it differs from the job's.
+
+    On a pool where every device is owned (price 0), tokens per unit of money is unbounded for every plan,
+    so ``cost-performance`` ranks by throughput, and every plan costs nothing, so ``cost`` ranks by time.
+    ``cost-performance`` on a pool that mixes free and priced offers is refused when a plan could use the
+    free offers alone (that plan would be infinitely cost-effective, whatever its speed).
+    """
+    if not any(o.price_per_hour == 0 for o in pool.offers):
+        return job, None
+    objective = job.objective
+    if pool.free and objective in (Objective.COST_PERFORMANCE, Objective.COST):
+        new = Objective.THROUGHPUT if objective == Objective.COST_PERFORMANCE else Objective.TIME
+        why = "tokens per unit of money is unbounded" if new == Objective.THROUGHPUT else "every plan costs nothing"
+        note = (f"every device is owned (price 0): {why}, so objective '{objective}' ranks plans by "
+                f"{'throughput' if new == Objective.THROUGHPUT else 'time'}")
+        return job.model_copy(update={"objective": new}), note
+    if objective == Objective.COST_PERFORMANCE and not job.search.use_all_devices:
+        free = ", ".join(o.name for o in pool.offers if o.price_per_hour == 0)
+        raise ConfigError(
+            f"{pool.source}: objective 'cost-performance' is undefined when some offers are free ({free}) and "
+            "others are not: a plan on the free devices alone would win whatever its speed. To fix: use objective "
+            "throughput, time or cost, or give the owned offers an amortised price_per_hour"
+        )
+    return job, None

@@ -30,7 +30,6 @@ import numpy.typing as npt
 
 from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross_group_sync_s
 from starverse.costmodel.constants import BYTES_PER_VALUE, NETWORK_EFFICIENCY
-from starverse.errors import ConfigError
 from starverse.plan import Group, Plan
 from starverse.planner import combine, hostmem, space
 from starverse.planner.build import (
@@ -43,13 +42,14 @@ from starverse.planner.build import (
     train_spec,
     trainable_params,
 )
-from starverse.planner.job import Job, Objective
+from starverse.planner.job import Job
 from starverse.planner.policy import (
     Limits,
     billed_hours,
     billed_hours_per_row,
     checkpoint_seconds,
     paid_cost,
+    resolve_objective,
     score,
     spot_factor,
     within,
@@ -534,33 +534,6 @@ def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: i
         ranked.extend(pipes)
     ranked.sort(key=lambda r: -r.objective_value)
     return ranked[:top]
-
-
-def resolve_objective(job: Job, pool: Pool) -> tuple[Job, str | None]:
-    """The objective the search really ranks by, and why when it differs from the job's.
-
-    On a pool where every device is owned (price 0), tokens per unit of money is unbounded for every plan,
-    so ``cost-performance`` ranks by throughput, and every plan costs nothing, so ``cost`` ranks by time.
-    ``cost-performance`` on a pool that mixes free and priced offers is refused when a plan could use the
-    free offers alone (that plan would be infinitely cost-effective, whatever its speed).
-    """
-    if not any(o.price_per_hour == 0 for o in pool.offers):
-        return job, None
-    objective = job.objective
-    if pool.free and objective in (Objective.COST_PERFORMANCE, Objective.COST):
-        new = Objective.THROUGHPUT if objective == Objective.COST_PERFORMANCE else Objective.TIME
-        why = "tokens per unit of money is unbounded" if new == Objective.THROUGHPUT else "every plan costs nothing"
-        note = (f"every device is owned (price 0): {why}, so objective '{objective}' ranks plans by "
-                f"{'throughput' if new == Objective.THROUGHPUT else 'time'}")
-        return job.model_copy(update={"objective": new}), note
-    if objective == Objective.COST_PERFORMANCE and not job.search.use_all_devices:
-        free = ", ".join(o.name for o in pool.offers if o.price_per_hour == 0)
-        raise ConfigError(
-            f"{pool.source}: objective 'cost-performance' is undefined when some offers are free ({free}) and "
-            "others are not: a plan on the free devices alone would win whatever its speed. To fix: use objective "
-            "throughput, time or cost, or give the owned offers an amortised price_per_hour"
-        )
-    return job, None
 
 
 __all__ = ["best_combinations", "new_stats", "rank_plan", "resolve_objective", "search_mode"]
