@@ -122,7 +122,9 @@ def test_console_sign_in_plan_submit_watch_bill(browser, tmp_path: Path, db_url:
 
         page.click("a[data-nav=bill]")
         page.wait_for_selector("#bill-by-job")
-        assert "browser-job" in page.inner_text("#bill-by-job")
+        # a lease under one billed second (a fast machine runs the 6 steps in it) has no charge, hence no line
+        by_job = page.inner_text("#bill-by-job")
+        assert ("browser-job" in by_job) if float(net.split()[0]) > 0 else ("Nothing billed yet." in by_job)
         assert "signup" in page.inner_text("main")
         page.screenshot(path=str(shots / "06-bill.png"), full_page=True)
 
