@@ -88,8 +88,9 @@ def _stats(source: str, times_s: list[float], counts: list[int], removals: list[
     )
 
 
-def load_bamboo_csv(path: str | Path) -> TraceStats:
-    """Read a Bamboo trace (``milliseconds,add|remove,nodeN`` rows)."""
+def bamboo_events(path: str | Path) -> dict[float, list[int]]:
+    """A Bamboo trace's rows (``milliseconds,add|remove,nodeN``) as ``{seconds: [adds, removes]}``; a missing
+    or malformed file is one :class:`ConfigError` naming the file (and the row)."""
     p = Path(path)
     by_time: dict[float, list[int]] = {}
     try:
@@ -106,6 +107,13 @@ def load_bamboo_csv(path: str | Path) -> TraceStats:
         raise ConfigError(f"{p}: trace file not found") from None
     except ValueError as e:
         raise ConfigError(f"{p}: malformed trace ({e})") from None
+    return by_time
+
+
+def load_bamboo_csv(path: str | Path) -> TraceStats:
+    """Read a Bamboo trace (``milliseconds,add|remove,nodeN`` rows)."""
+    p = Path(path)
+    by_time = bamboo_events(p)
     times, counts, removals, alive = [], [], [], 0
     for t in sorted(by_time):
         adds, removes = by_time[t]

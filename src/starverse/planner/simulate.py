@@ -25,7 +25,6 @@ simulate per second (``benchmarks/bench_plan.py``: ``simulate_jobs_per_s``).
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from starverse.elastic.traces import bamboo_events
 from starverse.errors import ConfigError
 
 FloatArray = npt.NDArray[np.float64]
@@ -103,17 +103,9 @@ def load_trace_events(path: str | Path) -> Trace:
         raise ConfigError(f"{p}: trace file not found; bundled traces are under data/traces/")
     try:
         if p.suffix == ".csv":
-            changes: dict[float, int] = {}
-            with open(p, newline="") as f:
-                for i, row in enumerate(csv.reader(f), start=1):
-                    if not row:
-                        continue
-                    if len(row) != 3 or row[1] not in ("add", "remove"):
-                        raise ConfigError(f"{p}:{i}: expected 'milliseconds,add|remove,node', got {','.join(row)!r}")
-                    ts = float(row[0]) / 1000.0
-                    changes[ts] = changes.get(ts, 0) + (1 if row[1] == "add" else -1)
-            times = sorted(changes)
-            counts = np.cumsum([changes[x] for x in times]).tolist()
+            events = bamboo_events(p)
+            times = sorted(events)
+            counts = np.cumsum([events[x][0] - events[x][1] for x in times]).tolist()
             return _from_series(str(p), times, counts)
         doc = json.loads(p.read_text())
         gap = float(doc["metadata"]["gap_seconds"])
