@@ -73,3 +73,22 @@ class KillReplicaMidStep(Callback):
         if (int(os.environ.get("RANK", "-1")) == self.replica and ctx.step + 1 == self.step
                 and not os.environ.get("STARVERSE_JOINER")):
             os.kill(os.getpid(), _signal.SIGKILL)
+
+
+@dataclass
+class WaitForReplicas(Callback):
+    """In-place recovery runs: after step ``after_step``, slow every micro-batch (``pause_s``) while fewer than
+    ``replicas`` replicas took part in the last step, so that a replacement has time to join before the run
+    ends (tests of joining; bounded by the job's timeout)."""
+
+    replicas: int
+    """Replicas to wait for."""
+    after_step: int
+    """Wait only after this step (the loss happens before it)."""
+    pause_s: float = 0.2
+    """Sleep per micro-batch while waiting."""
+
+    def on_micro_batch_end(self, ctx: TrainContext, compute_s: float) -> None:
+        """Pause while the last step had fewer participants than wanted."""
+        if ctx.step >= self.after_step and len(ctx.metrics.shares) < self.replicas:
+            time.sleep(self.pause_s)

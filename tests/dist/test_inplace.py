@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import torch
@@ -15,9 +16,10 @@ from starverse.runtime.data import PackedDataset
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.steps import batch_loss
 from starverse.runtime.trainer import Trainer
-from starverse.testing import KillReplicaMidStep
+from starverse.runtime.ft import INPLACE_LOG
+from starverse.testing import KillReplicaMidStep, WaitForReplicas
 
-MB, GB, STEPS = 2, 12, 6
+MB, GB, STEPS = 2, 12, 10
 
 
 def _cluster(n: int) -> Cluster:
@@ -47,4 +49,21 @@ def test_sigkill_mid_step_survivors_finish_exact(tmp_path):
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, ref_state[name], msg=name)
-    print(res.shares_history)
+
+
+def test_a_replacement_joins_with_the_live_state_and_the_math_stays_exact(tmp_path):
+    launcher = InplaceLauncher(replace_after_s=0.0)
+    res, model, ref_losses, ref_state = _fit(
+        tmp_path, launcher, [KillReplicaMidStep(replica=0, step=2), WaitForReplicas(replicas=3, after_step=2, pause_s=1.0)])
+    assert [loss.error.rank for loss in launcher.losses] == [0]
+    assert [j.rank for j in launcher.joins] == [0]
+    # membership: 3 replicas, then 2 (the leader, replica 0, lost), then 3 again (its replacement joined)
+    sizes = [len(s) for _, s in res.shares_history]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, res.shares_history
+    assert res.ranks[0].tokens > 0  # the replacement trained (its own result, not the lost process's)
+    assert res.steps == STEPS
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))  # its history came along
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], msg=name)
+    events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
+    assert [e.get("lost") for e in events if e["event"] == "members"][:2] == [[0], []], events

@@ -175,6 +175,7 @@ class _Run:
     errors: dict[int, RankError] = field(default_factory=dict)
     pending: list[tuple[float, RankSpec]] = field(default_factory=list)
     failed: bool = False
+    done_at: float | None = None
 
     def __post_init__(self) -> None:
         self.results = self.mp_ctx.Queue()
@@ -207,6 +208,17 @@ class _Run:
                     self.errors[rank] = payload
         except queue.Empty:
             return
+
+    def finish_joiners(self, now: float) -> None:
+        """Once a replica finished, the others finish the same step within moments; a process still running
+        well after that is a replacement that never joined: it is stopped (its result is None)."""
+        if self.done_at is None:
+            self.done_at = now
+        if self.live and now - self.done_at > self.collective_timeout_s / 4:
+            for rank, p in list(self.live.items()):
+                log.warning("in-place: rank %d did not finish with the others; stopping it", rank)
+                p.kill()
+                self.live.pop(rank)
 
     def watch(self, timeout_s: float) -> None:
         """Until every live replica reported (and no replacement is pending), absorbing losses."""
@@ -244,8 +256,9 @@ class _Run:
             if not self.live and not self.values:  # every replica lost: nobody holds the live state
                 self.failed = True
                 raise launcher.losses[-1].error
-            if not self.live:
+            if self.values:
                 self.pending.clear()  # the survivors finished: no one to join
+                self.finish_joiners(now)
             for due, spec in list(self.pending):
                 if now >= due:
                     self.pending.remove((due, spec))

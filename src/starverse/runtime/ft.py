@@ -201,6 +201,10 @@ def replica_shares(num_micro: int, roster: Sequence[tuple[int, float]], previous
     return balanced_shares(num_micro, [t if t > 0 else fill for _, t in roster])
 
 
+class _NothingToJoin(Exception):
+    """A replacement found no other replica in its first quorum."""
+
+
 @dataclass
 class ReplicaTrainer:
     """One replica's parts and its fault-tolerant loop (built in the rank process by :meth:`build`)."""
@@ -237,6 +241,8 @@ class ReplicaTrainer:
     redone: int = 0
     """Steps redone after a failed commit."""
     last_quorum: Quorum | None = None
+    joiner: bool = False
+    """Started after the job began (a replacement): it must receive the live state from a peer."""
 
     @classmethod
     def build(cls, env: RankEnv, job: Any) -> ReplicaTrainer:
@@ -254,7 +260,7 @@ class ReplicaTrainer:
         ctx = TrainContext(
             rank=0, world_size=1, plan=job.plan, run_dir=job.run_dir, step=0, model=model, optimizer=optimizer,
             lr_scheduler=scheduler, sampler=sampler, group=None, device_kind=env.spec.device_kind, device=device,
-            rank_kinds=[env.spec.device_kind], max_steps=job.max_steps, shares=list(job.shares),
+            rank_kinds=[r.device_kind for r in env.ranks], max_steps=job.max_steps, shares=list(job.shares),
         )
         ctx.metrics.micro_batch = job.micro_batch
         callbacks = CallbackList(job.callbacks)
@@ -267,13 +273,16 @@ class ReplicaTrainer:
 
     # the state a joiner receives from a peer (torchft calls these from its quorum thread / main thread)
     def live_state(self) -> dict[str, Any]:
-        """Model, optimizer, schedule, sampler, step, shares and the last members."""
-        return {"ctx": self.ctx.state_dict(), "members": self.members}
+        """Model, optimizer, schedule, sampler, step, shares, the last members and the run's history so far."""
+        return {"ctx": self.ctx.state_dict(), "members": self.members, "losses": list(self.losses),
+                "step_times": list(self.step_times), "shares_history": [list(h) for h in self.shares_history]}
 
     def load_live_state(self, sd: dict[str, Any]) -> None:
         """Adopt a peer's live state (a joiner, at a step boundary)."""
         self.ctx.load_state_dict(sd["ctx"])
         self.members = sd["members"]
+        self.losses, self.step_times = list(sd["losses"]), list(sd["step_times"])
+        self.shares_history = [(int(st), tuple(sh)) for st, sh in sd["shares_history"]]
         log.info("replica %d joined at step %d with the live state of a peer", self.env.rank, self.ctx.step)
 
     @property
@@ -288,6 +297,10 @@ class ReplicaTrainer:
         q = sync.start_step()
         self.last_quorum = q
         ctx.rank = q.rank  # callbacks see the leader as rank 0 of a world of 1
+        if self.joiner and self.members is None and q.size == 1:
+            raise _NothingToJoin  # the others finished or are gone: no live state to receive
+        if q.rank == 0:
+            self.lead()
         roster_t = torch.zeros(q.size, 2, dtype=torch.float64)
         tpm = float(np.median(self.my_times)) if self.my_times else 0.0
         roster_t[q.rank] = torch.tensor([float(self.env.rank), tpm], dtype=torch.float64)
@@ -401,10 +414,16 @@ class ReplicaTrainer:
         if bool(stats[:, 3].sum() > 0) and ctx.stop_reason is None:
             ctx.stop_reason = "stop requested by another replica"
         if q.rank == 0:
-            if not self.leader_started:
-                self.leader_started = True
-                self.callbacks.on_fit_start(ctx)
             self.callbacks.on_step_end(ctx)
+
+    def lead(self) -> None:
+        """Become the leader: run the callbacks' ``on_fit_start`` once. The first leader is replica 0 (the
+        quorum sorts replicas by index and the first quorum holds them all); any other leader takes over."""
+        if self.leader_started:
+            return
+        self.leader_started = True
+        self.ctx.takeover = self.env.rank != 0 or self.joiner
+        self.callbacks.on_fit_start(self.ctx)
 
     def note(self, event: dict[str, Any]) -> None:
         """Append an event to the run's in-place log (leader only)."""
@@ -417,16 +436,21 @@ class ReplicaTrainer:
         from starverse.runtime.rank_loop import RankResult
 
         self.sync = sync
-        self.shares_history = [(self.ctx.step, tuple(self.ctx.shares))]
+        if not self.shares_history:
+            self.shares_history = [(self.ctx.step, tuple(self.ctx.shares))]
         t_loop = time.perf_counter()
         while self.ctx.step < self.job.max_steps:
-            if self.try_step(sync) and self.ctx.stop_reason is not None:
-                break
+            try:
+                if self.try_step(sync) and self.ctx.stop_reason is not None:
+                    break
+            except _NothingToJoin:
+                log.warning("replica %d: started as a replacement but no other replica is left; leaving",
+                            self.env.rank)
+                return None
         wall = time.perf_counter() - t_loop
         leader = self.last_quorum is not None and self.last_quorum.rank == 0
         if leader:
-            if not self.leader_started:
-                self.callbacks.on_fit_start(self.ctx)
+            self.lead()
             self.callbacks.on_fit_end(self.ctx)
             final = Path(self.job.run_dir) / FINAL_WEIGHTS
             tmp = final.with_suffix(".tmp")
@@ -469,6 +493,7 @@ def train_replica(env: RankEnv, job: Any) -> Any:
     if env.extra.get(EXTRA_JOINER):
         os.environ["STARVERSE_JOINER"] = "1"
     trainer = ReplicaTrainer.build(env, job)
+    trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
     sync = TorchftSync(f"replica{env.rank:04d}", str(lighthouse), env.collective_timeout_s,
                        trainer.live_state, trainer.load_live_state)
     start_barrier(env)  # after the Manager: every initial replica heartbeats, so the first quorum waits for all
