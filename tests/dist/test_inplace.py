@@ -19,7 +19,7 @@ from starverse.runtime.trainer import Trainer
 from starverse.runtime.ft import INPLACE_LOG
 from starverse.testing import KillReplicaMidStep, WaitForReplicas
 
-MB, GB, STEPS = 2, 12, 10
+MB, GB, STEPS = 2, 12, 12
 
 
 def _cluster(n: int) -> Cluster:
@@ -60,6 +60,8 @@ def test_a_replacement_joins_with_the_live_state_and_the_math_stays_exact(tmp_pa
     # membership: 3 replicas, then 2 (the leader, replica 0, lost), then 3 again (its replacement joined)
     sizes = [len(s) for _, s in res.shares_history]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, res.shares_history
+    back = sizes.index(3, sizes.index(2))
+    assert set(sizes[back:]) == {3}, res.shares_history  # once joined, every quorum holds all three
     assert res.ranks[0].tokens > 0  # the replacement trained (its own result, not the lost process's)
     assert res.steps == STEPS
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))  # its history came along

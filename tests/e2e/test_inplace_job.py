@@ -11,9 +11,9 @@ import subprocess
 
 import psutil
 import pytest
+from test_survive import _bill_check, _env, _job, _listening, _loopback, _wait_step
 
 from helpers import CLI
-from test_survive import _bill_check, _env, _job, _listening, _loopback, _wait_step
 
 pytestmark = pytest.mark.slow
 

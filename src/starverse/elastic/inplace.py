@@ -66,10 +66,12 @@ class Lighthouse:
     """A torchft ``LighthouseServer`` on 127.0.0.1 (a free port), for one launch.
 
     ``heartbeat_timeout_ms``: a replica silent this long is out of the next quorum (how fast a SIGKILLed one is
-    dropped); ``join_timeout_ms``: how long a quorum waits for a heartbeating replica that has not asked to join.
+    dropped); ``join_timeout_ms``: how long a quorum waits for a heartbeating replica that has not asked to join
+    (the launcher uses the collective timeout: a short one leaves a replica that is merely slower than the others
+    out of every other quorum).
     """
 
-    def __init__(self, *, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
+    def __init__(self, *, heartbeat_timeout_ms: int = 500, join_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
         quiet_torchft()
         from torchft.coordination import LighthouseServer
 
@@ -93,7 +95,7 @@ class InplaceLauncher:
     """How often each replica stamps its heartbeat (and checks that its parent is alive)."""
     heartbeat_timeout_s: float = 60.0
     """A replica whose process lives but whose heartbeat is older than this is lost (and stopped)."""
-    lighthouse_heartbeat_ms: int = 1000
+    lighthouse_heartbeat_ms: int = 500
     """The Lighthouse's heartbeat timeout (see :class:`Lighthouse`)."""
     losses: list[Loss] = field(default_factory=list, init=False)
     """Replicas lost in the last launch."""
@@ -140,7 +142,9 @@ class InplaceLauncher:
         """Run ``fn(rank_env, *args)`` per replica; results in rank order (None: lost for good)."""
         ranks = ordered_ranks(ranks)
         self.losses, self.joins = [], []
-        lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms)
+        # a healthy replica late to a step is waited for (as a collective would): only a silent one is dropped
+        lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms,
+                                join_timeout_ms=int(collective_timeout_s * 1000))
         barrier = store_server(LOOPBACK, len(ranks) + 1, collective_timeout_s)
         run = _Run(self, ranks, fn, args, collective_timeout_s, mp.get_context("spawn"),
                    {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port})
@@ -248,7 +252,8 @@ class _Run:
                 self.live.pop(rank)
                 loss = Loss(lost, time.time())
                 launcher.losses.append(loss)
-                log.warning("in-place: %s; the other replicas go on", lost)
+                log.warning("in-place: rank %d (%s) lost (%s%s); the other replicas go on", rank, lost.device_kind,
+                            lost.cause.value, f", signal {lost.signal}" if lost.signal is not None else "")
                 if launcher.on_loss is not None:
                     launcher.on_loss(loss)
                 if launcher.replace_after_s is not None:

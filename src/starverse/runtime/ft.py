@@ -242,6 +242,8 @@ class ReplicaTrainer:
     """Steps redone after a failed commit."""
     last_quorum: Quorum | None = None
     joiner: bool = False
+    failed_at: float | None = None
+    """When this replica's last attempt at a step failed (None: the last one committed)."""
     """Started after the job began (a replacement): it must receive the live state from a peer."""
 
     @classmethod
@@ -301,6 +303,10 @@ class ReplicaTrainer:
             raise _NothingToJoin  # the others finished or are gone: no live state to receive
         if q.rank == 0:
             self.lead()
+            if self.failed_at is not None:
+                self.note({"event": "requorum", "step": ctx.step + 1, "members_before": self.members,
+                           "participants": q.size, "failed_at": self.failed_at})
+        self.failed_at = None
         roster_t = torch.zeros(q.size, 2, dtype=torch.float64)
         tpm = float(np.median(self.my_times)) if self.my_times else 0.0
         roster_t[q.rank] = torch.tensor([float(self.env.rank), tpm], dtype=torch.float64)
@@ -329,6 +335,7 @@ class ReplicaTrainer:
             ctx.sampler.load_state_dict(sampler_state)
             self.optimizer.zero_grad(set_to_none=True)
             self.redone += 1
+            self.failed_at = time.time()
             log.warning("replica %d: step %d failed on a peer; redoing it with the new quorum",
                         self.env.rank, ctx.step + 1)
             return False
@@ -358,6 +365,7 @@ class ReplicaTrainer:
 
     def redo(self, sync: ReplicaSync) -> bool:
         """End a step that failed before any computation (commit says no everywhere); it is redone."""
+        self.failed_at = time.time()
         if sync.commit():
             raise RuntimeError("torchft committed a step whose collective failed")  # cannot happen: a bug
         return False
