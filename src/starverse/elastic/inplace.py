@@ -21,7 +21,6 @@ Lighthouse. Unlike the local launcher it does not fail fast on a lost replica:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -33,7 +32,7 @@ from typing import Any
 
 from starverse.errors import ConfigError, LostRankError
 from starverse.providers.failures import code_error, lost_heartbeat, lost_process, overrun, user_error
-from starverse.providers.local import _main_reimport_guard, _rank_entry, _stop_all
+from starverse.providers.local import _main_reimport_guard, _rank_entry, _stop_all, signal_processes
 from starverse.runtime.ft import EXTRA_BARRIER_PORT, EXTRA_JOINER, EXTRA_LIGHTHOUSE, quiet_torchft
 from starverse.runtime.launch import LOOPBACK, RankEnv, RankError, RankSpec, ordered_ranks, store_server
 
@@ -116,13 +115,7 @@ class InplaceLauncher:
 
     def notify(self, signum: int) -> int:
         """Send ``signum`` to every replica process still running."""
-        n = 0
-        for p in list(self._procs):
-            if p.exitcode is None and p.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signum)
-                    n += 1
-        return n
+        return signal_processes(self._procs, signum)
 
     def pids(self) -> dict[int, int]:
         """Rank -> process id of the replicas running now (tests and benchmarks kill them)."""

@@ -57,12 +57,13 @@ import torch
 
 from starverse.errors import ConfigError, TrainingDivergedError
 from starverse.runtime.callbacks import CallbackList, TrainContext
-from starverse.runtime.data import DeterministicSampler, PackedDataset
+from starverse.runtime.data import PackedDataset
 from starverse.runtime.export import FINAL_WEIGHTS
 from starverse.runtime.hetero_dp import balanced_shares
 from starverse.runtime.launch import LOOPBACK, RankEnv, store_server
 from starverse.runtime.lora import trainable_state_dict
-from starverse.runtime.steps import autocast_dtype, batch_loss, make_optimizer, make_schedule
+from starverse.runtime.rank_loop import FitJob, RankResult, training_parts
+from starverse.runtime.steps import autocast_dtype, batch_loss
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +210,8 @@ class _NothingToJoin(Exception):
 class ReplicaTrainer:
     """One replica's parts and its fault-tolerant loop (built in the rank process by :meth:`build`)."""
 
-    job: Any
-    """The :class:`~starverse.runtime.rank_loop.FitJob`."""
+    job: FitJob
+    """The job."""
     env: RankEnv
     """Who this replica is (``env.rank`` is its replica index)."""
     device: torch.device
@@ -247,18 +248,14 @@ class ReplicaTrainer:
     """Started after the job began (a replacement): it must receive the live state from a peer."""
 
     @classmethod
-    def build(cls, env: RankEnv, job: Any) -> ReplicaTrainer:
+    def build(cls, env: RankEnv, job: FitJob) -> ReplicaTrainer:
         """Create this replica's model, optimizer, schedule and data (no collectives)."""
         device = torch.device(env.spec.device)
         torch.manual_seed(job.seed)
         np.random.seed(job.seed)
         model = torch.load(job.model_path, map_location="cpu", weights_only=False).to(device)
         model.train()
-        optimizer = make_optimizer(model, job.lr, job.weight_decay)
-        scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
-        labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
-        data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
-        sampler = DeterministicSampler(len(data), seed=job.seed)
+        optimizer, scheduler, data, sampler = training_parts(model, job)
         ctx = TrainContext(
             rank=0, world_size=1, plan=job.plan, run_dir=job.run_dir, step=0, model=model, optimizer=optimizer,
             lr_scheduler=scheduler, sampler=sampler, group=None, device_kind=env.spec.device_kind, device=device,
@@ -439,10 +436,8 @@ class ReplicaTrainer:
         with (Path(self.job.run_dir) / INPLACE_LOG).open("a") as f:
             f.write(json.dumps(event) + "\n")
 
-    def run(self, sync: ReplicaSync) -> Any:
+    def run(self, sync: ReplicaSync) -> RankResult | None:
         """Steps until ``max_steps`` or an agreed stop; the last leader writes the final weights."""
-        from starverse.runtime.rank_loop import RankResult
-
         self.sync = sync
         if not self.shares_history:
             self.shares_history = [(self.ctx.step, tuple(self.ctx.shares))]
@@ -492,7 +487,7 @@ def start_barrier(env: RankEnv) -> None:
         time.sleep(0.02)
 
 
-def train_replica(env: RankEnv, job: Any) -> Any:
+def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     """The launched function for ``recovery: in-place``: build the replica, join the quorum, run the loop."""
     lighthouse = env.extra.get(EXTRA_LIGHTHOUSE)
     if not lighthouse:

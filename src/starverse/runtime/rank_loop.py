@@ -240,11 +240,7 @@ class RankTrainer:
             parallel = parallelize_for_plan(model, job.plan, device, env.world_size)
             if parallel is not None:
                 model = parallel.model
-        optimizer = make_optimizer(model, job.lr, job.weight_decay)
-        scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
-        labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
-        data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
-        sampler = DeterministicSampler(len(data), seed=job.seed)
+        optimizer, scheduler, data, sampler = training_parts(model, job)
         ctx = TrainContext(
             rank=env.rank, world_size=env.world_size, plan=job.plan, run_dir=job.run_dir, step=0, model=model,
             optimizer=optimizer, lr_scheduler=scheduler, sampler=sampler, group=mesh.host_group,
@@ -503,14 +499,23 @@ class RankTrainer:
         tmp.replace(final)
 
 
-def train_rank(env: RankEnv, job: FitJob) -> RankResult:
+def training_parts(model: torch.nn.Module, job: FitJob) -> tuple[
+        torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, PackedDataset, DeterministicSampler]:
+    """A rank's optimizer, schedule, packed data and sampler for ``model`` (every rank builds the same)."""
+    optimizer = make_optimizer(model, job.lr, job.weight_decay)
+    scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
+    labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
+    data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
+    return optimizer, scheduler, data, DeterministicSampler(len(data), seed=job.seed)
+
+
+def train_rank(env: RankEnv, job: FitJob) -> RankResult | None:
     """The launched function: build this rank's parts and run its loop (``recovery: in-place``: a torchft
     replica's loop, :func:`starverse.runtime.ft.train_replica`)."""
     if job.recovery == "in-place":
         from starverse.runtime.ft import train_replica
 
-        result: RankResult = train_replica(env, job)
-        return result
+        return train_replica(env, job)  # None: a replacement that found no one to join
     return RankTrainer.build(env, job).train()
 
 
