@@ -70,7 +70,7 @@ class Lighthouse:
     out of every other quorum).
     """
 
-    def __init__(self, *, heartbeat_timeout_ms: int = 500, join_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
+    def __init__(self, *, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
         quiet_torchft()
         from torchft.coordination import LighthouseServer
 
@@ -94,7 +94,7 @@ class InplaceLauncher:
     """How often each replica stamps its heartbeat (and checks that its parent is alive)."""
     heartbeat_timeout_s: float = 60.0
     """A replica whose process lives but whose heartbeat is older than this is lost (and stopped)."""
-    lighthouse_heartbeat_ms: int = 500
+    lighthouse_heartbeat_ms: int = 1000
     """The Lighthouse's heartbeat timeout (see :class:`Lighthouse`)."""
     losses: list[Loss] = field(default_factory=list, init=False)
     """Replicas lost in the last launch."""

@@ -82,7 +82,8 @@ def quiet_torchft() -> None:
     """torchft's Rust side logs every quorum at INFO to stderr; WARNING and up unless ``$RUST_LOG`` says else
     (read once, when torchft is first imported in a process)."""
     os.environ.setdefault("RUST_LOG", "warn")
-    logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # a flight-recorder warning every quorum
+    # a flight-recorder warning every quorum, a traceback for every peer lost (logged here once, as a warning)
+    logging.getLogger("torchft.manager").setLevel(logging.CRITICAL)
 
 
 def loopback_manager_server(**kwargs: Any) -> Any:
@@ -244,6 +245,8 @@ class ReplicaTrainer:
     last_quorum: Quorum | None = None
     joiner: bool = False
     failed_at: float | None = None
+    ready_at: float = 0.0
+    """When this replica's torchft manager was up (process started, imports done, model built)."""
     """When this replica's last attempt at a step failed (None: the last one committed)."""
     """Started after the job began (a replacement): it must receive the live state from a peer."""
 
@@ -282,6 +285,7 @@ class ReplicaTrainer:
         self.members = sd["members"]
         self.losses, self.step_times = list(sd["losses"]), list(sd["step_times"])
         self.shares_history = [(int(st), tuple(sh)) for st, sh in sd["shares_history"]]
+        self.note({"event": "healed", "replica": self.env.rank, "step": self.ctx.step, "ready_at": self.ready_at})
         log.info("replica %d joined at step %d with the live state of a peer", self.env.rank, self.ctx.step)
 
     @property
@@ -431,7 +435,7 @@ class ReplicaTrainer:
         self.callbacks.on_fit_start(self.ctx)
 
     def note(self, event: dict[str, Any]) -> None:
-        """Append an event to the run's in-place log (leader only)."""
+        """Append an event to the run's in-place log (the leader; a joiner notes its healing)."""
         event = {"time": time.time(), **event}
         with (Path(self.job.run_dir) / INPLACE_LOG).open("a") as f:
             f.write(json.dumps(event) + "\n")
@@ -499,6 +503,7 @@ def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
     sync = TorchftSync(f"replica{env.rank:04d}", str(lighthouse), env.collective_timeout_s,
                        trainer.live_state, trainer.load_live_state)
+    trainer.ready_at = time.time()
     start_barrier(env)  # after the Manager: every initial replica heartbeats, so the first quorum waits for all
     try:
         return trainer.run(sync)
