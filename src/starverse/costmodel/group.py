@@ -53,6 +53,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         mode=train.mode,
         schedule=train.schedule,
         virtual_stages=float(train.virtual_stages),
+        sync_micro_steps=train.sync_micro_steps,
     )
 
 

@@ -137,6 +137,8 @@ class TrainShape:
     (per accelerator: ``DeviceTable.flash_attention``)."""
     grad_reduce_fp32: bool = False
     """Gradients accumulated and all-reduced in fp32 (``TrainSpec.grad_reduce_fp32``)."""
+    sync_micro_steps: bool = False
+    """The framework synchronises the device per micro-step (``TrainSpec.sync_micro_steps``)."""
 
     @classmethod
     def from_train(cls, train: TrainSpec) -> TrainShape:
@@ -150,6 +152,7 @@ class TrainShape:
             virtual_stages=train.virtual_stages,
             attention=train.attention,
             grad_reduce_fp32=train.grad_reduce_fp32,
+            sync_micro_steps=train.sync_micro_steps,
         )
 
 
