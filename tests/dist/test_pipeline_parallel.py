@@ -8,15 +8,30 @@ clipping, next-token cross-entropy), written independently of the trainer's step
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_pipeline import GB, SEQ, _assert_same, _blocks, _fit, _llama, _plan, _reference, _state
+from test_pipeline import (
+    GB,
+    SEQ,
+    _assert_same,
+    _blocks,
+    _fit,
+    _llama,
+    _plan,
+    _reference,
+    _state,
+)
 
+from helpers import TINY
 from starverse.errors import ConfigError
 from starverse.plan import Group, Stage
+from starverse.runtime.data import pack, tokenize_corpus
+from starverse.runtime.lora import apply_lora
+from starverse.runtime.modeling import build_model
 
 
 def _stages(layers: tuple[int, ...], kinds: tuple[str, ...], tp: int = 1) -> list[Stage]:
@@ -76,43 +91,42 @@ def test_zero_inside_pipeline_stages_equals_single_process(tmp_path, zero, offlo
     _assert_same(res, model, initial, ref_losses, ref_state)
 
 
-def _chat_labels(tokens: np.ndarray) -> np.ndarray:
-    """Labels of a chat corpus: the first half of every sequence is the prompt (no loss)."""
-    labels = tokens.astype(np.int64).copy()
-    rows = labels.reshape(-1, SEQ)
-    rows[:, : SEQ // 2] = -100
-    return labels
+def _chat_file(tmp_path) -> Path:
+    rows = [{"prompt": f"say {i} twice", "response": f"{i} {i} and {i * 7 % 13}"} for i in range(24)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def test_masked_labels_through_a_pipeline_equal_single_process(tmp_path):
-    """Chat data: the last stage scores only the labelled tokens, each micro-batch's sum over the global
-    batch's labelled tokens (replicas see different counts)."""
-    from starverse.runtime.data import DeterministicSampler, PackedDataset
-    from starverse.runtime.rank_loop import FitJob
-    from test_pipeline import _tokens
-
-    tokens = np.concatenate([t.numpy() for t in _tokens()]).astype(np.int32)
-    tokens = tokens[: len(tokens) // SEQ * SEQ]
-    labels = _chat_labels(tokens)
-    model = _llama(2)
+    """Chat data (loss on the responses only) through PP 2 over two kinds, 8 micro-batches with different label
+    counts: the last stage sums each micro-batch's loss over its labelled tokens, divided by the global batch's."""
+    model = build_model({**TINY, "num_hidden_layers": 2, "max_position_embeddings": 64}, seed=0)
     initial = _state(model)
-    # reference: whole batch, loss over labelled next tokens only
-    ref = copy.deepcopy(model)
-    data = PackedDataset(tokens, SEQ, labels)
-    sampler = DeterministicSampler(len(data), seed=0)
-    ref_model, ref_losses = _masked_reference(ref, data, sampler)
-    assert FitJob  # the trainer reads labels_path; the test passes the labels through a tokenized corpus below
+    chat = _chat_file(tmp_path)
+    data = pack(tokenize_corpus(chat, tokenizer="bytes"), SEQ, min_sequences=GB)
+    assert data.labels is not None and (data.labels == -100).any()
+    ref_losses, ref_state = _reference(model, data=data)
     plan = _plan_with([Group(stages=_stages((1, 1), ("cpu", "cpu-b")))])
-    res = _fit(tmp_path, model, plan, ["cpu", "cpu-b"], dataset=_ChatTokens(tokens, labels))
-    _assert_same(res, model, initial, ref_losses, ref_model)
+    res = _fit(tmp_path / "run", model, plan, ["cpu", "cpu-b"], dataset=chat, tokenizer="bytes")
+    _assert_same(res, model, initial, ref_losses, ref_state)
 
 
-class _ChatTokens:
-    pass
-
-
-def _masked_reference(model, data, sampler):
-    raise NotImplementedError
+def test_lora_through_a_pipeline_equals_single_process(tmp_path):
+    """LoRA adapters on the stages' linears (PP 2, 1:3): only the adapters train, exactly as in one process."""
+    model = _llama(4)
+    apply_lora(model, 4)
+    initial = _state(model)
+    ref_losses, ref_state = _reference(model)
+    plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b")))], mode="lora", lora_rank=4)
+    res = _fit(tmp_path, model, plan, ["cpu", "cpu-b"])
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
+    state = _state(model)
+    moved = {k for k, v in state.items() if not torch.equal(v, initial[k])}
+    assert moved and all(".lora_B" in k or ".lora_A" in k for k in moved), sorted(moved)[:5]
+    assert any(".lora_B" in k for k in moved)
+    for name, value in state.items():
+        torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=5e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_pipeline_refuses_in_stage_settings_it_cannot_run(tmp_path):
@@ -137,10 +151,10 @@ def test_pipeline_refuses_in_stage_settings_it_cannot_run(tmp_path):
 def test_masked_reference_is_sensitive():
     """Scoring every token instead of the labelled ones changes the loss (the labelled test can fail)."""
     model = _llama(2)
-    x = torch.randint(0, 64, (2, SEQ))
+    x = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
     logits = model(x).logits
-    labels = torch.from_numpy(_chat_labels(x.numpy().reshape(-1))).reshape(2, SEQ)
+    labels = x.clone()
+    labels[:, : SEQ // 2] = -100
     all_tokens = F.cross_entropy(logits[:, :-1].reshape(-1, 64), x[:, 1:].reshape(-1))
     masked = F.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1), ignore_index=-100)
     assert abs(float(all_tokens - masked)) > 1e-4
-    assert GB % 2 == 0

@@ -45,7 +45,11 @@ from starverse.runtime.parallel.pipeline import (
     pipeline_groups,
 )
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
-from starverse.runtime.parallel.pipeline_parallel import parallelize_chunks, pipeline_parallel_config, stage_meshes
+from starverse.runtime.parallel.pipeline_parallel import (
+    parallelize_chunks,
+    pipeline_parallel_config,
+    stage_meshes,
+)
 from starverse.runtime.steps import LossFn, autocast_dtype, batch_loss, make_optimizer, make_schedule
 
 
