@@ -57,7 +57,22 @@ def check_pipeline_parallel(
     plan: Plan, rebalance_every: int, shares: Sequence[int], model: torch.nn.Module | None = None,
     source: str = "the cluster's plan",
 ) -> None:
-    """Raise :class:`ConfigError` unless this runtime runs the in-stage parallelism of ``plan``'s pipelines."""
+    """Raise :class:`ConfigError` unless this runtime runs the in-stage parallelism of ``plan``'s pipelines with
+    these shares (``model``, when given, is checked for tensor parallelism)."""
+    cfg = check_pipeline_plan(plan, source)
+    if model is not None and cfg.tp > 1:
+        tp_layout(model)
+        check_tensor_parallel(getattr(model, "config", None), cfg.tp)
+    if cfg.zero_stage == 3 and (rebalance_every != 0 or len(set(shares)) > 1):
+        raise ConfigError(
+            f"{source}: train.zero_stage: 3 gathers each block per micro-batch, so the replicas must run the same "
+            f"micro-batches (shares {list(shares)}, rebalance_every {rebalance_every}). To fix: equal shares and "
+            "Trainer(rebalance_every=0), or zero_stage: 1."
+        )
+
+
+def check_pipeline_plan(plan: Plan, source: str = "plan") -> ParallelConfig:
+    """The in-stage settings of a pipelined ``plan``; :class:`ConfigError` for a shape this runtime does not run."""
     tps = sorted({s.tp for g in plan.groups for s in g.stages})
     t = plan.train
     if len(tps) > 1:
@@ -78,20 +93,12 @@ def check_pipeline_parallel(
                 f"{source}: tensor parallelism with train.mode: {t.mode} is not run (the adapters wrap the linears "
                 "TP splits). To fix: tp: 1 for LoRA / QLoRA."
             )
-        if model is not None:
-            tp_layout(model)
-            check_tensor_parallel(getattr(model, "config", None), cfg.tp)
     if cfg.zero_stage > 0 and len(plan.groups) > 1:
         raise ConfigError(
             f"{source}: train.zero_stage: {cfg.zero_stage} with pipeline stages shards over the replicas of one "
             f"group, but the plan has {len(plan.groups)} groups. To fix: one group (replicas: N), or zero_stage: 0."
         )
-    if cfg.zero_stage == 3 and (rebalance_every != 0 or len(set(shares)) > 1):
-        raise ConfigError(
-            f"{source}: train.zero_stage: 3 gathers each block per micro-batch, so the replicas must run the same "
-            f"micro-batches (shares {list(shares)}, rebalance_every {rebalance_every}). To fix: equal shares and "
-            "Trainer(rebalance_every=0), or zero_stage: 1."
-        )
+    return cfg
 
 
 @dataclass(frozen=True)
