@@ -247,6 +247,8 @@ class RankTrainer:
             if parallel is not None:
                 model = parallel.model
         optimizer = make_optimizer(model, job.lr, job.weight_decay)
+        if parallel is not None:
+            optimizer = parallel.shard_optimizer(optimizer)  # ZeRO-1: the state sharded over the replicas
         scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
         labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
         data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
