@@ -107,6 +107,8 @@ class FitJob:
     """Gradient all-reduce bucket size."""
     labels_path: Path | None = None
     """Per-token labels (``np.save``; -100 = no loss, e.g. a chat prompt); None: the tokens shifted."""
+    recovery: str = "restart"
+    """``restart`` (checkpoint-restart by the supervisor) or ``in-place`` (torchft replicas: ``runtime/ft.py``)."""
 
 
 @dataclass(frozen=True)
@@ -516,7 +518,13 @@ class RankTrainer:
 
 
 def train_rank(env: RankEnv, job: FitJob) -> RankResult:
-    """The launched function: build this rank's parts and run its loop."""
+    """The launched function: build this rank's parts and run its loop (``recovery: in-place``: a torchft
+    replica's loop, :func:`starverse.runtime.ft.train_replica`)."""
+    if job.recovery == "in-place":
+        from starverse.runtime.ft import train_replica
+
+        result: RankResult = train_replica(env, job)
+        return result
     return RankTrainer.build(env, job).train()
 
 
