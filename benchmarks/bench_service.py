@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -112,47 +111,29 @@ def bench_load(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         jid = httpx.post(f"{base}/api/jobs", headers=headers, json={"job": job(5, 5)}, timeout=60).json()["id"]
         body = quickstart()
         httpx.post(f"{base}/api/plan", headers=headers, json=body, timeout=120)  # warm the catalog and planner
-        status_ms: list[float] = []
-        plan_s: list[float] = []
-        errors = 0
-        lock = threading.Lock()
-        stop_at = time.monotonic() + args.seconds
-
-        def client(is_plan: bool) -> None:
-            nonlocal errors
-            with httpx.Client(base_url=base, headers=headers, timeout=60) as c:
-                for _ in range(args.max_requests):
-                    if time.monotonic() >= stop_at:
-                        return
-                    t0 = time.perf_counter()
-                    try:
-                        r = c.post("/api/plan", json=body) if is_plan else c.get(f"/api/jobs/{jid}")
-                        ok = r.status_code == 200 and (not is_plan or r.json().get("feasible"))
-                    except httpx.HTTPError:
-                        ok = False
-                    dt = time.perf_counter() - t0
-                    with lock:
-                        if not ok:
-                            errors += 1
-                        elif is_plan:
-                            plan_s.append(dt)
-                        else:
-                            status_ms.append(dt * 1e3)
-
-        threads = [threading.Thread(target=client, args=(i < args.plan_clients,)) for i in range(args.clients)]
-        t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.monotonic() - t0
+        spec = {"host": "127.0.0.1", "port": port, "token": token, "job_id": jid, "plan_body": body,
+                "clients": args.clients, "plan_clients": args.plan_clients, "seconds": args.seconds,
+                "max_requests": args.max_requests}
+        spec_path = tmp / "loadgen.json"
+        spec_path.write_text(json.dumps(spec))
+        gen = subprocess.run([sys.executable, str(Path(__file__).with_name("service_loadgen.py")), str(spec_path)],
+                             capture_output=True, text=True, timeout=args.seconds + 300)
+        if gen.returncode != 0:
+            raise RuntimeError(f"load generator failed: {gen.stderr[-2000:]}")
+        res = json.loads(gen.stdout)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
+    status_ms = [x * 1e3 for x in res["status_s"]]
+    plan_s: list[float] = res["plan_s"]
+    errors, wall = res["errors"], res["wall_s"]
     inproc = bench_inprocess(settings, jid, body, n_status=200, n_plan=5)
     sp, pp = p99(status_ms), p99(plan_s)
     return {
+        "load_generator": "its own process (benchmarks/service_loadgen.py): one asyncio loop, one raw HTTP/1.1 "
+                          "keep-alive connection per client, closed loop without think time",
         "clients": args.clients, "plan_clients": args.plan_clients, "load_wall_s": round(wall, 2),
+        "error_samples": res["failures"],
         "status_requests": len(status_ms), "plan_requests": len(plan_s), "errors": errors,
         "status_p99_ms": None if sp is None else round(sp, 2),
         "status_median_ms": round(statistics.median(status_ms), 2) if status_ms else None,

@@ -44,8 +44,8 @@ DatabaseOpt = Annotated[str | None, typer.Option(
 
 def _settings(root: Path | None, database: str | None, ctx: typer.Context | None = None,  # type: ignore[no-untyped-def]
               **kw: object):
-    from starverse.service.db import migrate
     from starverse.service.settings import ServiceSettings
+    from starverse.service.tenants import upgrade_state
 
     given = (ctx.obj if ctx is not None and isinstance(ctx.obj, dict) else {})
     root = root or given.get("root")
@@ -54,7 +54,7 @@ def _settings(root: Path | None, database: str | None, ctx: typer.Context | None
     settings = ServiceSettings(root=base.resolve(), database_url=database or os.environ.get(DATABASE_ENV, ""),
                                **kw)  # type: ignore[arg-type]
     settings.root.mkdir(parents=True, exist_ok=True)
-    migrate(settings.url)
+    upgrade_state(settings)
     return settings
 
 
@@ -134,7 +134,7 @@ def tenant_topup(
     from starverse.service.tenants import top_up
 
     settings = _settings(root, database, ctx)
-    top_up(Database(settings.url), name, _amount(amount, "AMOUNT"))
+    top_up(Database(settings.url), settings, name, _amount(amount, "AMOUNT"))
 
 
 @token_app.command("create")
