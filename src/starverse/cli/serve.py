@@ -81,6 +81,8 @@ def serve(
     slots: Annotated[int, typer.Option("--slots", min=0, help="Jobs run at once by the worker (0: no worker).")
                      ] = 2,
     signup_credit: Annotated[str, typer.Option("--signup-credit", help="Prepaid credit of a new tenant.")] = "5",
+    plan_cache: Annotated[int, typer.Option("--plan-cache", min=0, help="Answers of identical plan requests "
+                                                                        "kept (0: every request searches).")] = 256,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs) and the web console (/) and run queued jobs in a worker."""
     if ctx.invoked_subcommand is not None:
@@ -90,7 +92,8 @@ def serve(
 
     from starverse.service.app import create_app
 
-    settings = _settings(root, database, worker_slots=slots, signup_credit=_amount(signup_credit, "--signup-credit"))
+    settings = _settings(root, database, worker_slots=slots, signup_credit=_amount(signup_credit, "--signup-credit"),
+                         plan_cache_entries=plan_cache)
     worker = None
     if slots > 0:
         worker = subprocess.Popen([sys.executable, "-m", "starverse.service.worker", str(settings.root),
