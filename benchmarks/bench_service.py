@@ -10,6 +10,9 @@
   runs as shipped: the plan cache answers the repeated quickstart request after its first search; a second
   phase of ``--uncached-seconds`` (15) with ``serve --plan-cache 0`` gives the ``uncached_*`` figures, where
   every plan request is a search (5 clients queue on one planner process, so its p99 is ~5 searches).
+  ``server_cpu_ms_per_request`` (the server process's CPU time over the phase / requests answered) and the
+  machine's 1-minute load average before and after say how much of a latency is the server's own work and
+  how much is waiting for a CPU on a shared machine.
 - Restart: the server is SIGKILLed while 3 jobs run and 2 wait, then started again: ``jobs_lost`` (jobs that
   did not finish; target 0), ``jobs_run_twice`` (a second fresh start, or two launches of one job alive at
   once; target 0) and ``recovered_s`` (kill -> every job that was running has been relaunched by the new
@@ -46,6 +49,12 @@ def p99(xs: list[float]) -> float | None:
         return None
     s = sorted(xs)
     return s[min(len(s) - 1, int(0.99 * len(s)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -122,11 +131,17 @@ def load_phase(settings: Any, token: str, tmp: Path, *, seconds: float, plan_cac
                 "max_requests": args.max_requests}
         spec_path = tmp / f"loadgen-{plan_cache}.json"
         spec_path.write_text(json.dumps(spec))
+        load0, cpu0 = os.getloadavg()[0], cpu_seconds(server.pid)
         gen = subprocess.run([sys.executable, str(Path(__file__).with_name("service_loadgen.py")), str(spec_path)],
                              capture_output=True, text=True, timeout=seconds + 300)
         if gen.returncode != 0:
             raise RuntimeError(f"load generator failed: {gen.stderr[-2000:]}")
-        return jid, body, json.loads(gen.stdout)
+        res: dict[str, Any] = json.loads(gen.stdout)
+        # the server's own CPU time per request: what it costs, whatever else the machine is running
+        n = len(res["status_s"]) + len(res["plan_s"])
+        res["server_cpu_ms_per_request"] = round((cpu_seconds(server.pid) - cpu0) * 1e3 / max(1, n), 3)
+        res["load_average_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        return jid, body, res
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
@@ -142,7 +157,9 @@ def figures(res: dict[str, Any], prefix: str = "") -> dict[str, Any]:
             f"{prefix}status_p99_ms": None if sp is None else round(sp, 2),
             f"{prefix}status_median_ms": round(statistics.median(status_ms), 2) if status_ms else None,
             f"{prefix}plan_p99_s": None if pp is None else round(pp, 3),
-            f"{prefix}plan_median_s": round(statistics.median(plan_s), 3) if plan_s else None}
+            f"{prefix}plan_median_s": round(statistics.median(plan_s), 3) if plan_s else None,
+            f"{prefix}server_cpu_ms_per_request": res["server_cpu_ms_per_request"],
+            f"{prefix}load_average_1min": res["load_average_1min"]}
 
 
 def bench_load(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
