@@ -197,7 +197,7 @@ def payments(settings: ServiceSettings, tenant: Tenant) -> list[Payment]:
     path = settings.tenant_dir(tenant.id) / LEDGER_FILE
     if not path.exists():
         return []
-    with Ledger.open(path, create=False) as ledger:
+    with Ledger.open(path, create=False, read_only=True) as ledger:
         return ledger.payments()
 
 
