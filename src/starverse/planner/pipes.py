@@ -105,6 +105,10 @@ class _Kinds:
     a: FloatArray
     cap: IntArray
     kmax: IntArray
+    p2p: FloatArray
+    """A stage's point-to-point time at its least (two stages, so as likely as it gets inside one node)."""
+    opt: FloatArray
+    """Optimizer step of a one-layer middle stage (the least any stage of the kind takes)."""
 
 
 def _kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: list[list[int]], total: int,
@@ -113,7 +117,7 @@ def _kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: list[l
     tp = np.array([t for ts in tps for t in ts], dtype=np.int64)
     if offer.size == 0:
         z = np.zeros(0, dtype=np.int64)
-        return _Kinds(z, z, np.zeros(0), z, z)
+        return _Kinds(z, z, np.zeros(0), z, z, np.zeros(0), np.zeros(0))
     m = ctx.batch // (r * mb)
     sp = bool((tp > 1).any())
     n = offer.size
@@ -136,11 +140,23 @@ def _kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: list[l
     cnt = np.array([caps[o] for o in offer], dtype=np.int64)
     kmax = np.minimum(cnt // (r * tp), min(total, max_stages))
     ok = (cap >= 1) & (kmax >= 1) & np.isfinite(a) & (a > 0)
-    return _Kinds(offer[ok], tp[ok], a[ok], cap[ok], kmax[ok])
+    p2p = c["p2p"][:n]
+    opt = c["optimizer_s"][:n]
+    return _Kinds(offer[ok], tp[ok], a[ok], cap[ok], kmax[ok], p2p[ok], opt[ok])
 
 
-def _tau_lb(slopes: FloatArray, limits: FloatArray, total: int) -> FloatArray:
-    """Least ``τ`` with ``Σ_j min(τ · slopes[:, j], limits[:, j]) ≥ total`` per row (inf if never).
+def _capacity(tau: FloatArray, slopes: FloatArray, limits: FloatArray, count: FloatArray) -> FloatArray:
+    """Layers each column can hold under bottleneck ``τ`` (rows × columns): a block of ``count`` stages of
+    per-layer time ``a`` (``slopes = count / a``) holds ``count · ⌊τ / a⌋`` (integer layers), an open offer
+    (``count = 0``) at most ``τ · slopes``; never more than ``limits`` (memory)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per = np.where(count > 0, count * np.floor(tau[:, None] * slopes / np.where(count > 0, count, 1.0) + 1e-9),
+                       tau[:, None] * slopes)
+    return np.minimum(np.where(np.isfinite(per), per, 0.0), limits)
+
+
+def _tau_lb(slopes: FloatArray, limits: FloatArray, total: int, count: FloatArray) -> FloatArray:
+    """Least ``τ`` with ``Σ_j capacity_j(τ) ≥ total`` per row (inf if never; :func:`_capacity`).
 
     Found by bisection; the lower end of the final bracket is returned, so the result never exceeds the
     true least ``τ`` (a valid lower bound)."""
@@ -151,11 +167,11 @@ def _tau_lb(slopes: FloatArray, limits: FloatArray, total: int) -> FloatArray:
         return out
     sl, li = slopes[ok], limits[ok]
     with np.errstate(divide="ignore", invalid="ignore"):
-        hi = np.where(sl > 0, li / np.where(sl > 0, sl, 1.0), 0.0).max(axis=1)
+        hi = np.where(sl > 0, li / np.where(sl > 0, sl, 1.0), 0.0).max(axis=1) * 1.01 + 1e-12
     lo = np.zeros_like(hi)
     for _ in range(40):
         mid = (lo + hi) / 2
-        got = np.minimum(mid[:, None] * sl, li).sum(axis=1)
+        got = _capacity(mid, sl, li, count[ok]).sum(axis=1)
         enough = got >= total
         hi = np.where(enough, mid, hi)
         lo = np.where(enough, lo, mid)
@@ -168,6 +184,55 @@ def spot_factor_of(ctx: Any, lam: Any, nodes: Any) -> FloatArray:
     write the checkpoint in parallel), as every stage of the search charges it."""
     ckpt = checkpoint_seconds(ctx.state_bytes, 1, ctx.job.search.checkpoint_gb_per_s) / np.maximum(nodes, 1)
     return np.asarray(spot_factor(lam, ckpt, ctx.job.search.restart_s), dtype=np.float64)
+
+
+GRID_STEPS = 70
+"""Points of the geometric grid (×1.01 apart) over which :func:`_core_lb` bounds the bottleneck level."""
+
+
+def _fill(cost: FloatArray, cap: FloatArray, need: FloatArray) -> FloatArray:
+    """Least ``Σ cost · x`` with ``0 ≤ x ≤ cap`` and ``Σ x = need`` per row (columns already sorted by cost;
+    inf where the capacity falls short)."""
+    before = np.cumsum(cap, axis=1) - cap
+    take = np.clip(need[:, None] - before, 0.0, cap)
+    out = (cost * take).sum(axis=1)
+    with np.errstate(invalid="ignore"):
+        return np.where(cap.sum(axis=1) >= need - 1e-9, out, np.inf)
+
+
+def _core_lb(w: float, tau_lb: FloatArray, cost: FloatArray, slope: FloatArray, lim: FloatArray,
+             mand: FloatArray, total: int) -> FloatArray:
+    # (``mand`` is also the stage count of a block column: integer layers per stage, :func:`_capacity`)
+    """Lower bound of ``w · max S + Σ S`` per row, with ``S_i ≥ a_i L_i``: columns are groups of stages
+    (a block: ``mand`` stages of at least one layer each, holding at most ``min(τ · slope, lim)`` layers under
+    bottleneck ``τ``, each layer costing at least ``cost``; an open offer: ``mand = 0``).
+
+    For bottleneck ``τ``, ``Σ S ≥ g(τ)`` = the cheapest way to place the layers within the capacities (a
+    fractional knapsack, exact by filling the cheapest columns first), and ``g`` does not grow with ``τ``;
+    so on each step ``[τ_j, τ_{j+1}]`` of a geometric grid from ``τ_lb``, ``w τ + g(τ) ≥ w τ_j + g(τ_{j+1})``,
+    and beyond the grid ``≥ w τ_J + g(∞)``. The least of these is the bound (the bubble of a deep pipeline
+    is in it: balanced stages make ``Σ S ≈ p τ``)."""
+    order = np.argsort(cost, axis=1, kind="stable")
+    cost = np.take_along_axis(cost, order, axis=1)
+    slope = np.take_along_axis(slope, order, axis=1)
+    lim = np.take_along_axis(lim, order, axis=1)
+    mand = np.take_along_axis(mand, order, axis=1)
+    base = np.where(mand > 0, mand * cost, 0.0).sum(axis=1)
+    need = total - mand.sum(axis=1)
+    safe = np.where(np.isfinite(tau_lb), tau_lb, 0.0)
+
+    def g(tau: FloatArray) -> FloatArray:
+        with np.errstate(invalid="ignore"):
+            cap = np.maximum(_capacity(tau, slope, lim, mand) - mand, 0.0)
+        return base + _fill(cost, cap, need)
+
+    best = w * safe * 1.01 ** GRID_STEPS + base + _fill(cost, np.maximum(lim - mand, 0.0), need)
+    lo = safe
+    for _ in range(GRID_STEPS):
+        hi = lo * 1.01
+        best = np.minimum(best, w * lo + g(hi))
+        lo = hi
+    return np.where(np.isfinite(tau_lb) & (need >= -1e-9), best, np.inf)
 
 
 class _Search:
@@ -192,13 +257,15 @@ class _Search:
         self.hop_s_per_sequence = mn.seq_len * mn.h * mn.bytes_per_value / (fastest / 8.0 * C.NETWORK_EFFICIENCY * 1e9)
 
     # ---- bounds -------------------------------------------------------------------------------------
-    def bound(self, m: int, r: int, mb: int, tau: FloatArray, amin: FloatArray, price: FloatArray,
-              power: FloatArray) -> FloatArray:
+    def bound(self, m: int, mb: int, core: FloatArray, stages: FloatArray, p2p: FloatArray, opt: FloatArray,
+              price: FloatArray, power: FloatArray) -> FloatArray:
+        """Objective bound from ``core`` (a lower bound of ``(m - 1) max S + Σ S``), the stages known to be in
+        the pipeline, the largest point-to-point time and optimizer step known (lower bounds of the maxima)."""
         ctx = self.ctx
-        # at least one send crosses between two kinds, 2 (m + p - 1) times a step, each at least this long
-        hop = mb * self.hop_s_per_sequence
-        with np.errstate(invalid="ignore"):
-            step = np.where(np.isfinite(tau), (m - 1.0) * tau + self.total * amin + 2.0 * (m + 1.0) * hop, np.inf)
+        # at least one send crosses between two kinds, each at least this long
+        hop = np.maximum(mb * self.hop_s_per_sequence, p2p)
+        p = np.maximum(stages, 2.0)
+        step = core + 2.0 * (m + p - 1.0) * hop + opt
         with np.errstate(divide="ignore", invalid="ignore"):
             tps = np.where(np.isfinite(step) & (step > 0), ctx.batch * ctx.seq_len / step, 0.0)
             hours = self.tokens / tps / 3600.0
@@ -324,19 +391,20 @@ class _Search:
         amin_open = {o: float(kinds.a[kinds.offer == o].min()) for o in offers}
         max_stages = min(self.total, self.ctx.job.search.max_pipeline_stages or self.total)
 
-        def walk(level: int, chosen: list[tuple[int, int, int, float, int]]) -> None:
+        # a chosen block: (offer, tp, stages, per-layer time, layers per stage at most, p2p, optimizer step)
+        def walk(level: int, chosen: list[tuple[int, int, int, float, int, float, float]]) -> None:
             if self.leaves >= MAX_LEAVES:
                 return
             accs = {self.accs[c[0]] for c in chosen}
             if level == len(offers):
                 if len(accs) >= 2:
-                    self.leaf(r, mb, setting, [(o, t, k) for o, t, k, _, _ in chosen])
+                    self.leaf(r, mb, setting, [(o, t, k) for o, t, k, *_ in chosen])
                 return
             o = offers[level]
             open_ = offers[level + 1:]
             used = sum(c[2] for c in chosen)
             # children: leave the offer out, or one of its (tp, k) blocks
-            kid_t, kid_k, kid_a, kid_cap = [0], [0], [np.inf], [0]
+            kid_t, kid_k, kid_a, kid_cap, kid_j = [0], [0], [np.inf], [0], [0]
             if self.accs[o] not in accs:
                 sel = np.flatnonzero(kinds.offer == o)
                 for j in sel:
@@ -345,25 +413,40 @@ class _Search:
                         kid_k.append(k)
                         kid_a.append(float(kinds.a[j]))
                         kid_cap.append(int(kinds.cap[j]))
+                        kid_j.append(int(j))
             kt, kk = np.array(kid_t), np.array(kid_k, dtype=np.float64)
             ka, kc = np.array(kid_a), np.array(kid_cap, dtype=np.float64)
+            kp, ko = kinds.p2p[kid_j], kinds.opt[kid_j]
             nk = kt.size
             # columns: the chosen blocks, the child's block, the open offers' envelopes
-            cols_s = [np.full(nk, c[2] / c[3]) for c in chosen] + [np.where(kk > 0, kk / ka, 0.0)]
-            cols_l = [np.full(nk, float(c[2] * c[4])) for c in chosen] + [kk * kc]
-            cols_s += [np.full(nk, rate[q]) for q in open_]
-            cols_l += [np.full(nk, reach[q]) for q in open_]
-            tau = _tau_lb(np.stack(cols_s, axis=1), np.stack(cols_l, axis=1), self.total)
+            ch_k = np.array([float(c[2]) for c in chosen])
+            ch_a = np.array([c[3] for c in chosen])
+            ch_cap = np.array([float(c[4]) for c in chosen])
+            op_r = np.array([rate[q] for q in open_])
+            op_c = np.array([reach[q] for q in open_])
+            op_a = np.array([amin_open[q] for q in open_])
+
+            def cols(fixed: FloatArray, child: FloatArray, rest: FloatArray) -> FloatArray:
+                """(children, columns): the chosen blocks, the child's block, the open offers."""
+                return np.hstack([np.tile(fixed, (nk, 1)), np.asarray(child, dtype=np.float64)[:, None],
+                                  np.tile(rest, (nk, 1))])
+
+            child_a = np.where(kk > 0, ka, 1.0)
+            slope = cols(ch_k / ch_a, np.where(kk > 0, kk / child_a, 0.0), op_r)
+            lim = cols(ch_k * ch_cap, kk * kc, op_c)
+            cost = cols(ch_a, np.where(kk > 0, ka, 0.0), op_a)
+            mand = cols(ch_k, kk, np.zeros(len(open_)))
+            tau = _tau_lb(slope, lim, self.total, mand)
             a_chosen = max([c[3] for c in chosen], default=0.0)
             tau = np.maximum(tau, np.where(kk > 0, np.maximum(a_chosen, ka), a_chosen))
-            amin = min([c[3] for c in chosen] + [amin_open[q] for q in open_] + [np.inf])
-            amin_k = np.minimum(amin, ka)
-            price0 = sum(r * t * k * self.price[q] for q, t, k, _, _ in chosen)
-            power0 = sum(r * t * k * self.power[q] for q, t, k, _, _ in chosen)
+            core = _core_lb(m - 1.0, tau, cost, slope, lim, mand, self.total)
+            price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
+            power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
             price = price0 + np.where(kk > 0, r * kt * kk * self.price[o], 0.0)
             power = power0 + np.where(kk > 0, r * kt * kk * self.power[o], 0.0)
-            amin_k = np.where(np.isfinite(amin_k), amin_k, 0.0)
-            b = self.bound(m, r, mb, tau, amin_k, price, power)
+            p2p = np.maximum(max([c[5] for c in chosen], default=0.0), np.where(kk > 0, kp, 0.0))
+            opt = np.maximum(max([c[6] for c in chosen], default=0.0), np.where(kk > 0, ko, 0.0))
+            b = self.bound(m, mb, core, used + kk, p2p, opt, price, power)
             self.stats.pipeline_nodes += nk
             for i in np.argsort(-b, kind="stable"):
                 if b[i] <= self.best_value:
@@ -371,7 +454,8 @@ class _Search:
                 if self.leaves >= MAX_LEAVES:
                     self.gap_bound = max(self.gap_bound, float(b[i]))
                     return
-                nxt = chosen if kk[i] == 0 else [*chosen, (o, int(kt[i]), int(kk[i]), float(ka[i]), int(kc[i]))]
+                nxt = chosen if kk[i] == 0 else [*chosen, (o, int(kt[i]), int(kk[i]), float(ka[i]), int(kc[i]),
+                                                           float(kp[i]), float(ko[i]))]
                 walk(level + 1, nxt)
 
         walk(0, [])
@@ -405,8 +489,11 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
                 offers = np.unique(kinds.offer)
                 sl = np.array([[float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers]])
                 li = np.array([[float((kinds.kmax * kinds.cap)[kinds.offer == o].max()) for o in offers]])
-                tau = _tau_lb(sl, li, total)
-                fb = s.bound(ctx.batch // (r * mb), r, mb, tau, np.array([kinds.a.min()]), np.zeros(1), np.zeros(1))
+                tau = _tau_lb(sl, li, total, np.zeros_like(sl))
+                cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
+                m = ctx.batch // (r * mb)
+                core = _core_lb(m - 1.0, tau, cost, sl, li, np.zeros_like(sl), total)
+                fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1))
                 fams.append((float(fb[0]), r, mb, si, kinds))
     stats.pipeline_families += len(fams)
     fams.sort(key=lambda f: -f[0])
