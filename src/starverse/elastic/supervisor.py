@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from starverse.checkpoint.callback import CheckpointCallback
 from starverse.checkpoint.store import CheckpointStore
@@ -204,6 +204,16 @@ def _replanned(cluster: Cluster, plan: Plan, ranks: tuple[RankSpec, ...], lost: 
                                notes=(*cluster.notes, note))
 
 
+class PoolSource(Protocol):
+    """Where a job's devices come from, asked again at each re-plan (a running Ray cluster:
+    :class:`~starverse.providers.ray_pool.RayPoolSource`), so devices that joined or left since the job started
+    change what it re-plans on."""
+
+    def current_ranks(self, survivors: Sequence[RankSpec], lost: Sequence[RankSpec]) -> Sequence[RankSpec]:
+        """The ranks to re-plan on now: the survivors still available, then devices that joined."""
+        ...
+
+
 class Supervisor:
     """Runs a training job to completion across device losses (see the module docstring)."""
 
@@ -218,10 +228,12 @@ class Supervisor:
         trainer_options: dict[str, Any] | None = None,
         max_restarts: int = 5,
         replan: Callable[[Cluster, Sequence[RankSpec], Sequence[RankSpec]], Cluster] = replan_with_planner,
+        pool_source: PoolSource | None = None,
     ):
         """``checkpoint``/``preemption``: the insurance callbacks (their settings apply to every attempt);
         ``callbacks``: other callbacks, or a function of the attempt number returning them (tests inject
-        failures in the first attempt only); ``trainer_options``: extra ``Trainer`` fields."""
+        failures in the first attempt only); ``trainer_options``: extra ``Trainer`` fields; ``pool_source``: the
+        devices to re-plan on are asked from it (None: the survivors)."""
         self.cluster = cluster
         self.run_dir = Path(run_dir).resolve()
         self.checkpoint = checkpoint
@@ -233,6 +245,7 @@ class Supervisor:
         self.trainer_options["launcher"] = self.launcher
         self.max_restarts = max_restarts
         self.replan = replan
+        self.pool_source = pool_source
         self._job_notice: str | None = None
 
     @property
@@ -374,6 +387,8 @@ class Supervisor:
     def _drop(self, lost_ranks: Sequence[int], why: str) -> None:
         lost = [r for r in self.cluster.ranks if r.rank in set(lost_ranks)]
         survivors = [r for r in self.cluster.ranks if r.rank not in set(lost_ranks)]
+        if self.pool_source is not None:
+            survivors = list(self.pool_source.current_ranks(survivors, lost))
         if not survivors:
             raise DistributedError(f"every device of the job is gone ({why}). Progress is kept in {self.store.root}.")
         self.cluster = self.replan(self.cluster, survivors, lost)

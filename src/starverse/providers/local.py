@@ -258,11 +258,12 @@ def _failure(
 ) -> BaseException:
     """The error to raise for a failed job: the root-cause rank first.
 
-    Priority: a user error (bad input found inside a rank) is re-raised as itself; then a rank killed by
+    Priority: bad input found inside a rank (a ConfigError) is re-raised as itself; then a rank killed by
     a signal, one that exited without reporting, or one whose heartbeat stopped (its peers' errors are only
-    consequences); then the first rank that reported an exception.
+    consequences); then another typed error raised in a rank, as itself; then the first rank that reported an
+    exception.
     """
-    user = user_error(errors)
+    user = user_error(errors, ConfigError)
     if user is not None:
         return user
     if silent:
@@ -273,6 +274,9 @@ def _failure(
             continue
         if p.exitcode is not None:
             return lost_process(spec, p.exitcode)
+    raised = user_error(errors)
+    if raised is not None:
+        return raised
     if errors:
         rank = min(errors)
         return code_error(ranks, errors, exit_status=procs[rank].exitcode)

@@ -41,6 +41,7 @@ from starverse.runtime.lora import apply_mode
 from starverse.runtime.parallel.parallelize import check_parallel_plan
 from starverse.runtime.parallel.pipeline import micro_batch_count_error, min_micro_batches
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
+from starverse.runtime.parallel.pipeline_parallel import check_pipeline_parallel
 from starverse.runtime.parallel.pipeline_report import PipelineReport, pipeline_report
 from starverse.runtime.parallel.pipeline_split import as_module
 from starverse.runtime.plan_check import check_model, check_ranks
@@ -272,14 +273,10 @@ class Trainer:
             )
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
-        check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
-        t = plan.train
-        if layout.is_pipelined and (t.zero_stage or t.offload != "none" or t.recompute != "none"):
-            raise ConfigError(
-                f"the cluster's plan: train: zero_stage {t.zero_stage}, offload {t.offload}, recompute {t.recompute} "
-                "are not applied inside pipeline stages yet. To fix: zero_stage: 0, offload: none, recompute: none "
-                "for a pipelined plan, or one stage per replica."
-            )
+        if layout.is_pipelined:
+            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model)
+        else:
+            check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
@@ -316,11 +313,6 @@ class Trainer:
         callbacks += [*self.callbacks, RunLogCallback(self.tensorboard)]
         if self.progress:
             callbacks.append(ProgressCallback(self.log_every))
-        if layout.is_pipelined and packed.labels is not None:
-            raise ConfigError(
-                "chat data (masked labels) is not trained with pipeline stages yet (the last stage scores every "
-                "next token). To fix: use one stage per group, or plain text data."
-            )
         tokens_path = run_dir / "data" / "tokens.npy"
         np.save(tokens_path, packed.tokens)
         labels_path = _save_array(run_dir / "data" / "labels.npy", packed.labels)
@@ -405,10 +397,10 @@ def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> N
             "loss_fn= cannot be used with pipeline stages (the last stage scores logits with next-token "
             "cross-entropy). To fix: drop loss_fn, or use one stage per group."
         )
-    if layout.is_pipelined and plan.train.mode != "full":
+    if layout.is_pipelined and plan.train.mode == "qlora":
         raise ConfigError(
-            f"the cluster's plan: train.mode: {plan.train.mode} is not run with pipeline stages yet. To fix: use "
-            "one stage per group for LoRA / QLoRA, or mode: full."
+            "the cluster's plan: train.mode: qlora is not run with pipeline stages yet (a stage is a copy of the "
+            "model's part, and 4-bit weights are not copied). To fix: mode: lora, or one stage per group for QLoRA."
         )
 
 
