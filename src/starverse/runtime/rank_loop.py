@@ -111,6 +111,8 @@ class FitJob:
     weights_folder: Path | None = None
     """With a pipeline: ``model_path`` is a skeleton whose meta parameters each rank reads for its stage only
     from this folder's safetensors (see ``parallel.pipeline_weights``); None: ``model_path`` is the whole model."""
+    recovery: str = "restart"
+    """``restart`` (checkpoint-restart by the supervisor) or ``in-place`` (torchft replicas: ``runtime/ft.py``)."""
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,8 @@ class RankTrainer:
             if parallel is not None:
                 model = parallel.model
         optimizer = make_optimizer(model, job.lr, job.weight_decay)
+        if parallel is not None:
+            optimizer = parallel.shard_optimizer(optimizer)  # ZeRO-1: the state sharded over the replicas
         scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
         labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
         data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
@@ -523,7 +527,13 @@ class RankTrainer:
 
 
 def train_rank(env: RankEnv, job: FitJob) -> RankResult:
-    """The launched function: build this rank's parts and run its loop."""
+    """The launched function: build this rank's parts and run its loop (``recovery: in-place``: a torchft
+    replica's loop, :func:`starverse.runtime.ft.train_replica`)."""
+    if job.recovery == "in-place":
+        from starverse.runtime.ft import train_replica
+
+        result: RankResult = train_replica(env, job)
+        return result
     return RankTrainer.build(env, job).train()
 
 

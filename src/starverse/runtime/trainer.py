@@ -10,6 +10,7 @@ trained after ``fit`` returns, as with a single-process trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -187,6 +188,10 @@ class Trainer:
     log_every: int = 10
     """Steps between plain progress lines."""
     tensorboard: bool = True
+    recovery: str = "restart"
+    """What survives a lost rank: ``restart`` (the supervisor re-plans and resumes from a checkpoint) or
+    ``in-place`` (torchft replicas keep training: ``runtime/ft.py``; needs a launcher with a Lighthouse such as
+    ``starverse.elastic.inplace.InplaceLauncher``, and a data-parallel plan: else restart is used)."""
     """Write TensorBoard event files under ``RUN_DIR/tensorboard`` (``metrics.jsonl`` is always written)."""
 
     def __post_init__(self) -> None:
@@ -201,6 +206,8 @@ class Trainer:
             raise ConfigError(f"eval_fraction must be in [0, 1) (got {self.eval_fraction}).")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0 (got {self.eval_every}).")
+        if self.recovery not in RECOVERY_MODES:
+            raise ConfigError(f"recovery must be one of {', '.join(RECOVERY_MODES)} (got {self.recovery!r}).")
 
     def fit(
         self,
@@ -329,6 +336,7 @@ class Trainer:
             resume_from=Path(resume_from).resolve() if resume_from is not None else None,
             peaks_tflops=tuple(_peak_tflops(r.device_kind, prec, r.device) for r in ranks),
             flops_per_token=flops_per_token(model, seq_len),
+            recovery=self.recovery if inplace_supported(plan) else "restart",
         )
         log.info(
             "fit: %d ranks, global batch %d = %d micro-batches of %d, shares %s, %d steps, seq_len %d",
@@ -338,6 +346,7 @@ class Trainer:
             train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
             launcher=self.launcher,
         )
+        results = _fill_lost(results)
         final = run_dir / FINAL_WEIGHTS
         if final.is_file():  # adapters only for LoRA (the frozen base is unchanged)
             model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True), strict=lora is None)
@@ -346,6 +355,22 @@ class Trainer:
             est = cluster.estimate if cluster.estimate is not None else estimate_or_none(plan)
             report = pipeline_report(layout, results, [r.device_kind for r in ranks], est)
         return _summarise(results, job, ranks, report)
+
+
+RECOVERY_MODES = ("restart", "in-place")
+"""Values of ``Trainer.recovery`` (``recovery:`` in a job file)."""
+
+
+def inplace_supported(plan: Plan) -> bool:
+    """True if in-place recovery can run ``plan``: every replica one rank holding the whole model."""
+    t = plan.train
+    return all(g.devices_per_replica == 1 for g in plan.groups) and not t.zero_stage and t.offload == "none"
+
+
+def _fill_lost(results: list[Any]) -> list[RankResult]:
+    """An in-place run's results with each rank lost for good (``None``) reported as having trained nothing."""
+    done = [r for r in results if r is not None]
+    return [r if r is not None else dataclasses.replace(done[0], tokens=0, compute_s=0.0, share=0) for r in results]
 
 
 def _save_array(path: Path, arr: np.ndarray | None) -> Path | None:
