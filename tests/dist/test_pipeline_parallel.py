@@ -44,17 +44,6 @@ def _plan_with(groups: list[Group], **train: object):
     return plan.model_copy(update={"train": plan.train.model_copy(update=train)})
 
 
-@pytest.mark.parametrize("recompute", ["selective"])  # full: the TP x PP test below
-def test_recompute_inside_stages_equals_single_process(tmp_path, recompute):
-    """PP 2 (1:3 over two kinds, 1F1B) with each stage's blocks recomputed."""
-    model = _llama(4)
-    initial = _state(model)
-    ref_losses, ref_state = _reference(model)
-    plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b")))], recompute=recompute)
-    res = _fit(tmp_path, model, plan, ["cpu", "cpu-b"])
-    _assert_same(res, model, initial, ref_losses, ref_state)
-
-
 def test_recompute_of_a_block_list_inside_stages(tmp_path):
     """A user's model given as a list of blocks: each block of a stage is recomputed."""
     model = _blocks()
@@ -65,13 +54,16 @@ def test_recompute_of_a_block_list_inside_stages(tmp_path):
     _assert_same(res, model, initial, ref_losses, ref_state)
 
 
-def test_tensor_parallel_inside_pipeline_stages_equals_single_process(tmp_path):
+@pytest.mark.parametrize(("recompute", "sequence_parallel"), [("full", False), ("selective", True)])
+def test_tensor_parallel_inside_pipeline_stages_equals_single_process(tmp_path, recompute, sequence_parallel):
     """TP 2 x PP 2: each stage (1:3 layers, two device kinds) is a TP group of two ranks; TP rank t of stage 0
-    sends its activation to TP rank t of stage 1."""
+    sends its activation (whole, or its sequence shard under sequence parallel) to TP rank t of stage 1; each
+    stage's blocks are recomputed (full, or selective)."""
     model = _llama(4)
     initial = _state(model)
     ref_losses, ref_state = _reference(model)
-    plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b"), tp=2))], recompute="full")
+    plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b"), tp=2))], recompute=recompute,
+                      sequence_parallel=sequence_parallel)
     res = _fit(tmp_path, model, plan, ["cpu", "cpu", "cpu-b", "cpu-b"])
     _assert_same(res, model, initial, ref_losses, ref_state)
     # each rank holds half of its stage's split matrices: the stages' state adds up to the whole model's
@@ -138,8 +130,9 @@ def test_pipeline_refuses_in_stage_settings_it_cannot_run(tmp_path):
                                           r"needs the same tp in every stage"):
         _fit(tmp_path / "a", model, _plan_with([mixed]), ["cpu"] * 3)
     sp = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu"), tp=2))], sequence_parallel=True)
-    with pytest.raises(ConfigError, match=r"sequence_parallel with pipeline stages is not run yet"):
-        _fit(tmp_path / "b", model, sp, two)
+    with pytest.raises(ConfigError, match=r"sequence_parallel with pipeline stages splits the 15-token sequences "
+                                          r"between the stages' 2 TP ranks"):
+        _fit(tmp_path / "b", model, sp, two, seq_len=15)
     groups = [Group(stages=_stages((1, 3), ("cpu", "cpu"))), Group(stages=_stages((3, 1), ("cpu", "cpu")))]
     with pytest.raises(ConfigError, match=r"zero_stage: 1 with pipeline stages shards over the replicas of one "
                                           r"group, but the plan has 2 groups"):

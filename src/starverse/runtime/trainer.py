@@ -275,7 +275,7 @@ class Trainer:
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
         if layout.is_pipelined:
-            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model)
+            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model, seq_len=seq_len)
         else:
             check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
 

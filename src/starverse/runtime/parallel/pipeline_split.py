@@ -26,6 +26,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,10 +94,23 @@ class Chunk(nn.Module):
         self.comm_device = comm_device
         self.loaded_tensors = 0
         """Tensors this chunk read from the model folder (per-stage loading; 0: cut from a whole model)."""
+        self.sequence_mesh: Any = None
+        """The stage's TP mesh when sequence parallel splits the hidden states between stages (None: whole)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the chunk on its device; input and output live on the pipeline's communication device."""
-        y = self._run(self.body, x.to(self.device))
+        """Run the chunk on its device; input and output live on the pipeline's communication device.
+
+        Under sequence parallel (:attr:`sequence_mesh`) hidden states cross between stages as each TP rank's
+        sequence shard: the input is this rank's shard of the previous stage's output, the output this rank's
+        shard (token ids and logits are whole)."""
+        x = x.to(self.device)
+        if self.sequence_mesh is not None and x.is_floating_point():
+            from torch.distributed.tensor import DTensor, Shard
+
+            x = DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False)
+        y = self._run(self.body, x)
+        if self.sequence_mesh is not None and hasattr(y, "to_local"):
+            y = y.to_local()  # type: ignore[operator]
         return y.to(self.comm_device)
 
     def named_parameters_unsplit(self) -> list[tuple[str, nn.Parameter]]:
