@@ -70,6 +70,10 @@ class TrainSpec(FrozenModel):
     pipeline engine with ``wall_clock_breakdown: true`` times each micro-step with ``torch.cuda.synchronize``):
     the host's kernel-launch time per layer is then not hidden behind the device's work
     (``constants.HOST_OVERHEAD_PER_LAYER_S``)."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel gradient all-reduce overlaps the last micro-batch's backward (PyTorch DDP, Megatron,
+    FSDP). False: it runs after the last backward, exposed (DeepSpeed's pipeline engine: its schedule issues
+    ``ReduceGrads`` after the final step, ``deepspeed/runtime/pipe/schedule.py``)."""
     tokens: float | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
     steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)

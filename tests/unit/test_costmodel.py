@@ -403,3 +403,22 @@ def test_pipeline_across_accelerator_types_sends_over_the_cross_link() -> None:
     per_send = 4096 * 8192 * 2 / 8 / (10 / 8 * 0.9 / 8 * 1e9)
     assert slow.breakdown["pp_comm"] == pytest.approx(2 * (16 + 2 - 1) * per_send, rel=0.01)
     assert fast.breakdown["pp_comm"] < slow.breakdown["pp_comm"] / 50
+
+
+def test_gradient_reduce_after_the_last_backward_is_exposed() -> None:
+    """DeepSpeed's pipeline engine all-reduces gradients after the last backward (overlap_grad_reduce: false):
+    the whole all-reduce is on the step; overlapped (the default) only what the last backward does not hide."""
+    spec = gpt(h=1024, layers=24, heads=16, vocab=50304, seq=1024)
+
+    def est(overlap: bool) -> object:
+        p = parse(Plan, {"model": "llama-2-70b",
+                         "train": {"seq_len": 1024, "global_batch": 16, "precision": "fp16",
+                                   "overlap_grad_reduce": overlap},
+                         "groups": [{"replicas": 16, "micro_batch": 1,
+                                     "stages": [{"accelerator": "t4", "tp": 1, "layers": 24}]}]}, "test.yaml")
+        return estimate(p, CAT, spec)
+
+    hidden, exposed = est(True), est(False)
+    assert exposed.breakdown["dp_comm"] > hidden.breakdown["dp_comm"] > 0.0
+    assert exposed.step_time_s - hidden.step_time_s == pytest.approx(
+        exposed.breakdown["dp_comm"] - hidden.breakdown["dp_comm"], rel=0.35)

@@ -54,9 +54,12 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert sailor["meets"]["spearman"] is True
     assert sailor["meets"]["p90_abs_error"] is False
     assert set(sailor["failed_cases"]) == {"sailor-mit-n2-d2"}
-    # AMP's clusters held out: medians 12-16 % (24 % / 17 % before the host-overhead and PCIe terms),
-    # Spearman 0.74-0.79 (0.56 / 0.35 before): close to, not at, the targets (open misses)
+    # AMP's clusters held out (before the host-overhead, PCIe and gradient-reduce terms: medians 24 % / 17 %,
+    # Spearman 0.56 / 0.35): 16 x T4 meets the rank target (0.84), V100 + T4 the median (11 %); the other
+    # figures are close to, not at, the targets (open misses, docs/costmodel.md)
+    assert held["amp_t4"]["meets"]["spearman"] is True
+    assert held["amp_mixed"]["meets"]["median_abs_error"] is True
     for src in ("amp_t4", "amp_mixed"):
-        assert held[src]["median_abs_error"] <= 0.17, src
+        assert held[src]["median_abs_error"] <= 0.14, src
         assert held[src]["spearman"] >= 0.7, src
     assert loso["pooled"]["n"] == 136

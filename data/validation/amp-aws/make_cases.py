@@ -64,7 +64,8 @@ def case_yaml(setting: str, bounds: list[int], mbs: int, mp: int, dp: int, pp: i
     tokens = GBS * SEQ / seconds
     return (f"model: ../models/gpt2-medium-megatron.json\n"
             f"train: {{seq_len: {SEQ}, global_batch: {GBS}, precision: fp16, mode: full, zero_stage: 0, "
-            f"recompute: none, schedule: 1f1b, grad_reduce_fp32: true, sync_micro_steps: true}}\n"
+            f"recompute: none, schedule: 1f1b, grad_reduce_fp32: true, sync_micro_steps: true, "
+            f"overlap_grad_reduce: false}}\n"
             f"groups:\n" + "\n".join(groups) + "\nnetwork:\n" + SETTINGS[setting]["network"] +
             f"measured: {{tokens_per_s: {tokens:.2f}, step_time_s: {seconds}}}\n"
             f"source: 'AMP (Li et al., NeurIPS 2022, arXiv:2210.07297) {SETTINGS[setting]['source']}; "

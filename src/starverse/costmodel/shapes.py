@@ -144,6 +144,8 @@ class TrainShape:
     """Gradients accumulated and all-reduced in fp32 (``TrainSpec.grad_reduce_fp32``)."""
     sync_micro_steps: bool = False
     """The framework synchronises the device per micro-step (``TrainSpec.sync_micro_steps``)."""
+    overlap_grad_reduce: bool = True
+    """The gradient all-reduce overlaps the last backward (``TrainSpec.overlap_grad_reduce``)."""
 
     @classmethod
     def from_train(cls, train: TrainSpec) -> TrainShape:
@@ -158,6 +160,7 @@ class TrainShape:
             attention=train.attention,
             grad_reduce_fp32=train.grad_reduce_fp32,
             sync_micro_steps=train.sync_micro_steps,
+            overlap_grad_reduce=train.overlap_grad_reduce,
         )
 
 
