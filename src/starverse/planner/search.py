@@ -12,7 +12,9 @@ Outline (details in ``docs/planner.md``):
    single-accelerator plan, several = heterogeneous data parallelism), with the rate bound of
    :mod:`~starverse.planner.combine`, each evaluated exactly (integer batch split, cross-group sync, spot
    overhead, constraints).
-5. Heterogeneous pipelines (:mod:`~starverse.planner.hetero`) when no single kind holds the model.
+5. Heterogeneous pipelines (:mod:`~starverse.planner.pipes`): branch and bound over offer blocks, TP,
+   replicas, micro-batch and settings, with the exact integer layer split (:mod:`~starverse.planner.pipesplit`),
+   against the best plan of step 4 — always, so the answer never depends on ``top``.
 6. The top plans are built as :class:`~starverse.plan.Plan` and re-estimated with the scalar
    ``costmodel.estimate`` — the numbers reported are the ones ``starverse estimate`` prints for the plan.
 """
@@ -32,7 +34,7 @@ from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross
 from starverse.costmodel.constants import BYTES_PER_VALUE, NETWORK_EFFICIENCY
 from starverse.costmodel.profile import check_profile_fits
 from starverse.plan import Group, Plan
-from starverse.planner import combine, hostmem, space
+from starverse.planner import combine, hostmem, pipes, space
 from starverse.planner.build import (
     NOMINAL_TOKENS,
     checkpoint_bytes,
@@ -48,11 +50,9 @@ from starverse.planner.policy import (
     Limits,
     billed_hours,
     billed_hours_per_row,
-    checkpoint_seconds,
     paid_cost,
     resolve_objective,
     score,
-    spot_factor,
     within,
 )
 from starverse.planner.pool import Pool
@@ -174,8 +174,7 @@ def _host_fits(ctx: _Ctx, opts: space.Options) -> npt.NDArray[np.bool_]:
 
 
 def _spot_factor(ctx: _Ctx, lam: FloatArray, nodes: FloatArray) -> FloatArray:
-    ckpt = checkpoint_seconds(ctx.state_bytes, 1, ctx.job.search.checkpoint_gb_per_s) / np.maximum(nodes, 1)
-    return spot_factor(lam, ckpt, ctx.job.search.restart_s)
+    return pipes.spot_factor_of(ctx, lam, nodes)
 
 
 def _sync_s(ctx: _Ctx, num_groups: int, min_pp: int, gbps: float | None = None) -> float:
@@ -219,12 +218,7 @@ def _screen(ctx: _Ctx, opts: space.Options, rate: FloatArray) -> IntArray:
 def _options(ctx: _Ctx, stats: SearchStats) -> tuple[space.Options, FloatArray, FloatArray]:
     """Options worth combining, their time tables and power."""
     pool = ctx.pool
-    caps = []
-    for o in pool.offers:
-        cap = o.count
-        if ctx.budget_per_hour is not None and o.price_per_hour > 0:
-            cap = min(cap, math.floor(ctx.budget_per_hour / o.price_per_hour + 1e-9))
-        caps.append(cap)
+    caps = space.offer_caps(pool.offers, ctx.budget_per_hour)
     so = ctx.job.search
     opts = space.enumerate_options(ctx.spec, ctx.batch, pool.offers, ctx.settings, ctx.job.train.micro_batch,
                                    caps, max_tp=so.max_tp, max_pipeline_stages=so.max_pipeline_stages,
@@ -522,8 +516,6 @@ def new_stats() -> SearchStats:
 def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int,
                 stats: SearchStats) -> list[RankedPlan]:
     """Search one training mode; ranked plans (possibly empty)."""
-    from starverse.planner import hetero
-
     ctx, opts, combos = _best(job, pool, catalog, spec, mode, top, stats)
     ranked: list[RankedPlan] = []
     alternative = mode != job.train.mode
@@ -535,14 +527,41 @@ def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: i
             ranked.append(rp)
     so = job.search
     pipelines_allowed = not so.use_all_devices and (so.max_pipeline_stages is None or so.max_pipeline_stages > 1)
-    if so.hetero_pipelines and pipelines_allowed and not (combos and len(combos[0].options) == 1):
-        # tried unless the exact search's best plan runs on one accelerator kind (mixing does not pay): the
-        # rule looks at the best plan only, never at how many are shown, so the answer does not depend on `top`
-        pipes = hetero.search_pipelines(job, pool, catalog, spec, mode, top, alternative)
-        stats.hetero_pipelines += len(pipes)
-        ranked.extend(pipes)
+    if so.hetero_pipelines and pipelines_allowed:
+        # always searched (branch and bound against the best plan above): the answer never depends on `top`
+        stats.pipelines_searched = True
+        incumbent = combos[0].value if combos else -math.inf
+        best = pipes.search(ctx, incumbent, stats)
+        if best is not None:
+            rp = rank_plan(job, pool, catalog, spec, pipeline_plan(ctx, best), _pipe_devices(ctx, best),
+                           "hetero-pipeline", alternative,
+                           ("stages on different accelerators, layers split exactly by memory and speed",))
+            if rp is not None:
+                stats.hetero_pipelines += 1
+                ranked.append(rp)
     ranked.sort(key=lambda r: -r.objective_value)
     return ranked[:top]
+
+
+def _pipe_devices(ctx: _Ctx, pipe: pipes.Pipeline) -> dict[str, int]:
+    return {ctx.pool.offers[o].name: n for o, n in pipe.devices().items()}
+
+
+def pipeline_plan(ctx: _Ctx, pipe: pipes.Pipeline) -> Plan:
+    """The :class:`~starverse.plan.Plan` of a heterogeneous pipeline found by :mod:`~starverse.planner.pipes`."""
+    from starverse.planner.hetero import stage_runs
+
+    offers = ctx.pool.offers
+    accs = [offers[o].accelerator for o, _, k in pipe.blocks for _ in range(k)]
+    tps = [t for _, t, k in pipe.blocks for _ in range(k)]
+    names = [offers[o].name for o, _, _ in pipe.blocks]
+    return Plan(
+        model=ctx.job.model,
+        train=train_spec(ctx.job, ctx.mode, ctx.settings[pipe.setting], any(t > 1 for t in tps)),
+        groups=[Group(replicas=pipe.replicas, micro_batch=pipe.micro_batch,
+                      stages=stage_runs(accs, tps, list(pipe.layers)))],
+        network=network_for(ctx.pool, names), pricing=pricing_for(ctx.pool, names),
+    )
 
 
 __all__ = ["best_combinations", "new_stats", "rank_plan", "resolve_objective", "search_mode"]
