@@ -32,6 +32,7 @@ from starverse.plan import Group, Stage
 from starverse.runtime.data import pack, tokenize_corpus
 from starverse.runtime.lora import apply_lora
 from starverse.runtime.modeling import build_model
+from starverse.runtime.parallel.pipeline_weights import skeleton, unchanged_weights_folder
 
 
 def _stages(layers: tuple[int, ...], kinds: tuple[str, ...], tp: int = 1) -> list[Stage]:
@@ -143,6 +144,10 @@ def test_pipeline_refuses_in_stage_settings_it_cannot_run(tmp_path):
     with pytest.raises(ConfigError, match=r"zero_stage: 1 with pipeline stages shards over the replicas of one "
                                           r"group, but the plan has 2 groups"):
         _fit(tmp_path / "c", model, _plan_with(groups, zero_stage=1), two)
+    with pytest.raises(ConfigError, match=r"eval_fraction=0.1\): the held-out evaluation does not run through "
+                                          r"pipeline stages yet"):
+        _fit(tmp_path / "e", model, _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu")))]), ["cpu"] * 2,
+             trainer={"eval_fraction": 0.1})
     z3 = _plan_with([Group(replicas=2, stages=_stages((1, 3), ("cpu", "cpu")))], zero_stage=3)
     with pytest.raises(ConfigError, match=r"zero_stage: 3 gathers each block per micro-batch"):
         _fit(tmp_path / "d", model, z3, two, shares=[2, 6], trainer={"rebalance_every": 0})
@@ -158,3 +163,33 @@ def test_masked_reference_is_sensitive():
     all_tokens = F.cross_entropy(logits[:, :-1].reshape(-1, 64), x[:, 1:].reshape(-1))
     masked = F.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1), ignore_index=-100)
     assert abs(float(all_tokens - masked)) > 1e-4
+
+
+def test_each_stage_loads_only_its_tensors_from_the_folder(tmp_path):
+    """A model built from a save_pretrained folder: each pipeline rank reads its own stage's tensors from the
+    safetensors (stage 0: embedding + 1 layer, stage 1: 3 layers + final norm + head), and training is exact."""
+    folder = tmp_path / "tiny"
+    _llama(4).save_pretrained(folder)
+    model = build_model(folder)
+    initial = _state(model)
+    assert unchanged_weights_folder(model) == folder
+    ref_losses, ref_state = _reference(model)
+    plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b")))])
+    res = _fit(tmp_path / "run", model, plan, ["cpu", "cpu-b"])
+    _assert_same(res, model, initial, ref_losses, ref_state)
+    assert res.pipeline is not None
+    per_layer = 9  # q, k, v, o, gate, up, down, two norms
+    assert [s.loaded_tensors for s in res.pipeline.stages] == [1 + per_layer, 3 * per_layer + 2]
+
+
+def test_a_model_changed_after_loading_is_not_read_again_from_its_folder(tmp_path):
+    folder = tmp_path / "tiny"
+    _llama(2).save_pretrained(folder)
+    model = build_model(folder)
+    assert unchanged_weights_folder(model) == folder
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
+    assert unchanged_weights_folder(model) is None  # ranks then load the whole (changed) model
+    assert unchanged_weights_folder(_llama(2)) is None  # built from a config: no folder
+    shell = skeleton(build_model(folder), folder)
+    assert all(p.is_meta for p in shell.parameters())

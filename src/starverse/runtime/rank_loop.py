@@ -50,6 +50,7 @@ from starverse.runtime.parallel.pipeline_parallel import (
     pipeline_parallel_config,
     stage_meshes,
 )
+from starverse.runtime.parallel.pipeline_weights import load_chunk_weights
 from starverse.runtime.steps import LossFn, autocast_dtype, batch_loss, make_optimizer, make_schedule
 
 
@@ -107,6 +108,9 @@ class FitJob:
     """Gradient all-reduce bucket size."""
     labels_path: Path | None = None
     """Per-token labels (``np.save``; -100 = no loss, e.g. a chat prompt); None: the tokens shifted."""
+    weights_folder: Path | None = None
+    """With a pipeline: ``model_path`` is a skeleton whose meta parameters each rank reads for its stage only
+    from this folder's safetensors (see ``parallel.pipeline_weights``); None: ``model_path`` is the whole model."""
     recovery: str = "restart"
     """``restart`` (checkpoint-restart by the supervisor) or ``in-place`` (torchft replicas: ``runtime/ft.py``)."""
 
@@ -145,6 +149,8 @@ class RankResult:
     """Bytes of parameters, gradients and optimizer state on this rank at the end."""
     peak_activation_bytes: int = 0
     """Peak device memory above the training state (CUDA only; 0 where unmeasured)."""
+    loaded_tensors: int = 0
+    """Tensors this rank read from the model folder for its stage (per-stage loading; 0 otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -236,7 +242,7 @@ class RankTrainer:
             full.train()
             pipeline = PipelineRunner.build(
                 full, layout, env.rank, device, job.plan.train.schedule, job.micro_batch / job.global_batch,
-                pipeline_groups(layout, kinds, devices),
+                pipeline_groups(layout, kinds, devices), job.weights_folder,
             )
             in_stage = pipeline_parallel_config(job.plan)
             if not in_stage.is_plain:  # the same on every rank: all build the stage meshes together
@@ -460,6 +466,7 @@ class RankTrainer:
             stop_reason=ctx.stop_reason, tokens=self.tokens, compute_s=self.compute_s,
             share=ctx.shares[self.replica], **self.pipeline_figures(), state_bytes=self.state_bytes(),
             peak_activation_bytes=self.peak_activation_bytes(),
+            loaded_tensors=sum(c.loaded_tensors for c in self.pipeline.chunks) if self.pipeline else 0,
         )
 
     def pipeline_figures(self) -> dict[str, Any]:
@@ -503,6 +510,8 @@ class RankTrainer:
             if self.rank != 0:
                 return
             full = torch.load(self.job.model_path, map_location="cpu", weights_only=False)
+            if self.job.weights_folder is not None:  # a skeleton: the untrained tensors (frozen base) from the files
+                load_chunk_weights(full, {n: n for n, _ in full.named_parameters()}, self.job.weights_folder)
             named = dict(full.named_parameters())
             with torch.no_grad():
                 for part in parts:

@@ -25,11 +25,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from starverse.errors import ConfigError
+from starverse.runtime.parallel.pipeline_weights import load_chunk_weights
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class Chunk(nn.Module):
         """Unsplit-model name of each of this chunk's parameters, by its name in ``body`` (wrappers aside)."""
         self.device = device
         self.comm_device = comm_device
+        self.loaded_tensors = 0
+        """Tensors this chunk read from the model folder (per-stage loading; 0: cut from a whole model)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run the chunk on its device; input and output live on the pipeline's communication device."""
@@ -163,9 +167,12 @@ def as_module(model: nn.Module | list[nn.Module]) -> nn.Module:
 
 def cut(
     model: nn.Module, first_layer: int, num_layers: int, is_first: bool, is_last: bool, device: torch.device,
-    comm_device: torch.device,
+    comm_device: torch.device, weights: Path | None = None,
 ) -> Chunk:
-    """The chunk of ``model`` holding layers ``first_layer .. first_layer + num_layers - 1`` (a fresh copy)."""
+    """The chunk of ``model`` holding layers ``first_layer .. first_layer + num_layers - 1`` (a fresh copy).
+
+    ``weights``: ``model`` is a skeleton (:func:`~starverse.runtime.parallel.pipeline_weights.skeleton`) whose
+    meta parameters the chunk reads from this folder's safetensors (only its own tensors)."""
     memo: dict[int, object] = {}
     body = copy.deepcopy(model, memo)
     by_id = {id(memo[id(p)]): n for n, p in model.named_parameters()}
@@ -192,6 +199,8 @@ def cut(
         names = {n: by_id[id(p)] for n, p in body.named_parameters()}
         chunk = Chunk(body, _with_head(run, fam.base) if is_last else _without_head(run, fam.base), names, device,
                       comm_device)
+    if weights is not None:
+        chunk.loaded_tensors = load_chunk_weights(chunk.body, chunk.names, weights)
     chunk.to(device)
     return chunk
 
