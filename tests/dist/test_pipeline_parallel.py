@@ -79,10 +79,12 @@ def test_tensor_parallel_inside_pipeline_stages_equals_single_process(tmp_path):
     assert report is not None and [s.layers for s in report.stages] == [1, 3]
 
 
-@pytest.mark.parametrize(("zero", "offload", "shares"), [(1, "optimizer", [1 * 2, 3 * 2]), (3, "none", None)])
+@pytest.mark.parametrize(("zero", "offload", "shares"),
+                         [(1, "none", [1 * 2, 3 * 2]), (1, "optimizer", [1 * 2, 3 * 2]), (3, "none", None)])
 def test_zero_inside_pipeline_stages_equals_single_process(tmp_path, zero, offload, shares):
-    """PP 2 x ZeRO over two replicas of one group: each stage's parameters are sharded over the two ranks that
-    hold it (ZeRO-1 with uneven shares and offload, ZeRO-3 in lockstep)."""
+    """PP 2 x ZeRO over two replicas of one group: each stage's optimizer state (ZeRO-1: ShardedOptimizer, with
+    uneven shares) or parameters (FSDP2: ZeRO-1 with offload and uneven shares, ZeRO-3 in lockstep) are sharded
+    over the two ranks that hold the stage."""
     model = _llama(4)
     initial = _state(model)
     ref_losses, ref_state = _reference(model)

@@ -35,6 +35,7 @@ from starverse.runtime.hetero_dp import GradientSync, HolderSync, Rebalancer, lo
 from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.mesh import MixedMesh
+from starverse.runtime.parallel.fsdp import ZeroModel
 from starverse.runtime.parallel.parallelize import ParallelModel, full_tensors, parallelize_for_plan
 from starverse.runtime.parallel.pipeline import (
     PipelineRunner,
@@ -238,6 +239,7 @@ class RankTrainer:
         full = torch.load(job.model_path, map_location="cpu", weights_only=False)
         pipeline: PipelineRunner | None = None
         parallel: ParallelModel | None = None
+        zeros: list[ZeroModel] = []
         if layout.is_pipelined:
             full.train()
             pipeline = PipelineRunner.build(
@@ -246,7 +248,8 @@ class RankTrainer:
             )
             in_stage = pipeline_parallel_config(job.plan)
             if not in_stage.is_plain:  # the same on every rank: all build the stage meshes together
-                parallelize_chunks(pipeline.chunks, in_stage, stage_meshes(layout, devices, in_stage, device.type))
+                zeros = parallelize_chunks(pipeline.chunks, in_stage,
+                                           stage_meshes(layout, devices, in_stage, device.type))
             model: torch.nn.Module = UnsplitView(pipeline.parameters(), UnsplitSignature.of(full))
             del full
         else:
@@ -255,8 +258,11 @@ class RankTrainer:
             if parallel is not None:
                 model = parallel.model
         optimizer = make_optimizer(model, job.lr, job.weight_decay)
+        # ZeRO-1: the state sharded over the replicas (of this rank's stage in a pipeline)
         if parallel is not None:
-            optimizer = parallel.shard_optimizer(optimizer)  # ZeRO-1: the state sharded over the replicas
+            optimizer = parallel.shard_optimizer(optimizer)
+        elif zeros:
+            optimizer = zeros[0].shard_optimizer(optimizer)
         scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
         labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
         data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
@@ -274,9 +280,9 @@ class RankTrainer:
         grads: GradientSync | HolderSync | ParallelModel
         if pipeline is not None:
             pipeline.on_compute = lambda dt: callbacks.on_micro_batch_end(ctx, dt)
-            place = layout.places[env.rank]  # under ZeRO, FSDP2 summed over the replicas already
+            place = layout.places[env.rank]  # under FSDP2 (ZeRO-2/3, ZeRO-1 with offload) summed over the replicas
             grads = HolderSync(list(model.named_parameters()), place.tp_rank, kinds, devices, mesh.host_group,
-                               job.bucket_mb, place.replica if job.plan.train.zero_stage else None)
+                               job.bucket_mb, place.replica if any(z.fsdp for z in zeros) else None)
         elif parallel is not None and parallel.syncs_own_gradients:
             grads = parallel
         else:
