@@ -18,11 +18,12 @@ from typing import Any
 import starverse
 from starverse.checks import check_dataset, check_port_free, check_run_dir, check_seq_len
 from starverse.config import where
-from starverse.elastic.job import JobPrices, TrainJob, job_mtbf, job_prices, load_job
+from starverse.elastic.job import JobPrices, RayPoolSettings, TrainJob, job_mtbf, job_prices, load_job
 from starverse.elastic.supervisor import Attempt, SupervisedResult, Supervisor, read_progress
 from starverse.jobs.ledger import JobBill, check_ledger_job, job_bill
 from starverse.jobs.wiring import JobCallbacks, build_callbacks
 from starverse.metrics.callbacks import ENDPOINT_FILE
+from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.lora import check_mode
 from starverse.runtime.trainer import FitResult
@@ -100,10 +101,12 @@ class PreparedJob:
         pretrained = Path(job.model).is_dir()
         # a pretrained folder is never scaled down: the default size cap applies only when the job file sets it
         max_params = job.train.max_params if not pretrained or "max_params" in job.train.model_fields_set else None
+        # a Ray pool: the cluster's devices now, the Ray launcher, and the cluster asked again at each re-plan
+        ray_pool: RayPoolSource | None = pool_source_for(job.pool) if isinstance(job.pool, RayPoolSettings) else None
         self.cluster: Cluster = starverse.accelerate(
             model_id=job.model, plan=job.plan, num_cpu_ranks=job.devices.cpu_ranks, use_gpus=job.devices.use_gpus,
             seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=max_params,
-            mode=job.train.mode, lora_rank=job.train.lora_rank,
+            mode=job.train.mode, lora_rank=job.train.lora_rank, ranks=ray_pool.ranks() if ray_pool else None,
         )
         check_seq_len(job.train.seq_len, self.cluster.model_config, job.model, source)
         check_mode(job.train.mode, [r.device for r in self.cluster.ranks], source)
@@ -111,7 +114,7 @@ class PreparedJob:
         self.mtbf_s, self.mtbf_why = job_mtbf(job, kinds)
         self.prices: JobPrices | None = None
         if job.billing.enabled:
-            self.prices = job_prices(job, kinds, source)  # refuses a job above max_budget_per_hour
+            self.prices = job_prices(job, kinds, source, pool=ray_pool.pool() if ray_pool else None)  # refuses a job above max_budget_per_hour
         self.callbacks: JobCallbacks = build_callbacks(job, mtbf_s=self.mtbf_s, prices=self.prices)
         billing = self.callbacks.billing
         if billing is not None and billing.ledger_path is not None and self.prices is not None:
@@ -122,9 +125,10 @@ class PreparedJob:
             checkpoint=self.callbacks.checkpoint, preemption=self.callbacks.preemption,
             callbacks=self.callbacks.accounting,
             trainer_options={"lr": job.train.lr, "seed": job.train.seed,
-                             "rebalance_every": job.train.rebalance_every, "launcher": job.devices.launcher,
+                             "rebalance_every": job.train.rebalance_every,
+                             "launcher": ray_pool.launcher() if ray_pool else job.devices.launcher,
                              "eval_fraction": job.train.eval_fraction, "eval_every": job.train.eval_every},
-            max_restarts=job.max_restarts,
+            max_restarts=job.max_restarts, pool_source=ray_pool,
         )
         self.resume_from = resume_from
         self.resume_path = self.supervisor.resume_path(resume_from)  # checked before anything is launched
