@@ -11,6 +11,10 @@ One attempt is one ``Trainer.fit`` over the current cluster. It ends in one of f
 - **notice on some ranks** (SIGTERM or another notice source in a rank): the ranks stop together at a
   step boundary and write an emergency checkpoint; the noticed devices are dropped, the rest resume from
   that checkpoint. Work lost: none.
+- **in place** (``recovery: in-place``, :mod:`starverse.elastic.inplace`): the launcher absorbs a lost
+  data-parallel replica; the others finish the step in flight and go on (torchft), so the attempt completes;
+  its ``replicas_lost`` / ``replicas_joined`` say what happened. Only when every replica is lost does the
+  launcher raise, and the supervisor falls back to the restart above without all of them.
 - **notice for the whole job** (SIGTERM to the supervisor): forwarded to every rank, which checkpoint
   and stop; the supervisor raises :class:`PreemptedError` (exit code 3). Resume later from the run dir.
 
@@ -39,6 +43,7 @@ from typing import Any, Protocol
 
 from starverse.checkpoint.callback import CheckpointCallback
 from starverse.checkpoint.store import CheckpointStore
+from starverse.elastic.inplace import InplaceLauncher
 from starverse.elastic.runlock import RunLock
 from starverse.errors import CheckpointError, DistributedError, LostRankError, PreemptedError, StarverseError
 from starverse.plan import Plan
@@ -80,6 +85,10 @@ class Attempt:
     """Duration of the attempt."""
     ended_at: float = 0.0
     """``time.time()`` when the supervisor saw the attempt end (a loss: when it noticed)."""
+    replicas_lost: tuple[int, ...] = ()
+    """``recovery: in-place``: ranks lost during the attempt that the others survived without a restart."""
+    replicas_joined: tuple[int, ...] = ()
+    """``recovery: in-place``: ranks whose replacement joined during the attempt."""
 
 
 @dataclass(frozen=True)
@@ -317,7 +326,7 @@ class Supervisor:
                     lost = e.rank if isinstance(e, LostRankError) else None
                     outcome = "lost" if lost is not None else "error"
                     attempts.append(Attempt(number, kinds, resumed_step, outcome, last, str(e),
-                                            time.monotonic() - t0, time.time()))
+                                            time.monotonic() - t0, time.time(), *self._inplace_record()))
                     if self._job_notice is not None:
                         raise self._preempted(attempts) from None
                     if lost is None:
@@ -326,7 +335,8 @@ class Supervisor:
                             raise
                         log.warning("attempt %d failed (%s); retrying on the same devices", number, e)
                     else:
-                        self._drop([lost], str(e))
+                        # in place, every replica was lost one after the other: all of them are gone
+                        self._drop([lost, *self._inplace_record()[0]], str(e))
                     if len(attempts) > self.max_restarts:
                         raise DistributedError(
                             f"gave up after {len(attempts)} attempts (max_restarts={self.max_restarts}); last: {e}. "
@@ -341,7 +351,7 @@ class Supervisor:
                     raise self._preempted(attempts)
                 if fit.steps >= fit_kwargs.get("max_steps", fit.steps) or not noticed:
                     attempts.append(Attempt(number, kinds, resumed_step, "completed", fit.steps, fit.stop_reason or "",
-                                            time.monotonic() - t0, time.time()))
+                                            time.monotonic() - t0, time.time(), *self._inplace_record()))
                     return SupervisedResult(fit, tuple(attempts), fit.steps)
                 attempts.append(Attempt(number, kinds, resumed_step, "notice", fit.steps,
                                         f"notice on ranks {noticed}", time.monotonic() - t0, time.time()))
@@ -352,6 +362,14 @@ class Supervisor:
         finally:
             if in_main:
                 signal.signal(signal.SIGTERM, previous)
+
+    def _inplace_record(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Ranks lost for good and ranks replaced during the last in-place launch (empty for other launchers)."""
+        if not isinstance(self.launcher, InplaceLauncher):
+            return (), ()
+        joined = tuple(j.rank for j in self.launcher.joins)
+        lost = tuple(x.error.rank for x in self.launcher.losses if x.error.rank not in joined)
+        return lost, joined
 
     def _check_model(self, model: Any, resume: Path) -> None:
         """Refuse a checkpoint of another model before launching anything (the ranks check it again)."""
