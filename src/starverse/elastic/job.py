@@ -26,7 +26,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from starverse.config import (
     MAX_BATCH,
@@ -39,6 +39,7 @@ from starverse.config import (
     FrozenModel,
     PathText,
     _line_of,
+    did_you_mean,
     parse,
     read_yaml,
 )
@@ -198,6 +199,19 @@ class TrainJob(FrozenModel):
     """Ledger and budgets."""
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     """Prometheus exporter."""
+
+    @field_validator("pool", mode="before")
+    @classmethod
+    def _ray_pool(cls, value: Any) -> Any:
+        """A mapping is a Ray pool: name an unknown key plainly (the union would list both shapes' errors)."""
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"ray", "prices"})
+            if unknown:
+                raise ValueError(f"unknown field '{unknown[0]}' of a Ray pool.{did_you_mean(unknown[0], ['ray', 'prices'])}"
+                                 " To fix: write {ray: auto | HOST:PORT, prices: PRICE_LIST.yaml}")
+            if not isinstance(value.get("ray"), str) or not value["ray"]:
+                raise ValueError(f"ray: must be 'auto' or HOST:PORT (got {value.get('ray')!r})")
+        return value
 
 
 def _rel(base: Path, value: str | None) -> str | None:
