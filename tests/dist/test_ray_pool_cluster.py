@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from helpers import CLI, TINY
+from helpers import CLI, TINY, new_user_env
 from starverse.jobs import prepare_job
 from starverse.runtime.callbacks import Callback
 from starverse.providers.ray_pool import RayPoolSource
@@ -163,3 +164,16 @@ def test_a_job_on_a_ray_pool_replans_on_the_nodes_there_now(tmp_path):
     assert "Ray actor is gone" in result.attempts[-2].detail
     assert len(result.attempts[-1].device_kinds) == 2 and result.final_step == 8, result.attempts
     assert result.bill is not None and all(le.charge_ticks == 36_000_000 * le.seconds for le in result.bill.leases)
+
+
+def test_train_on_an_unreachable_ray_pool_is_one_line_and_exit_2(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    (tmp_path / "corpus.txt").write_text(Path(os.__file__).read_text()[:2000])
+    (tmp_path / "job.yaml").write_text(f"model: tiny.json\ndataset: corpus.txt\npool: {{ray: '127.0.0.1:{port}'}}\n")
+    out = subprocess.run([*CLI, "train", "job.yaml"], cwd=tmp_path, env=new_user_env(tmp_path), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"error: ray://127.0.0.1:{port}: cannot reach the Ray cluster at 127.0.0.1:{port} (")

@@ -131,3 +131,4 @@ def test_a_jobs_ray_pool_field(tmp_path):
     (tmp_path / "bad.yaml").write_text("dataset: c.txt\npool: {ray: 3}\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml:2: pool: ray: must be 'auto' or HOST:PORT \(got 3\)$"):
         load_job(tmp_path / "bad.yaml")
+
