@@ -85,21 +85,25 @@ def _host(rp: Any) -> str:
 def optimality_claim(result: Any) -> str:
     """What the search can say about the chosen plan, and no more.
 
-    The exact search (branch and bound over time tables) covers single-accelerator plans and heterogeneous
-    data parallelism; heterogeneous pipelines come from a heuristic (:mod:`starverse.planner.hetero`), so
-    a chosen heterogeneous pipeline is never called proven.
+    Two branch-and-bound searches make the answer: single-accelerator plans and heterogeneous data
+    parallelism (time tables), and heterogeneous pipelines (:mod:`starverse.planner.pipes`: offer blocks,
+    TP, replicas, micro-batch, settings, exact layer split). "Proven optimal" needs both bounds closed; a
+    screened first search is exact only over the options it kept, and a pipeline search stopped at its leaf
+    cap is named as such, with the gap.
     """
     s = result.stats
-    if result.best.kind == "hetero-pipeline":
-        return ("heterogeneous pipeline from the heuristic search (offer pairs/triples, widest TP, up to 8 "
-                "replicas, micro-batch 1, three layer-split rules): NOT proven optimal")
-    if not s.proven_optimal:
-        return f"not proven: bound gap {s.bound_gap:.1%}"
+    if not s.proven_optimal or not s.pipelines_proven:
+        what = []
+        if not s.proven_optimal:
+            what.append("the evaluation cap of the single-kind / data-parallel search")
+        if not s.pipelines_proven:
+            what.append("the leaf cap of the heterogeneous-pipeline search (best-first branch and bound)")
+        return f"NOT proven optimal: stopped at {' and '.join(what)}, bound gap {s.bound_gap:.1%}"
     scope = "over the options kept by screening" if s.screened else "over the searched space"
-    claim = f"proven optimal {scope} (single-accelerator and heterogeneous data-parallel plans)"
-    if s.hetero_pipelines:
-        claim += "; heterogeneous pipelines (heuristic, not proven) did not beat it"
-    return claim
+    kinds = "single-accelerator plans and heterogeneous data parallelism"
+    if s.pipelines_searched:
+        kinds += " and heterogeneous pipelines (1F1B, exact layer split)"
+    return f"proven optimal {scope} ({kinds})"
 
 
 def plot_frontier(result: Any, path: Path) -> None:
@@ -139,7 +143,8 @@ def plot_frontier(result: Any, path: Path) -> None:
 
 def plan_cmd(
     job_file: Annotated[Path, typer.Argument(help="job.yaml: model, training settings, objective, constraints.")],
-    pool: Annotated[Path, typer.Option("--pool", help="pool.yaml: the offers that can be rented.")],
+    pool: Annotated[str, typer.Option("--pool", help="pool.yaml: the offers that can be rented; or ray://HOST:PORT: "
+                                      "the devices of a running Ray cluster (see docs/ray.md).")],
     top: Annotated[int, typer.Option("--top", min=1, help="How many ranked plans to show.")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write the chosen plan here (plan.yaml format).")] = None,
@@ -153,15 +158,16 @@ def plan_cmd(
 
     from starverse.catalog import load_catalog
     from starverse.plan import save_plan
-    from starverse.planner import load_job, load_pool, search
+    from starverse.planner import load_job, search
     from starverse.planner.policy import describe
+    from starverse.providers.ray_pool import load_pool_ref
 
     for path, option in ((out, "--out"), (plot, "--plot")):
         if path is not None:
             check_output_file(path, option)
     catalog = load_catalog(catalog_file)
     job = load_job(job_file)
-    pool_obj = load_pool(pool, catalog)
+    pool_obj = load_pool_ref(pool, catalog)
     result = search(job, pool_obj, catalog, top=top)
     if out is not None:
         save_plan(result.best.plan, out)

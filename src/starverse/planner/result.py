@@ -122,11 +122,25 @@ class SearchStats:
     only over the options kept."""
     proven_optimal: bool = True
     """False when the evaluation cap stopped branch and bound before the bound closed. Covers the exact
-    space: single-accelerator plans and heterogeneous data parallelism."""
+    space of single-accelerator plans and heterogeneous data parallelism; heterogeneous pipelines have
+    their own flag (``pipelines_proven``)."""
     bound_gap: float = 0.0
     """Relative gap between the best bound left and the best plan (0 when proven optimal)."""
     hetero_pipelines: int = 0
-    """Heterogeneous-pipeline plans estimated by the heuristic of :mod:`~starverse.planner.hetero`."""
+    """Heterogeneous-pipeline plans found that beat the best single-kind / data-parallel plan (0 or 1 per
+    training mode searched; :mod:`~starverse.planner.pipes`)."""
+    pipeline_families: int = 0
+    """(replicas, micro-batch, setting) families of heterogeneous pipelines bounded."""
+    pipeline_nodes: int = 0
+    """Branch-and-bound nodes (offer blocks) bounded in the heterogeneous-pipeline search."""
+    pipeline_leaves: int = 0
+    """Ordered pipelines whose layer split was solved exactly."""
+    pipelines_proven: bool = True
+    """False when the heterogeneous-pipeline search stopped at its leaf cap before its bound closed (the
+    gap is then part of ``bound_gap``)."""
+    pipelines_searched: bool = False
+    """True when heterogeneous pipelines were part of the search (the pool has two kinds or more and the job
+    allows pipelines)."""
     seconds: float = 0.0
     """Wall time of the search."""
     frontier_points: list[tuple[float, float, str]] = field(default_factory=list, repr=False, compare=False)

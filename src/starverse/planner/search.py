@@ -12,7 +12,9 @@ Outline (details in ``docs/planner.md``):
    single-accelerator plan, several = heterogeneous data parallelism), with the rate bound of
    :mod:`~starverse.planner.combine`, each evaluated exactly (integer batch split, cross-group sync, spot
    overhead, constraints).
-5. Heterogeneous pipelines (:mod:`~starverse.planner.hetero`) when no single kind holds the model.
+5. Heterogeneous pipelines (:mod:`~starverse.planner.pipes`): branch and bound over offer blocks, TP,
+   replicas, micro-batch and settings, with the exact integer layer split (:mod:`~starverse.planner.pipesplit`),
+   against the best plan of step 4 — always, so the answer never depends on ``top``.
 6. The top plans are built as :class:`~starverse.plan.Plan` and re-estimated with the scalar
    ``costmodel.estimate`` — the numbers reported are the ones ``starverse estimate`` prints for the plan.
 """
@@ -30,8 +32,9 @@ import numpy.typing as npt
 
 from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross_group_sync_s
 from starverse.costmodel.constants import BYTES_PER_VALUE, NETWORK_EFFICIENCY
+from starverse.costmodel.profile import check_profile_fits
 from starverse.plan import Group, Plan
-from starverse.planner import combine, hostmem, space
+from starverse.planner import combine, hostmem, pipes, space
 from starverse.planner.build import (
     NOMINAL_TOKENS,
     checkpoint_bytes,
@@ -47,11 +50,9 @@ from starverse.planner.policy import (
     Limits,
     billed_hours,
     billed_hours_per_row,
-    checkpoint_seconds,
     paid_cost,
     resolve_objective,
     score,
-    spot_factor,
     within,
 )
 from starverse.planner.pool import Pool
@@ -129,17 +130,22 @@ def _context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> _Ctx:
     t = job.train
     train = TrainShape(seq_len=t.seq_len, precision=t.precision, mode=mode, lora_rank=t.lora_rank)
     accs = [catalog.accelerator(o.accelerator) for o in pool.offers]
+    shape = ModelShape.from_spec(spec)
+    for o in pool.offers:
+        if o.profile is not None:
+            check_profile_fits(o.profile, o.accelerator, shape, o.profile_source)
     devices = DeviceTable.from_accelerators(
         accs, t.precision,
         devices_per_node=[o.devices_per_node for o in pool.offers],
         inter_node_gbps=[o.inter_node_gbps for o in pool.offers],
         price_per_hour=[o.price_per_hour for o in pool.offers],
+        profiles=[o.profile for o in pool.offers],
     )
     trainable = trainable_params(spec, mode, t.lora_rank)
     state_bytes = checkpoint_bytes(trainable, t.precision)
     grad_bytes = trainable * BYTES_PER_VALUE[t.precision]
     sets = space.settings(t.zero_stage, t.recompute, t.offload, pipeline=False)
-    return _Ctx(job, pool, catalog, spec, mode, ModelShape.from_spec(spec), train, devices, sets,
+    return _Ctx(job, pool, catalog, spec, mode, shape, train, devices, sets,
                 limits_of(job, pool, catalog), t.total_tokens, state_bytes, grad_bytes)
 
 
@@ -168,18 +174,18 @@ def _host_fits(ctx: _Ctx, opts: space.Options) -> npt.NDArray[np.bool_]:
 
 
 def _spot_factor(ctx: _Ctx, lam: FloatArray, nodes: FloatArray) -> FloatArray:
-    ckpt = checkpoint_seconds(ctx.state_bytes, 1, ctx.job.search.checkpoint_gb_per_s) / np.maximum(nodes, 1)
-    return spot_factor(lam, ckpt, ctx.job.search.restart_s)
+    return pipes.spot_factor_of(ctx, lam, nodes)
 
 
-def _sync_s(ctx: _Ctx, num_groups: int, min_pp: int) -> float:
+def _sync_s(ctx: _Ctx, num_groups: int, min_pp: int, gbps: float | None = None) -> float:
     """Cross-group gradient all-reduce, as the scalar cost model charges it: each pipeline stage syncs its
-    slice in parallel (the shallowest pipeline sets the slice), over the cross-offer link at the cost
+    slice in parallel (the shallowest pipeline sets the slice), over the link between the groups' offers
+    (``gbps``: the slowest measured ``network.links`` among them, default ``cross_offer_gbps``) at the cost
     model's network efficiency."""
     if num_groups <= 1:
         return 0.0
-    return float(cross_group_sync_s(ctx.grad_bytes / max(min_pp, 1), num_groups,
-                                    ctx.pool.cross_offer_gbps * NETWORK_EFFICIENCY))
+    link = ctx.pool.cross_offer_gbps if gbps is None else gbps
+    return float(cross_group_sync_s(ctx.grad_bytes / max(min_pp, 1), num_groups, link * NETWORK_EFFICIENCY))
 
 
 def _screen(ctx: _Ctx, opts: space.Options, rate: FloatArray) -> IntArray:
@@ -212,12 +218,7 @@ def _screen(ctx: _Ctx, opts: space.Options, rate: FloatArray) -> IntArray:
 def _options(ctx: _Ctx, stats: SearchStats) -> tuple[space.Options, FloatArray, FloatArray]:
     """Options worth combining, their time tables and power."""
     pool = ctx.pool
-    caps = []
-    for o in pool.offers:
-        cap = o.count
-        if ctx.budget_per_hour is not None and o.price_per_hour > 0:
-            cap = min(cap, math.floor(ctx.budget_per_hour / o.price_per_hour + 1e-9))
-        caps.append(cap)
+    caps = space.offer_caps(pool.offers, ctx.budget_per_hour)
     so = ctx.job.search
     opts = space.enumerate_options(ctx.spec, ctx.batch, pool.offers, ctx.settings, ctx.job.train.micro_batch,
                                    caps, max_tp=so.max_tp, max_pipeline_stages=so.max_pipeline_stages,
@@ -273,7 +274,8 @@ def _evaluate(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatAr
         return None
     offers = [ctx.pool.offers[int(opts.offer[i])] for i in members]
     n = [int(opts.num_devices[i]) for i in members]
-    step = t_star + _sync_s(ctx, len(members), min(int(opts.pp[i]) for i in members))
+    step = t_star + _sync_s(ctx, len(members), min(int(opts.pp[i]) for i in members),
+                            ctx.pool.slowest_link_gbps(o.name for o in offers))
     lam = sum(k * o.interruptions_per_hour for k, o in zip(n, offers, strict=True))
     nodes = sum(math.ceil(k / o.devices_per_node) for k, o in zip(n, offers, strict=True))
     factor = float(_spot_factor(ctx, np.asarray(lam, dtype=float), np.asarray(nodes, dtype=float)))
@@ -320,7 +322,8 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
     gran_opt = np.array([o.billing_granularity_s for o in ctx.pool.offers])[opts.offer]
     accs = [o.accelerator for o in ctx.pool.offers]
     tokens = ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS
-    sync_by_pp = {g: np.array([_sync_s(ctx, g, p) for p in range(int(opts.pp.max()) + 1)])
+    # a lower bound: the fastest link between any two offers
+    sync_by_pp = {g: np.array([_sync_s(ctx, g, p, ctx.pool.fastest_link_gbps) for p in range(int(opts.pp.max()) + 1)])
                   for g in range(1, max_g + 1)}
 
     def bounds(grid: IntArray) -> tuple[IntArray, FloatArray]:
@@ -513,8 +516,6 @@ def new_stats() -> SearchStats:
 def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: int,
                 stats: SearchStats) -> list[RankedPlan]:
     """Search one training mode; ranked plans (possibly empty)."""
-    from starverse.planner import hetero
-
     ctx, opts, combos = _best(job, pool, catalog, spec, mode, top, stats)
     ranked: list[RankedPlan] = []
     alternative = mode != job.train.mode
@@ -526,14 +527,41 @@ def search_mode(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str, top: i
             ranked.append(rp)
     so = job.search
     pipelines_allowed = not so.use_all_devices and (so.max_pipeline_stages is None or so.max_pipeline_stages > 1)
-    if so.hetero_pipelines and pipelines_allowed and not (combos and len(combos[0].options) == 1):
-        # tried unless the exact search's best plan runs on one accelerator kind (mixing does not pay): the
-        # rule looks at the best plan only, never at how many are shown, so the answer does not depend on `top`
-        pipes = hetero.search_pipelines(job, pool, catalog, spec, mode, top, alternative)
-        stats.hetero_pipelines += len(pipes)
-        ranked.extend(pipes)
+    if so.hetero_pipelines and pipelines_allowed:
+        # always searched (branch and bound against the best plan above): the answer never depends on `top`
+        stats.pipelines_searched = True
+        incumbent = combos[0].value if combos else -math.inf
+        best = pipes.search(ctx, incumbent, stats)
+        if best is not None:
+            rp = rank_plan(job, pool, catalog, spec, pipeline_plan(ctx, best), _pipe_devices(ctx, best),
+                           "hetero-pipeline", alternative,
+                           ("stages on different accelerators, layers split exactly by memory and speed",))
+            if rp is not None:
+                stats.hetero_pipelines += 1
+                ranked.append(rp)
     ranked.sort(key=lambda r: -r.objective_value)
     return ranked[:top]
+
+
+def _pipe_devices(ctx: _Ctx, pipe: pipes.Pipeline) -> dict[str, int]:
+    return {ctx.pool.offers[o].name: n for o, n in pipe.devices().items()}
+
+
+def pipeline_plan(ctx: _Ctx, pipe: pipes.Pipeline) -> Plan:
+    """The :class:`~starverse.plan.Plan` of a heterogeneous pipeline found by :mod:`~starverse.planner.pipes`."""
+    from starverse.planner.hetero import stage_runs
+
+    offers = ctx.pool.offers
+    accs = [offers[o].accelerator for o, _, k in pipe.blocks for _ in range(k)]
+    tps = [t for _, t, k in pipe.blocks for _ in range(k)]
+    names = [offers[o].name for o, _, _ in pipe.blocks]
+    return Plan(
+        model=ctx.job.model,
+        train=train_spec(ctx.job, ctx.mode, ctx.settings[pipe.setting], any(t > 1 for t in tps)),
+        groups=[Group(replicas=pipe.replicas, micro_batch=pipe.micro_batch,
+                      stages=stage_runs(accs, tps, list(pipe.layers)))],
+        network=network_for(ctx.pool, names), pricing=pricing_for(ctx.pool, names),
+    )
 
 
 __all__ = ["best_combinations", "new_stats", "rank_plan", "resolve_objective", "search_mode"]

@@ -76,6 +76,17 @@ def settings(fixed_zero: int | None, fixed_recompute: str | None, fixed_offload:
     return out
 
 
+def offer_caps(offers: Sequence[Any], budget_per_hour: float | None) -> list[int]:
+    """Devices each offer can contribute: its count, or fewer when the hourly budget rents fewer."""
+    caps = []
+    for o in offers:
+        cap = o.count
+        if budget_per_hour is not None and o.price_per_hour > 0:
+            cap = min(cap, math.floor(budget_per_hour / o.price_per_hour + 1e-9))
+        caps.append(cap)
+    return caps
+
+
 def divisors(n: int) -> list[int]:
     """Positive divisors of ``n`` in increasing order."""
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,513 @@
+"""Heterogeneous pipelines inside the exact search: one pipeline whose stages run on different accelerators.
+
+The space (every point of it is either evaluated exactly or cut by a proven bound):
+
+- one pipeline, ``r`` data-parallel replicas, micro-batch ``mb`` (``r · mb`` divides the batch), 1F1B;
+- its stages form *blocks*, one per offer used (at most one offer per accelerator kind, at least two kinds):
+  block ``b`` has ``k_b`` stages of TP ``t_b`` (``r · t_b · k_b`` devices of the offer), in any order;
+- any integer split of the layers over the stages (each within its memory: :mod:`.pipesplit`);
+- every memory setting a pipeline can use (ZeRO ≤ 1, recompute, optimizer offload).
+
+Branch and bound, per (``r``, ``mb``, setting): a depth-first walk over the offers decides for each whether it
+is left out or which ``(t, k)`` block it contributes. The bound of a node: the bottleneck stage needs at least
+``τ_lb``, the least ``τ`` at which the stages chosen (and, for the offers still open, the most any of their
+blocks could hold) cover the model with ``L_i ≤ τ / a_i`` and ``L_i ≤`` the memory cap of the stage kind
+(``a_i``: its per-layer time, a lower bound of ``S_i(L) / L``); so ``step ≥ (m - 1) τ_lb + L · min a``, and
+with the price and power of what is chosen (lower bounds: the open offers may add nothing) every objective
+is bounded (``policy.score`` grows with throughput and falls with price, cost and hours). A leaf is
+evaluated exactly: every order of its blocks, the exact layer split, the cost model's stage costs
+(``costmodel.stage.stage_costs``), the spot factor and the constraints — the same terms ``costmodel.estimate``
+charges the written plan (a test holds them equal).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from starverse.costmodel import constants as C
+from starverse.costmodel.comm import ring_allreduce_s
+from starverse.costmodel.group import model_numbers
+from starverse.costmodel.stage import ModelNumbers, StageRows, stage_costs
+from starverse.planner import hostmem, pipesplit, space
+from starverse.planner.build import NOMINAL_TOKENS
+from starverse.planner.policy import billed_hours, checkpoint_seconds, paid_cost, score, spot_factor, within
+from starverse.planner.result import SearchStats
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+MAX_LEAVES = 3_000
+"""Exact leaf evaluations (block orders) per search; when reached, the search stops with the bound gap
+reported and ``SearchStats.pipelines_proven`` False."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """An exactly evaluated heterogeneous pipeline."""
+
+    setting: int
+    replicas: int
+    micro_batch: int
+    blocks: tuple[tuple[int, int, int], ...]
+    """(offer index, tp, stages) in pipeline order."""
+    layers: tuple[int, ...]
+    """Layers per stage."""
+    step_time_s: float
+    cost_per_hour: float
+    power_kw: float
+    hours: float
+    total_cost: float
+    value: float
+
+    def devices(self) -> dict[int, int]:
+        """Devices per offer index."""
+        return {o: self.replicas * t * k for o, t, k in self.blocks}
+
+
+def _rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, first: Any, last: Any,
+          stage_index: FloatArray, pp: float, r: int, mb: int, m: int, setting: int, sp: bool) -> StageRows:
+    d = ctx.devices
+    n = offer.shape[0]
+    st = ctx.settings[setting]
+
+    def full(x: float) -> FloatArray:
+        return np.full(n, float(x))
+
+    return StageRows(
+        peak_tflops=d.peak_tflops[offer], gemm_efficiency=d.gemm_efficiency[offer], memory_gb=d.memory_gb[offer],
+        memory_bw_gb_per_s=d.memory_bw_gb_per_s[offer], intra_node_gb_per_s=d.intra_node_gb_per_s[offer],
+        devices_per_node=d.devices_per_node[offer].astype(np.float64), inter_node_gbps=d.inter_node_gbps[offer],
+        tp=tp, layers=layers, first=np.broadcast_to(np.asarray(first, dtype=bool), (n,)),
+        last=np.broadcast_to(np.asarray(last, dtype=bool), (n,)), stage_index=stage_index, pp=full(pp),
+        replicas=full(r), micro_batch=full(mb), num_micro_batches=full(m), zero_stage=full(st.zero_stage),
+        recompute=full(st.recompute), offload=full(st.offload), sequence_parallel=np.full(n, sp),
+        pipeline_devices=full(1.0),
+        flash_attention=np.ones(n, dtype=bool) if d.flash_attention is None else d.flash_attention[offer],
+    )
+
+
+def _mn(ctx: Any) -> ModelNumbers:
+    return replace(model_numbers(ctx.model, ctx.train), schedule="1f1b", virtual_stages=1.0)
+
+
+@dataclass
+class _Kinds:
+    """Stage kinds (offer, tp) of one family (r, mb, setting): per-layer time lower bound and memory cap."""
+
+    offer: IntArray
+    tp: IntArray
+    a: FloatArray
+    cap: IntArray
+    kmax: IntArray
+    p2p: FloatArray
+    """A stage's point-to-point time at its least (two stages, so as likely as it gets inside one node)."""
+    opt: FloatArray
+    """Optimizer step of a one-layer middle stage (the least any stage of the kind takes)."""
+
+
+def _kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: list[list[int]], total: int,
+           max_stages: int) -> _Kinds:
+    offer = np.array([o for o, ts in enumerate(tps) for _ in ts], dtype=np.int64)
+    tp = np.array([t for ts in tps for t in ts], dtype=np.int64)
+    if offer.size == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return _Kinds(z, z, np.zeros(0), z, z, np.zeros(0), np.zeros(0))
+    m = ctx.batch // (r * mb)
+    sp = bool((tp > 1).any())
+    n = offer.size
+    lmax = total - 1
+    three = np.repeat(np.array([1.0, 2.0, float(lmax)]), n)
+    o3, t3 = np.tile(offer, 3), np.tile(tp, 3).astype(np.float64)
+    # a middle stage with one micro-batch in flight: the least memory any stage of the kind needs
+    rows = _rows(ctx, o3, t3, three, False, False, np.ones(3 * n), 2.0, r, mb, m, setting, sp)
+    c = stage_costs(_mn(ctx), rows)
+    s = c["stage_mb"].reshape(3, n)
+    mem = c["memory_gb"].reshape(3, n)
+    capacity = c["capacity_gb"][:n]
+    a = np.minimum(s[0], s[2] / lmax)
+    slope = mem[1] - mem[0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cap_f = np.where(slope > 0, np.floor((capacity - mem[0]) / np.where(slope > 0, slope, 1.0) + 1e-9) + 1,
+                         np.where(mem[0] <= capacity, lmax, 0))
+    cap = np.clip(cap_f, 0, lmax).astype(np.int64)
+    cap = np.where(mem[0] <= capacity, cap, 0)
+    cnt = np.array([caps[o] for o in offer], dtype=np.int64)
+    kmax = np.minimum(cnt // (r * tp), min(total, max_stages))
+    ok = (cap >= 1) & (kmax >= 1) & np.isfinite(a) & (a > 0)
+    p2p = c["p2p"][:n]
+    opt = c["optimizer_s"][:n]
+    return _Kinds(offer[ok], tp[ok], a[ok], cap[ok], kmax[ok], p2p[ok], opt[ok])
+
+
+def _capacity(tau: FloatArray, slopes: FloatArray, limits: FloatArray, count: FloatArray) -> FloatArray:
+    """Layers each column can hold under bottleneck ``τ`` (rows × columns): a block of ``count`` stages of
+    per-layer time ``a`` (``slopes = count / a``) holds ``count · ⌊τ / a⌋`` (integer layers), an open offer
+    (``count = 0``) at most ``τ · slopes``; never more than ``limits`` (memory)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per = np.where(count > 0, count * np.floor(tau[:, None] * slopes / np.where(count > 0, count, 1.0) + 1e-9),
+                       tau[:, None] * slopes)
+    return np.minimum(np.where(np.isfinite(per), per, 0.0), limits)
+
+
+def _tau_lb(slopes: FloatArray, limits: FloatArray, total: int, count: FloatArray) -> FloatArray:
+    """Least ``τ`` with ``Σ_j capacity_j(τ) ≥ total`` per row (inf if never; :func:`_capacity`).
+
+    Found by bisection; the lower end of the final bracket is returned, so the result never exceeds the
+    true least ``τ`` (a valid lower bound)."""
+    reach = limits.sum(axis=1)
+    out = np.full(slopes.shape[0], np.inf)
+    ok = reach >= total - 1e-9
+    if not ok.any():
+        return out
+    sl, li = slopes[ok], limits[ok]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        hi = np.where(sl > 0, li / np.where(sl > 0, sl, 1.0), 0.0).max(axis=1) * 1.01 + 1e-12
+    lo = np.zeros_like(hi)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        got = _capacity(mid, sl, li, count[ok]).sum(axis=1)
+        enough = got >= total
+        hi = np.where(enough, mid, hi)
+        lo = np.where(enough, lo, mid)
+    out[ok] = lo
+    return out
+
+
+def spot_factor_of(ctx: Any, lam: Any, nodes: Any) -> FloatArray:
+    """Young/Daly's wall-time factor of a device set (``lam`` interruptions/h over ``nodes`` nodes that
+    write the checkpoint in parallel), as every stage of the search charges it."""
+    ckpt = checkpoint_seconds(ctx.state_bytes, 1, ctx.job.search.checkpoint_gb_per_s) / np.maximum(nodes, 1)
+    return np.asarray(spot_factor(lam, ckpt, ctx.job.search.restart_s), dtype=np.float64)
+
+
+GRID_STEPS = 70
+"""Points of the geometric grid (×1.01 apart) over which :func:`_core_lb` bounds the bottleneck level."""
+
+
+def _fill(cost: FloatArray, cap: FloatArray, need: FloatArray) -> FloatArray:
+    """Least ``Σ cost · x`` with ``0 ≤ x ≤ cap`` and ``Σ x = need`` per row (columns already sorted by cost;
+    inf where the capacity falls short)."""
+    before = np.cumsum(cap, axis=1) - cap
+    take = np.clip(need[:, None] - before, 0.0, cap)
+    out = (cost * take).sum(axis=1)
+    with np.errstate(invalid="ignore"):
+        return np.where(cap.sum(axis=1) >= need - 1e-9, out, np.inf)
+
+
+def _core_lb(w: float, tau_lb: FloatArray, cost: FloatArray, slope: FloatArray, lim: FloatArray,
+             mand: FloatArray, total: int) -> FloatArray:
+    # (``mand`` is also the stage count of a block column: integer layers per stage, :func:`_capacity`)
+    """Lower bound of ``w · max S + Σ S`` per row, with ``S_i ≥ a_i L_i``: columns are groups of stages
+    (a block: ``mand`` stages of at least one layer each, holding at most ``min(τ · slope, lim)`` layers under
+    bottleneck ``τ``, each layer costing at least ``cost``; an open offer: ``mand = 0``).
+
+    For bottleneck ``τ``, ``Σ S ≥ g(τ)`` = the cheapest way to place the layers within the capacities (a
+    fractional knapsack, exact by filling the cheapest columns first), and ``g`` does not grow with ``τ``;
+    so on each step ``[τ_j, τ_{j+1}]`` of a geometric grid from ``τ_lb``, ``w τ + g(τ) ≥ w τ_j + g(τ_{j+1})``,
+    and beyond the grid ``≥ w τ_J + g(∞)``. The least of these is the bound (the bubble of a deep pipeline
+    is in it: balanced stages make ``Σ S ≈ p τ``)."""
+    order = np.argsort(cost, axis=1, kind="stable")
+    cost = np.take_along_axis(cost, order, axis=1)
+    slope = np.take_along_axis(slope, order, axis=1)
+    lim = np.take_along_axis(lim, order, axis=1)
+    mand = np.take_along_axis(mand, order, axis=1)
+    base = np.where(mand > 0, mand * cost, 0.0).sum(axis=1)
+    need = total - mand.sum(axis=1)
+    safe = np.where(np.isfinite(tau_lb), tau_lb, 0.0)
+
+    def g(tau: FloatArray) -> FloatArray:
+        with np.errstate(invalid="ignore"):
+            cap = np.maximum(_capacity(tau, slope, lim, mand) - mand, 0.0)
+        return base + _fill(cost, cap, need)
+
+    best = w * safe * 1.01 ** GRID_STEPS + base + _fill(cost, np.maximum(lim - mand, 0.0), need)
+    lo = safe
+    for _ in range(GRID_STEPS):
+        hi = lo * 1.01
+        best = np.minimum(best, w * lo + g(hi))
+        lo = hi
+    return np.where(np.isfinite(tau_lb) & (need >= -1e-9), best, np.inf)
+
+
+class _Search:
+    """One search over heterogeneous pipelines (shared incumbent across families)."""
+
+    def __init__(self, ctx: Any, incumbent: float, stats: SearchStats) -> None:
+        self.ctx = ctx
+        self.best_value = incumbent
+        self.best: Pipeline | None = None
+        self.stats = stats
+        self.leaves = 0
+        self.gap_bound = -math.inf
+        pool = ctx.pool
+        self.total = int(ctx.spec.num_layers)
+        self.tokens = ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS
+        self.price = np.array([o.price_per_hour for o in pool.offers])
+        self.power = np.array([a.tdp_w for a in (ctx.catalog.accelerator(o.accelerator) for o in pool.offers)]) / 1e3
+        self.accs = [o.accelerator for o in pool.offers]
+        mn = _mn(ctx)
+        fastest = (float(pool.cross_offer_gbps) if pool.cross_offer_gbps is not None
+                   else max(o.inter_node_gbps for o in pool.offers))
+        self.hop_s_per_sequence = mn.seq_len * mn.h * mn.bytes_per_value / (fastest / 8.0 * C.NETWORK_EFFICIENCY * 1e9)
+
+    # ---- bounds -------------------------------------------------------------------------------------
+    def bound(self, m: int, mb: int, core: FloatArray, stages: FloatArray, p2p: FloatArray, opt: FloatArray,
+              price: FloatArray, power: FloatArray) -> FloatArray:
+        """Objective bound from ``core`` (a lower bound of ``(m - 1) max S + Σ S``), the stages known to be in
+        the pipeline, the largest point-to-point time and optimizer step known (lower bounds of the maxima)."""
+        ctx = self.ctx
+        # at least one send crosses between two kinds, each at least this long
+        hop = np.maximum(mb * self.hop_s_per_sequence, p2p)
+        p = np.maximum(stages, 2.0)
+        step = core + 2.0 * (m + p - 1.0) * hop + opt
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tps = np.where(np.isfinite(step) & (step > 0), ctx.batch * ctx.seq_len / step, 0.0)
+            hours = self.tokens / tps / 3600.0
+        total = paid_cost(price, hours)
+        val = score(ctx.job.objective, tps, price, total, hours)
+        ok = (tps > 0) & within(ctx.limits, price, power, hours, total)
+        return np.where(ok, val, -np.inf)
+
+    # ---- exact leaves ---------------------------------------------------------------------------------
+    def leaf(self, r: int, mb: int, setting: int, blocks: list[tuple[int, int, int]]) -> None:
+        for order in itertools.permutations(blocks):
+            if self.leaves >= MAX_LEAVES:
+                self.stats.pipelines_proven = False
+                return
+            self.leaves += 1
+            pipe = self.evaluate(r, mb, setting, list(order))
+            if pipe is not None and pipe.value > self.best_value:
+                self.best_value, self.best = pipe.value, pipe
+
+    def evaluate(self, r: int, mb: int, setting: int, blocks: list[tuple[int, int, int]]) -> Pipeline | None:
+        """Exact best split of one ordered pipeline and its objective (None if nothing fits or a limit fails)."""
+        ctx = self.ctx
+        total = self.total
+        offer = np.array([o for o, _, k in blocks for _ in range(k)], dtype=np.int64)
+        tp = np.array([t for _, t, k in blocks for _ in range(k)], dtype=np.int64)
+        p = offer.size
+        if p > total:
+            return None
+        lmax = total - p + 1
+        m = ctx.batch // (r * mb)
+        sp = bool((tp > 1).any())
+        pos = np.repeat(np.arange(p), lmax)
+        lay = np.tile(np.arange(1, lmax + 1), p).astype(np.float64)
+        rows = _rows(ctx, offer[pos], tp[pos].astype(np.float64), lay, pos == 0, pos == p - 1,
+                     pos.astype(np.float64), float(p), r, mb, m, setting, sp)
+        mn = _mn(ctx)
+        c = stage_costs(mn, rows)
+        fits = (c["memory_gb"] <= c["capacity_gb"]).reshape(p, lmax)
+        st = ctx.settings[setting]
+        if st.offload >= 1:
+            fits &= self._host_fits(offer, tp, pos, lay, p, r, setting, blocks).reshape(p, lmax)
+        s = np.where(fits, c["stage_mb"].reshape(p, lmax), np.inf)
+        o = c["optimizer_s"].reshape(p, lmax)
+        d = c["dp_exposed_s"].reshape(p, lmax)
+        p2p = c["p2p"].reshape(p, lmax)[:, 0].copy()
+        tied = c["tied_s"].reshape(p, lmax)[:, 0].copy()
+        self._cross_node(mn, offer, tp, mb, p2p, tied)
+        const = float(tied.max() + 2.0 * (m + p - 1.0) * p2p.max()) if p > 1 else 0.0
+        step, layers = pipesplit.best_split(s, o, d, total, float(m), const)
+        if layers is None:
+            return None
+        return self._value(r, mb, setting, blocks, layers, step)
+
+    def _host_fits(self, offer: IntArray, tp: IntArray, pos: IntArray, lay: FloatArray, p: int, r: int,
+                   setting: int, blocks: list[tuple[int, int, int]]) -> npt.NDArray[np.bool_]:
+        ctx = self.ctx
+        st = ctx.settings[setting]
+        per_dev = hostmem.host_gb_per_device(
+            ctx.model, ctx.train, lay, (pos == 0).astype(float), (pos == p - 1).astype(float),
+            tp[pos].astype(float), np.full(lay.shape, float(p)), np.full(lay.shape, float(r)),
+            np.full(lay.shape, float(st.zero_stage)), np.full(lay.shape, float(st.offload)))
+        on_block = {o: r * t * k for o, t, k in blocks}
+        offers = ctx.pool.offers
+        dpn = np.array([min(offers[o].devices_per_node, on_block[o]) for o in offer[pos]], dtype=float)
+        host = np.array([np.nan if offers[o].host_memory_gb is None else offers[o].host_memory_gb
+                         for o in offer[pos]])
+        return hostmem.host_ok(per_dev * dpn, host)
+
+    def _cross_node(self, mn: ModelNumbers, offer: IntArray, tp: IntArray, mb: int, p2p: FloatArray,
+                    tied: FloatArray) -> None:
+        """Sends between stages on different accelerators cross the link between the two kinds (as
+        ``costmodel.step._cross_node_costs`` charges them)."""
+        pool = self.ctx.pool
+
+        def gbps(a: int, b: int) -> float:
+            if pool.cross_offer_gbps is not None:
+                return float(pool.cross_offer_gbps)
+            return float(min(pool.offers[a].inter_node_gbps, pool.offers[b].inter_node_gbps))
+
+        p = offer.size
+        for i in range(p - 1):
+            a, b = int(offer[i]), int(offer[i + 1])
+            if a == b:
+                continue
+            bw = gbps(a, b) / 8.0 * C.NETWORK_EFFICIENCY / max(int(tp[i]), int(tp[i + 1])) * 1e9
+            send = mb * mn.seq_len * mn.h * mn.bytes_per_value / int(tp[i]) / bw + C.COLLECTIVE_LATENCY_S
+            p2p[i] = max(p2p[i], send)
+        if mn.tie and p > 1 and offer[0] != offer[-1]:
+            bw = gbps(int(offer[0]), int(offer[-1])) / 8.0 * C.NETWORK_EFFICIENCY / max(int(tp[0]), int(tp[-1]))
+            t = float(ring_allreduce_s(mn.vocab * mn.h / int(tp[-1]) * mn.grad_bytes_per_value, 2.0, bw))
+            tied[-1] = max(tied[-1], t)
+
+    def _value(self, r: int, mb: int, setting: int, blocks: list[tuple[int, int, int]], layers: IntArray,
+               step: float) -> Pipeline | None:
+        ctx = self.ctx
+        offers = ctx.pool.offers
+        n = {o: r * t * k for o, t, k in blocks}
+        lam = sum(k * offers[o].interruptions_per_hour for o, k in n.items())
+        nodes = sum(math.ceil(k / offers[o].devices_per_node) for o, k in n.items())
+        factor = float(spot_factor_of(ctx, np.asarray(lam, dtype=float), np.asarray(nodes, dtype=float)))
+        if not math.isfinite(factor):
+            return None
+        tps_eff = ctx.batch * ctx.seq_len / step / factor
+        price = float(sum(k * self.price[o] for o, k in n.items()))
+        power = float(sum(k * self.power[o] for o, k in n.items()))
+        hours = self.tokens / tps_eff / 3600.0
+        total = float(sum(k * self.price[o] * billed_hours(np.asarray(hours), offers[o].billing_granularity_s)
+                          for o, k in n.items()))
+        if not bool(within(ctx.limits, price, power, hours, total)):
+            return None
+        value = float(score(ctx.job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
+                            np.asarray(hours)))
+        return Pipeline(setting, r, mb, tuple(blocks), tuple(int(x) for x in layers), step, price, power, hours,
+                        total, value)
+
+    # ---- the walk over offers ----------------------------------------------------------------------------
+    def family(self, r: int, mb: int, setting: int, kinds: _Kinds) -> None:
+        m = self.ctx.batch // (r * mb)
+        offers = [int(o) for o in np.unique(kinds.offer)]
+        # per open offer: its best layer rate (stages per unit τ) and most layers, over its kinds
+        rate = {o: float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers}
+        reach = {o: float((kinds.kmax * kinds.cap)[kinds.offer == o].max()) for o in offers}
+        amin_open = {o: float(kinds.a[kinds.offer == o].min()) for o in offers}
+        max_stages = min(self.total, self.ctx.job.search.max_pipeline_stages or self.total)
+
+        # a chosen block: (offer, tp, stages, per-layer time, layers per stage at most, p2p, optimizer step)
+        def walk(level: int, chosen: list[tuple[int, int, int, float, int, float, float]]) -> None:
+            if self.leaves >= MAX_LEAVES:
+                return
+            accs = {self.accs[c[0]] for c in chosen}
+            if level == len(offers):
+                if len(accs) >= 2:
+                    self.leaf(r, mb, setting, [(o, t, k) for o, t, k, *_ in chosen])
+                return
+            o = offers[level]
+            open_ = offers[level + 1:]
+            used = sum(c[2] for c in chosen)
+            # children: leave the offer out, or one of its (tp, k) blocks
+            kid_t, kid_k, kid_a, kid_cap, kid_j = [0], [0], [np.inf], [0], [0]
+            if self.accs[o] not in accs:
+                sel = np.flatnonzero(kinds.offer == o)
+                for j in sel:
+                    for k in range(1, min(int(kinds.kmax[j]), max_stages - used) + 1):
+                        kid_t.append(int(kinds.tp[j]))
+                        kid_k.append(k)
+                        kid_a.append(float(kinds.a[j]))
+                        kid_cap.append(int(kinds.cap[j]))
+                        kid_j.append(int(j))
+            kt, kk = np.array(kid_t), np.array(kid_k, dtype=np.float64)
+            ka, kc = np.array(kid_a), np.array(kid_cap, dtype=np.float64)
+            kp, ko = kinds.p2p[kid_j], kinds.opt[kid_j]
+            nk = kt.size
+            # columns: the chosen blocks, the child's block, the open offers' envelopes
+            ch_k = np.array([float(c[2]) for c in chosen])
+            ch_a = np.array([c[3] for c in chosen])
+            ch_cap = np.array([float(c[4]) for c in chosen])
+            op_r = np.array([rate[q] for q in open_])
+            op_c = np.array([reach[q] for q in open_])
+            op_a = np.array([amin_open[q] for q in open_])
+
+            def cols(fixed: FloatArray, child: FloatArray, rest: FloatArray) -> FloatArray:
+                """(children, columns): the chosen blocks, the child's block, the open offers."""
+                return np.hstack([np.tile(fixed, (nk, 1)), np.asarray(child, dtype=np.float64)[:, None],
+                                  np.tile(rest, (nk, 1))])
+
+            child_a = np.where(kk > 0, ka, 1.0)
+            slope = cols(ch_k / ch_a, np.where(kk > 0, kk / child_a, 0.0), op_r)
+            lim = cols(ch_k * ch_cap, kk * kc, op_c)
+            cost = cols(ch_a, np.where(kk > 0, ka, 0.0), op_a)
+            mand = cols(ch_k, kk, np.zeros(len(open_)))
+            tau = _tau_lb(slope, lim, self.total, mand)
+            a_chosen = max([c[3] for c in chosen], default=0.0)
+            tau = np.maximum(tau, np.where(kk > 0, np.maximum(a_chosen, ka), a_chosen))
+            core = _core_lb(m - 1.0, tau, cost, slope, lim, mand, self.total)
+            price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
+            power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
+            price = price0 + np.where(kk > 0, r * kt * kk * self.price[o], 0.0)
+            power = power0 + np.where(kk > 0, r * kt * kk * self.power[o], 0.0)
+            p2p = np.maximum(max([c[5] for c in chosen], default=0.0), np.where(kk > 0, kp, 0.0))
+            opt = np.maximum(max([c[6] for c in chosen], default=0.0), np.where(kk > 0, ko, 0.0))
+            b = self.bound(m, mb, core, used + kk, p2p, opt, price, power)
+            self.stats.pipeline_nodes += nk
+            for i in np.argsort(-b, kind="stable"):
+                if b[i] <= self.best_value:
+                    break
+                if self.leaves >= MAX_LEAVES:
+                    self.gap_bound = max(self.gap_bound, float(b[i]))
+                    return
+                nxt = chosen if kk[i] == 0 else [*chosen, (o, int(kt[i]), int(kk[i]), float(ka[i]), int(kc[i]),
+                                                           float(kp[i]), float(ko[i]))]
+                walk(level + 1, nxt)
+
+        walk(0, [])
+
+
+def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
+    """The best heterogeneous pipeline whose objective beats ``incumbent`` (None if none does)."""
+    job = ctx.job
+    pool = ctx.pool
+    so = job.search
+    total = int(ctx.spec.num_layers)
+    caps = space.offer_caps(pool.offers, ctx.budget_per_hour)
+    if len({o.accelerator for o, c in zip(pool.offers, caps, strict=True) if c > 0}) < 2:
+        return None
+    tps = [[t for t in space.tp_degrees(ctx.spec, o.devices_per_node, max(c, 0))
+            if so.max_tp is None or t <= so.max_tp] for o, c in zip(pool.offers, caps, strict=True)]
+    mbs = [job.train.micro_batch] if job.train.micro_batch else [x for x in space.MICRO_BATCHES if x <= ctx.batch]
+    sets = [i for i, st in enumerate(ctx.settings) if st.zero_stage <= 1]
+    max_stages = min(total, so.max_pipeline_stages or total)
+    s = _Search(ctx, incumbent, stats)
+    fams: list[tuple[float, int, int, int, _Kinds]] = []
+    for mb in mbs:
+        for r in range(1, ctx.batch // mb + 1):
+            if (ctx.batch // mb) % r or r > max(caps):
+                continue
+            for si in sets:
+                kinds = _kinds(ctx, r, mb, si, caps, tps, total, max_stages)
+                if len({s.accs[int(o)] for o in kinds.offer}) < 2:
+                    continue
+                # the family's bound: every offer at its best block
+                offers = np.unique(kinds.offer)
+                sl = np.array([[float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers]])
+                li = np.array([[float((kinds.kmax * kinds.cap)[kinds.offer == o].max()) for o in offers]])
+                tau = _tau_lb(sl, li, total, np.zeros_like(sl))
+                cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
+                m = ctx.batch // (r * mb)
+                core = _core_lb(m - 1.0, tau, cost, sl, li, np.zeros_like(sl), total)
+                fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1))
+                fams.append((float(fb[0]), r, mb, si, kinds))
+    stats.pipeline_families += len(fams)
+    fams.sort(key=lambda f: -f[0])
+    for bound, r, mb, si, kinds in fams:
+        if bound <= s.best_value:
+            break
+        if s.leaves >= MAX_LEAVES:
+            s.gap_bound = max(s.gap_bound, bound)
+            break
+        s.family(r, mb, si, kinds)
+    stats.pipeline_leaves += s.leaves
+    if s.leaves >= MAX_LEAVES and s.gap_bound > s.best_value:
+        stats.pipelines_proven = False
+        ref = s.best_value
+        stats.bound_gap = max(stats.bound_gap, abs(s.gap_bound - ref) / abs(ref) if ref and math.isfinite(ref)
+                              else math.inf)
+    return s.best
