@@ -236,6 +236,36 @@ def _core_lb(w: float, tau_lb: FloatArray, cost: FloatArray, slope: FloatArray, 
     return np.where(np.isfinite(tau_lb) & (need >= -1e-9), best, np.inf)
 
 
+PRICE_GRID = 40
+"""Points of the grid over the open offers' share in :func:`_per_price_ub`."""
+
+
+def _per_price_ub(m: int, total: int, seqs: float, rate_c: FloatArray, price_c: FloatArray, fixed: FloatArray,
+                  r_open: float, e_open: float) -> FloatArray:
+    """Upper bound of tokens/s per unit of price of any pipeline completing a node.
+
+    The step is at least ``(m - 1) L / R + c`` (``R = Σ 1/a`` over the stages, the layer rate: the bottleneck
+    is at least ``L / R``; ``c = fixed``: every layer once at the cheapest per-layer time, the optimizer step
+    and the sends), so tokens/s ≤ ``seqs · m · R / ((m - 1) L + c R)`` (``seqs = r mb seq``).
+    The open offers add a rate ``x ∈ [0, r_open]`` at a price of at least ``x / e_open``; on each step
+    ``[x_j, x_{j+1}]`` of a grid the ratio is at most its numerator at ``x_{j+1}`` over its denominator at
+    ``x_j`` (both grow with ``x``)."""
+    xs = np.r_[0.0, r_open * np.geomspace(1e-4, 1.0, PRICE_GRID)] if r_open > 0 else np.zeros(1)
+    lo, hi = xs[:-1] if xs.size > 1 else xs, xs[1:] if xs.size > 1 else xs
+    rc, pc, c = rate_c[:, None], price_c[:, None], fixed[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        add_price = lo[None, :] / e_open if e_open > 0 else np.where(lo[None, :] > 0, np.inf, 0.0)
+        num = seqs * m * (rc + hi[None, :])
+        den = ((m - 1.0) * total + c * (rc + lo[None, :])) * (pc + add_price)
+        ratio = np.where(den > 0, num / den, np.inf)
+        ratio = np.where(np.isnan(ratio), np.inf, ratio)
+        out = ratio.max(axis=1)
+        # nothing chosen yet: every stage comes from the open offers, rate per price at most e_open
+        empty = (rate_c <= 0) & (price_c <= 0)
+        out = np.where(empty, seqs * m * e_open / ((m - 1.0) * total) if m > 1 else np.inf, out)
+    return np.asarray(out, dtype=np.float64)
+
+
 class _Search:
     """One search over heterogeneous pipelines (shared incumbent across families)."""
 
@@ -436,6 +466,7 @@ class _Search:
         # tokens/s per unit of price: the step is at least m L / Σ(1/a) over the stages, so tokens/s is at
         # most K Σ(1/a) with K = r mb seq / L, and a stage of kind (o, t) costs r t price_o
         k_rate = r * mb * self.ctx.seq_len / self.total
+        a_least = float(kinds.a.min())
         with np.errstate(divide="ignore"):
             eff = {o: float((1.0 / (kinds.a * r * kinds.tp * self.price[o]))[kinds.offer == o].max()) for o in offers}
         max_stages = min(self.total, self.ctx.job.search.max_pipeline_stages or self.total)
@@ -496,11 +527,9 @@ class _Search:
             rate_c = sum(c[2] / c[3] for c in chosen) + np.where(kk > 0, kk / child_a, 0.0)
             r_open = float(sum(rate[q] for q in open_))
             e_open = max([eff[q] for q in open_], default=0.0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                at_none = np.where(price > 0, rate_c / price, np.where(rate_c > 0, np.inf, e_open))
-                at_all = ((rate_c + r_open) / (price + r_open / e_open) if r_open > 0 and e_open > 0
-                          else at_none)
-            per_price = k_rate * np.maximum(at_none, np.where(np.isfinite(at_all), at_all, np.inf))
+            fixed = self.total * a_least + opt + 2.0 * (m + np.maximum(used + kk, 2.0) - 1.0) * np.maximum(
+                mb * self.hop_s_per_sequence, p2p)
+            per_price = _per_price_ub(m, self.total, k_rate * self.total, rate_c, price, fixed, r_open, e_open)
             b = self.bound(m, mb, core, used + kk, p2p, opt, price, power, per_price)
             self.stats.pipeline_nodes += nk
             self.nodes += nk
@@ -549,7 +578,11 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
                 cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
                 m = ctx.batch // (r * mb)
                 core = _core_lb(m - 1.0, tau, cost, sl, li, np.zeros_like(sl), total)
-                fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1))
+                with np.errstate(divide="ignore"):
+                    per_price = r * mb * ctx.seq_len / total * float(
+                        (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())
+                fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1),
+                             np.array([per_price]))
                 fams.append((float(fb[0]), r, mb, si, kinds))
     stats.pipeline_families += len(fams)
     fams.sort(key=lambda f: -f[0])
