@@ -8,8 +8,10 @@ worst relative error (target |error| <= 0.05), each case is listed with its part
 Where the bytes are measured: parameters at every block's forward (after FSDP gathered it) and after each
 backward — sharded storage always, plus the gathered copies alive at that moment; gradients after each
 backward (accumulated whole gradients under ZeRO-1, shards after the reduce-scatter); optimizer state after
-the step. Each part's maximum over the step is its peak. FSDP2's gathered copies are read from its
-parameter state (``FSDPParam.sharded_state``), the only place that says which are alive.
+the step (a ZeRO-1 optimizer's ``state`` is its own partition's). Each part's maximum over the step is its
+peak. A part's bytes are those of the storages behind its tensors, each storage counted once (what is
+allocated: padding, and FSDP2's one all-gather buffer per unit, counted as such). FSDP2's gathered copies
+are read from its parameter state (``FSDPParam.sharded_state``), the only place that says which are alive.
 
 ``tp2_vs_dp2`` and ``zero3_vs_dp2``: training throughput of TP 2 (one replica) and of ZeRO-3 over 2 ranks,
 each divided by plain data parallelism over the same 2 ranks (gradient all-reduce), same model and global
@@ -53,13 +55,20 @@ STATE_CASES = {"zero0": {"zero_stage": 0}, "zero1": {"zero_stage": 1}, "zero3": 
 THROUGHPUT_CASES = {"dp2": {"zero_stage": 0}, "tp2": {"tp": 2}, "zero3": {"zero_stage": 3}}
 
 
-def _local_bytes(t: torch.Tensor | None) -> int:
+def _allocated(tensors: Any) -> int:
+    """Bytes of the storages behind ``tensors`` (a DTensor's local shard), each storage counted once: what is
+    allocated, padding and shared flat buffers included (FSDP2's shards are views of padded buffers, its
+    gathered parameters views of one all-gather buffer per unit; a freed one has 0 bytes)."""
     from torch.distributed.tensor import DTensor
 
-    if t is None:
-        return 0
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 class StateMeter:
@@ -80,18 +89,18 @@ class StateMeter:
 
         if not self.fsdp_params:
             params = list(self.model.parameters())
-            return sum(_local_bytes(p) for p in params), sum(_local_bytes(p.grad) for p in params)
-        p_bytes = g_bytes = 0
+            return _allocated(params), _allocated(p.grad for p in params)
+        params, grads = [], []
         for fp in self.fsdp_params:
-            p_bytes += _local_bytes(fp.sharded_param)
-            g_bytes += _local_bytes(fp.sharded_param.grad)
+            params.append(fp.sharded_param)
+            grads.append(fp.sharded_param.grad)
             if fp.sharded_state == ShardedState.UNSHARDED:
-                p_bytes += _local_bytes(fp.unsharded_param)
+                params.append(fp.unsharded_param)
             if fp.unsharded_accumulated_grad is not None:
-                g_bytes += _local_bytes(fp.unsharded_accumulated_grad)
+                grads.append(fp.unsharded_accumulated_grad)
             elif fp.sharded_state == ShardedState.UNSHARDED:
-                g_bytes += _local_bytes(fp.unsharded_param.grad)
-        return p_bytes, g_bytes
+                grads.append(fp.unsharded_param.grad)
+        return _allocated(params), _allocated(grads)
 
     def sample(self) -> None:
         """Record the parameter and gradient bytes alive now."""
@@ -100,9 +109,10 @@ class StateMeter:
         self.peak["grads"] = max(self.peak["grads"], g)
 
     def sample_optimizer(self) -> None:
-        """Record the optimizer state bytes (after a step)."""
-        total = sum(_local_bytes(v) for s in self.optimizer.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        """Record the optimizer state bytes (after a step): the state this rank's optimizer holds (a ZeRO-1
+        optimizer's ``state`` is its own partition's)."""
+        total = _allocated(v for s in self.optimizer.state.values() for v in s.values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0)
         self.peak["optimizer"] = max(self.peak["optimizer"], total)
 
 
@@ -119,7 +129,7 @@ def _run_case(env: Any, variant: dict[str, Any], steps: int, measure: bool) -> d
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     pm = parallelize(build_model(MODEL, seed=0), config, mesh)
     model = pm.model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    opt = pm.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
     meter = StateMeter(model, opt) if measure else None
     if meter is not None:
         for block in decoder_blocks(model)[1]:

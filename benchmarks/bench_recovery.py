@@ -13,6 +13,8 @@
   raylets, one rank each), the node of rank 1 removed once checkpoint KILL_STEP - KILL_STEP % INTERVAL is
   committed -> first completed step after the supervisor re-planned on the remaining node. Target <= 20 s;
   also as a ratio of that Ray job's cold start (``ray_node_loss_vs_cold_start``). Skipped without Ray.
+- in-place recovery on torchft (``inplace_recovery_s``, ``inplace_lost_steps``, ``join_s``,
+  ``inplace_vs_restart_goodput``): see ``benchmarks/_inplace.py``; ``restart_recovery_s`` is ``recovery_s``.
 - ``save_vs_disk_ratio``: synchronous save throughput (bytes / time to a committed checkpoint, fsync,
   checksums and manifest included) / plain sequential write speed of the same disk (write + fsync)
   measured in the same run. Target >= 0.5.
@@ -31,6 +33,7 @@ import time
 import warnings
 from pathlib import Path
 
+from _inplace import bench_inplace
 from starverse.runtime.callbacks import Callback
 
 warnings.filterwarnings("ignore")
@@ -308,6 +311,7 @@ def main() -> None:
         notice = bench_recovery(tmp, signal.SIGTERM)
         save = bench_save(tmp)
         node = bench_ray_node_loss(tmp)
+        inplace = bench_inplace(tmp)
     out = {
         "recovery_s": round(hard["recovery_s"], 2),
         "recovery_target_s": 15.0,
@@ -339,7 +343,9 @@ def main() -> None:
             "ray_attempts": node["ray_attempts"],
             "ray_lost_steps": node["ray_lost_steps"],
         })
-    out["inplace_recovery_s"] = "not measured: in-place recovery (torchft) is not built"
+    out["restart_recovery_s"] = out["recovery_s"]
+    out.update(inplace)
+    out["cpu_load_1min_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out))
 
 

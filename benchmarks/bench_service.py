@@ -5,7 +5,14 @@
   plan (examples/quickstart job + pool). ``status_p99_ms`` (target <= 50), ``plan_p99_s`` (target <= 2) and
   ``errors`` (target 0), beside the same calls made in-process in the same run (``status_inprocess_p99_ms``,
   ``plan_inprocess_p99_s``) and their ratios (``status_overhead_ratio``, ``plan_overhead_ratio``): what HTTP,
-  auth and the server add.
+  auth and the server add. The clients run in a separate process (``service_loadgen.py``: asyncio, raw
+  keep-alive connections) so the figures are the server's, not a thread-per-client generator's. The server
+  runs as shipped: the plan cache answers the repeated quickstart request after its first search; a second
+  phase of ``--uncached-seconds`` (15) with ``serve --plan-cache 0`` gives the ``uncached_*`` figures, where
+  every plan request is a search (5 clients queue on one planner process, so its p99 is ~5 searches).
+  ``server_cpu_ms_per_request`` (the server process's CPU time over the phase / requests answered) and the
+  machine's 1-minute load average before and after say how much of a latency is the server's own work and
+  how much is waiting for a CPU on a shared machine.
 - Restart: the server is SIGKILLed while 3 jobs run and 2 wait, then started again: ``jobs_lost`` (jobs that
   did not finish; target 0), ``jobs_run_twice`` (a second fresh start, or two launches of one job alive at
   once; target 0) and ``recovered_s`` (kill -> every job that was running has been relaunched by the new
@@ -22,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,12 @@ def p99(xs: list[float]) -> float | None:
         return None
     s = sorted(xs)
     return s[min(len(s) - 1, int(0.99 * len(s)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -74,9 +86,9 @@ def setup(root: Path) -> tuple[Any, str]:
     return settings, token
 
 
-def start_server(root: Path, port: int, slots: int) -> subprocess.Popen[bytes]:
+def start_server(root: Path, port: int, slots: int, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
     cmd = [str(Path(sys.executable).parent / "starverse"), "serve", "--root", str(root), "--port", str(port),
-           "--slots", str(slots)]
+           "--slots", str(slots), *(extra or [])]
     log = (root / f"serve-{time.time():.0f}.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -102,66 +114,72 @@ def quickstart() -> dict[str, Any]:
             "pool_yaml": (REPO / "examples/quickstart/pool.yaml").read_text(), "top": 5}
 
 
-def bench_load(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    settings, token = setup(tmp / "load" / "root")
+def load_phase(settings: Any, token: str, tmp: Path, *, seconds: float, plan_cache: int,
+               args: argparse.Namespace) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """One server (no worker: the status of a queued job) under the load generator for ``seconds``; returns
+    the job id, the request body of the plans and the generator's result."""
     port = free_port()
-    server = start_server(settings.root, port, slots=0)  # no worker: the status of a queued job
+    server = start_server(settings.root, port, slots=0, extra=["--plan-cache", str(plan_cache)])
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {token}"}
     try:
         jid = httpx.post(f"{base}/api/jobs", headers=headers, json={"job": job(5, 5)}, timeout=60).json()["id"]
         body = quickstart()
         httpx.post(f"{base}/api/plan", headers=headers, json=body, timeout=120)  # warm the catalog and planner
-        status_ms: list[float] = []
-        plan_s: list[float] = []
-        errors = 0
-        lock = threading.Lock()
-        stop_at = time.monotonic() + args.seconds
-
-        def client(is_plan: bool) -> None:
-            nonlocal errors
-            with httpx.Client(base_url=base, headers=headers, timeout=60) as c:
-                for _ in range(args.max_requests):
-                    if time.monotonic() >= stop_at:
-                        return
-                    t0 = time.perf_counter()
-                    try:
-                        r = c.post("/api/plan", json=body) if is_plan else c.get(f"/api/jobs/{jid}")
-                        ok = r.status_code == 200 and (not is_plan or r.json().get("feasible"))
-                    except httpx.HTTPError:
-                        ok = False
-                    dt = time.perf_counter() - t0
-                    with lock:
-                        if not ok:
-                            errors += 1
-                        elif is_plan:
-                            plan_s.append(dt)
-                        else:
-                            status_ms.append(dt * 1e3)
-
-        threads = [threading.Thread(target=client, args=(i < args.plan_clients,)) for i in range(args.clients)]
-        t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.monotonic() - t0
+        spec = {"host": "127.0.0.1", "port": port, "token": token, "job_id": jid, "plan_body": body,
+                "clients": args.clients, "plan_clients": args.plan_clients, "seconds": seconds,
+                "max_requests": args.max_requests}
+        spec_path = tmp / f"loadgen-{plan_cache}.json"
+        spec_path.write_text(json.dumps(spec))
+        load0, cpu0 = os.getloadavg()[0], cpu_seconds(server.pid)
+        gen = subprocess.run([sys.executable, str(Path(__file__).with_name("service_loadgen.py")), str(spec_path)],
+                             capture_output=True, text=True, timeout=seconds + 300)
+        if gen.returncode != 0:
+            raise RuntimeError(f"load generator failed: {gen.stderr[-2000:]}")
+        res: dict[str, Any] = json.loads(gen.stdout)
+        # the server's own CPU time per request: what it costs, whatever else the machine is running
+        n = len(res["status_s"]) + len(res["plan_s"])
+        res["server_cpu_ms_per_request"] = round((cpu_seconds(server.pid) - cpu0) * 1e3 / max(1, n), 3)
+        res["load_average_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        return jid, body, res
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
-    inproc = bench_inprocess(settings, jid, body, n_status=200, n_plan=5)
+
+
+def figures(res: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """p99 and median of the status (ms) and plan (s) latencies of one load phase."""
+    status_ms = [x * 1e3 for x in res["status_s"]]
+    plan_s: list[float] = res["plan_s"]
     sp, pp = p99(status_ms), p99(plan_s)
-    return {
-        "clients": args.clients, "plan_clients": args.plan_clients, "load_wall_s": round(wall, 2),
-        "status_requests": len(status_ms), "plan_requests": len(plan_s), "errors": errors,
-        "status_p99_ms": None if sp is None else round(sp, 2),
-        "status_median_ms": round(statistics.median(status_ms), 2) if status_ms else None,
-        "plan_p99_s": None if pp is None else round(pp, 3),
-        "plan_median_s": round(statistics.median(plan_s), 3) if plan_s else None,
-        **inproc,
-        "status_overhead_ratio": round(sp / inproc["status_inprocess_p99_ms"], 2) if sp else None,
-        "plan_overhead_ratio": round(pp / inproc["plan_inprocess_p99_s"], 2) if pp else None,
-    }
+    return {f"{prefix}status_requests": len(status_ms), f"{prefix}plan_requests": len(plan_s),
+            f"{prefix}errors": res["errors"], f"{prefix}error_samples": res["failures"],
+            f"{prefix}status_p99_ms": None if sp is None else round(sp, 2),
+            f"{prefix}status_median_ms": round(statistics.median(status_ms), 2) if status_ms else None,
+            f"{prefix}plan_p99_s": None if pp is None else round(pp, 3),
+            f"{prefix}plan_median_s": round(statistics.median(plan_s), 3) if plan_s else None,
+            f"{prefix}server_cpu_ms_per_request": res["server_cpu_ms_per_request"],
+            f"{prefix}load_average_1min": res["load_average_1min"]}
+
+
+def bench_load(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    settings, token = setup(tmp / "load" / "root")
+    jid, body, res = load_phase(settings, token, tmp, seconds=args.seconds, plan_cache=256, args=args)
+    out: dict[str, Any] = {
+        "load_generator": "its own process (benchmarks/service_loadgen.py): one asyncio loop, one raw HTTP/1.1 "
+                          "keep-alive connection per client, closed loop without think time",
+        "clients": args.clients, "plan_clients": args.plan_clients, "load_wall_s": round(res["wall_s"], 2),
+        **figures(res)}
+    if args.uncached_seconds > 0:
+        # the same load with the plan cache off: every plan request is a search in the planner process
+        _, _, res = load_phase(settings, token, tmp, seconds=args.uncached_seconds, plan_cache=0, args=args)
+        out.update({"uncached_load_wall_s": round(res["wall_s"], 2), **figures(res, "uncached_")})
+    inproc = bench_inprocess(settings, jid, body, n_status=200, n_plan=5)
+    sp, pp = out["status_p99_ms"], out["plan_p99_s"]
+    out.update({**inproc,
+                "status_overhead_ratio": round(sp / inproc["status_inprocess_p99_ms"], 2) if sp else None,
+                "plan_overhead_ratio": round(pp / inproc["plan_inprocess_p99_s"], 2) if pp else None})
+    return out
 
 
 def bench_inprocess(settings: Any, jid: str, body: dict[str, Any], n_status: int, n_plan: int) -> dict[str, Any]:
@@ -263,6 +281,8 @@ def main() -> None:
     ap.add_argument("--plan-clients", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--max-requests", type=int, default=2000, help="per client")
+    ap.add_argument("--uncached-seconds", type=float, default=15.0,
+                    help="a second load phase this long with the server's plan cache off (0: skip it)")
     ap.add_argument("--steps", type=int, default=30, help="steps of each restart-test job")
     ap.add_argument("--skip-restart", action="store_true")
     ap.add_argument("--skip-load", action="store_true")

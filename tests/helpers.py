@@ -9,11 +9,14 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from starverse.runtime.callbacks import Callback
 
 VOCAB, SEQ = 48, 16
 """Vocabulary of :class:`TinyLM` and the sequence length :func:`ramp_tokens` is sized for."""
@@ -27,6 +30,18 @@ TINY = {
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
 }
 """A one-layer llama config.json that trains in seconds on CPU ranks."""
+
+
+class SleepyRank(Callback):
+    """Rank ``rank`` takes ``seconds`` longer per micro-batch: far above scheduling noise on a busy machine, so
+    the rebalance this test needs happens for sure (``starverse.testing.SlowRank`` scales a few ms instead)."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+
+    def on_micro_batch_end(self, ctx, compute_s):
+        if ctx.rank == self.rank:
+            time.sleep(self.seconds)
 
 
 class TinyLM(torch.nn.Module):

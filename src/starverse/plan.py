@@ -65,6 +65,11 @@ class TrainSpec(FrozenModel):
     grad_reduce_fp32: bool = False
     """Gradients are accumulated and all-reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``,
     the default of its bf16 runs): twice the data-parallel traffic of 16-bit reduction."""
+    sync_micro_steps: bool = False
+    """The framework synchronises the device around every micro-batch's forward and backward (DeepSpeed's
+    pipeline engine with ``wall_clock_breakdown: true`` times each micro-step with ``torch.cuda.synchronize``):
+    the host's kernel-launch time per layer is then not hidden behind the device's work
+    (``constants.HOST_OVERHEAD_PER_LAYER_S``)."""
     tokens: float | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
     steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)

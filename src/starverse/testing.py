@@ -52,3 +52,43 @@ class KillRank(Callback):
         """Send the signal to this process when the step is reached on the chosen rank."""
         if ctx.rank == self.rank and ctx.step == self.step:
             os.kill(os.getpid(), self.signal)
+
+
+@dataclass
+class KillReplicaMidStep(Callback):
+    """In-place recovery runs: SIGKILL replica ``replica`` in the middle of step ``step`` (after its first
+    micro-batch's backward, before the gradient all-reduce: the step is in flight on every replica).
+
+    A replica is known by ``$RANK`` (set by the launcher in each rank process); ``on_micro_batch_end`` runs on
+    every replica (other hooks of an in-place run only on the leader). A replacement started for the same rank
+    is not killed again (``$STARVERSE_JOINER``)."""
+
+    replica: int
+    """The replica (rank) to kill."""
+    step: int
+    """The step (1-based) during which it dies."""
+
+    def on_micro_batch_end(self, ctx: TrainContext, compute_s: float) -> None:
+        """Die when the chosen replica is computing the chosen step."""
+        if (int(os.environ.get("RANK", "-1")) == self.replica and ctx.step + 1 == self.step
+                and not os.environ.get("STARVERSE_JOINER")):
+            os.kill(os.getpid(), _signal.SIGKILL)
+
+
+@dataclass
+class WaitForReplicas(Callback):
+    """In-place recovery runs: after step ``after_step``, slow every micro-batch (``pause_s``) while fewer than
+    ``replicas`` replicas took part in the last step, so that a replacement has time to join before the run
+    ends (tests of joining; bounded by the job's timeout)."""
+
+    replicas: int
+    """Replicas to wait for."""
+    after_step: int
+    """Wait only after this step (the loss happens before it)."""
+    pause_s: float = 0.2
+    """Sleep per micro-batch while waiting."""
+
+    def on_micro_batch_end(self, ctx: TrainContext, compute_s: float) -> None:
+        """Pause while the last step had fewer participants than wanted."""
+        if ctx.step >= self.after_step and len(ctx.metrics.shares) < self.replicas:
+            time.sleep(self.pause_s)

@@ -9,30 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import SEQ, TinyLM, reference_training
+from helpers import SEQ, SleepyRank, TinyLM, reference_training
 from helpers import ramp_tokens as _tokens
-from starverse.runtime.callbacks import Callback
 from starverse.runtime.cluster import Cluster, local_plan
-from starverse.runtime.data import DeterministicSampler, PackedDataset
+from starverse.runtime.data import PackedDataset
 from starverse.runtime.launch import RankSpec
-from starverse.runtime.steps import batch_loss, make_optimizer, make_schedule
+from starverse.runtime.steps import batch_loss
 from starverse.runtime.trainer import Trainer
 
 MB, GB, STEPS = 2, 16, 6
-
-
-class SleepyRank(Callback):
-    """Rank ``rank`` takes ``seconds`` longer per micro-batch: far above scheduling noise on a busy machine, so
-    the rebalance this test needs happens for sure (``starverse.testing.SlowRank`` scales a few ms instead)."""
-
-    def __init__(self, rank: int, seconds: float):
-        self.rank, self.seconds = rank, seconds
-
-    def on_micro_batch_end(self, ctx, compute_s):
-        if ctx.rank == self.rank:
-            import time
-
-            time.sleep(self.seconds)
 
 
 def _reference(model: torch.nn.Module, trainer: Trainer) -> tuple[list[float], dict[str, torch.Tensor]]:

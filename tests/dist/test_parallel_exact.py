@@ -1,4 +1,4 @@
-"""Tensor parallel, ZeRO 1/2/3 (FSDP2), offload, recompute and TP x ZeRO on a 2-D mesh are exact.
+"""Tensor parallel, ZeRO 1 (sharded optimizer) and 2/3 (FSDP2), offload, recompute and TP x ZeRO on a 2-D mesh are exact.
 
 K = 2 optimizer steps (the second uses Adam state) on CPU ranks (gloo, fp32) give the same losses and weights
 as one process training the same model on the same global batches with a plain loop written here (no
@@ -76,7 +76,7 @@ def _train(env, variants):
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         pm = parallelize(build_model(cfg, seed=0), config, mesh)
         model = pm.model
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+        opt = pm.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False))
         per_replica = GB // dp
         mb = per_replica // MICRO
         losses = []
@@ -123,7 +123,8 @@ def _check(results, variants):
 TWO_RANKS = [
     {"tp": 2},
     {"tp": 2, "sequence_parallel": True, "recompute": "selective"},
-    {"zero_stage": 1},
+    {"zero_stage": 1},  # ZeroRedundancyOptimizer: state sharded, parameters and gradients whole
+    {"zero_stage": 1, "offload": "optimizer"},  # FSDP2 with the sync held to the last micro-batch
     {"zero_stage": 2},
     {"zero_stage": 3, "recompute": "full"},
     {"zero_stage": 3, "offload": "optimizer+params"},
@@ -133,7 +134,7 @@ TWO_RANKS = [
 FOUR_RANKS = [
     {"tp": 2},  # TP 2 x plain DP 2: the replicas' TP shards summed by sync_gradients
     {"tp": 2, "zero_stage": 3},
-    {"tp": 2, "zero_stage": 1, "sequence_parallel": True, "recompute": "full"},
+    {"tp": 2, "zero_stage": 1, "sequence_parallel": True, "recompute": "full"},  # DTensor shards broadcast
 ]
 
 

@@ -61,12 +61,15 @@ def _logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def _reference(model: torch.nn.Module, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole global batch per step, plain torch."""
+def _reference(
+    model: torch.nn.Module, steps: int = STEPS, data: PackedDataset | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole global batch per step, plain torch. ``data`` with labels (chat): the loss is over
+    the labelled next tokens only."""
     model = copy.deepcopy(model)
     model.train()
-    tokens = np.concatenate([t.numpy() for t in _tokens()]).astype(np.int32)
-    data = PackedDataset(tokens, SEQ)
+    if data is None:
+        data = PackedDataset(np.concatenate([t.numpy() for t in _tokens()]).astype(np.int32), SEQ)
     sampler = DeterministicSampler(len(data), seed=0)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -82,9 +85,12 @@ def _reference(model: torch.nn.Module, steps: int = STEPS) -> tuple[list[float],
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     losses = []
     for _ in range(steps):
-        x = torch.from_numpy(data.batch(sampler.next_indices(GB))).long()
+        idx = sampler.next_indices(GB)
+        x = torch.from_numpy(data.batch(idx)).long()
+        labels = data.batch_labels(idx)
+        y = x if labels is None else torch.from_numpy(labels)
         logits = _logits(model, x)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), y[:, 1:].reshape(-1), ignore_index=-100)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), CLIP)
         opt.step()
@@ -98,7 +104,7 @@ def _fit(tmp_path, model, plan: Plan, kinds: list[str], steps: int = STEPS, **kw
     ranks = tuple(RankSpec(r, k, "cpu", num_threads=1) for r, k in enumerate(kinds))
     trainer = Trainer(Cluster(plan=plan, ranks=ranks), run_dir=tmp_path, lr=LR, warmup_steps=WARMUP, grad_clip=CLIP,
                       weight_decay=WD, timeout_s=240, **kw.pop("trainer", {}))
-    return trainer.fit(model, dataset=_tokens(), per_device_batch_size=MB, max_steps=steps, seq_len=SEQ,
+    return trainer.fit(model, dataset=kw.pop("dataset", _tokens()), per_device_batch_size=MB, max_steps=steps, seq_len=SEQ,
                        global_batch=GB, **kw)
 
 

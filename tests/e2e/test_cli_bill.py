@@ -89,7 +89,7 @@ def test_check_passes_then_catches_a_doubled_charge(run_dir: Path, tmp_path: Pat
     assert res.returncode == 0 and "OK (1 jobs, 2 leases, 5 charge rows" in res.stdout
     assert json.loads(run(str(run_dir), "--check", "--json").stdout) == {
         "ledger": str(run_dir / "ledger.sqlite"), "ok": True, "problems": [], "jobs": 1, "leases": 2,
-        "charge_rows": 5}
+        "charge_rows": 5, "payments": 0}
     copy = tmp_path / "ledger.sqlite"
     copy.write_bytes((run_dir / "ledger.sqlite").read_bytes())
     conn = sqlite3.connect(copy)

@@ -32,6 +32,14 @@ def test_plan_quickstart_and_an_infeasible_job(service: Service) -> None:
     assert doc["feasible"] and 1 <= len(doc["plans"]) <= 3 and doc["frontier"]
     assert doc["plans"][0]["rank"] == 1 and doc["chosen"]
     assert doc["plans"][0]["cost_per_hour"] <= 20  # the job's max_budget_per_hour
+    # the same job and pool again, as objects this time: the canonical form is the same, so the answer comes
+    # from the plan cache without a second search; another `top` is another search
+    plans = service.client.app.state.ctx.plans  # type: ignore[attr-defined]
+    same = {"job": yaml.safe_load(body["job_yaml"]), "pool": yaml.safe_load(body["pool_yaml"]), "top": 3}
+    assert service.client.post("/api/plan", headers=h, json=same).json() == doc
+    assert (plans.misses, plans.hits) == (1, 1)
+    assert len(service.client.post("/api/plan", headers=h, json={**same, "top": 1}).json()["plans"]) == 1
+    assert plans.misses == 2
     bad = {"job": {"model": "llama-2-7b", "train": {"seq_len": 4096, "global_batch": 128, "tokens": 2e9},
                    "constraints": {"max_budget_per_hour": 0.1}},
            "pool": {"currency": "USD", "offers": [{"accelerator": "rtx-4090", "count": 2, "price_per_hour": 0.69}]}}

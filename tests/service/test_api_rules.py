@@ -204,9 +204,11 @@ def test_submit_is_refused_without_balance_and_a_top_up_lets_it_in(service: Serv
     broke = service.tenant("broke", credit=Decimal(0))
     r = service.client.post("/api/jobs", headers=broke, json={"job": TINY_JOB})
     assert r.status_code == 402 and "top up" in r.json()["detail"]
-    top_up(service.db, "broke", Decimal("2.5"))
+    top_up(service.db, service.settings, "broke", Decimal("2.5"))
     bal = service.client.get("/api/balance", headers=broke).json()
     assert bal["remaining"] == "2.500000" and [e["kind"] for e in bal["entries"]] == ["topup"]
+    assert [(p["kind"], p["amount"]) for p in service.client.get("/api/bill", headers=broke).json()["payments"]] == [
+        ("topup", "2.500000")]
     assert service.client.post("/api/jobs", headers=broke, json={"job": TINY_JOB}).status_code == 201
     rich = service.tenant("rich")
     assert service.client.get("/api/balance", headers=rich).json()["entries"][0]["kind"] == "signup"

@@ -3,6 +3,7 @@ registrations; bad input is one line and exit code 2."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,14 @@ def test_token_create_topup_and_register(tmp_path: Path, capsys: pytest.CaptureF
     assert client.get("/api/whoami", headers=h).json()["tenant"] == "alice"
     bal = client.get("/api/balance", headers=h).json()
     assert bal["paid_in"] == "17.500000" and [e["kind"] for e in bal["entries"]] == ["signup", "topup"]
+    # the sign-up credit and the top-up are payments in the tenant's billing ledger: `bill` shows them and
+    # `bill --check` verifies them like any ledger
+    tenant_dir = root / "tenants" / client.get("/api/whoami", headers=h).json()["id"]
+    code, out, _ = run(capsys, "bill", str(tenant_dir), "--json")
+    assert code == 0 and [(p["kind"], p["amount"]) for p in json.loads(out)["payments"]] == [
+        ("signup", "5.000000"), ("topup", "12.500000")]
+    code, out, _ = run(capsys, "bill", str(tenant_dir), "--check", "--json")
+    assert code == 0 and json.loads(out)["ok"] and json.loads(out)["payments"] == 2
     names = {(i["name"], i["owner"]) for i in client.get("/api/storage/datasets", headers=h).json()["items"]}
     assert names == {("hello", "platform")}
     # a second token of the same tenant; an expired one is refused

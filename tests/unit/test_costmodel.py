@@ -344,9 +344,33 @@ def test_batch_shares_must_split_into_micro_batches() -> None:
 
 
 def test_geforce_without_peer_to_peer_halves_tp_bandwidth() -> None:
-    dev = DeviceTable.from_catalog(CAT, ["rtx-4090", "l40s"], "bf16")
-    assert dev.intra_node_gb_per_s[0] == CAT.accelerator("rtx-4090").intra_node_gb_per_s / 2
-    assert dev.intra_node_gb_per_s[1] == CAT.accelerator("l40s").intra_node_gb_per_s
+    from starverse.costmodel.constants import PCIE_COLLECTIVE_FRACTION
+
+    dev = DeviceTable.from_catalog(CAT, ["rtx-4090", "l40s", "a100-80gb-sxm"], "bf16")
+    pcie = PCIE_COLLECTIVE_FRACTION
+    assert dev.intra_node_gb_per_s[0] == pytest.approx(CAT.accelerator("rtx-4090").intra_node_gb_per_s * pcie / 2)
+    assert dev.intra_node_gb_per_s[1] == pytest.approx(CAT.accelerator("l40s").intra_node_gb_per_s * pcie)
+    # NVLink nodes keep their link (LINK_EFFICIENCY applies to both)
+    assert dev.intra_node_gb_per_s[2] == CAT.accelerator("a100-80gb-sxm").intra_node_gb_per_s
+
+
+def test_host_overhead_only_where_the_framework_synchronises_per_micro_step() -> None:
+    """DeepSpeed's pipeline engine with wall_clock_breakdown synchronises per micro-step: the host's launch
+    time per layer is added there (fitted constant), nowhere else; smaller micro-batches pay it more often."""
+    from starverse.costmodel.constants import HOST_OVERHEAD_PER_LAYER_S
+
+    spec = gpt(h=1024, layers=24, heads=16, vocab=50304, seq=1024)
+
+    def step(sync: bool, mb: int) -> float:
+        p = parse(Plan, {"model": "llama-2-70b", "train": {"seq_len": 1024, "global_batch": 8, "precision": "fp16",
+                                                          "sync_micro_steps": sync},
+                         "groups": [{"micro_batch": mb, "stages": [{"accelerator": "t4", "tp": 1, "layers": 24}]}]},
+                  "test.yaml")
+        return estimate(p, CAT, spec).step_time_s
+
+    for mb in (1, 8):
+        extra = step(True, mb) - step(False, mb)
+        assert extra == pytest.approx(24 * HOST_OVERHEAD_PER_LAYER_S * (8 // mb), rel=1e-6)
 
 
 def test_fp8_uses_its_own_peak_and_efficiency() -> None:

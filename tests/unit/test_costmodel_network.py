@@ -86,11 +86,11 @@ def test_tied_embeddings_are_all_reduced_between_first_and_last_stage() -> None:
                                 {"accelerator": "titan-rtx", "tp": 1, "layers": 12}]}],
                             "network": {"links": links}}, "t.yaml")
 
-    fast = estimate(pp({"rtx-3090/titan-rtx": 100}), CAT, gpt)
+    fast = estimate(pp({"rtx-3090/titan-rtx": 5}), CAT, gpt)
     slow = estimate(pp({"rtx-3090/titan-rtx": 1}), CAT, gpt)
     # fp16 gradient of the 50257 x 2048 embedding, 2-rank all-reduce (volume 1x) over 1 Gbit/s
     tied = 50257 * 2048 * 2 / (1 / 8 * NETWORK_EFFICIENCY * 1e9)
-    assert slow.breakdown["dp_comm"] - fast.breakdown["dp_comm"] == pytest.approx(tied * (1 - 1 / 100), rel=0.01)
+    assert slow.breakdown["dp_comm"] - fast.breakdown["dp_comm"] == pytest.approx(tied * (1 - 1 / 5), rel=0.01)
 
 
 @pytest.mark.parametrize(("network", "message"), [

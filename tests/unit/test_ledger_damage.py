@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from starverse.billing import EventKind, LeasePricing, Ledger, PricingMode
+from starverse.billing import SCHEMA_VERSION, EventKind, LeasePricing, Ledger, PricingMode
 from starverse.cli import main
 from starverse.errors import BillingError
 
@@ -164,7 +164,7 @@ def test_a_missing_table_is_schema_damage(healthy: Path, tmp_path: Path, capsys:
         c.execute("DROP TABLE charges")
     code, _, err = _bill(["--db", str(path)], capsys)
     assert code == 2
-    assert "ledger is damaged (schema version 4 but no table charges)" in err
+    assert f"ledger is damaged (schema version {SCHEMA_VERSION} but no table charges)" in err
 
 
 def test_check_still_lists_inconsistent_rows_of_a_healthy_file(healthy: Path, tmp_path: Path,

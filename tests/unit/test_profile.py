@@ -118,3 +118,27 @@ def test_probe_model_errors(tmp_path: Path) -> None:
     plan.write_text(plan.read_text().replace("accelerator: cpu", "accelerator: cpu, tp: 2"))
     with pytest.raises(ConfigError, match="tp=2 needs a model family whose layers can be built as one TP shard"):
         probe_model(load_plan(plan), load_model(gpt2), "cpu")
+
+
+def test_batch_path_uses_a_profile_as_the_scalar_estimate_does(tmp_path: Path) -> None:
+    """The planner's batch search (estimate_batch) applies an offer's profile exactly as ``estimate`` applies
+    ``network.profiles``: measured layers, head, optimizer step and intra-node link; other micro-batches stay
+    analytic."""
+    from starverse.costmodel import Candidates, DeviceTable, TrainShape, estimate_batch
+
+    doc = profile_doc(tmp_path, links_gb_per_s={"intra_node": 3.0})
+    plan = load_plan(write_case(tmp_path, doc, layers=4, mb=2, m=3))
+    est = estimate(plan, CAT)
+    prof = load_profile(tmp_path / "prof.json")
+    spec = load_model(TINY | {"num_hidden_layers": 4})
+    shape, train = ModelShape.from_spec(spec), TrainShape.from_train(plan.train)
+    cand = Candidates.make(accelerator=0, tp=1, pp=1, replicas=1, micro_batch=[2, 3], num_micro_batches=[3, 2])
+    measured = estimate_batch(shape, train, DeviceTable.from_accelerators([CAT.accelerator("cpu")], "fp32",
+                                                                         profiles=[prof]), cand)
+    analytic = estimate_batch(shape, train, DeviceTable.from_accelerators([CAT.accelerator("cpu")], "fp32"), cand)
+    assert measured.step_time_s[0] == pytest.approx(est.step_time_s, rel=1e-9)
+    assert measured.step_time_s[0] != pytest.approx(analytic.step_time_s[0], rel=1e-3)
+    # micro-batch 3 has no entry: analytic layers (the profile's optimizer and link figures still apply),
+    # again as in the scalar estimate
+    est3 = estimate(load_plan(write_case(tmp_path, doc, layers=4, mb=3, m=2)), CAT)
+    assert measured.step_time_s[1] == pytest.approx(est3.step_time_s, rel=1e-9)

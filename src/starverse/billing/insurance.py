@@ -98,7 +98,8 @@ def credit_intervals(job_start_s: int, events: Sequence[Event]) -> list[tuple[Cr
 
     The redone work starts at the checkpoint the job resumed from when the resume event names its step
     and a checkpoint of that step was recorded before the preemption (a checkpoint that was still being
-    written when the job died is not the one it resumes from); else at the last checkpoint or resume.
+    written when the job died is not the one it resumes from); else at the last checkpoint or resume. A loss
+    survived in place (``detail.in_place_from_s``: when the step in flight started) redoes only that step.
     """
     out: list[tuple[CreditKind, Event, int, int]] = []
     safe_s = job_start_s  # work before this time is safe (checkpointed, or from before the last resume)
@@ -116,14 +117,19 @@ def credit_intervals(job_start_s: int, events: Sequence[Event]) -> list[tuple[Cr
             used = [c for c in checkpoints if ev.step is not None and c.step == ev.step]
             if used:
                 start = max(used[-1].at_s, resumed_s)
+            in_place_from = down.detail.get("in_place_from_s")
+            if in_place_from is not None:  # in-place recovery: only the step in flight is redone
+                start = max(start, int(in_place_from))
             if down.at_s > start:
                 out.append((CreditKind.REDO, down, start, down.at_s))
             if ev.at_s > down.at_s:
                 out.append((CreditKind.RESTART, down, down.at_s, ev.at_s))
             safe_s = resumed_s = max(safe_s, ev.at_s)
             down = None
-    if down is not None and down.at_s > safe_s:  # not resumed (yet): the lost work is already known
-        out.append((CreditKind.REDO, down, safe_s, down.at_s))
+    if down is not None:  # not resumed (yet): the lost work is already known
+        start = max(safe_s, int(down.detail.get("in_place_from_s", safe_s)))
+        if down.at_s > start:
+            out.append((CreditKind.REDO, down, start, down.at_s))
     return out
 
 

@@ -60,6 +60,7 @@ from starverse.errors import BillingError, BudgetExceededError
 
 LEDGER_FILE = "ledger.sqlite"
 """Name of the ledger inside a run directory."""
+_PAYMENT_COLS = "id, kind, currency, amount_micros, at_s, ref, note"
 
 
 def _now() -> int:
@@ -118,6 +119,28 @@ class Job:
     max_budget_per_hour: Decimal | None
     run_dir: str | None
     created_s: int
+
+
+PaymentKind = Literal["signup", "topup"]
+
+
+@dataclass(frozen=True)
+class Payment:
+    """Prepaid money paid in: a sign-up credit or a top-up."""
+
+    id: int
+    kind: PaymentKind
+    currency: str
+    amount_micros: int
+    at_s: int
+    ref: str | None
+    """Idempotency key: a payment with a ref already recorded is not recorded again."""
+    note: str
+
+    @property
+    def amount(self) -> Decimal:
+        """The amount, 6 places."""
+        return micros_to_decimal(self.amount_micros)
 
 
 @dataclass(frozen=True)
@@ -528,6 +551,30 @@ class Ledger:
         priced = [PricedLease(le.id, le.mode, le.start_s, le.end_s, self.segments(le.id))
                   for le in leases if overlaps(le)]
         return compute_credits(j.id, start, events, priced)
+
+    # ---------------------------------------------------------------- payments
+    def record_payment(self, kind: PaymentKind, amount: Decimal | str | int, *, currency: str = "USD",
+                       note: str = "", ref: str | None = None, at_s: int | None = None) -> Payment:
+        """Record prepaid money paid in (``amount`` > 0); with a ``ref`` already recorded, that payment is
+        returned and nothing is written (a retried top-up is not paid twice)."""
+        if kind not in ("signup", "topup"):
+            raise BillingError(f"payment kind {kind!r}: use 'signup' or 'topup'")
+        micros = price_to_micros(amount, "payment")
+        if micros <= 0:
+            raise BillingError(f"payment amount {amount}: must be > 0")
+        ccy, at = normalize_currency(currency), _now() if at_s is None else int(at_s)
+        with self._tx() as c:
+            if ref is not None:
+                row = c.execute(f"SELECT {_PAYMENT_COLS} FROM payments WHERE ref = ?", (ref,)).fetchone()
+                if row is not None:
+                    return Payment(*row)
+            cur = c.execute("INSERT INTO payments (kind, currency, amount_micros, at_s, ref, note) "
+                            "VALUES (?,?,?,?,?,?)", (kind, ccy, micros, at, ref, note))
+            return Payment(int(cur.lastrowid or 0), kind, ccy, micros, at, ref, note)
+
+    def payments(self) -> list[Payment]:
+        """Every payment, oldest first."""
+        return [Payment(*r) for r in self._conn.execute(f"SELECT {_PAYMENT_COLS} FROM payments ORDER BY id")]
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
         """Read-only SQL for reports (``report`` module); not for writes."""

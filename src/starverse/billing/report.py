@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from starverse.billing.insurance import Credit
-from starverse.billing.ledger import LEDGER_FILE, Ledger
+from starverse.billing.ledger import LEDGER_FILE, Ledger, Payment
 from starverse.billing.money import TICKS_PER_UNIT, fx_rate, normalize_currency, ticks_to_decimal
 from starverse.billing.rating import DAY_S, accrued_ticks, rate_lease
 from starverse.errors import BillingError
@@ -97,6 +97,8 @@ class Bill:
     accrued: list[BillLine] = field(default_factory=list)
     """What open leases have cost so far, per currency (not in the totals)."""
     converted_to: str | None = None
+    payments: list[Payment] = field(default_factory=list)
+    """Prepaid money paid in (sign-up credit, top-ups), itemised; never netted into the charges."""
 
 
 def _day(d: int) -> str:
@@ -164,7 +166,7 @@ def make_bill(ledger: Ledger, by: GroupBy | str = GroupBy.JOB, *, currency: str 
         t[1] += line.charge_ticks
         t[2] += line.credit_ticks
     return Bill(group, lines, [BillLine("total", ccy, *v) for ccy, v in sorted(totals.items())], credits,
-                len(open_leases), accrued_lines, target)
+                len(open_leases), accrued_lines, target, ledger.payments())
 
 
 def _convert(line: BillLine, target: str) -> BillLine:
@@ -197,6 +199,7 @@ class CheckResult:
     num_jobs: int
     num_leases: int
     num_charges: int
+    num_payments: int = 0
 
     @property
     def ok(self) -> bool:
@@ -211,7 +214,8 @@ _CHARGE_FIELDS = ("lease_id", "seq", "job_id", "mode", "kind", "start_s", "end_s
 def check_ledger(ledger: Ledger) -> CheckResult:
     """Verify the ledger: SQLite integrity, no overlapping leases per device, closed leases end >= start,
     every closed lease's stored charges equal a fresh rating of it (so none is missing, torn or doubled),
-    no charges on open leases, and charge rows consistent with their lease (job, mode, day, amount)."""
+    no charges on open leases, charge rows consistent with their lease (job, mode, day, amount), and every
+    payment a positive amount of a known kind in a valid currency."""
     problems: list[str] = []
     try:
         res = [r[0] for r in ledger.execute("PRAGMA integrity_check")]
@@ -265,5 +269,14 @@ def check_ledger(ledger: Ledger) -> CheckResult:
                 f = next(f for f in range(len(_CHARGE_FIELDS)) if have[i][f] != want[i][f])
                 problems.append(f"lease {le.id}: charge row {want[i][1]} has {_CHARGE_FIELDS[f]} {have[i][f]}, its "
                                 f"rating {want[i][f]} (stored total {got}, rated {rated})")
+    payments = ledger.payments()
+    for pay in payments:
+        try:
+            ok_currency = normalize_currency(pay.currency) == pay.currency
+        except BillingError:
+            ok_currency = False
+        if pay.amount_micros <= 0 or pay.kind not in ("signup", "topup") or not ok_currency:
+            problems.append(f"payment {pay.id}: {pay.kind} of {pay.amount_micros} micro-{pay.currency} is not a "
+                            "positive amount of a known kind in a valid currency")
     jobs = ledger.jobs()
-    return CheckResult(problems, len(jobs), len(leases), num_charges)
+    return CheckResult(problems, len(jobs), len(leases), num_charges, len(payments))

@@ -139,6 +139,21 @@ CREATE INDEX leases_device_start ON leases(device, start_s)
 """
 
 
+# Prepaid money a customer paid in (a service's sign-up credit, top-ups): recorded beside what devices cost,
+# so a bill and `bill --check` see both. ``ref`` makes recording the same payment twice a no-op.
+_V5 = """
+CREATE TABLE payments (
+    id INTEGER PRIMARY KEY,
+    kind TEXT NOT NULL CHECK (kind IN ('signup', 'topup')),
+    currency TEXT NOT NULL,
+    amount_micros INTEGER NOT NULL CHECK (amount_micros > 0),
+    at_s INTEGER NOT NULL,
+    ref TEXT UNIQUE,
+    note TEXT NOT NULL DEFAULT ''
+)
+"""
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: SQL, then an optional data step, applied in one transaction."""
@@ -154,6 +169,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "stored charge rows (rated when a lease closes)", _V2, _rate_closed_leases),
     Migration(3, "charges keyed by lease, UTC day and position (bills without sorting)", _V3),
     Migration(4, "leases indexed by device and start (overlap checks in O(log n))", _V4),
+    Migration(5, "payments: prepaid credit paid in (sign-up credit, top-ups)", _V5),
 )
 """Ordered; a ledger at version N gets migrations N+1.. applied when opened."""
 SCHEMA_VERSION = MIGRATIONS[-1].version
@@ -228,8 +244,8 @@ def check_wal(path: Path) -> None:
                            "backup (moving the -wal away accepts losing its transactions)")
 
 
-_TABLES = {1: ("jobs", "leases", "price_segments", "events", "schema_version"), 2: ("charges",)}
-"""Tables each schema version adds (later versions change indexes and keys, not the set of tables)."""
+_TABLES = {1: ("jobs", "leases", "price_segments", "events", "schema_version"), 2: ("charges",), 5: ("payments",)}
+"""Tables each schema version adds (the others change indexes and keys, not the set of tables)."""
 
 
 def verify(path: Path, level: Literal["quick", "full"] = "quick", timeout_s: float = 30.0) -> int:

@@ -337,13 +337,8 @@ def load_catalog(path: str | Path | None = None, profile: str | Path | None = No
     ``~/.cache/starverse/profile.json`` if it exists; ``""`` means none. Raises CatalogError with
     ``file:line: field: message`` for malformed files.
     """
-    env = os.environ.get(CATALOG_ENV)
-    files = [Path(p) for p in (env, path) if p]
-    prof = _profile_path(profile)
+    files, prof, key = _inputs(path, profile)
     # the catalog is immutable: planners call this in loops, so reuse it while no input file changed
-    stamps = [(str(f), *_stamp(f)) for f in files]
-    stamps.append((f"profile:{prof}", *(_stamp(prof) if prof else (0, 0))))
-    key = tuple(stamps)
     cached = _cache.get(key)
     if cached is not None:
         return cached
@@ -361,6 +356,23 @@ def load_catalog(path: str | Path | None = None, profile: str | Path | None = No
 
 
 _cache: dict[tuple[tuple[str, int, int], ...], Catalog] = {}
+
+
+def _inputs(path: str | Path | None, profile: str | Path | None
+            ) -> tuple[list[Path], Path | None, tuple[tuple[str, int, int], ...]]:
+    """The extra catalog files, the profile, and their stamps (what :func:`load_catalog` is a function of)."""
+    env = os.environ.get(CATALOG_ENV)
+    files = [Path(p) for p in (env, path) if p]
+    prof = _profile_path(profile)
+    stamps = [(str(f), *_stamp(f)) for f in files]
+    stamps.append((f"profile:{prof}", *(_stamp(prof) if prof else (0, 0))))
+    return files, prof, tuple(stamps)
+
+
+def catalog_version(path: str | Path | None = None, profile: str | Path | None = None) -> str:
+    """Names the catalog :func:`load_catalog` would return now (its input files and their stamps): equal
+    versions, equal catalogs. A cache of planner results keys on it."""
+    return repr(_inputs(path, profile)[2])
 
 
 def _stamp(path: Path) -> tuple[int, int]:

@@ -45,7 +45,9 @@ def apply_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     frozen = any(not p.requires_grad for p in model.parameters())
     set_model_state_dict(model, sd["model"], options=StateDictOptions(strict=not frozen))
     if optimizer is not None and "optim" in sd:
-        set_optimizer_state_dict(model, optimizer, sd["optim"])
+        # not strict: an optimizer that shards its state (ZeRO-1's ShardedOptimizer) asks for its partition only;
+        # every entry it asked for was checked present by dcp.load, which filled ``sd``
+        set_optimizer_state_dict(model, optimizer, sd["optim"], options=StateDictOptions(strict=False))
 
 
 def clone_tree(tree: Any) -> Any:

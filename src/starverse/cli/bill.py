@@ -62,10 +62,11 @@ def _bill(path: Path, by: str, as_json: bool, check: bool, currency: str | None)
             if as_json:
                 typer.echo(json.dumps({"ledger": str(path), "ok": res.ok, "problems": res.problems,
                                        "jobs": res.num_jobs, "leases": res.num_leases,
-                                       "charge_rows": res.num_charges}))
+                                       "charge_rows": res.num_charges, "payments": res.num_payments}))
             elif res.ok:
                 typer.echo(f"{path}: OK ({res.num_jobs} jobs, {res.num_leases} leases, "
-                           f"{res.num_charges} charge rows; no overlaps, every charge matches its lease)")
+                           f"{res.num_charges} charge rows, {res.num_payments} payments; no overlaps, every "
+                           "charge matches its lease)")
             else:
                 for p in res.problems:
                     typer.echo(f"{path}: {p}", err=True)
@@ -83,6 +84,8 @@ def _bill(path: Path, by: str, as_json: bool, check: bool, currency: str | None)
                          "preemption_event": c.preemption_event, "start": _when(c.start_s), "end": _when(c.end_s),
                          "seconds": c.seconds, "amount": str(c.amount), "ticks": c.ticks} for c in b.credits],
             "open_leases": b.open_leases, "accrued": [_line_json(x) for x in b.accrued],
+            "payments": [{"kind": pay.kind, "amount": str(pay.amount), "currency": pay.currency,
+                          "at": _when(pay.at_s), "note": pay.note} for pay in b.payments],
         }))
         return
     console = Console(highlight=False, soft_wrap=True)
@@ -102,6 +105,13 @@ def _bill(path: Path, by: str, as_json: bool, check: bool, currency: str | None)
             ct.add_row(jobs.get(c.job_id, str(c.job_id)), str(c.lease_id), c.kind.value, _when(c.start_s),
                        _when(c.end_s), str(c.seconds), str(c.amount))
         console.print(ct)
+    if b.payments:
+        pt = Table(title="Payments: prepaid credit paid in (not netted into charges above)", title_justify="left")
+        for col in ("at", "kind", "amount", "currency", "note"):
+            pt.add_column(col)
+        for pay in b.payments:
+            pt.add_row(_when(pay.at_s), pay.kind, str(pay.amount), pay.currency, pay.note)
+        console.print(pt)
     if b.open_leases:
         accrued = ", ".join(f"{x.charges} {x.currency}" for x in b.accrued)
         console.print(f"{b.open_leases} lease(s) still open, accrued {accrued} by their last heartbeat "

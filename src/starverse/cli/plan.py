@@ -143,7 +143,8 @@ def plot_frontier(result: Any, path: Path) -> None:
 
 def plan_cmd(
     job_file: Annotated[Path, typer.Argument(help="job.yaml: model, training settings, objective, constraints.")],
-    pool: Annotated[Path, typer.Option("--pool", help="pool.yaml: the offers that can be rented.")],
+    pool: Annotated[str, typer.Option("--pool", help="pool.yaml: the offers that can be rented; or ray://HOST:PORT: "
+                                      "the devices of a running Ray cluster (see docs/ray.md).")],
     top: Annotated[int, typer.Option("--top", min=1, help="How many ranked plans to show.")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write the chosen plan here (plan.yaml format).")] = None,
@@ -157,15 +158,16 @@ def plan_cmd(
 
     from starverse.catalog import load_catalog
     from starverse.plan import save_plan
-    from starverse.planner import load_job, load_pool, search
+    from starverse.planner import load_job, search
     from starverse.planner.policy import describe
+    from starverse.providers.ray_pool import load_pool_ref
 
     for path, option in ((out, "--out"), (plot, "--plot")):
         if path is not None:
             check_output_file(path, option)
     catalog = load_catalog(catalog_file)
     job = load_job(job_file)
-    pool_obj = load_pool(pool, catalog)
+    pool_obj = load_pool_ref(pool, catalog)
     result = search(job, pool_obj, catalog, top=top)
     if out is not None:
         save_plan(result.best.plan, out)

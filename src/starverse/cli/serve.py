@@ -44,8 +44,8 @@ DatabaseOpt = Annotated[str | None, typer.Option(
 
 def _settings(root: Path | None, database: str | None, ctx: typer.Context | None = None,  # type: ignore[no-untyped-def]
               **kw: object):
-    from starverse.service.db import migrate
     from starverse.service.settings import ServiceSettings
+    from starverse.service.tenants import upgrade_state
 
     given = (ctx.obj if ctx is not None and isinstance(ctx.obj, dict) else {})
     root = root or given.get("root")
@@ -54,7 +54,7 @@ def _settings(root: Path | None, database: str | None, ctx: typer.Context | None
     settings = ServiceSettings(root=base.resolve(), database_url=database or os.environ.get(DATABASE_ENV, ""),
                                **kw)  # type: ignore[arg-type]
     settings.root.mkdir(parents=True, exist_ok=True)
-    migrate(settings.url)
+    upgrade_state(settings)
     return settings
 
 
@@ -81,6 +81,8 @@ def serve(
     slots: Annotated[int, typer.Option("--slots", min=0, help="Jobs run at once by the worker (0: no worker).")
                      ] = 2,
     signup_credit: Annotated[str, typer.Option("--signup-credit", help="Prepaid credit of a new tenant.")] = "5",
+    plan_cache: Annotated[int, typer.Option("--plan-cache", min=0, help="Answers of identical plan requests "
+                                                                        "kept (0: every request searches).")] = 256,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs) and the web console (/) and run queued jobs in a worker."""
     if ctx.invoked_subcommand is not None:
@@ -90,7 +92,8 @@ def serve(
 
     from starverse.service.app import create_app
 
-    settings = _settings(root, database, worker_slots=slots, signup_credit=_amount(signup_credit, "--signup-credit"))
+    settings = _settings(root, database, worker_slots=slots, signup_credit=_amount(signup_credit, "--signup-credit"),
+                         plan_cache_entries=plan_cache)
     worker = None
     if slots > 0:
         worker = subprocess.Popen([sys.executable, "-m", "starverse.service.worker", str(settings.root),
@@ -134,7 +137,7 @@ def tenant_topup(
     from starverse.service.tenants import top_up
 
     settings = _settings(root, database, ctx)
-    top_up(Database(settings.url), name, _amount(amount, "AMOUNT"))
+    top_up(Database(settings.url), settings, name, _amount(amount, "AMOUNT"))
 
 
 @token_app.command("create")

@@ -29,7 +29,7 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.74
+SUSTAINED_FRACTION = 0.7689
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
@@ -63,7 +63,7 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.213
+PRE_AMPERE_EFFICIENCY = 0.3875
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) on every run of data/validation that
@@ -118,6 +118,15 @@ EAGER_SCORE_BYTES = 8.0
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
 
+HOST_OVERHEAD_PER_LAYER_S = 7.216e-3
+"""Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
+hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
+server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
+synchronises the device between pipeline instructions (DeepSpeed's pipeline engine; AMP's runs also time
+every instruction, ``wall_clock_breakdown``) exposes that launch time instead of overlapping it. Independent
+of the device, so it weighs on small layers and small micro-batches: it is why micro-batch 1 is slower
+per sequence than micro-batch 8 on the same plan. FITTED (``costmodel.fit.FITTED``) on all sources."""
+
 # --- memory-bound work ---------------------------------------------------------------------------------
 
 MEMORY_BW_EFFICIENCY = 0.80
@@ -169,9 +178,22 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
+PCIE_COLLECTIVE_FRACTION = 0.4311
+"""Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
+reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
+of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
+parallelism are a few MB (below NCCL's bandwidth plateau on PCIe, nccl-tests all_reduce_perf reaches a
+third to a half of its large-message busbw at 1-4 MB on PCIe systems), and small-message protocols (LL/LL128)
+trade bandwidth for latency. FITTED (``costmodel.fit.FITTED``) on the runs that use TP or data parallelism
+inside PCIe nodes (AMP's T4 nodes, Sailor's consumer nodes)."""
+
+
 def intra_node_gb_per_s(acc: Any) -> float:
-    """Device-to-device bandwidth a collective can use inside a node (halved without peer-to-peer)."""
+    """Device-to-device bandwidth a collective can use inside a node: PCIe-only nodes reach
+    :data:`PCIE_COLLECTIVE_FRACTION` of the link, and half of that again without peer-to-peer."""
     bw = float(acc.intra_node_gb_per_s)
+    if getattr(acc, "intra_node_link", "") == "pcie":
+        bw *= PCIE_COLLECTIVE_FRACTION
     return bw / 2.0 if acc.id in NO_PEER_TO_PEER else bw
 
 

@@ -9,6 +9,7 @@ targets apply to (``scripts/loso.py`` prints them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from starverse.costmodel.validate import (
 
 @dataclass(frozen=True)
 class FittedConstant:
-    """One fitted constant: where it lives, its bounds, the cases that identify it and its objective."""
+    """One fitted constant: where it lives, its bounds and the data it is fitted on."""
 
     name: str
     """Attribute of :mod:`costmodel.constants`."""
@@ -36,33 +37,49 @@ class FittedConstant:
     """Smallest physically meaningful value."""
     upper: float
     """Largest physically meaningful value."""
-    uses_pre_ampere: bool
-    """Fitted on the runs that use a pre-Ampere card's tensor cores (``fit.uses_pre_ampere``, True) or on the
-    others."""
     fitted_on: str
-    """The data the committed value was fitted on."""
+    """The data the committed value was fitted on (and what in that data identifies it)."""
+    joint: bool = True
+    """Fitted with the other joint constants by least squares on all cases (True), or first, alone, so that
+    the mean over sources of each source's mean signed error is zero on the runs with a measured MAMF
+    (False: the sustained matmul fraction, which sets the level of every modern run)."""
 
 
 FITTED: tuple[FittedConstant, ...] = (
     FittedConstant(
-        name="SUSTAINED_FRACTION", lower=0.3, upper=1.0, uses_pre_ampere=False,
-        fitted_on="the runs of data/validation that do not use pre-Ampere tensor cores: korthikanti2022, "
-                  "megatron (Megatron-Core H100), megatron2021, mpt (A100/H100, 37 runs), sailor (fp32, 6 accepted)",
+        name="SUSTAINED_FRACTION", lower=0.3, upper=1.0, joint=False,
+        fitted_on="the runs of data/validation on tensor cores with a measured MAMF: korthikanti2022, megatron "
+                  "(Megatron-Core H100), megatron2021, mpt (A100/H100, 37 runs); mean over sources of the mean "
+                  "signed error zero",
     ),
     FittedConstant(
-        name="PRE_AMPERE_EFFICIENCY", lower=0.05, upper=1.0, uses_pre_ampere=True,
-        fitted_on="the runs of data/validation with pre-Ampere cards in fp16/bf16: amp_t4 (16 x T4, 47 runs), "
+        name="PRE_AMPERE_EFFICIENCY", lower=0.05, upper=1.0,
+        fitted_on="all runs; identified by the runs with pre-Ampere cards in fp16/bf16: amp_t4 (16 x T4, 47 runs), "
                   "amp_mixed (V100 + T4, 43); Sailor's Turing runs are fp32 (CUDA cores) and do not use it",
     ),
+    FittedConstant(
+        name="PCIE_COLLECTIVE_FRACTION", lower=0.02, upper=1.0,
+        fitted_on="all runs; identified by tensor and data parallelism inside PCIe-only nodes: amp_t4 and "
+                  "amp_mixed (TP 2/4 on the T4 node), sailor (TP 2-8 on RTX 3090/2080/Titan RTX nodes)",
+    ),
+    FittedConstant(
+        name="HOST_OVERHEAD_PER_LAYER_S", lower=0.0, upper=0.02,
+        fitted_on="all runs; identified by how step time changes with the micro-batch size at a fixed layout "
+                  "(amp_t4, amp_mixed: micro-batch 1-32 of the same TP x PP x DP) and by small layers "
+                  "(megatron2021 1.7B-3.6B, mpt 125M-1B)",
+    ),
 )
-"""The fitted constants, fitted in this order (the second's cases depend on the first, not the reverse).
-Objective of each: the mean over sources of each source's mean signed tokens/s error (predicted /
-measured - 1) is zero on the cases that identify it (every source counts once, whatever the number of
-configurations it ran)."""
+"""The fitted constants (:func:`fit_all`): first ``SUSTAINED_FRACTION`` alone (zero mean signed error on the
+modern runs), then the others together. Objective of the joint fit: the sum over sources of each source's
+mean squared log error of tokens/s (every source counts once, whatever the number of configurations it
+ran), over every case that has a prediction and a measurement."""
 
 TARGETS = {"median_abs_error": 0.12, "p90_abs_error": 0.25, "spearman": 0.8, "memory_abs_error": 0.10}
 """Issue 9's targets on held-out figures (Spearman only for sources with at least
 :data:`~costmodel.validate.MIN_CONFIGS_FOR_SPEARMAN` configurations)."""
+
+MAX_ITERATIONS = 12
+"""Levenberg-Marquardt iterations of one fit (it starts from the committed values and converges in a few)."""
 
 
 @contextmanager
@@ -85,8 +102,32 @@ def uses_pre_ampere(case: LoadedCase) -> bool:
         acc in C.PRE_AMPERE for acc in case.plan.accelerators())
 
 
+def uses_mamf(case: LoadedCase) -> bool:
+    """Every stage runs on tensor cores whose large-matmul efficiency is a measured MAMF
+    (``constants.GEMM_EFFICIENCY``): the runs that identify ``SUSTAINED_FRACTION`` (a fraction of MAMF)."""
+    return case.plan.train.precision in C.TENSOR_CORE_PRECISIONS and all(
+        acc in C.GEMM_EFFICIENCY for acc in case.plan.accelerators())
+
+
 def _score_all(cases: Sequence[LoadedCase], catalog: Any) -> list[CaseResult]:
     return [score_case(c, catalog) for c in cases]
+
+
+def _residuals(cases: Sequence[LoadedCase], catalog: Any, values: dict[str, float]) -> np.ndarray:
+    """log(predicted / measured) of every case, weighted by 1/sqrt(cases of its source); a case the model
+    cannot estimate counts as a residual of log(10) (the fit must not move into a region that refuses runs)."""
+    with constants_set_to(values):
+        results = _score_all(cases, catalog)
+    count: dict[str, int] = {}
+    for c in cases:
+        count[c.source] = count.get(c.source, 0) + 1
+    out = []
+    for r in results:
+        if r.measured is None:
+            continue
+        e = math.log(r.predicted / r.measured) if r.predicted else math.log(10.0)
+        out.append(e / math.sqrt(count[r.source]))
+    return np.asarray(out, dtype=np.float64)
 
 
 def _source_mean_error(results: list[CaseResult]) -> float:
@@ -99,11 +140,11 @@ def _source_mean_error(results: list[CaseResult]) -> float:
     return float(np.mean([np.mean(v) for v in by_source.values()]))
 
 
-def fit_constant(const: FittedConstant, cases: Sequence[LoadedCase], catalog: Any,
-                 tol: float = 1e-3) -> float | None:
-    """The value of ``const`` that zeroes its objective on its share of ``cases`` (None when none of them
-    identifies it). Regula falsi (Illinois): throughput, hence the error, grows with the constant."""
-    mine = [c for c in cases if uses_pre_ampere(c) == const.uses_pre_ampere]
+def fit_level(const: FittedConstant, cases: Sequence[LoadedCase], catalog: Any, tol: float = 1e-3) -> float | None:
+    """The value of ``const`` that zeroes the mean over sources of the mean signed error on the runs whose
+    matmul efficiency is a measured MAMF (:func:`uses_mamf`; None when there are none). Regula falsi (Illinois): throughput, hence the
+    error, grows with the constant."""
+    mine = [c for c in cases if uses_mamf(c)]
     if not mine:
         return None
 
@@ -138,14 +179,58 @@ def fit_constant(const: FittedConstant, cases: Sequence[LoadedCase], catalog: An
 
 
 def fit_all(cases: Sequence[LoadedCase], catalog: Any) -> dict[str, float]:
-    """Fit every constant of :data:`FITTED` in order on ``cases``; a constant no case identifies keeps its
-    committed value."""
-    values: dict[str, float] = {}
+    """Fit every constant of :data:`FITTED` on ``cases``: the level constant first (:func:`fit_level`), then
+    the joint ones together (bounded Levenberg-Marquardt on the weighted log errors, finite-difference
+    Jacobian, from the committed values). Values are rounded to 4 significant digits; a level constant no
+    case identifies keeps its committed value."""
+    fixed: dict[str, float] = {}
     for const in FITTED:
-        with constants_set_to(values):
-            v = fit_constant(const, cases, catalog)
-        values[const.name] = getattr(C, const.name) if v is None else v
-    return values
+        if not const.joint:
+            v = fit_level(const, cases, catalog)
+            fixed[const.name] = float(getattr(C, const.name)) if v is None else v
+    with constants_set_to(fixed):
+        return {**fixed, **_fit_joint(cases, catalog)}
+
+
+def _fit_joint(cases: Sequence[LoadedCase], catalog: Any) -> dict[str, float]:
+    joint = [c for c in FITTED if c.joint]
+    names = [c.name for c in joint]
+    lo = np.array([c.lower for c in joint])
+    hi = np.array([c.upper for c in joint])
+    span = hi - lo
+    # work in [0, 1] per constant so that the damping treats them alike
+    u = (np.array([float(getattr(C, n)) for n in names]) - lo) / span
+
+    def values(x: np.ndarray) -> dict[str, float]:
+        return dict(zip(names, (lo + np.clip(x, 0.0, 1.0) * span).tolist(), strict=True))
+
+    r = _residuals(cases, catalog, values(u))
+    cost = float(r @ r)
+    lam = 1e-2
+    for _ in range(MAX_ITERATIONS):
+        jac = np.empty((r.size, u.size))
+        for j in range(u.size):
+            h = 1e-3 if u[j] < 0.5 else -1e-3
+            x = u.copy()
+            x[j] += h
+            jac[:, j] = (_residuals(cases, catalog, values(x)) - r) / h
+        jtj = jac.T @ jac
+        g = jac.T @ r
+        improved = False
+        for _ in range(4):
+            step = np.linalg.solve(jtj + lam * np.diag(np.diag(jtj) + 1e-9), -g)
+            x = np.clip(u + step, 0.0, 1.0)
+            r_new = _residuals(cases, catalog, values(x))
+            cost_new = float(r_new @ r_new)
+            if cost_new < cost:
+                improved = cost - cost_new > 1e-6 * max(cost, 1e-12)
+                u, r, cost = x, r_new, cost_new
+                lam = max(lam / 10.0, 1e-6)
+                break
+            lam *= 10.0
+        if not improved:
+            break
+    return {k: float(f"{v:.4g}") for k, v in values(u).items()}
 
 
 def _held_out(results: list[CaseResult]) -> dict[str, Any]:

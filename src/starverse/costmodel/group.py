@@ -53,6 +53,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         mode=train.mode,
         schedule=train.schedule,
         virtual_stages=float(train.virtual_stages),
+        sync_micro_steps=train.sync_micro_steps,
     )
 
 
@@ -127,9 +128,34 @@ def combine(
     }
 
 
+def _measured(devices: DeviceTable, cand: Candidates, train: TrainShape) -> dict[str, FloatArray]:
+    """Measured times of the candidates whose offer has a profile entry at their micro-batch, sequence length,
+    TP and precision (NaN elsewhere); empty without profiles. A table over (offer, TP, micro-batch) filled
+    from the profiles' entries, then one gather: the cost does not grow with the entries per candidate."""
+    if devices.profiles is None:
+        return {}
+    k = cand.accelerator
+    tp = cand.tp.astype(np.int64)
+    mb = cand.micro_batch.astype(np.int64)
+    table = np.full((len(devices.profiles), int(tp.max()) + 1, int(mb.max()) + 1, 4), np.nan)
+    for ki, prof in enumerate(devices.profiles):
+        if prof is None:
+            continue
+        if prof.optimizer_s_per_param is not None:
+            table[ki, :, :, 3] = prof.optimizer_s_per_param
+        for e in reversed(prof.entries):  # the first entry of a key wins, as in ModelProfile.entry
+            if (e.seq_len, e.precision) == (train.seq_len, train.precision) and e.tp < table.shape[1] \
+                    and e.micro_batch < table.shape[2]:
+                table[ki, e.tp, e.micro_batch, :3] = (e.layer_forward_s + e.layer_backward_s, e.layer_forward_s,
+                                                      e.head_forward_s + e.head_backward_s)
+    vals = table[k, tp, mb]
+    names = ("measured_layer_s", "measured_layer_forward_s", "measured_head_s", "measured_optimizer_s_per_param")
+    return {name: vals[:, j] for j, name in enumerate(names)}
+
+
 def _rows_for(
     devices: DeviceTable, cand: Candidates, layers: FloatArray, first: bool | np.ndarray, last: np.ndarray,
-    stage_index: FloatArray,
+    stage_index: FloatArray, measured: dict[str, FloatArray] | None = None,
 ) -> StageRows:
     k = cand.accelerator
     f = np.float64
@@ -160,6 +186,7 @@ def _rows_for(
         pipeline_devices=tp * pp,
         flash_attention=(np.ones(n, dtype=np.bool_) if devices.flash_attention is None
                          else devices.flash_attention[k]),
+        **(measured or {}),
     )
 
 
@@ -178,7 +205,7 @@ def evaluate_uniform(model: ModelShape, train: TrainShape, devices: DeviceTable,
     n_heavy_mid = np.clip(rem - 1.0, 0.0, np.maximum(pp - 2.0, 0.0))
     n_light_mid = np.maximum(pp - 2.0 - n_heavy_mid, 0.0)
     first_layers = np.where(rem > 0, base + 1.0, base)
-    rows = _rows_for(devices, cand, first_layers, True, single, np.zeros(n))
+    rows = _rows_for(devices, cand, first_layers, True, single, np.zeros(n), _measured(devices, cand, train))
     lc = layer_costs(mn, rows)
     specs = [
         (first_layers, np.ones(n, dtype=np.bool_), single, np.zeros(n), np.ones(n)),

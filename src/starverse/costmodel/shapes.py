@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from starverse.costmodel.constants import gemm_efficiency, has_flash_attention, intra_node_gb_per_s
+from starverse.costmodel.constants import (
+    LINK_EFFICIENCY,
+    gemm_efficiency,
+    has_flash_attention,
+    intra_node_gb_per_s,
+)
 from starverse.costmodel.constants import usable_memory_gb as usable_memory
 from starverse.costmodel.pricing import cheapest_price_per_hour
 
@@ -137,6 +142,8 @@ class TrainShape:
     (per accelerator: ``DeviceTable.flash_attention``)."""
     grad_reduce_fp32: bool = False
     """Gradients accumulated and all-reduced in fp32 (``TrainSpec.grad_reduce_fp32``)."""
+    sync_micro_steps: bool = False
+    """The framework synchronises the device per micro-step (``TrainSpec.sync_micro_steps``)."""
 
     @classmethod
     def from_train(cls, train: TrainSpec) -> TrainShape:
@@ -150,6 +157,7 @@ class TrainShape:
             virtual_stages=train.virtual_stages,
             attention=train.attention,
             grad_reduce_fp32=train.grad_reduce_fp32,
+            sync_micro_steps=train.sync_micro_steps,
         )
 
 
@@ -184,6 +192,11 @@ class DeviceTable:
     """Price per device-hour (NaN = unknown)."""
     flash_attention: BoolArray | None = None
     """Has a fused attention kernel (used by ``TrainShape.attention == "auto"``); None = all do."""
+    profiles: tuple[Any, ...] | None = None
+    """Per row, a measured ``costmodel.profile.ModelProfile`` of the search's model on that device kind, or
+    None (analytic); a pool offer's ``profile``. Where one has an entry at a candidate's micro-batch,
+    sequence length, TP and precision, its measured layer and head times replace the analytic ones, as in
+    the scalar ``estimate``."""
 
     @classmethod
     def from_accelerators(
@@ -195,10 +208,17 @@ class DeviceTable:
         inter_node_gbps: Sequence[float] | None = None,
         price_per_hour: Sequence[float | None] | None = None,
         usable_memory_gb: Sequence[float | None] | None = None,
+        profiles: Sequence[Any] | None = None,
     ) -> DeviceTable:
         """One row per ``catalog.Accelerator``; optional per-row overrides (pool offers; a None entry keeps
-        the accelerator's own figure)."""
+        the accelerator's own figure). A row's measured profile also replaces its intra-node bandwidth by the
+        measured one (``links_gb_per_s["intra_node"]``, as the scalar estimate does)."""
         k = len(accelerators)
+        profs = None if profiles is None or all(p is None for p in profiles) else tuple(profiles)
+        intra = [intra_node_gb_per_s(a) for a in accelerators]
+        for i, prof in enumerate(profs or ()):
+            if prof is not None and "intra_node" in prof.links_gb_per_s:
+                intra[i] = prof.links_gb_per_s["intra_node"] / LINK_EFFICIENCY
         dpn = [a.devices_per_node for a in accelerators] if devices_per_node is None else list(devices_per_node)
         nic = [a.inter_node_gbps for a in accelerators] if inter_node_gbps is None else list(inter_node_gbps)
         price = [None] * k if price_per_hour is None else list(price_per_hour)
@@ -210,12 +230,13 @@ class DeviceTable:
             memory_gb=np.array([usable_memory(a) if u is None else u for a, u in zip(accelerators, usable, strict=True)],
                                dtype=np.float64),
             memory_bw_gb_per_s=np.array([a.memory_bw_gb_per_s for a in accelerators], dtype=np.float64),
-            intra_node_gb_per_s=np.array([intra_node_gb_per_s(a) for a in accelerators], dtype=np.float64),
+            intra_node_gb_per_s=np.array(intra, dtype=np.float64),
             devices_per_node=np.array(dpn, dtype=np.int64),
             inter_node_gbps=np.array(nic, dtype=np.float64),
             tdp_w=np.array([a.tdp_w for a in accelerators], dtype=np.float64),
             price_per_hour=np.array([np.nan if p is None else p for p in price], dtype=np.float64),
             flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
+            profiles=profs,
         )
 
     @classmethod

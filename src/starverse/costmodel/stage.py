@@ -127,6 +127,7 @@ class ModelNumbers:
     mode: str
     schedule: str
     virtual_stages: float
+    sync_micro_steps: bool = False
 
     def layer_matmul_flops_per_token(self) -> float:
         """Forward matmul FLOPs per token of one layer, exact (causal attention over the sequence)."""
@@ -192,7 +193,11 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     attn_flops = 4.0 * tokens * (s + 1.0) / 2.0 * mn.q_dim / t
     attn_eff = rows.gemm_efficiency * mn.head_dim / (mn.head_dim + C.ATTENTION_HEAD_DIM_HALF)
     a = attn_flops / (rows.peak_tflops * 1e12 * attn_eff)
-    gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any)
+    # host-side launch time of the layer's kernels (forward, backward, recomputed forward), exposed where
+    # the framework synchronises the device per micro-step; counted with the matmuls (a measured profile
+    # below includes it)
+    host = C.HOST_OVERHEAD_PER_LAYER_S * (1.0 + rc_full / 3.0) if mn.sync_micro_steps else 0.0 * rc_full
+    gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any) + host
     attn_elem = np.zeros_like(a)
     if eager.any():
         # materialised s x s scores per head: two batched matmuls over the full square (masked after),
@@ -204,7 +209,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         score_bytes = C.EAGER_SCORE_BYTES * value_scale + (
             (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.dropout else 0.0)
         softmax = rows.micro_batch * heads * s * s * score_bytes / bw
-        gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + rc_full) + a_e * (1.0 + 2.0 + rc_any), gemm_layer)
+        gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + rc_full) + a_e * (1.0 + 2.0 + rc_any) + host, gemm_layer)
         attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any), attn_elem)
 
     # ---- memory-bound elementwise work of one layer ------------------------------------------------

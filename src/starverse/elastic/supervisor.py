@@ -11,6 +11,10 @@ One attempt is one ``Trainer.fit`` over the current cluster. It ends in one of f
 - **notice on some ranks** (SIGTERM or another notice source in a rank): the ranks stop together at a
   step boundary and write an emergency checkpoint; the noticed devices are dropped, the rest resume from
   that checkpoint. Work lost: none.
+- **in place** (``recovery: in-place``, :mod:`starverse.elastic.inplace`): the launcher absorbs a lost
+  data-parallel replica; the others finish the step in flight and go on (torchft), so the attempt completes;
+  its ``replicas_lost`` / ``replicas_joined`` say what happened. Only when every replica is lost does the
+  launcher raise, and the supervisor falls back to the restart above without all of them.
 - **notice for the whole job** (SIGTERM to the supervisor): forwarded to every rank, which checkpoint
   and stop; the supervisor raises :class:`PreemptedError` (exit code 3). Resume later from the run dir.
 
@@ -35,10 +39,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from starverse.checkpoint.callback import CheckpointCallback
 from starverse.checkpoint.store import CheckpointStore
+from starverse.elastic.inplace import InplaceLauncher
 from starverse.elastic.runlock import RunLock
 from starverse.errors import CheckpointError, DistributedError, LostRankError, PreemptedError, StarverseError
 from starverse.plan import Plan
@@ -80,6 +85,10 @@ class Attempt:
     """Duration of the attempt."""
     ended_at: float = 0.0
     """``time.time()`` when the supervisor saw the attempt end (a loss: when it noticed)."""
+    replicas_lost: tuple[int, ...] = ()
+    """``recovery: in-place``: ranks lost during the attempt that the others survived without a restart."""
+    replicas_joined: tuple[int, ...] = ()
+    """``recovery: in-place``: ranks whose replacement joined during the attempt."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +204,16 @@ def _replanned(cluster: Cluster, plan: Plan, ranks: tuple[RankSpec, ...], lost: 
                                notes=(*cluster.notes, note))
 
 
+class PoolSource(Protocol):
+    """Where a job's devices come from, asked again at each re-plan (a running Ray cluster:
+    :class:`~starverse.providers.ray_pool.RayPoolSource`), so devices that joined or left since the job started
+    change what it re-plans on."""
+
+    def current_ranks(self, survivors: Sequence[RankSpec], lost: Sequence[RankSpec]) -> Sequence[RankSpec]:
+        """The ranks to re-plan on now: the survivors still available, then devices that joined."""
+        ...
+
+
 class Supervisor:
     """Runs a training job to completion across device losses (see the module docstring)."""
 
@@ -209,10 +228,12 @@ class Supervisor:
         trainer_options: dict[str, Any] | None = None,
         max_restarts: int = 5,
         replan: Callable[[Cluster, Sequence[RankSpec], Sequence[RankSpec]], Cluster] = replan_with_planner,
+        pool_source: PoolSource | None = None,
     ):
         """``checkpoint``/``preemption``: the insurance callbacks (their settings apply to every attempt);
         ``callbacks``: other callbacks, or a function of the attempt number returning them (tests inject
-        failures in the first attempt only); ``trainer_options``: extra ``Trainer`` fields."""
+        failures in the first attempt only); ``trainer_options``: extra ``Trainer`` fields; ``pool_source``: the
+        devices to re-plan on are asked from it (None: the survivors)."""
         self.cluster = cluster
         self.run_dir = Path(run_dir).resolve()
         self.checkpoint = checkpoint
@@ -224,6 +245,7 @@ class Supervisor:
         self.trainer_options["launcher"] = self.launcher
         self.max_restarts = max_restarts
         self.replan = replan
+        self.pool_source = pool_source
         self._job_notice: str | None = None
 
     @property
@@ -304,7 +326,7 @@ class Supervisor:
                     lost = e.rank if isinstance(e, LostRankError) else None
                     outcome = "lost" if lost is not None else "error"
                     attempts.append(Attempt(number, kinds, resumed_step, outcome, last, str(e),
-                                            time.monotonic() - t0, time.time()))
+                                            time.monotonic() - t0, time.time(), *self._inplace_record()))
                     if self._job_notice is not None:
                         raise self._preempted(attempts) from None
                     if lost is None:
@@ -313,7 +335,8 @@ class Supervisor:
                             raise
                         log.warning("attempt %d failed (%s); retrying on the same devices", number, e)
                     else:
-                        self._drop([lost], str(e))
+                        # in place, every replica was lost one after the other: all of them are gone
+                        self._drop([lost, *self._inplace_record()[0]], str(e))
                     if len(attempts) > self.max_restarts:
                         raise DistributedError(
                             f"gave up after {len(attempts)} attempts (max_restarts={self.max_restarts}); last: {e}. "
@@ -328,7 +351,7 @@ class Supervisor:
                     raise self._preempted(attempts)
                 if fit.steps >= fit_kwargs.get("max_steps", fit.steps) or not noticed:
                     attempts.append(Attempt(number, kinds, resumed_step, "completed", fit.steps, fit.stop_reason or "",
-                                            time.monotonic() - t0, time.time()))
+                                            time.monotonic() - t0, time.time(), *self._inplace_record()))
                     return SupervisedResult(fit, tuple(attempts), fit.steps)
                 attempts.append(Attempt(number, kinds, resumed_step, "notice", fit.steps,
                                         f"notice on ranks {noticed}", time.monotonic() - t0, time.time()))
@@ -339,6 +362,14 @@ class Supervisor:
         finally:
             if in_main:
                 signal.signal(signal.SIGTERM, previous)
+
+    def _inplace_record(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Ranks lost for good and ranks replaced during the last in-place launch (empty for other launchers)."""
+        if not isinstance(self.launcher, InplaceLauncher):
+            return (), ()
+        joined = tuple(j.rank for j in self.launcher.joins)
+        lost = tuple(x.error.rank for x in self.launcher.losses if x.error.rank not in joined)
+        return lost, joined
 
     def _check_model(self, model: Any, resume: Path) -> None:
         """Refuse a checkpoint of another model before launching anything (the ranks check it again)."""
@@ -356,6 +387,8 @@ class Supervisor:
     def _drop(self, lost_ranks: Sequence[int], why: str) -> None:
         lost = [r for r in self.cluster.ranks if r.rank in set(lost_ranks)]
         survivors = [r for r in self.cluster.ranks if r.rank not in set(lost_ranks)]
+        if self.pool_source is not None:
+            survivors = list(self.pool_source.current_ranks(survivors, lost))
         if not survivors:
             raise DistributedError(f"every device of the job is gone ({why}). Progress is kept in {self.store.root}.")
         self.cluster = self.replan(self.cluster, survivors, lost)

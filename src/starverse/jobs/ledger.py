@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from starverse.billing import Ledger, ticks_to_decimal
+from starverse.billing.insurance import EventKind
+from starverse.elastic.supervisor import read_progress
 from starverse.errors import BillingError, BudgetExceededError
 
 
@@ -157,3 +162,80 @@ def check_ledger_job(ledger_path: Path, name: str, currency: str, budget_total: 
             f"{budget} {currency} ({ledger_path}). To fix: raise billing.budget_total to continue it, or name "
             "another job (billing.job)."
         )
+
+
+class InplaceAccounting:
+    """The ledger side of in-place recovery (``recovery: in-place``), run in the supervisor's process.
+
+    Hooked to :class:`~starverse.elastic.inplace.InplaceLauncher` (``on_loss``, ``on_join``):
+
+    - a lost replica's lease ends at the loss (the launcher's time); a ``preemption`` event is recorded with
+      ``detail.in_place_from_s``: when the step in flight started (the last completed step's time), so the
+      insurance credit covers that step only (:func:`starverse.billing.insurance.credit_intervals`), not the
+      work since the last checkpoint: nothing before it is redone;
+    - a ``resume`` event is recorded when the survivors complete that step (the next progress record);
+    - a replacement gets its own lease from the moment it is started (priced like the device it replaces);
+    - :meth:`close` ends, at the end of the run, the leases still open that the leader's billing did not
+      close (a replacement's).
+    """
+
+    def __init__(self, ledger_path: Path, job_name: str, run_dir: Path, pricing_of: Any, provider: str = "local"):
+        """``pricing_of(accelerator) -> LeasePricing`` for a replacement's lease."""
+        self.ledger_path, self.job_name, self.run_dir = Path(ledger_path), job_name, Path(run_dir)
+        self.pricing_of, self.provider = pricing_of, provider
+        self._waits: list[Any] = []
+
+    def _device(self, rank: int) -> str:
+        return f"{socket.gethostname()}/rank{rank}"
+
+    def on_loss(self, loss: Any) -> None:
+        """End the lost replica's lease at the loss; record the loss and, once the step in flight is done, the
+        resume."""
+        if not self.ledger_path.is_file():
+            return
+        at = int(loss.at)
+        progress = read_progress(self.run_dir) or {}
+        step = int(progress.get("step", 0))
+        started = int(progress.get("time", at))
+        with Ledger.open(self.ledger_path) as ledger:
+            job = ledger.job(self.job_name)
+            lease_ids = [le.id for le in ledger.leases(job, open_only=True) if le.device == self._device(loss.error.rank)]
+            for lease_id in lease_ids:
+                ledger.close_lease(lease_id, max(at, ledger.lease(lease_id).start_s))
+            ledger.record_event(job, EventKind.PREEMPTION, at_s=at, step=step, detail={
+                "in_place": True, "in_place_from_s": min(started, at), "rank": loss.error.rank,
+                "device_kind": loss.error.device_kind, "leases": lease_ids})
+        t = threading.Thread(target=self._resume_after, args=(step,), name="inplace-resume", daemon=True)
+        t.start()
+        self._waits.append(t)
+
+    def _resume_after(self, step: int, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            p = read_progress(self.run_dir)
+            if p is not None and int(p.get("step", 0)) > step:
+                with Ledger.open(self.ledger_path) as ledger:
+                    ledger.record_event(ledger.job(self.job_name), EventKind.RESUME, at_s=int(p["time"]), step=step,
+                                        detail={"in_place": True})
+                return
+            time.sleep(0.05)
+
+    def on_join(self, join: Any, spec: Any) -> None:
+        """Open the replacement's lease from now."""
+        if not self.ledger_path.is_file():
+            return
+        with Ledger.open(self.ledger_path) as ledger:
+            ledger.open_lease(ledger.job(self.job_name), self._device(join.rank), join.device_kind,
+                              self.pricing_of(join.device_kind), provider=self.provider, at_s=int(join.at))
+
+    def close(self) -> None:
+        """After the run: wait for pending resume records, close leases left open (a replacement's) now."""
+        for t in self._waits:
+            t.join(timeout=5.0)
+        self._waits = []
+        if not self.ledger_path.is_file():
+            return
+        with Ledger.open(self.ledger_path) as ledger:
+            job = ledger.job(self.job_name)
+            for le in ledger.leases(job, open_only=True):
+                ledger.close_lease(le.id, max(le.last_seen_s, le.start_s))

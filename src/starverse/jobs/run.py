@@ -18,14 +18,16 @@ from typing import Any
 import starverse
 from starverse.checks import check_dataset, check_port_free, check_run_dir, check_seq_len
 from starverse.config import where
+from starverse.elastic.inplace import InplaceLauncher
 from starverse.elastic.job import JobPrices, TrainJob, job_mtbf, job_prices, load_job
 from starverse.elastic.supervisor import Attempt, SupervisedResult, Supervisor, read_progress
-from starverse.jobs.ledger import JobBill, check_ledger_job, job_bill
+from starverse.errors import ConfigError
+from starverse.jobs.ledger import InplaceAccounting, JobBill, check_ledger_job, job_bill
 from starverse.jobs.wiring import JobCallbacks, build_callbacks
-from starverse.metrics.callbacks import ENDPOINT_FILE
+from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.lora import check_mode
-from starverse.runtime.trainer import FitResult
+from starverse.runtime.trainer import FitResult, inplace_supported
 
 log = logging.getLogger(__name__)
 
@@ -117,17 +119,42 @@ class PreparedJob:
         if billing is not None and billing.ledger_path is not None and self.prices is not None:
             check_ledger_job(Path(billing.ledger_path), billing.job_name or self.run_dir.name, self.prices.currency,
                              job.billing.budget_total, source)
+        launcher: Any = job.devices.launcher
+        self.inplace: InplaceAccounting | None = None
+        if job.recovery == "in-place":
+            launcher = self._inplace_launcher(source)
         self.supervisor = Supervisor(
             self.cluster, self.run_dir,
             checkpoint=self.callbacks.checkpoint, preemption=self.callbacks.preemption,
             callbacks=self.callbacks.accounting,
             trainer_options={"lr": job.train.lr, "seed": job.train.seed,
-                             "rebalance_every": job.train.rebalance_every, "launcher": job.devices.launcher,
-                             "eval_fraction": job.train.eval_fraction, "eval_every": job.train.eval_every},
+                             "rebalance_every": job.train.rebalance_every, "launcher": launcher,
+                             "eval_fraction": job.train.eval_fraction, "eval_every": job.train.eval_every,
+                             "recovery": job.recovery},
             max_restarts=job.max_restarts,
         )
         self.resume_from = resume_from
         self.resume_path = self.supervisor.resume_path(resume_from)  # checked before anything is launched
+
+    def _inplace_launcher(self, source: str) -> InplaceLauncher:
+        """``recovery: in-place``: the torchft launcher, its lost and joining leases billed (see
+        :class:`~starverse.jobs.ledger.InplaceAccounting`)."""
+        job = self.job
+        if job.devices.launcher != "local":
+            raise ConfigError(
+                f"{where(source, ('recovery',))}: recovery: in-place runs with devices.launcher: local only (in-place "
+                "recovery on Ray is not built). To fix: set devices.launcher: local, or recovery: restart.")
+        if not inplace_supported(self.cluster.plan):
+            log.warning("recovery: in-place needs one rank per data-parallel replica; this plan (%s) uses "
+                        "checkpoint-restart", self.cluster.plan.groups)
+        launcher = InplaceLauncher(replace_after_s=job.replace_after_s)
+        billing = self.callbacks.billing
+        if billing is not None and billing.ledger_path is not None:
+            plan, prices = self.cluster.plan, billing.prices
+            self.inplace = InplaceAccounting(Path(billing.ledger_path), billing.job_name or self.run_dir.name,
+                                             self.run_dir, lambda acc: lease_pricing(prices, plan, acc))
+            launcher.on_loss, launcher.on_join = self.inplace.on_loss, self.inplace.on_join
+        return launcher
 
     def summary_lines(self) -> list[str]:
         """What will run: cluster, checkpoint interval and resume point, ledger and prices, metrics."""
@@ -175,6 +202,8 @@ class PreparedJob:
         finally:
             if watcher is not None:
                 watcher.close()
+            if self.inplace is not None:
+                self.inplace.close()
         return self._result(out)
 
     def _result(self, out: SupervisedResult) -> JobResult:

@@ -73,6 +73,17 @@ def _last_state(ledger: Ledger, job: Job) -> EventKind | None:
     return states[-1] if states else None
 
 
+def lease_pricing(prices: Mapping[str, LeasePricing], plan: Any, accelerator: str) -> LeasePricing:
+    """A lease's pricing: the job's ``prices`` (from its pool), else the plan's on-demand ``pricing``, else free."""
+    if accelerator in prices:
+        return prices[accelerator]
+    pricing = plan.pricing
+    if pricing is not None and accelerator in pricing.price_per_hour:
+        return LeasePricing(PricingMode.ON_DEMAND, Decimal(repr(pricing.price_per_hour[accelerator])),
+                            pricing.currency)
+    return LeasePricing.free()
+
+
 class BillingCallback(Callback):
     """Leases for the run's devices in the per-second ledger, checkpoint/preemption/resume events, budgets.
 
@@ -122,20 +133,23 @@ class BillingCallback(Callback):
         return int(self.clock())
 
     def _pricing(self, ctx: TrainContext, accelerator: str) -> LeasePricing:
-        if accelerator in self.prices:
-            return self.prices[accelerator]
-        pricing = ctx.plan.pricing
-        if pricing is not None and accelerator in pricing.price_per_hour:
-            return LeasePricing(PricingMode.ON_DEMAND, Decimal(repr(pricing.price_per_hour[accelerator])),
-                                pricing.currency)
-        return LeasePricing.free()
+        return lease_pricing(self.prices, ctx.plan, accelerator)
 
     def on_fit_start(self, ctx: TrainContext) -> None:
-        """Open the ledger, recover a dead run's leases, record a resume, open this run's leases."""
+        """Open the ledger, recover a dead run's leases, record a resume, open this run's leases.
+
+        ``ctx.takeover`` (an in-place replica taking over from a lost leader): the run goes on, so its open
+        leases are adopted as they are (nothing recovered, no event)."""
         if ctx.rank != 0:
             return
         path = Path(self.ledger_path) if self.ledger_path else ctx.run_dir / LEDGER_FILE
         self._ledger = ledger = Ledger.open(path)
+        if ctx.takeover:
+            self._job = ledger.job(self.job_name or ctx.run_dir.resolve().name)
+            self._leases = [le.id for le in ledger.leases(self._job, open_only=True)]
+            self._ckpt_steps = {ctx.step}
+            self._publish(ctx, self._now())
+            return
         currency = self.currency or (ctx.plan.pricing.currency if ctx.plan.pricing is not None else "USD")
         name = self.job_name or ctx.run_dir.resolve().name
         self._job = job = ledger.start_job(name, currency=currency, budget_total=self.budget_total,
@@ -211,7 +225,8 @@ class BillingCallback(Callback):
             return
         now = self._now()
         for lease_id in self._leases:
-            self._ledger.close_lease(lease_id, now)
+            if self._ledger.lease(lease_id).end_s is None:  # an in-place loss ended its lease already
+                self._ledger.close_lease(lease_id, now)
         notice = ctx.notice
         if notice is not None:  # stopped by a preemption notice: the relaunch will resume
             self._ledger.record_event(self._job, EventKind.PREEMPTION, at_s=now, step=ctx.step,

@@ -53,10 +53,16 @@ def stages_even(acc: str, tp: int, pp: int, num_layers: int) -> list[Stage]:
 def network_for(pool: Pool, offer_names: Sequence[str]) -> Network:
     """The plan's network section for the offers it uses."""
     used = [pool.offer(n) for n in offer_names]
+    # measured links between the offers used, and their measured profiles (pool offers -> accelerator ids)
+    links = {f"{a.accelerator}/{b.accelerator}": pool.link_gbps(a.name, b.name)
+             for i, a in enumerate(used) for b in used[i + 1:]
+             if a.accelerator != b.accelerator and pool.link_gbps(a.name, b.name) != pool.cross_offer_gbps}
     return Network(
         devices_per_node={o.accelerator: o.devices_per_node for o in used},
         inter_node_gbps={o.accelerator: o.inter_node_gbps for o in used},
         cross_group_gbps=pool.cross_offer_gbps,
+        links=links,
+        profiles={o.accelerator: o.profile.path for o in used if o.profile is not None},
     )
 
 

@@ -76,6 +76,9 @@ class OfferSpec(FrozenModel):
     owned: bool = False
     """Devices you already have (this machine, your own cluster): nothing is rented, the price defaults to 0
     (give ``price_per_hour`` for an amortised cost) and the catalog's prices are not used."""
+    profile: str | None = None
+    """A measured profile of the job's model on this offer's accelerator (``starverse probe``; path relative
+    to the pool file): the search uses its measured layer times where it has an entry (docs/costmodel.md)."""
 
     @model_validator(mode="after")
     def _spot_fields(self) -> OfferSpec:
@@ -102,6 +105,14 @@ class OfferSpec(FrozenModel):
         return self
 
 
+class PoolNetwork(FrozenModel):
+    """``network:`` of a pool: measured bandwidths between pairs of offers."""
+
+    links: dict[str, float] = Field(default_factory=dict)
+    """Gbit/s between the nodes of two offers, keyed ``"offer-a/offer-b"`` (either order; offer names as in
+    ``offers``); replaces ``cross_offer_gbps`` for that pair."""
+
+
 class PoolSpec(FrozenModel):
     """``pool.yaml``: the offers the planner may rent from."""
 
@@ -111,6 +122,8 @@ class PoolSpec(FrozenModel):
     """Offers; each may be used by at most one device group of a plan."""
     cross_offer_gbps: float = Field(default=100.0, gt=0)
     """Bandwidth in Gbit/s between nodes of different offers (the slow link of a mixed plan)."""
+    network: PoolNetwork = Field(default_factory=lambda: PoolNetwork())
+    """Measured links between offers."""
 
     @model_validator(mode="after")
     def _unique_names(self) -> PoolSpec:
@@ -122,6 +135,12 @@ class PoolSpec(FrozenModel):
                     f"two offers are called '{key}'; give each a distinct `name:` (e.g. '{key}-spot')"
                 )
             seen.add(key)
+        for pair, gbps in self.network.links.items():
+            names = pair.split("/")
+            if len(names) != 2 or any(n not in seen for n in names):
+                raise ValueError(f"network.links: '{pair}' must name two offers as 'a/b' (offers: {', '.join(sorted(seen))})")
+            if not gbps > 0:
+                raise ValueError(f"network.links: '{pair}' is {gbps:g} Gbit/s; a link bandwidth must be > 0")
         return self
 
 
@@ -159,6 +178,11 @@ class Offer:
     """Where ``price_per_hour`` comes from, with its date when it is the catalog's."""
     trace: Trace | None = None
     """Spot only: the preemption trace the spot overhead is simulated on (None: Young/Daly alone)."""
+    profile: Any = None
+    """A measured ``costmodel.profile.ModelProfile`` of this offer's accelerator (None: analytic); checked
+    against the job's model when the search starts."""
+    profile_source: str = ""
+    """Where ``profile`` was named (``<pool>: offers[i].profile``), for error messages."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +197,27 @@ class Pool:
     """Bandwidth between nodes of different offers, Gbit/s."""
     source: str = "<pool>"
     """Where the pool came from (for messages)."""
+    links: tuple[tuple[str, str, float], ...] = ()
+    """Measured Gbit/s between pairs of offers (``network.links``)."""
+
+    def link_gbps(self, a: str, b: str) -> float:
+        """Gbit/s between nodes of offers ``a`` and ``b`` (different offers): the measured link, else
+        ``cross_offer_gbps``."""
+        for x, y, gbps in self.links:
+            if {x, y} == {a, b}:
+                return gbps
+        return self.cross_offer_gbps
+
+    def slowest_link_gbps(self, names: Any) -> float:
+        """The slowest link between any two of the named offers (``cross_offer_gbps`` for fewer than two)."""
+        names = list(names)
+        pairs = [self.link_gbps(a, b) for i, a in enumerate(names) for b in names[i + 1:] if a != b]
+        return min(pairs) if pairs else self.cross_offer_gbps
+
+    @property
+    def fastest_link_gbps(self) -> float:
+        """The fastest link between two offers (bounds the cross-group sync from below)."""
+        return max([self.cross_offer_gbps, *(g for _, _, g in self.links)])
 
     @property
     def num_devices(self) -> int:
@@ -258,6 +303,19 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
                 trace = load_trace_events(path)
             except ConfigError as e:
                 raise fail(("offers", i, "trace"), str(e)) from None
+        profile = None
+        if o.profile:
+            from starverse.costmodel.profile import load_profile
+
+            path = Path(o.profile) if Path(o.profile).is_absolute() or source.startswith("<") \
+                else Path(source).parent / o.profile
+            try:
+                profile = load_profile(path)
+            except ConfigError as e:
+                raise fail(("offers", i, "profile"), str(e)) from None
+            if profile.accelerator != acc.id:
+                raise fail(("offers", i, "profile"), f"{path} was measured on '{profile.accelerator}', not on this "
+                           f"offer's '{acc.id}'; probe this accelerator or remove profile:")
         host = o.host_memory_gb if o.host_memory_gb is not None else acc.host_memory_gb
         host_source = (f"{source}: offers[{i}].host_memory_gb" if o.host_memory_gb is not None
                        else f"catalog: {acc.sources.get('host_memory_gb', 'default instance type')}")
@@ -279,9 +337,12 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
                 host_memory_source=host_source if host is not None else "",
                 price_source=price_source,
                 trace=trace,
+                profile=profile,
+                profile_source=f"{source}: offers[{i}].profile",
             )
         )
-    return Pool(spec.currency, tuple(offers), spec.cross_offer_gbps, source)
+    links = tuple((a, b, float(g)) for pair, g in spec.network.links.items() for a, b in [pair.split("/")])
+    return Pool(spec.currency, tuple(offers), spec.cross_offer_gbps, source, links)
 
 
 def load_pool(path: str | Path, catalog: Any = None) -> Pool:

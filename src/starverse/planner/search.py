@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross_group_sync_s
 from starverse.costmodel.constants import BYTES_PER_VALUE, NETWORK_EFFICIENCY
+from starverse.costmodel.profile import check_profile_fits
 from starverse.plan import Group, Plan
 from starverse.planner import combine, hostmem, pipes, space
 from starverse.planner.build import (
@@ -129,17 +130,22 @@ def _context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> _Ctx:
     t = job.train
     train = TrainShape(seq_len=t.seq_len, precision=t.precision, mode=mode, lora_rank=t.lora_rank)
     accs = [catalog.accelerator(o.accelerator) for o in pool.offers]
+    shape = ModelShape.from_spec(spec)
+    for o in pool.offers:
+        if o.profile is not None:
+            check_profile_fits(o.profile, o.accelerator, shape, o.profile_source)
     devices = DeviceTable.from_accelerators(
         accs, t.precision,
         devices_per_node=[o.devices_per_node for o in pool.offers],
         inter_node_gbps=[o.inter_node_gbps for o in pool.offers],
         price_per_hour=[o.price_per_hour for o in pool.offers],
+        profiles=[o.profile for o in pool.offers],
     )
     trainable = trainable_params(spec, mode, t.lora_rank)
     state_bytes = checkpoint_bytes(trainable, t.precision)
     grad_bytes = trainable * BYTES_PER_VALUE[t.precision]
     sets = space.settings(t.zero_stage, t.recompute, t.offload, pipeline=False)
-    return _Ctx(job, pool, catalog, spec, mode, ModelShape.from_spec(spec), train, devices, sets,
+    return _Ctx(job, pool, catalog, spec, mode, shape, train, devices, sets,
                 limits_of(job, pool, catalog), t.total_tokens, state_bytes, grad_bytes)
 
 
@@ -171,14 +177,15 @@ def _spot_factor(ctx: _Ctx, lam: FloatArray, nodes: FloatArray) -> FloatArray:
     return pipes.spot_factor_of(ctx, lam, nodes)
 
 
-def _sync_s(ctx: _Ctx, num_groups: int, min_pp: int) -> float:
+def _sync_s(ctx: _Ctx, num_groups: int, min_pp: int, gbps: float | None = None) -> float:
     """Cross-group gradient all-reduce, as the scalar cost model charges it: each pipeline stage syncs its
-    slice in parallel (the shallowest pipeline sets the slice), over the cross-offer link at the cost
+    slice in parallel (the shallowest pipeline sets the slice), over the link between the groups' offers
+    (``gbps``: the slowest measured ``network.links`` among them, default ``cross_offer_gbps``) at the cost
     model's network efficiency."""
     if num_groups <= 1:
         return 0.0
-    return float(cross_group_sync_s(ctx.grad_bytes / max(min_pp, 1), num_groups,
-                                    ctx.pool.cross_offer_gbps * NETWORK_EFFICIENCY))
+    link = ctx.pool.cross_offer_gbps if gbps is None else gbps
+    return float(cross_group_sync_s(ctx.grad_bytes / max(min_pp, 1), num_groups, link * NETWORK_EFFICIENCY))
 
 
 def _screen(ctx: _Ctx, opts: space.Options, rate: FloatArray) -> IntArray:
@@ -267,7 +274,8 @@ def _evaluate(ctx: _Ctx, opts: space.Options, tables: FloatArray, power: FloatAr
         return None
     offers = [ctx.pool.offers[int(opts.offer[i])] for i in members]
     n = [int(opts.num_devices[i]) for i in members]
-    step = t_star + _sync_s(ctx, len(members), min(int(opts.pp[i]) for i in members))
+    step = t_star + _sync_s(ctx, len(members), min(int(opts.pp[i]) for i in members),
+                            ctx.pool.slowest_link_gbps(o.name for o in offers))
     lam = sum(k * o.interruptions_per_hour for k, o in zip(n, offers, strict=True))
     nodes = sum(math.ceil(k / o.devices_per_node) for k, o in zip(n, offers, strict=True))
     factor = float(_spot_factor(ctx, np.asarray(lam, dtype=float), np.asarray(nodes, dtype=float)))
@@ -314,7 +322,8 @@ def _combinations(ctx: _Ctx, opts: space.Options, rate: FloatArray, t_min: Float
     gran_opt = np.array([o.billing_granularity_s for o in ctx.pool.offers])[opts.offer]
     accs = [o.accelerator for o in ctx.pool.offers]
     tokens = ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS
-    sync_by_pp = {g: np.array([_sync_s(ctx, g, p) for p in range(int(opts.pp.max()) + 1)])
+    # a lower bound: the fastest link between any two offers
+    sync_by_pp = {g: np.array([_sync_s(ctx, g, p, ctx.pool.fastest_link_gbps) for p in range(int(opts.pp.max()) + 1)])
                   for g in range(1, max_g + 1)}
 
     def bounds(grid: IntArray) -> tuple[IntArray, FloatArray]:

@@ -12,7 +12,7 @@ import logging
 import signal
 from collections.abc import Mapping, Sequence
 
-from starverse.errors import JobTimeoutError, LossCause, LostRankError, RankCodeError
+from starverse.errors import JobTimeoutError, LossCause, LostRankError, RankCodeError, StarverseError
 from starverse.runtime.launch import RankError, RankSpec
 
 log = logging.getLogger(__name__)
@@ -63,11 +63,18 @@ def lost_actor(spec: RankSpec, detail: str, *, node: str | None = None) -> LostR
     )
 
 
-def user_error(errors: Mapping[int, RankError]) -> BaseException | None:
-    """Bad input found inside a rank (the lowest such rank): re-raised as itself, whatever the launcher."""
+def user_error(
+    errors: Mapping[int, RankError], kind: type[StarverseError] = StarverseError
+) -> BaseException | None:
+    """A typed error raised inside a rank (the lowest such rank), re-raised as itself, whatever the launcher.
+
+    Launchers ask twice: first for bad input (``kind=ConfigError``), which outranks everything; then, after a
+    lost rank (whose peers' errors are consequences: a checkpoint whose collective lost its peer ends in a
+    :class:`CheckpointError` on the survivors), for any other :class:`StarverseError`.
+    """
     for rank in sorted(errors):
         user = errors[rank][2]
-        if user is not None:
+        if isinstance(user, kind):
             return user
     return None
 

@@ -41,6 +41,7 @@ from starverse.runtime.launch import (
     join_world,
     ordered_ranks,
     rank_environ,
+    set_rank_device,
     store_server,
 )
 
@@ -74,27 +75,33 @@ def _rank_entry(
     fn: Callable[..., Any],
     env: RankEnv,
     args: tuple[Any, ...],
-    store_port: int,
+    store_port: int | None,
     results: Any,
     beats: Any,
     parent_pid: int,
     heartbeat_s: float,
 ) -> None:
-    """Body of a rank process: tie it to its parent, start the heartbeat, set up the process group, run ``fn``."""
+    """Body of a rank process: tie it to its parent, start the heartbeat, set up the process group, run ``fn``.
+
+    ``store_port`` None: no ``torch.distributed`` world (a torchft replica forms its own groups)."""
     import torch.distributed as dist
 
     die_with_parent(parent_pid)
     threading.Thread(target=_heartbeat, args=(beats, env.rank, parent_pid, heartbeat_s), name="heartbeat",
                      daemon=True).start()
     spec = env.spec
-    rank_environ(env, LOOPBACK, store_port)
+    rank_environ(env, LOOPBACK, store_port or 0)
     try:
-        join_world(env, LOOPBACK, store_port)
-        try:
+        if store_port is None:
+            set_rank_device(env)
             value = fn(env, *args)
-        finally:
-            # Skip the barrier inside destroy when a peer is gone; it would only wait for the timeout.
-            dist.destroy_process_group()
+        else:
+            join_world(env, LOOPBACK, store_port)
+            try:
+                value = fn(env, *args)
+            finally:
+                # Skip the barrier inside destroy when a peer is gone; it would only wait for the timeout.
+                dist.destroy_process_group()
         results.put((spec.rank, "ok", value))
     except BaseException as e:
         text, tb, user = error_report(e)
@@ -257,11 +264,12 @@ def _failure(
 ) -> BaseException:
     """The error to raise for a failed job: the root-cause rank first.
 
-    Priority: a user error (bad input found inside a rank) is re-raised as itself; then a rank killed by
+    Priority: bad input found inside a rank (a ConfigError) is re-raised as itself; then a rank killed by
     a signal, one that exited without reporting, or one whose heartbeat stopped (its peers' errors are only
-    consequences); then the first rank that reported an exception.
+    consequences); then another typed error raised in a rank, as itself; then the first rank that reported an
+    exception.
     """
-    user = user_error(errors)
+    user = user_error(errors, ConfigError)
     if user is not None:
         return user
     if silent:
@@ -272,6 +280,9 @@ def _failure(
             continue
         if p.exitcode is not None:
             return lost_process(spec, p.exitcode)
+    raised = user_error(errors)
+    if raised is not None:
+        return raised
     if errors:
         rank = min(errors)
         return code_error(ranks, errors, exit_status=procs[rank].exitcode)

@@ -525,15 +525,19 @@ def _failure(
 ) -> BaseException:
     """The error for a failed job, root cause first, with the local launcher's priorities.
 
-    A user error found in a rank is re-raised as itself; then a rank whose actor died (its peers' errors
-    are only consequences of the lost connection); then the lowest rank that reported an exception.
+    Bad input found in a rank (a ConfigError) is re-raised as itself; then a rank whose actor died (its peers'
+    errors, a failed checkpoint collective included, are only consequences of the lost connection); then another
+    typed error raised in a rank, as itself; then the lowest rank that reported an exception.
     """
-    user = user_error(errors)
+    user = user_error(errors, ConfigError)
     if user is not None:
         return user
     if dead:
         rank = min(dead)
         return lost_actor(ranks[rank], dead[rank], node=node_ips[rank])
+    raised = user_error(errors)
+    if raised is not None:
+        return raised
     if errors:
         return code_error(ranks, errors, node=node_ips[min(errors)])
     return DistributedError("a rank ended without a result; the other ranks were stopped.")

@@ -138,6 +138,9 @@ class TrainContext:
     """Seconds between a notice and the loss of the device (the emergency checkpoint must fit in them)."""
     committed: CommittedCheckpoint | None = None
     """The last committed checkpoint (rank 0; set by the checkpoint callback, read by billing and metrics)."""
+    takeover: bool = False
+    """True on an in-place replica that takes over the job's callbacks from a lost leader (``runtime/ft.py``):
+    the run goes on, it is not a restart (billing adopts the open leases)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free space for the user's own callbacks (Starverse's callbacks use the typed fields above)."""
 

@@ -142,9 +142,14 @@ def check_plan_fits_ranks(plan: Plan, ranks: tuple[RankSpec, ...] | list[RankSpe
     ranks are then ordered like the plan by :func:`order_ranks_like_plan`), and tensor parallelism of a shape
     the runtime runs."""
     from starverse.runtime.parallel.parallelize import check_tensor_parallel_plan
+    from starverse.runtime.parallel.pipeline_layout import PipelineLayout
+    from starverse.runtime.parallel.pipeline_parallel import check_pipeline_plan
     from starverse.runtime.plan_check import check_ranks
 
-    check_tensor_parallel_plan(plan, [r.device_kind for r in ranks], source)
+    if PipelineLayout.from_plan(plan).is_pipelined:
+        check_pipeline_plan(plan, source)
+    else:
+        check_tensor_parallel_plan(plan, [r.device_kind for r in ranks], source)
     check_ranks(plan, order_ranks_like_plan(plan, list(ranks)) if _kinds_match(plan, ranks) else ranks, source)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from starverse.errors import ConfigError
 
@@ -185,7 +186,8 @@ class GradientSync:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        flat = torch.cat([(local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
+                          for p in bucket])
         t0 = time.perf_counter()
         self._pending.append((bucket, flat, self.mesh.all_reduce_async(flat)))  # type: ignore[attr-defined]
         self.blocked_s += time.perf_counter() - t0
@@ -200,12 +202,12 @@ class GradientSync:
             work.wait()
             offset = 0
             for p in bucket:
-                n = p.numel()
-                chunk = flat[offset : offset + n].view_as(p)
+                n = local(p).numel()
+                chunk = flat[offset : offset + n].view_as(local(p))
                 if p.grad is None:
-                    p.grad = chunk.clone()
+                    p.grad = like(p, chunk.clone())
                 else:
-                    p.grad.copy_(chunk)
+                    local(p.grad).copy_(chunk)
                 offset += n
         self._pending.clear()
 
@@ -224,18 +226,25 @@ class HolderSync:
     unsplit model (and the rank's tensor-parallel index, whose shard differs); ranks holding the same set of
     parameters get one mesh over them (native inside a device kind, gloo bridge between kinds) and one
     :class:`GradientSync`. Built collectively: every rank passes its own ``(name, parameter)`` list.
+
+    ``replica``: under ZeRO inside the stages, FSDP2 already summed each shard over the replicas of the group;
+    only the parameters a replica holds twice (a tied head on the last stage) are left to sum, inside the
+    replica, so the keys carry it. Tensor parallel and ZeRO parameters are DTensors: their local shards are
+    summed. The gradient norm counts every parameter once: a shard once per holder set, a parameter that
+    tensor parallelism leaves whole only on TP rank 0.
     """
 
     def __init__(
         self, named_params: Sequence[tuple[str, torch.nn.Parameter]], tp_rank: int, rank_kinds: Sequence[str],
-        rank_devices: Sequence[str], host_group: Any, bucket_mb: float = 25.0,
+        rank_devices: Sequence[str], host_group: Any, bucket_mb: float = 25.0, replica: int | None = None,
     ):
         import torch.distributed as dist
 
         from starverse.runtime.mesh import MixedMesh
 
         world = dist.get_world_size()
-        mine = [(f"{tp_rank}:{n}", p) for n, p in named_params if p.requires_grad]
+        scope = "" if replica is None else f"r{replica}:"
+        mine = [(f"{scope}{tp_rank}:{n}", p) for n, p in named_params if p.requires_grad]
         every: list[Any] = [None] * world
         dist.all_gather_object(every, [k for k, _ in mine], group=host_group)
         holders: dict[str, list[int]] = {}
@@ -256,7 +265,7 @@ class HolderSync:
             mesh = MixedMesh.build_over(rank_kinds, rank_devices, rs)  # collective: every rank, same order
             if mesh is not None:
                 self.syncs.append(GradientSync(by_set[rs], mesh, bucket_mb, len(rs)))
-        self._owned = [p for k, p in mine if self.owner[k] == me]
+        self._owned = [p for k, p in mine if self.owner[k] == me and (tp_rank == 0 or split_over_tp(p))]
         self._held = [p for _, p in mine]
         self._host = host_group
         self.blocked_s = 0.0
@@ -266,7 +275,14 @@ class HolderSync:
         """No overlap with backward: a pipeline's backward runs inside its schedule; :meth:`all_reduce` follows it."""
 
     def all_reduce(self) -> None:
-        """Sum every held parameter's gradient over its holders, in place."""
+        """Sum every held parameter's gradient over its holders, in place.
+
+        A DTensor gradient laid out unlike its parameter is redistributed first (the input embedding of a first
+        stage under tensor parallel gets a replicated gradient from the pipeline's backward), so the local parts
+        summed, clipped and stepped are the parameter's own shard."""
+        for p in self._held:
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:  # type: ignore[attr-defined]
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
         for s in self.syncs:
             s.all_reduce()
 
@@ -278,12 +294,31 @@ class HolderSync:
         sq = torch.zeros((), dtype=torch.float64)
         for p in self._owned:
             if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum().cpu()
+                sq += local(p.grad).detach().double().pow(2).sum().cpu()
         dist.all_reduce(sq, group=self._host)
         norm = sq.sqrt().float()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for p in self._held:
                 if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.device))
+                    local(p.grad).mul_(coef.to(p.grad.device))
         return norm
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (tensor parallel, ZeRO), else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a local tensor shaped as ``p``'s local part) as a gradient for ``p``: a DTensor laid out as ``p`` if
+    ``p`` is one."""
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else t
+
+
+def split_over_tp(p: torch.Tensor) -> bool:
+    """``p`` is split over a tensor-parallel mesh dimension (named ``tp``): each TP rank holds a different part."""
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return any(n == "tp" and pl.is_shard() for n, pl in zip(names, p.placements, strict=False))

@@ -115,10 +115,9 @@ def rank_environ(env: RankEnv, master_addr: str, port: int) -> None:
     logging.basicConfig(level=os.environ.get("STARVERSE_LOG_LEVEL", "WARNING"))
 
 
-def join_world(env: RankEnv, master_addr: str, port: int) -> None:
-    """In a rank's process: set its threads and device, join the store at ``master_addr:port``, init the group."""
+def set_rank_device(env: RankEnv) -> None:
+    """In a rank's process: its intra-op threads (the cores divided by the local CPU ranks) and its CUDA device."""
     import torch
-    import torch.distributed as dist
 
     spec = env.spec
     num_cpu = sum(1 for r in env.ranks if r.device == "cpu") or 1
@@ -126,6 +125,14 @@ def join_world(env: RankEnv, master_addr: str, port: int) -> None:
     torch.set_num_threads(threads)
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))
+
+
+def join_world(env: RankEnv, master_addr: str, port: int) -> None:
+    """In a rank's process: set its threads and device, join the store at ``master_addr:port``, init the group."""
+    import torch.distributed as dist
+
+    spec = env.spec
+    set_rank_device(env)
     timeout = timedelta(seconds=env.collective_timeout_s)
     store = dist.TCPStore(master_addr, port, env.world_size, is_master=False, timeout=timeout)
     dist.init_process_group(

@@ -31,7 +31,7 @@ from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback, CallbackList, TrainContext
 from starverse.runtime.data import DeterministicSampler, PackedDataset
 from starverse.runtime.export import FINAL_WEIGHTS
-from starverse.runtime.hetero_dp import GradientSync, HolderSync, Rebalancer
+from starverse.runtime.hetero_dp import GradientSync, HolderSync, Rebalancer, local
 from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.mesh import MixedMesh
@@ -45,6 +45,11 @@ from starverse.runtime.parallel.pipeline import (
     pipeline_groups,
 )
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
+from starverse.runtime.parallel.pipeline_parallel import (
+    parallelize_chunks,
+    pipeline_parallel_config,
+    stage_meshes,
+)
 from starverse.runtime.steps import LossFn, autocast_dtype, batch_loss, make_optimizer, make_schedule
 
 
@@ -102,6 +107,8 @@ class FitJob:
     """Gradient all-reduce bucket size."""
     labels_path: Path | None = None
     """Per-token labels (``np.save``; -100 = no loss, e.g. a chat prompt); None: the tokens shifted."""
+    recovery: str = "restart"
+    """``restart`` (checkpoint-restart by the supervisor) or ``in-place`` (torchft replicas: ``runtime/ft.py``)."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +238,9 @@ class RankTrainer:
                 full, layout, env.rank, device, job.plan.train.schedule, job.micro_batch / job.global_batch,
                 pipeline_groups(layout, kinds, devices),
             )
+            in_stage = pipeline_parallel_config(job.plan)
+            if not in_stage.is_plain:  # the same on every rank: all build the stage meshes together
+                parallelize_chunks(pipeline.chunks, in_stage, stage_meshes(layout, devices, in_stage, device.type))
             model: torch.nn.Module = UnsplitView(pipeline.parameters(), UnsplitSignature.of(full))
             del full
         else:
@@ -239,6 +249,8 @@ class RankTrainer:
             if parallel is not None:
                 model = parallel.model
         optimizer = make_optimizer(model, job.lr, job.weight_decay)
+        if parallel is not None:
+            optimizer = parallel.shard_optimizer(optimizer)  # ZeRO-1: the state sharded over the replicas
         scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
         labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
         data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
@@ -256,8 +268,9 @@ class RankTrainer:
         grads: GradientSync | HolderSync | ParallelModel
         if pipeline is not None:
             pipeline.on_compute = lambda dt: callbacks.on_micro_batch_end(ctx, dt)
-            grads = HolderSync(list(model.named_parameters()), layout.places[env.rank].tp_rank, kinds, devices,
-                               mesh.host_group, job.bucket_mb)
+            place = layout.places[env.rank]  # under ZeRO, FSDP2 summed over the replicas already
+            grads = HolderSync(list(model.named_parameters()), place.tp_rank, kinds, devices, mesh.host_group,
+                               job.bucket_mb, place.replica if job.plan.train.zero_stage else None)
         elif parallel is not None and parallel.syncs_own_gradients:
             grads = parallel
         else:
@@ -308,8 +321,10 @@ class RankTrainer:
         stages (the last stage's part is the loss; other stages return 0).
         """
         if self.pipeline is not None:
-            x = torch.from_numpy(self.data.batch(np.concatenate(micro_batches)))
-            part = self.pipeline.step(x, len(micro_batches))
+            rows = np.concatenate(micro_batches)
+            y = self.data.batch_labels(rows)
+            part = self.pipeline.step(torch.from_numpy(self.data.batch(rows)), len(micro_batches),
+                                      None if y is None else torch.from_numpy(y), num_targets)
             self.pipeline_times.append((self.pipeline.times.step_s, self.pipeline.times.busy_s))
             return torch.tensor(part, dtype=torch.float64)
         scale = self.job.micro_batch / self.job.global_batch
@@ -338,7 +353,7 @@ class RankTrainer:
         num_targets = self.data.num_targets(batch_idx) if self.data.labels is not None else None
         self.grads.blocked_s = 0.0  # time waiting for peers is not this device's compute (see GradientSync)
         loss_part = self.forward_backward_step(self.my_micro_batches(batch_idx), num_targets)
-        if isinstance(self.grads, ParallelModel) and self.layout.places[self.rank].tp_rank:
+        if self.layout.places[self.rank].tp_rank:
             loss_part = loss_part * 0.0  # a TP group computes its replica's loss once per rank: count it once
         clip = self.job.grad_clip
         if isinstance(self.grads, HolderSync):
@@ -458,10 +473,11 @@ class RankTrainer:
                 "pipeline_busy_s": sum(b for _, b in times) / len(times), "num_chunk_runs": runs}
 
     def state_bytes(self) -> int:
-        """Bytes of parameters, gradients (as many as parameters) and optimizer state held by this rank."""
-        params = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        """Bytes of parameters, gradients (as many as parameters) and optimizer state held by this rank (its
+        shards under tensor parallel and ZeRO)."""
+        params = sum(local(p).numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         opt = sum(
-            t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
+            local(t).numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
             if isinstance(t, torch.Tensor) and t.dim() > 0
         )
         return 2 * params + opt
@@ -502,7 +518,13 @@ class RankTrainer:
 
 
 def train_rank(env: RankEnv, job: FitJob) -> RankResult:
-    """The launched function: build this rank's parts and run its loop."""
+    """The launched function: build this rank's parts and run its loop (``recovery: in-place``: a torchft
+    replica's loop, :func:`starverse.runtime.ft.train_replica`)."""
+    if job.recovery == "in-place":
+        from starverse.runtime.ft import train_replica
+
+        result: RankResult = train_replica(env, job)
+        return result
     return RankTrainer.build(env, job).train()
 
 

@@ -88,7 +88,12 @@ def _masked_loss(
 ) -> torch.Tensor:
     if loss_fn is not None:
         raise TypeError("loss_fn= cannot be combined with masked labels (chat data). To fix: drop loss_fn.")
-    logits = _logits(model, model(input_ids))
+    return masked_cross_entropy(_logits(model, model(input_ids)), labels, num_targets)
+
+
+def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, num_targets: int) -> torch.Tensor:
+    """Next-token cross-entropy summed over the labelled tokens (-100: none) of ``labels`` ``[batch, seq]``,
+    divided by ``num_targets`` (the labelled tokens of the whole global batch)."""
     return F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100,
         reduction="sum",

@@ -10,6 +10,7 @@ trained after ``fit`` returns, as with a single-process trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -40,6 +41,7 @@ from starverse.runtime.lora import apply_mode
 from starverse.runtime.parallel.parallelize import check_parallel_plan
 from starverse.runtime.parallel.pipeline import micro_batch_count_error, min_micro_batches
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
+from starverse.runtime.parallel.pipeline_parallel import check_pipeline_parallel
 from starverse.runtime.parallel.pipeline_report import PipelineReport, pipeline_report
 from starverse.runtime.parallel.pipeline_split import as_module
 from starverse.runtime.plan_check import check_model, check_ranks
@@ -185,6 +187,10 @@ class Trainer:
     log_every: int = 10
     """Steps between plain progress lines."""
     tensorboard: bool = True
+    recovery: str = "restart"
+    """What survives a lost rank: ``restart`` (the supervisor re-plans and resumes from a checkpoint) or
+    ``in-place`` (torchft replicas keep training: ``runtime/ft.py``; needs a launcher with a Lighthouse such as
+    ``starverse.elastic.inplace.InplaceLauncher``, and a data-parallel plan: else restart is used)."""
     """Write TensorBoard event files under ``RUN_DIR/tensorboard`` (``metrics.jsonl`` is always written)."""
 
     def __post_init__(self) -> None:
@@ -199,6 +205,8 @@ class Trainer:
             raise ConfigError(f"eval_fraction must be in [0, 1) (got {self.eval_fraction}).")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0 (got {self.eval_every}).")
+        if self.recovery not in RECOVERY_MODES:
+            raise ConfigError(f"recovery must be one of {', '.join(RECOVERY_MODES)} (got {self.recovery!r}).")
 
     def fit(
         self,
@@ -265,14 +273,10 @@ class Trainer:
             )
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
-        check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
-        t = plan.train
-        if layout.is_pipelined and (t.zero_stage or t.offload != "none" or t.recompute != "none"):
-            raise ConfigError(
-                f"the cluster's plan: train: zero_stage {t.zero_stage}, offload {t.offload}, recompute {t.recompute} "
-                "are not applied inside pipeline stages yet. To fix: zero_stage: 0, offload: none, recompute: none "
-                "for a pipelined plan, or one stage per replica."
-            )
+        if layout.is_pipelined:
+            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model)
+        else:
+            check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
@@ -309,11 +313,6 @@ class Trainer:
         callbacks += [*self.callbacks, RunLogCallback(self.tensorboard)]
         if self.progress:
             callbacks.append(ProgressCallback(self.log_every))
-        if layout.is_pipelined and packed.labels is not None:
-            raise ConfigError(
-                "chat data (masked labels) is not trained with pipeline stages yet (the last stage scores every "
-                "next token). To fix: use one stage per group, or plain text data."
-            )
         tokens_path = run_dir / "data" / "tokens.npy"
         np.save(tokens_path, packed.tokens)
         labels_path = _save_array(run_dir / "data" / "labels.npy", packed.labels)
@@ -334,6 +333,7 @@ class Trainer:
             resume_from=Path(resume_from).resolve() if resume_from is not None else None,
             peaks_tflops=tuple(_peak_tflops(r.device_kind, prec, r.device) for r in ranks),
             flops_per_token=flops_per_token(model, seq_len),
+            recovery=self.recovery if inplace_supported(plan) else "restart",
         )
         log.info(
             "fit: %d ranks, global batch %d = %d micro-batches of %d, shares %s, %d steps, seq_len %d",
@@ -343,6 +343,7 @@ class Trainer:
             train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
             launcher=self.launcher,
         )
+        results = _fill_lost(results)
         final = run_dir / FINAL_WEIGHTS
         if final.is_file():  # adapters only for LoRA (the frozen base is unchanged)
             model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True), strict=lora is None)
@@ -351,6 +352,22 @@ class Trainer:
             est = cluster.estimate if cluster.estimate is not None else estimate_or_none(plan)
             report = pipeline_report(layout, results, [r.device_kind for r in ranks], est)
         return _summarise(results, job, ranks, report)
+
+
+RECOVERY_MODES = ("restart", "in-place")
+"""Values of ``Trainer.recovery`` (``recovery:`` in a job file)."""
+
+
+def inplace_supported(plan: Plan) -> bool:
+    """True if in-place recovery can run ``plan``: every replica one rank holding the whole model."""
+    t = plan.train
+    return all(g.devices_per_replica == 1 for g in plan.groups) and not t.zero_stage and t.offload == "none"
+
+
+def _fill_lost(results: list[Any]) -> list[RankResult]:
+    """An in-place run's results with each rank lost for good (``None``) reported as having trained nothing."""
+    done = [r for r in results if r is not None]
+    return [r if r is not None else dataclasses.replace(done[0], tokens=0, compute_s=0.0, share=0) for r in results]
 
 
 def _save_array(path: Path, arr: np.ndarray | None) -> Path | None:
@@ -380,10 +397,10 @@ def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> N
             "loss_fn= cannot be used with pipeline stages (the last stage scores logits with next-token "
             "cross-entropy). To fix: drop loss_fn, or use one stage per group."
         )
-    if layout.is_pipelined and plan.train.mode != "full":
+    if layout.is_pipelined and plan.train.mode == "qlora":
         raise ConfigError(
-            f"the cluster's plan: train.mode: {plan.train.mode} is not run with pipeline stages yet. To fix: use "
-            "one stage per group for LoRA / QLoRA, or mode: full."
+            "the cluster's plan: train.mode: qlora is not run with pipeline stages yet (a stage is a copy of the "
+            "model's part, and 4-bit weights are not copied). To fix: mode: lora, or one stage per group for QLoRA."
         )
 
 

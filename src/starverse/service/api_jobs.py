@@ -80,9 +80,12 @@ def list_jobs(request: Request, tenant: Tenant = TenantDep, state: str | None = 
 
 
 @router.get("/jobs/{job_id}")
-def job_status(job_id: str, request: Request, tenant: Tenant = TenantDep) -> dict[str, Any]:
-    """One job's state."""
-    return jobs_lib.job_summary(_job(request, tenant, job_id))
+async def job_status(job_id: str, request: Request, tenant: Tenant = TenantDep) -> dict[str, Any]:
+    """One job's state (reused for ``status_cache_s``; dropped at once when this server changes the job)."""
+    async def load() -> dict[str, Any]:
+        return jobs_lib.job_summary(await run_in_threadpool(_job, request, tenant, job_id))
+
+    return await context(request).statuses.get((tenant.id, job_id), load)
 
 
 @router.get("/jobs/{job_id}/progress")
@@ -145,6 +148,7 @@ def stop_job(job_id: str, request: Request, tenant: Tenant = TenantDep) -> dict[
             ctx.db.add_event(s, job.id, "stop requested", "")
         else:
             raise HTTPException(409, f"job is {job.state}, not running. To fix: resume it first")
+        ctx.job_changed(job.id)
         return jobs_lib.job_summary(job)
 
 
@@ -164,6 +168,7 @@ def _requeue(request: Request, tenant: Tenant, job_id: str, step: int | None, ki
         job.state, job.resume_from, job.stop_reason, job.finished_at = JobState.QUEUED.value, step, None, None
         job.updated_at = time.time()
         ctx.db.add_event(s, job.id, kind, "from the latest checkpoint" if step is None else f"from step {step}")
+        ctx.job_changed(job.id)
         return jobs_lib.job_summary(job)
 
 
@@ -214,12 +219,14 @@ def job_file(job_id: str, rel: str, request: Request, tenant: Tenant = TenantDep
 
 @router.get("/bill")
 def tenant_bill(request: Request, tenant: Tenant = TenantDep, by: str = "job") -> dict[str, Any]:
-    """The tenant's bill by job or by day, and its balance."""
+    """The tenant's bill by job or by day, its balance, and its payments (sign-up credit, top-ups; from its
+    ledger)."""
     if by not in ("job", "day"):
         raise HTTPException(422, "by: use 'job' or 'day'")
     ctx = context(request)
     out = jobs_lib.tenant_bill(ctx.settings, tenant, by)
     out["balance"] = balance(ctx.db, ctx.settings, tenant).as_dict()
+    out["payments"] = balance_entries(ctx.settings, tenant)
     return out
 
 
@@ -227,7 +234,7 @@ def tenant_bill(request: Request, tenant: Tenant = TenantDep, by: str = "job") -
 def get_balance(request: Request, tenant: Tenant = TenantDep) -> dict[str, Any]:
     """Prepaid balance: paid in (sign-up credit, top-ups), charged, insurance credits, remaining."""
     ctx = context(request)
-    return {**balance(ctx.db, ctx.settings, tenant).as_dict(), "entries": balance_entries(ctx.db, tenant)}
+    return {**balance(ctx.db, ctx.settings, tenant).as_dict(), "entries": balance_entries(ctx.settings, tenant)}
 
 
 def _kind(kind: str) -> storage.Kind:

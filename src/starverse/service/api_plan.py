@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from starverse.errors import ConfigError, InfeasiblePlanError
 
@@ -163,14 +164,25 @@ async def plan(body: PlanRequest, request: Request) -> dict[str, Any]:
     answers ``feasible: false`` with the reasons and what would make it feasible.
 
     The search runs in a separate planner process: it is CPU-bound Python, and in the server's own process
-    it would hold the interpreter lock and stall every other request (job status included)."""
+    it would hold the interpreter lock and stall every other request (job status included). A search is a
+    deterministic function of the job, the pool, ``top`` and the catalog: identical requests (same canonical
+    job and pool, same catalog version) are answered from the last ``plan_cache_entries`` answers, or wait
+    for the identical search already running."""
+    from starverse.catalog.loader import catalog_version
     from starverse.service.app import context
+    from starverse.service.cache import plan_key
 
     ctx = context(request)
-    loop = asyncio.get_running_loop()
-    doc: dict[str, Any] = await loop.run_in_executor(ctx.planner_pool(), plan_document,
-                                                     str(_scratch_base(request)), body.model_dump())
-    return doc
+    dump = body.model_dump()
+    key = await run_in_threadpool(plan_key, dump, catalog_version())
+    scratch = str(_scratch_base(request))
+
+    async def search() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        doc: dict[str, Any] = await loop.run_in_executor(ctx.planner_pool(), plan_document, scratch, dump)
+        return doc
+
+    return await ctx.plans.get(key, search)
 
 
 @router.post("/validate")

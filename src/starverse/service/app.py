@@ -9,24 +9,28 @@ package's ``static/`` folder at ``/`` (no CDN).
 
 from __future__ import annotations
 
+import math
 import multiprocessing
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from starverse.errors import BudgetExceededError, ConfigError, StarverseError
-from starverse.service.db import Database, Tenant, migrate
+from starverse.service.cache import Memo, TTLCache
+from starverse.service.db import Database, Tenant
 from starverse.service.settings import ServiceSettings
 from starverse.service.storage import NotFoundError, QuotaExceededError
-from starverse.service.tenants import authenticate
+from starverse.service.tenants import TOKEN_PREFIX, authenticate, hash_token, upgrade_state
 
 STATIC_DIR = Path(__file__).with_name("static")
 UPLOAD_PREFIX = "/api/storage/"
@@ -39,6 +43,21 @@ class ServiceContext:
     settings: ServiceSettings
     db: Database
     _planners: ProcessPoolExecutor | None = None
+    tokens: TTLCache[tuple[Tenant, float | None]] = field(init=False)
+    """Token hash -> (tenant, token expiry) of tokens found valid."""
+    statuses: Memo[dict[str, Any]] = field(init=False)
+    """(tenant id, job id) -> the job's status answer."""
+    plans: Memo[dict[str, Any]] = field(init=False)
+    """:func:`~starverse.service.cache.plan_key` -> the ``/api/plan`` answer."""
+
+    def __post_init__(self) -> None:
+        self.tokens = TTLCache(self.settings.auth_cache_s)
+        self.statuses = Memo(self.settings.status_cache_s, 10_000)
+        self.plans = Memo(math.inf, self.settings.plan_cache_entries)
+
+    def job_changed(self, job_id: str) -> None:
+        """This process changed job ``job_id``: drop its cached status."""
+        self.statuses.drop(lambda k: isinstance(k, tuple) and k[1] == job_id)
 
     def planner_pool(self) -> ProcessPoolExecutor:
         """Processes that run planner searches (spawned: the server's threads are not forked)."""
@@ -121,11 +140,26 @@ def context(request: Request) -> ServiceContext:
     return ctx
 
 
-def current_tenant(request: Request) -> Tenant:
-    """The tenant of the request's bearer token; 401 without a valid one."""
+async def current_tenant(request: Request) -> Tenant:
+    """The tenant of the request's bearer token; 401 without a valid one.
+
+    A token found valid is remembered for ``auth_cache_s`` (its expiry is still checked every time), so the
+    hot path neither hashes into the database nor leaves the event loop."""
+    ctx = context(request)
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
-    tenant = authenticate(context(request).db, token.strip()) if scheme.lower() == "bearer" else None
+    token = token.strip()
+    tenant: Tenant | None = None
+    if scheme.lower() == "bearer" and token.startswith(TOKEN_PREFIX) and len(token) <= 200:
+        key = hash_token(token)
+        hit = ctx.tokens.get(key)
+        if hit is not None and (hit[1] is None or hit[1] > time.time()):
+            tenant = hit[0]
+        elif hit is None:
+            found = await run_in_threadpool(authenticate, ctx.db, token)
+            if found is not None:
+                tenant = found[0]
+                ctx.tokens.put(key, found)
     if tenant is None:
         raise HTTPException(401, "missing, wrong or expired token. To fix: send 'Authorization: Bearer <token>' "
                                  "with a token from `starverse serve token create`",
@@ -146,12 +180,12 @@ def _status_of(e: StarverseError) -> int:
 
 
 def create_app(settings: ServiceSettings, *, db: Database | None = None, migrate_db: bool = True) -> FastAPI:
-    """The service app over ``settings`` (the schema is created/upgraded first unless ``migrate_db``)."""
+    """The service app over ``settings`` (its state is upgraded first unless ``migrate_db`` is false)."""
     from starverse.service import api_jobs, api_plan
 
     settings.root.mkdir(parents=True, exist_ok=True)
     if migrate_db:
-        migrate(settings.url)
+        upgrade_state(settings)
     ctx = ServiceContext(settings, db or Database(settings.url))
 
     @asynccontextmanager
@@ -159,8 +193,11 @@ def create_app(settings: ServiceSettings, *, db: Database | None = None, migrate
         yield
         ctx.close()
 
+    # FastAPI's OpenTelemetry hooks look the global providers up on every request (a tenth of a status
+    # request's time); the service has no OpenTelemetry exporter, so they are off
     app = FastAPI(title="Starverse", version="1", description="Plans, jobs, checkpoints and bills as a service.",
-                  docs_url="/docs", openapi_url="/openapi.json", lifespan=lifespan)
+                  docs_url="/docs", openapi_url="/openapi.json", lifespan=lifespan,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.ctx = ctx
 
     @app.exception_handler(StarverseError)

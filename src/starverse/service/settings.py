@@ -36,6 +36,14 @@ class ServiceSettings:
     """How often the worker looks at the queue and samples running jobs."""
     planner_processes: int = 1
     """Processes that run planner searches next to the server (the server itself stays responsive)."""
+    status_cache_s: float = 0.5
+    """How long a job's status answer is reused (0: never). What this process changes drops it at once; what
+    the worker changes shows within this time (the worker itself samples running jobs every ``poll_s``)."""
+    auth_cache_s: float = 5.0
+    """How long a valid token's tenant is remembered (0: never): its expiry is still checked on every request;
+    a token revoked in the database stops working within this time."""
+    plan_cache_entries: int = 256
+    """Answers of identical plan requests kept (0: every request searches)."""
     cpu_ranks: int = 1
     """CPU ranks of a job that does not set ``devices.cpu_ranks``."""
 

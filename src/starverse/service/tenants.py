@@ -6,8 +6,11 @@ sign-up credit and top-ups, rows of ``balance_entries``) minus what its jobs' le
 insurance credits the ledger granted: the worker stops a tenant's running jobs (emergency checkpoint) when
 it reaches zero, and a job is refused at submit while it is not positive.
 
-Top-ups are recorded in the service database (``balance_entries``), not in the jobs' ledgers: the ledger
-records what devices cost, the balance what the tenant paid in.
+What the tenant paid in (the sign-up credit, top-ups) is recorded in the tenant's own billing ledger
+(``tenants/<id>/ledger.sqlite``, the ledger's ``payments``), so ``starverse bill ROOT/tenants/<id>`` shows
+it and ``starverse bill ROOT/tenants/<id> --check`` verifies it like any ledger; what devices cost is in
+each job's ledger (``jobs/<job>/run/ledger.sqlite``). Rows of the service database's older
+``balance_entries`` table are moved into the tenant ledgers once (:func:`import_balance_entries`).
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from starverse.billing.ledger import LEDGER_FILE
-from starverse.billing.money import MICROS_PER_UNIT, TICKS_PER_UNIT, price_to_micros
+from starverse.billing.ledger import LEDGER_FILE, Ledger, Payment, PaymentKind
+from starverse.billing.money import MICROS_PER_UNIT, TICKS_PER_UNIT, micros_to_decimal, price_to_micros
 from starverse.errors import BillingError, ConfigError
-from starverse.service.db import BalanceEntry, Database, Tenant, Token
+from starverse.service.db import BalanceEntry, Database, Tenant, Token, migrate
 from starverse.service.settings import ServiceSettings
 
 TOKEN_PREFIX = "sv_"
@@ -50,13 +53,18 @@ def create_tenant(db: Database, settings: ServiceSettings, name: str, *, credit:
                    currency=settings.currency)
         s.add(t)
         s.flush()
-        amount = settings.signup_credit if credit is None else credit
-        if amount > 0:
-            s.add(BalanceEntry(tenant_id=t.id, at=time.time(), kind="signup",
-                               amount_micros=price_to_micros(amount, "credit"), note="sign-up credit"))
     for sub in ("datasets", "models", "jobs"):
         (settings.tenant_dir(t.id) / sub).mkdir(parents=True, exist_ok=True)
+    amount = settings.signup_credit if credit is None else credit
+    if price_to_micros(amount, "credit") > 0:
+        with tenant_ledger(settings, t.id) as ledger:
+            ledger.record_payment("signup", amount, currency=t.currency, note="sign-up credit", ref=f"signup:{t.id}")
     return t
+
+
+def tenant_ledger(settings: ServiceSettings, tenant_id: str) -> Ledger:
+    """The tenant's own ledger (its payments), created if new."""
+    return Ledger.open(settings.tenant_dir(tenant_id) / LEDGER_FILE)
 
 
 def tenant_by_name(s: Session, name: str) -> Tenant:
@@ -78,8 +86,8 @@ def create_token(db: Database, tenant_name: str, *, ttl_s: float | None = None) 
     return token
 
 
-def authenticate(db: Database, token: str) -> Tenant | None:
-    """The tenant of a valid, unexpired, unrevoked token; None otherwise."""
+def authenticate(db: Database, token: str) -> tuple[Tenant, float | None] | None:
+    """The tenant of a valid, unexpired, unrevoked token and the token's expiry; None otherwise."""
     if not token.startswith(TOKEN_PREFIX) or len(token) > 200:
         return None
     with db.session() as s:
@@ -90,17 +98,44 @@ def authenticate(db: Database, token: str) -> Tenant | None:
         tok, tenant = row
         if tok.revoked or (tok.expires_at is not None and tok.expires_at <= time.time()):
             return None
-        return tenant
+        return tenant, tok.expires_at
 
 
-def top_up(db: Database, tenant_name: str, amount: Decimal, note: str = "top-up") -> None:
-    """Add prepaid credit to a tenant (recorded as a balance entry)."""
+def top_up(db: Database, settings: ServiceSettings, tenant_name: str, amount: Decimal, note: str = "top-up") -> None:
+    """Add prepaid credit to a tenant (a payment in its ledger)."""
     if amount <= 0:
         raise ConfigError(f"top-up amount {amount}: must be > 0")
     with db.session() as s:
         t = tenant_by_name(s, tenant_name)
-        s.add(BalanceEntry(tenant_id=t.id, at=time.time(), kind="topup",
-                           amount_micros=price_to_micros(amount, "top-up"), note=note))
+    with tenant_ledger(settings, t.id) as ledger:
+        ledger.record_payment("topup", amount, currency=t.currency, note=note)
+
+
+def upgrade_state(settings: ServiceSettings) -> None:
+    """Bring the service's state up to this version: the database schema (Alembic), then the older
+    ``balance_entries`` rows into the tenants' ledgers."""
+    migrate(settings.url)
+    db = Database(settings.url)
+    try:
+        import_balance_entries(db, settings)
+    finally:
+        db.dispose()
+
+
+def import_balance_entries(db: Database, settings: ServiceSettings) -> int:
+    """Move the rows of the older ``balance_entries`` table into the tenants' ledgers (each recorded under
+    its row id, so a move cut short and done again records none twice); returns how many were moved."""
+    with db.session() as s:
+        rows = s.scalars(select(BalanceEntry).order_by(BalanceEntry.id)).all()
+        tenants = {t.id: t for t in s.scalars(select(Tenant)).all()}
+    for r in rows:
+        kind: PaymentKind = "signup" if r.kind == "signup" else "topup"
+        with tenant_ledger(settings, r.tenant_id) as ledger:
+            ledger.record_payment(kind, micros_to_decimal(r.amount_micros), currency=tenants[r.tenant_id].currency,
+                                  note=r.note, ref=f"balance_entries:{r.id}", at_s=int(r.at))
+        with db.session() as s:
+            s.execute(delete(BalanceEntry).where(BalanceEntry.id == r.id))
+    return len(rows)
 
 
 @dataclass(frozen=True)
@@ -142,12 +177,8 @@ def job_ledgers(settings: ServiceSettings, tenant_id: str) -> list[Path]:
 
 
 def balance(db: Database, settings: ServiceSettings, tenant: Tenant) -> Balance:
-    """The tenant's balance from its balance entries and its jobs' ledgers."""
-    from starverse.billing import Ledger
-
-    with db.session() as s:
-        paid = int(s.scalar(select(func.coalesce(func.sum(BalanceEntry.amount_micros), 0))
-                            .where(BalanceEntry.tenant_id == tenant.id)) or 0)
+    """The tenant's balance from the payments in its ledger and its jobs' ledgers."""
+    paid = sum(p.amount_micros for p in payments(settings, tenant))
     charged = credited = 0
     for path in job_ledgers(settings, tenant.id):
         try:
@@ -161,10 +192,16 @@ def balance(db: Database, settings: ServiceSettings, tenant: Tenant) -> Balance:
     return Balance(tenant.currency, paid, charged, credited)
 
 
-def balance_entries(db: Database, tenant: Tenant) -> list[dict[str, object]]:
-    """The tenant's sign-up credit and top-ups, oldest first."""
-    with db.session() as s:
-        rows = s.scalars(select(BalanceEntry).where(BalanceEntry.tenant_id == tenant.id)
-                         .order_by(BalanceEntry.id)).all()
-        return [{"at": r.at, "kind": r.kind, "amount": str(Decimal(r.amount_micros) / MICROS_PER_UNIT),
-                 "note": r.note} for r in rows]
+def payments(settings: ServiceSettings, tenant: Tenant) -> list[Payment]:
+    """The tenant's sign-up credit and top-ups, oldest first (none before its ledger exists)."""
+    path = settings.tenant_dir(tenant.id) / LEDGER_FILE
+    if not path.exists():
+        return []
+    with Ledger.open(path, create=False, read_only=True) as ledger:
+        return ledger.payments()
+
+
+def balance_entries(settings: ServiceSettings, tenant: Tenant) -> list[dict[str, object]]:
+    """The tenant's payments in JSON form, oldest first."""
+    return [{"at": p.at_s, "kind": p.kind, "amount": str(p.amount), "note": p.note}
+            for p in payments(settings, tenant)]

@@ -6,13 +6,16 @@ The mapping (docs/runtime.md, "ZeRO with FSDP2"):
 plan         FSDP2
 ===========  ===========================================================================================
 zero 0       no FSDP: replicated parameters, gradients summed by hetero DP's bucketed all-reduce
-zero 1       ``fully_shard(reshard_after_forward=False)``; during gradient accumulation the parameters stay
-             gathered and gradients are *not* reduced (``set_requires_gradient_sync(False)``,
-             ``set_reshard_after_backward(False)``) until the last micro-batch, which reduce-scatters once.
-             During the step a rank therefore holds full parameters and full gradients and 1/N of the
-             optimizer state, and per step moves one all-gather + one reduce-scatter (= one all-reduce):
-             ZeRO-1's memory and traffic. Between steps FSDP2 keeps the parameters sharded (ZeRO-1 proper
-             keeps them whole): torch has no optimizer-only sharding for FSDP2, and this is the closest.
+zero 1       no FSDP: parameters and gradients stay whole on every rank (summed over the replicas by hetero
+             DP's all-reduce, or :meth:`ParallelModel.sync_gradients` under TP), the optimizer state is
+             sharded with :class:`~starverse.runtime.parallel.zero1.ShardedOptimizer`
+             (``ZeroRedundancyOptimizer``: each rank steps its partition of the parameters, then broadcasts
+             them). ZeRO-1's memory (P + G + O/N) and traffic (one all-reduce + one broadcast of the
+             parameters per step), and shares stay free: uneven and rebalanced. With ``offload`` it falls
+             back to FSDP2 (only FSDP2 has an offload policy): ``fully_shard(reshard_after_forward=False)``
+             with the gradient sync and the resharding held to the last micro-batch, so during the step a
+             rank holds whole parameters and gradients, between steps the parameters sharded (the
+             parameters are then counted once whole and once as a shard: 1.5 P for two ranks).
 zero 2       ``fully_shard(reshard_after_forward=False)``: parameters gathered once per micro-batch and
              kept through its backward; gradients reduce-scattered after every micro-batch (1/N kept).
 zero 3       ``fully_shard(reshard_after_forward=True)``: each block's parameters are gathered for its
@@ -48,6 +51,7 @@ from torch.distributed.fsdp import (
 
 from starverse.errors import ConfigError
 from starverse.runtime.parallel.blocks import decoder_blocks
+from starverse.runtime.parallel.zero1 import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +69,21 @@ class ZeroModel:
     offload: str
     """The plan's offload setting."""
     units: list[FSDPModule] = field(default_factory=list)
-    """FSDP units, blocks first, the root last."""
+    """FSDP units, blocks first, the root last (none: ZeRO-1 shards the optimizer state alone)."""
+    dp_mesh: DeviceMesh | None = None
+    """The data-parallel mesh it shards over."""
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 shards the parameters and reduces the gradients (False: ZeRO-1 proper, see :meth:`shard_optimizer`)."""
+        return bool(self.units)
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer to step: ``optimizer`` itself under FSDP2 (its state follows the sharded parameters),
+        else the same optimizer with its state sharded over the data-parallel ranks (ZeRO-1 proper)."""
+        if self.fsdp or self.dp_mesh is None or self.dp_mesh.size() == 1:
+            return optimizer
+        return ShardedOptimizer(optimizer, self.dp_mesh.get_group())
 
     @property
     def root(self) -> FSDPModule:
@@ -78,6 +96,8 @@ class ZeroModel:
         ZeRO-1 accumulates whole gradients and keeps parameters gathered until the last micro-batch; ZeRO-2
         and ZeRO-3 reduce-scatter after every micro-batch (FSDP2's default).
         """
+        if not self.fsdp:
+            return
         last = index == count - 1
         if self.stage == 1:
             self.root.set_requires_gradient_sync(last, recurse=True)
@@ -103,14 +123,18 @@ def apply_zero(
     offload: str = "none",
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> ZeroModel:
-    """Shard ``model`` over ``dp_mesh`` for ZeRO ``stage`` (1-3) with FSDP2, in place.
+    """Shard ``model`` over ``dp_mesh`` for ZeRO ``stage`` (1-3) in place (see the module docstring).
 
     Apply after tensor parallelism (then ``dp_mesh`` is the data-parallel dimension of the same 2-D mesh,
     and parameters become 2-D DTensors) and after recompute wrapping. Build the optimizer afterwards, on
-    the sharded parameters.
+    the (sharded) parameters, and step the one :meth:`ZeroModel.shard_optimizer` returns. ZeRO-1 without
+    offload leaves the model as it is: the caller sums its gradients over ``dp_mesh`` as for ZeRO-0.
     """
     if stage not in (1, 2, 3):
         raise ConfigError(f"zero_stage must be 1, 2 or 3 for FSDP (got {stage}); ZeRO-0 needs no sharding.")
+    if stage == 1 and offload == "none":
+        log.info("ZeRO-1: optimizer state sharded over %d ranks", dp_mesh.size())
+        return ZeroModel(model=model, stage=stage, offload=offload, dp_mesh=dp_mesh)
     device = torch.device(dp_mesh.device_type)
     kwargs = {
         "mesh": dp_mesh,
@@ -127,4 +151,4 @@ def apply_zero(
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     log.info("ZeRO-%d with FSDP2 over %d ranks (%d units), offload %s", stage, dp_mesh.size(), len(units), offload)
-    return ZeroModel(model=model, stage=stage, offload=offload, units=units)
+    return ZeroModel(model=model, stage=stage, offload=offload, units=units, dp_mesh=dp_mesh)

@@ -85,9 +85,10 @@ class ParallelModel:
         """Sum the gradients over the data-parallel replicas when FSDP does not (tensor parallel, ZeRO-0).
 
         Each rank's local part (its TP shard, or a replicated norm) is summed with the same part of the other
-        replicas in one flat all-reduce over ``mesh["dp"]``; with ZeRO, FSDP2 reduced them in the backward.
+        replicas in one flat all-reduce over ``mesh["dp"]``; under FSDP2 (ZeRO-2/3, ZeRO-1 with offload) it
+        reduced them in the backward.
         """
-        if self.zero is not None or self.mesh is None or self.mesh["dp"].size() == 1:
+        if (self.zero is not None and self.zero.fsdp) or self.mesh is None or self.mesh["dp"].size() == 1:
             return
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for p in self.model.parameters() if p.grad is not None]
@@ -107,9 +108,15 @@ class ParallelModel:
 
     @property
     def syncs_own_gradients(self) -> bool:
-        """It reduces its gradients itself (FSDP2 in the backward under ZeRO, :meth:`sync_gradients` for tensor
-        parallel): the trainer's all-reduce over every rank must not run (it would sum different TP shards)."""
-        return self.zero is not None or self.config.tp > 1
+        """It reduces its gradients itself (FSDP2 in the backward, :meth:`sync_gradients` for tensor parallel):
+        the trainer's all-reduce over every rank must not run (it would sum different TP shards). ZeRO-1
+        without TP leaves them to the trainer's all-reduce, which keeps uneven shares."""
+        return (self.zero is not None and self.zero.fsdp) or self.config.tp > 1
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer to step (build ``optimizer`` on :attr:`model`'s parameters first): under ZeRO-1 its
+        state sharded over the data-parallel ranks, else ``optimizer`` itself."""
+        return optimizer if self.zero is None else self.zero.shard_optimizer(optimizer)
 
     # Where the rank loop holds a gradient sync (hetero DP's ``GradientSync``), a parallel model stands in.
     blocked_s: float = 0.0

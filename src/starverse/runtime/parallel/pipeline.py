@@ -31,7 +31,7 @@ from starverse.errors import ConfigError
 from starverse.runtime.launch import native_backend
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 from starverse.runtime.parallel.pipeline_split import Chunk, cut
-from starverse.runtime.steps import shifted_cross_entropy
+from starverse.runtime.steps import masked_cross_entropy, shifted_cross_entropy
 
 _SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -180,6 +180,7 @@ class PipelineRunner:
     """Measurements of the last step."""
     _schedule: Any = None
     _n_micro: int = 0
+    _num_targets: int | None = None
 
     @classmethod
     def build(
@@ -218,6 +219,8 @@ class PipelineRunner:
         return out
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._num_targets is not None:  # masked labels: this micro-batch's part of the global batch's mean
+            return masked_cross_entropy(logits, target, self._num_targets)
         return shifted_cross_entropy(logits, target) * self.loss_scale
 
     def _make_schedule(self, n_micro: int) -> Any:
@@ -235,18 +238,26 @@ class PipelineRunner:
             return cls(stages, n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
         return cls(stages[0], n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
 
-    def step(self, tokens: torch.Tensor, n_micro: int) -> float:
+    def step(
+        self, tokens: torch.Tensor, n_micro: int, labels: torch.Tensor | None = None, num_targets: int | None = None
+    ) -> float:
         """Forward and backward of the replica's batch ``tokens`` [n_micro × micro_batch, seq] as ``n_micro``
         micro-batches; gradients accumulate in the chunks' ``.grad``. Returns this rank's part of the global
-        batch's mean loss (the last stage's weighted losses; 0 elsewhere)."""
+        batch's mean loss (the last stage's weighted losses; 0 elsewhere).
+
+        ``labels`` (chat data: -100 where a token is not a target) go to the last stage, which sums the loss over
+        the labelled tokens and divides by ``num_targets``, the global batch's labelled tokens."""
         if self._schedule is None or n_micro != self._n_micro:
             self._schedule, self._n_micro = self._make_schedule(n_micro), n_micro
         self.times = PipelineTimes()
         x = tokens.to(self.comm_device)
         first, last = self.has_first, self.has_last
+        self._num_targets = (num_targets or 1) if labels is not None else None
+        target = x if labels is None else labels.to(self.comm_device)
         losses: list[torch.Tensor] = []
         t0 = time.perf_counter()
         args = (x,) if first else ()
-        self._schedule.step(*args, target=x if last else None, losses=losses if last else None, return_outputs=False)
+        self._schedule.step(*args, target=target if last else None, losses=losses if last else None,
+                            return_outputs=False)
         self.times.step_s = time.perf_counter() - t0
         return float(sum(loss.detach().double().cpu() for loss in losses)) if last else 0.0

@@ -79,14 +79,14 @@ class Chunk(nn.Module):
     """One pipeline chunk (virtual stage): ``forward(x)`` -> hidden states, or logits on the last chunk."""
 
     def __init__(
-        self, body: nn.Module, run: Callable[[nn.Module, torch.Tensor], torch.Tensor], names: dict[int, str],
+        self, body: nn.Module, run: Callable[[nn.Module, torch.Tensor], torch.Tensor], names: dict[str, str],
         device: torch.device, comm_device: torch.device,
     ) -> None:
         super().__init__()
         self.body = body
         self._run = run
         self.names = names
-        """Unsplit-model name of each of this chunk's parameters, by ``id(parameter)``."""
+        """Unsplit-model name of each of this chunk's parameters, by its name in ``body`` (wrappers aside)."""
         self.device = device
         self.comm_device = comm_device
 
@@ -96,14 +96,33 @@ class Chunk(nn.Module):
         return y.to(self.comm_device)
 
     def named_parameters_unsplit(self) -> list[tuple[str, nn.Parameter]]:
-        """``(unsplit-model name, parameter)`` of every parameter of this chunk (tied ones once)."""
-        seen: set[int] = set()
-        out = []
-        for p in self.body.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((self.names[id(p)], p))
-        return out
+        """``(unsplit-model name, parameter)`` of every parameter of this chunk (tied ones once).
+
+        Looked up by the parameter's name in the chunk, so it still holds after tensor parallelism or FSDP
+        replaced the parameters (DTensors) and recompute wrapped the blocks (its prefix is left out).
+        """
+        return [(self.names[local_name(n)], p) for n, p in self.body.named_parameters()]
+
+
+def local_name(name: str) -> str:
+    """A parameter's name inside a chunk without the prefixes wrappers add (activation checkpointing)."""
+    return name.replace(_WRAPPED, "")
+
+
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
+class _Blocks(nn.Module):
+    """A run of a user's blocks, kept in an ``nn.ModuleList`` (the unit recompute wraps and ZeRO shards)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 def num_blocks(model: nn.Module | list[nn.Module]) -> int:
@@ -149,10 +168,11 @@ def cut(
     """The chunk of ``model`` holding layers ``first_layer .. first_layer + num_layers - 1`` (a fresh copy)."""
     memo: dict[int, object] = {}
     body = copy.deepcopy(model, memo)
-    names = {id(memo[id(p)]): n for n, p in model.named_parameters()}
+    by_id = {id(memo[id(p)]): n for n, p in model.named_parameters()}
     keep = range(first_layer, first_layer + num_layers)
     if isinstance(body, nn.Sequential) and not hasattr(body, "config"):
-        blocks = nn.Sequential(*[body[i] for i in keep])
+        blocks = _Blocks([body[i] for i in keep])
+        names = {n: by_id[id(p)] for n, p in blocks.named_parameters()}
         chunk = Chunk(blocks, _run_blocks, names, device, comm_device)
     else:
         fam = family_of(body)
@@ -169,6 +189,7 @@ def cut(
             setattr(base, fam.final_norm, nn.Identity())
             body.lm_head = nn.Identity()  # type: ignore[assignment]
         run = _run_first_hf if is_first else _run_later_hf
+        names = {n: by_id[id(p)] for n, p in body.named_parameters()}
         chunk = Chunk(body, _with_head(run, fam.base) if is_last else _without_head(run, fam.base), names, device,
                       comm_device)
     chunk.to(device)

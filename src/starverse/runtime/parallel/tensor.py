@@ -210,7 +210,8 @@ def _module_from(model: torch.nn.Module, getter: str) -> torch.nn.Module | None:
     """``model.get_input_embeddings()`` / ``get_output_embeddings()`` of a transformers model, else None."""
     fn = getattr(model, getter, None)
     mod = fn() if callable(fn) else None
-    return mod if isinstance(mod, torch.nn.Module) else None
+    # a weightless stand-in (a pipeline chunk's Identity in place of the embedding or head) counts as none
+    return mod if isinstance(mod, torch.nn.Module) and hasattr(mod, "weight") else None
 
 
 def _name_in(root: torch.nn.Module, target: torch.nn.Module) -> str | None:

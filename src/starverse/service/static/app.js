@@ -287,7 +287,7 @@ async function showBill(id) {
       <td class="num">${l.open ? "running" : l.seconds + " s"}</td><td class="num">${esc(l.charges)}</td></tr>`).join("")}
     ${b.credits.map(c => `<tr><td>insurance credit (${esc(c.kind)})</td><td class="num">${c.seconds} s</td><td class="num">−${esc(c.amount)}</td></tr>`).join("")}
     <tr><th>charges</th><td></td><td class="num">${esc(b.charges)} ${esc(ccy)}</td></tr>
-    <tr><th>insurance credits</th><td></td><td class="num">−${esc(b.credit)} ${esc(ccy)}</td></tr>
+    <tr><th>insurance credits</th><td></td><td class="num">${Number(b.credit) ? "−" : ""}${esc(b.credit)} ${esc(ccy)}</td></tr>
     <tr><th>net</th><td></td><td class="num" id="bill-net"><strong>${esc(b.net)} ${esc(ccy)}</strong></td></tr></tbody></table>
     ${b.events.length ? `<h3>Training events (ledger)</h3><p class="muted" id="ledger-events">${b.events.map(e =>
       `${esc(e.kind)}${e.step != null ? " @" + e.step : ""}`).join(" · ")}</p>` : ""}`;

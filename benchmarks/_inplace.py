@@ -1,0 +1,200 @@
+"""In-place recovery figures for bench_recovery.py (issue 11): torchft replicas of the demo model on CPU.
+
+- ``inplace_recovery_s``: SIGKILL of one of 3 data-parallel replicas in the middle of step KILL_STEP (after its
+  first micro-batch) -> the survivors complete that step (the leader's step record). Target <= 2 s.
+  Broken down into the loss -> the new quorum (detection by the Lighthouse's heartbeat timeout, gloo
+  reconfigured) and the step in flight computed again by the survivors with the lost share.
+- ``inplace_lost_steps``: steps computed twice by the supervisor's measure (last step reached minus the step
+  resumed from, over attempts; 0 means no restart); ``inplace_redone_steps``: failed commits redone (the step in
+  flight, not lost work: it had not been applied).
+- ``join_s``: a replacement started (``replace_after_s`` after the loss) -> the first step it trained in (the
+  leader's membership record). Target <= 5 s.
+- ``inplace_vs_restart_goodput``: committed steps per second over the same wall-clock window (WINDOW_S from the
+  first fit start) with one SIGKILL of rank 1 at LOSS_AT_S, in-place vs checkpoint-restart, 3 ranks each, same
+  checkpoint interval. Expect >= 1.5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from starverse.runtime.callbacks import Callback
+
+KILL_STEP = 4
+STEPS = 16
+GLOBAL_BATCH = 12
+INTERVAL = 5
+WINDOW_S = 30.0
+LOSS_AT_S = 10.0
+
+
+class LeaderStamps(Callback):
+    """The leader (rank 0) appends (attempt, event, step, time) to run_dir/stamps.jsonl."""
+
+    def __init__(self, attempt: int):
+        self.attempt = attempt
+
+    def _write(self, ctx: Any, event: str) -> None:
+        if ctx.rank == 0:
+            with open(Path(ctx.run_dir) / "stamps.jsonl", "a") as f:
+                f.write(json.dumps({"attempt": self.attempt, "event": event, "step": ctx.step,
+                                    "time": time.time()}) + "\n")
+
+    def on_fit_start(self, ctx: Any) -> None:
+        self._write(ctx, "fit_start")
+
+    def on_step_end(self, ctx: Any) -> None:
+        self._write(ctx, "step")
+
+
+class KillMidStep(Callback):
+    """SIGKILL the process of ``$RANK == rank`` after a micro-batch of step ``step`` (or once ``at_time`` has
+    passed), recording when in run_dir/kill.json. Works in both modes (``on_micro_batch_end`` runs everywhere)."""
+
+    def __init__(self, rank: int, step: int | None = None, at_time: float | None = None):
+        self.rank, self.step, self.at_time = rank, step, at_time
+
+    def on_micro_batch_end(self, ctx: Any, compute_s: float) -> None:
+        if int(os.environ.get("RANK", "-1")) != self.rank or os.environ.get("STARVERSE_JOINER"):
+            return
+        if (self.step is not None and ctx.step + 1 == self.step) or (
+                self.at_time is not None and time.time() >= self.at_time):
+            with open(Path(ctx.run_dir) / "kill.json", "w") as f:
+                json.dump({"time": time.time(), "step": ctx.step + 1}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopAt(Callback):
+    """Request a stop once ``at_time`` has passed (a wall-clock window shared by every attempt)."""
+
+    def __init__(self, at_time: float):
+        self.at_time = at_time
+
+    def on_step_end(self, ctx: Any) -> None:
+        if time.time() >= self.at_time:
+            ctx.request_stop("benchmark window over")
+
+
+def _supervisor(run_dir: Path, callbacks: Any, recovery: str, replace_after_s: float | None = None) -> Any:
+    import starverse
+    from starverse.checkpoint import CheckpointCallback
+    from starverse.elastic.inplace import InplaceLauncher
+    from starverse.elastic.supervisor import Supervisor
+
+    cluster = starverse.accelerate(num_cpu_ranks=3, seq_len=64, global_batch=GLOBAL_BATCH)
+    options: dict[str, Any] = {"rebalance_every": 0, "collective_timeout_s": 60.0, "recovery": recovery}
+    if recovery == "in-place":
+        options["launcher"] = InplaceLauncher(replace_after_s=replace_after_s)
+    return cluster, Supervisor(cluster, run_dir, checkpoint=CheckpointCallback(interval_steps=INTERVAL),
+                               callbacks=callbacks, trainer_options=options)
+
+
+def _data(cluster: Any) -> list[list[int]]:
+    import numpy as np
+
+    vocab = int(cluster.model_config["vocab_size"])
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab, 4000).tolist() for _ in range(4)]
+
+
+def _factory(c: Any) -> Any:
+    import starverse
+
+    with c.mixed_mesh():
+        return starverse.build_model(c.model_config)
+
+
+def _stamps(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "stamps.jsonl").read_text().splitlines()]
+
+
+def bench_inplace_loss(tmp: Path) -> dict[str, Any]:
+    """One SIGKILL mid-step of 3 replicas, a replacement 2 s later: recovery, lost/redone steps, join."""
+    from starverse.runtime.ft import INPLACE_LOG
+
+    run_dir = tmp / "inplace-loss"
+    cluster, sup = _supervisor(run_dir, lambda n: [LeaderStamps(n), KillMidStep(1, step=KILL_STEP)], "in-place",
+                               replace_after_s=2.0)
+    out = sup.run(_factory, _data(cluster), resume_from=None, per_device_batch_size=2, max_steps=STEPS, seq_len=64)
+    kill = json.loads((run_dir / "kill.json").read_text())
+    done = next(s for s in _stamps(run_dir) if s["event"] == "step" and s["step"] == kill["step"])
+    events = [json.loads(line) for line in (run_dir / INPLACE_LOG).read_text().splitlines()]
+    joined = [e for e in events if e["event"] == "members" and e["joined"]]
+    redone = sum(e["steps"] for e in events if e["event"] == "redone")
+    joins = sup.launcher.joins
+    requorum = next(e["time"] for e in events if e["event"] == "requorum")
+    return {
+        "inplace_recovery_s": done["time"] - kill["time"],
+        "inplace_breakdown_s": {"detect_and_requorum_s": round(requorum - kill["time"], 2),
+                                "redone_step_s": round(done["time"] - requorum, 2)},
+        "inplace_lost_steps": out.lost_steps,
+        "inplace_redone_steps": redone,
+        "inplace_attempts": len(out.attempts),
+        "inplace_final_step": out.final_step,
+        "join_s": joined[0]["time"] - joins[0].at if joined and joins else None,
+    }
+
+
+def _goodput(tmp: Path, recovery: str) -> dict[str, Any]:
+    run_dir = tmp / f"goodput-{recovery}"
+    t0 = time.time()
+    # the window and the loss are timed from the first fit start (model build and spawn excluded)
+    cluster, sup = _supervisor(run_dir, lambda n: [LeaderStamps(n), _Deferred(n)], recovery)
+    out = sup.run(_factory, _data(cluster), resume_from=None, per_device_batch_size=2, max_steps=10_000,
+                  seq_len=64)
+    start = next(s["time"] for s in _stamps(run_dir) if s["event"] == "fit_start")
+    end = max(s["time"] for s in _stamps(run_dir))
+    return {"steps": out.final_step, "window_s": end - start, "attempts": len(out.attempts),
+            "lost_steps": out.lost_steps, "total_s": time.time() - t0}
+
+
+class _Deferred(Callback):
+    """Kill rank 1 LOSS_AT_S and stop WINDOW_S after the first fit start (read from run_dir/window.json, written
+    by the leader's first ``on_fit_start``, so every rank and attempt shares the same clock)."""
+
+    def __init__(self, attempt: int):
+        self.attempt = attempt
+
+    def _window(self, ctx: Any) -> float:
+        p = Path(ctx.run_dir) / "window.json"
+        if not p.is_file():
+            if ctx.rank == 0 and self.attempt == 1:
+                p.write_text(json.dumps({"start": time.time()}))
+            else:
+                return float("inf")
+        return float(json.loads(p.read_text())["start"])
+
+    def on_fit_start(self, ctx: Any) -> None:
+        self._window(ctx)
+
+    def on_micro_batch_end(self, ctx: Any, compute_s: float) -> None:
+        if self.attempt == 1 and time.time() >= self._window(ctx) + LOSS_AT_S:
+            KillMidStep(1, at_time=0.0).on_micro_batch_end(ctx, compute_s)
+
+    def on_step_end(self, ctx: Any) -> None:
+        StopAt(self._window(ctx) + WINDOW_S).on_step_end(ctx)
+
+
+def bench_inplace(tmp: Path) -> dict[str, Any]:
+    """All in-place figures (see the module docstring)."""
+    loss = bench_inplace_loss(tmp)
+    inplace = _goodput(tmp, "in-place")
+    restart = _goodput(tmp, "restart")
+    out: dict[str, Any] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in loss.items()}
+    out.update({
+        "inplace_recovery_target_s": 2.0,
+        "join_target_s": 5.0,
+        "goodput_window_s": WINDOW_S,
+        "goodput_loss_at_s": LOSS_AT_S,
+        "inplace_goodput_steps_per_s": round(inplace["steps"] / inplace["window_s"], 3),
+        "restart_goodput_steps_per_s": round(restart["steps"] / restart["window_s"], 3),
+        "goodput_detail": {"inplace": inplace, "restart": restart},
+    })
+    out["inplace_vs_restart_goodput"] = round(
+        out["inplace_goodput_steps_per_s"] / out["restart_goodput_steps_per_s"], 3)
+    return out

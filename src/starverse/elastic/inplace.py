@@ -1,0 +1,279 @@
+"""The launcher side of in-place recovery: a torchft Lighthouse and replicas that may die without stopping the job.
+
+:class:`InplaceLauncher` is a :class:`~starverse.runtime.launch.Launcher` for ``recovery: in-place`` on this
+machine. It starts a torchft ``LighthouseServer`` in its own process (bound to 127.0.0.1), spawns one
+process per replica like :class:`~starverse.providers.local.LocalLauncher` (same rank entry, heartbeat and
+parent-death rules) but without a ``torch.distributed`` world: each replica runs
+:func:`starverse.runtime.ft.train_replica`, whose torchft ``Manager`` finds the others through the
+Lighthouse. Unlike the local launcher it does not fail fast on a lost replica:
+
+- a replica killed (signal, exit without a result, heartbeat lost) is recorded as a :class:`Loss` (its
+  :class:`~starverse.errors.LostRankError`, and when it happened); the survivors finish the step in flight
+  without it; the job goes on;
+- with ``replace_after_s`` set, a replacement process for the same rank (same device) is started that long
+  after the loss; it joins at a step boundary with the live state of a peer (a :class:`Join`);
+- the job fails, with a typed error as the local launcher's, when a replica raises (a code error), when
+  every replica is lost (the supervisor then restarts from the last checkpoint) or past ``timeout_s``.
+
+``launch`` returns one result per rank; a rank lost for good (not replaced) has ``None``. ``losses`` and
+``joins`` of the last launch stay readable on the launcher (the job layer bills the lost leases from them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import queue
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from starverse.errors import ConfigError, LostRankError
+from starverse.providers.failures import code_error, lost_heartbeat, lost_process, overrun, user_error
+from starverse.providers.local import _main_reimport_guard, _rank_entry, _stop_all
+from starverse.runtime.ft import EXTRA_BARRIER_PORT, EXTRA_JOINER, EXTRA_LIGHTHOUSE, quiet_torchft
+from starverse.runtime.launch import LOOPBACK, RankEnv, RankError, RankSpec, ordered_ranks, store_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A replica lost during an in-place run."""
+
+    error: LostRankError
+    """What the launcher saw (rank, device kind, cause)."""
+    at: float
+    """``time.time()`` when the launcher noticed."""
+
+
+@dataclass(frozen=True)
+class Join:
+    """A replacement replica started during an in-place run."""
+
+    rank: int
+    """The rank (replica index) it replaces."""
+    device_kind: str
+    """Its accelerator id."""
+    at: float
+    """``time.time()`` when it was started."""
+
+
+class Lighthouse:
+    """A torchft ``LighthouseServer`` on 127.0.0.1 (a free port), for one launch.
+
+    ``heartbeat_timeout_ms``: a replica silent this long is out of the next quorum (how fast a SIGKILLed one is
+    dropped); ``join_timeout_ms``: how long a quorum waits for a heartbeating replica that has not asked to join
+    (the launcher uses the collective timeout: a short one leaves a replica that is merely slower than the others
+    out of every other quorum).
+    """
+
+    def __init__(self, *, heartbeat_timeout_ms: int = 500, join_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
+        quiet_torchft()
+        from torchft.coordination import LighthouseServer
+
+        self._server = LighthouseServer(bind=f"{LOOPBACK}:0", min_replicas=1, join_timeout_ms=join_timeout_ms,
+                                        quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
+        # address() names the machine's hostname; the server listens on 127.0.0.1 only
+        self.address = f"http://{LOOPBACK}:{self._server.address().rsplit(':', 1)[1]}"
+
+    def shutdown(self) -> None:
+        """Stop the server."""
+        self._server.shutdown()
+
+
+@dataclass
+class InplaceLauncher:
+    """Runs torchft replicas on this machine; survives lost replicas (see the module docstring)."""
+
+    replace_after_s: float | None = None
+    """Start a replacement for a lost replica this long after the loss (None: the survivors go on alone)."""
+    heartbeat_s: float = 1.0
+    """How often each replica stamps its heartbeat (and checks that its parent is alive)."""
+    heartbeat_timeout_s: float = 60.0
+    """A replica whose process lives but whose heartbeat is older than this is lost (and stopped)."""
+    lighthouse_heartbeat_ms: int = 500
+    """The Lighthouse's heartbeat timeout (see :class:`Lighthouse`)."""
+    losses: list[Loss] = field(default_factory=list, init=False)
+    """Replicas lost in the last launch."""
+    joins: list[Join] = field(default_factory=list, init=False)
+    """Replacements started in the last launch."""
+    on_loss: Callable[[Loss], None] | None = field(default=None, repr=False, compare=False)
+    """Called (in the launcher's thread) when a replica is lost: the job layer ends its lease there."""
+    on_join: Callable[[Join, RankSpec], None] | None = field(default=None, repr=False, compare=False)
+    """Called when a replacement is started: the job layer opens its lease."""
+    _procs: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.replace_after_s is not None and self.replace_after_s < 0:
+            raise ConfigError(f"InplaceLauncher: replace_after_s must be >= 0 (got {self.replace_after_s}).")
+        if not 0 < self.heartbeat_s < self.heartbeat_timeout_s:
+            raise ConfigError(f"InplaceLauncher: need 0 < heartbeat_s < heartbeat_timeout_s (got {self.heartbeat_s}, "
+                              f"{self.heartbeat_timeout_s}).")
+
+    def notify(self, signum: int) -> int:
+        """Send ``signum`` to every replica process still running."""
+        n = 0
+        for p in list(self._procs):
+            if p.exitcode is None and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+                    n += 1
+        return n
+
+    def pids(self) -> dict[int, int]:
+        """Rank -> process id of the replicas running now (tests and benchmarks kill them)."""
+        return {int(p.name.rsplit("rank", 1)[1]): p.pid for p in list(self._procs)
+                if p.exitcode is None and p.pid is not None}
+
+    def launch(
+        self,
+        fn: Callable[..., Any],
+        ranks: Sequence[RankSpec],
+        *,
+        timeout_s: float,
+        args: tuple[Any, ...] = (),
+        collective_timeout_s: float = 120.0,
+        grace_s: float = 3.0,
+    ) -> list[Any]:
+        """Run ``fn(rank_env, *args)`` per replica; results in rank order (None: lost for good)."""
+        ranks = ordered_ranks(ranks)
+        self.losses, self.joins = [], []
+        # a healthy replica late to a step is waited for (as a collective would): only a silent one is dropped
+        lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms,
+                                join_timeout_ms=int(collective_timeout_s * 1000))
+        barrier = store_server(LOOPBACK, len(ranks) + 1, collective_timeout_s)
+        run = _Run(self, ranks, fn, args, collective_timeout_s, mp.get_context("spawn"),
+                   {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port})
+        try:
+            with _main_reimport_guard():
+                for spec in ranks:
+                    run.start(spec, joiner=False)
+            log.info("in-place launch: %d replicas, lighthouse %s", len(ranks), lighthouse.address)
+            run.watch(timeout_s)
+        finally:
+            _stop_all(run.procs, grace_s if run.failed else 0.0)
+            run.results.close()
+            self._procs = []
+            lighthouse.shutdown()
+        return [run.values.get(r.rank) for r in ranks]
+
+
+@dataclass
+class _Run:
+    """One launch's processes and bookkeeping."""
+
+    launcher: InplaceLauncher
+    ranks: list[RankSpec]
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    collective_timeout_s: float
+    mp_ctx: Any
+    extra: dict[str, Any]
+    procs: list[Any] = field(default_factory=list)
+    live: dict[int, Any] = field(default_factory=dict)
+    values: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, RankError] = field(default_factory=dict)
+    pending: list[tuple[float, RankSpec]] = field(default_factory=list)
+    failed: bool = False
+    done_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.results = self.mp_ctx.Queue()
+        self.beats = self.mp_ctx.Array("d", len(self.ranks), lock=False)
+        self.launcher._procs = self.procs
+
+    def start(self, spec: RankSpec, *, joiner: bool) -> None:
+        env = RankEnv(spec=spec, ranks=tuple(self.ranks), collective_timeout_s=self.collective_timeout_s,
+                      extra={**self.extra, EXTRA_JOINER: joiner})
+        self.beats[spec.rank] = 0.0
+        p = self.mp_ctx.Process(
+            target=_rank_entry,
+            args=(self.fn, env, self.args, None, self.results, self.beats, os.getpid(), self.launcher.heartbeat_s),
+            name=f"starverse-replica-rank{spec.rank}",
+        )
+        p.start()
+        self.procs.append(p)
+        self.live[spec.rank] = p
+
+    def drain(self, wait_s: float) -> None:
+        """Read what the replicas reported (waiting up to ``wait_s`` for the first message)."""
+        try:
+            while True:
+                rank, status, payload = self.results.get(timeout=wait_s)
+                wait_s = 0.0
+                if status == "ok":
+                    self.values[rank] = payload
+                    self.live.pop(rank, None)
+                else:
+                    self.errors[rank] = payload
+        except queue.Empty:
+            return
+
+    def finish_joiners(self, now: float) -> None:
+        """Once a replica finished, the others finish the same step within moments; a process still running
+        well after that is a replacement that never joined: it is stopped (its result is None)."""
+        if self.done_at is None:
+            self.done_at = now
+        if self.live and now - self.done_at > self.collective_timeout_s / 4:
+            for rank, p in list(self.live.items()):
+                log.warning("in-place: rank %d did not finish with the others; stopping it", rank)
+                p.kill()
+                self.live.pop(rank)
+
+    def watch(self, timeout_s: float) -> None:
+        """Until every live replica reported (and no replacement is pending), absorbing losses."""
+        launcher = self.launcher
+        deadline = time.monotonic() + timeout_s
+        while self.live or self.pending:
+            self.drain(0.05)
+            now = time.monotonic()
+            if self.errors:
+                self.failed = True
+                time.sleep(0.5)  # let a root cause report too
+                user = user_error(self.errors)
+                raise user if user is not None else code_error(self.ranks, self.errors)
+            for rank, p in list(self.live.items()):
+                last = self.beats[rank]
+                lost: LostRankError | None = None
+                if p.exitcode is not None:
+                    self.drain(0.2)  # its result may still be on the way
+                    if rank in self.values or rank in self.errors:
+                        continue
+                    lost = lost_process(self.ranks[rank], p.exitcode)
+                elif p.exitcode is None and last > 0 and now - last > launcher.heartbeat_timeout_s:
+                    p.kill()
+                    lost = lost_heartbeat(self.ranks[rank], now - last)
+                if lost is None:
+                    continue
+                self.live.pop(rank)
+                loss = Loss(lost, time.time())
+                launcher.losses.append(loss)
+                log.warning("in-place: rank %d (%s) lost (%s%s); the other replicas go on", rank, lost.device_kind,
+                            lost.cause.value, f", signal {lost.signal}" if lost.signal is not None else "")
+                if launcher.on_loss is not None:
+                    launcher.on_loss(loss)
+                if launcher.replace_after_s is not None:
+                    self.pending.append((now + launcher.replace_after_s, self.ranks[rank]))
+            if not self.live and not self.values:  # every replica lost: nobody holds the live state
+                self.failed = True
+                raise launcher.losses[-1].error
+            if self.values:
+                self.pending.clear()  # the survivors finished: no one to join
+                self.finish_joiners(now)
+            for due, spec in list(self.pending):
+                if now >= due:
+                    self.pending.remove((due, spec))
+                    join = Join(spec.rank, spec.device_kind, time.time())
+                    launcher.joins.append(join)
+                    if launcher.on_join is not None:
+                        launcher.on_join(join, spec)
+                    with _main_reimport_guard():
+                        self.start(replace(spec), joiner=True)
+                    log.info("in-place: started a replacement for rank %d", spec.rank)
+            if now > deadline:
+                self.failed = True
+                raise overrun(timeout_s, len(self.values), len(self.ranks))

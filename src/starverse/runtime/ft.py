@@ -1,0 +1,512 @@
+"""In-place recovery of data-parallel replicas on torchft: survivors keep training when a replica dies.
+
+Opt-in (``recovery: in-place`` in a job file, ``Trainer(recovery="in-place")``), for plans whose replicas
+are single ranks (data parallelism only; pipelined or sharded plans keep checkpoint-restart). Each rank is
+one torchft *replica group* of size 1: it owns a :class:`torchft.Manager` that talks to the launcher's
+Lighthouse (``env.extra["lighthouse"]``), and a reconfigurable :class:`torchft.ProcessGroupGloo` that torchft
+rebuilds for every new quorum. No ``torch.distributed`` default group is used: a dead peer can only fail
+one step, never hang the job.
+
+One step, on every replica (:meth:`ReplicaTrainer.try_step`):
+
+1. **quorum** (:meth:`ReplicaSync.start_step`): the Lighthouse's membership for this step. A replica that
+   joins late (a replacement, a device back) has a lower step; torchft *heals* it here: it receives the
+   live weights, optimizer, schedule, sampler position and shares from a peer (``PGTransport``: over the
+   process group, no extra listener) and joins at this step boundary.
+2. **roster**: one small all-reduce: every participant's replica index and measured time per micro-batch,
+   so every participant computes the same shares (:func:`replica_shares`: the current ones while the
+   membership is unchanged, the rebalancer's split of the *whole* global batch over the participants when it
+   changed, so a lost replica's share is redistributed and the global batch stays exact).
+3. **forward/backward** of this replica's slice of the global batch, each micro-batch's loss scaled by
+   ``micro_batch / global_batch``; the gradients and every participant's loss part and times are summed in
+   one all-reduce (``Manager.allreduce``, SUM).
+4. **commit** (``Manager.should_commit``): if any participant failed the step (a peer died mid-collective),
+   no one applies it: the sampler is rewound and the same global batch is redone with the new quorum's
+   shares. Else clip, AdamW, schedule: the update equals a single process's step on the same global batch.
+
+Callbacks (checkpoint, progress, billing, metrics) run on the *leader* only: the participant with quorum rank
+0 (replica ids sort by index, so the lowest surviving replica), seeing ``rank 0`` of ``world_size 1`` and no
+group; leadership moves to the next replica when the leader dies (its callbacks' ``on_fit_start`` runs then).
+
+Loopback only: torchft 0.2.0's ``Manager`` hard-codes its ``ManagerServer`` bind to ``[::]:PORT`` and its
+default ``HTTPTransport`` serves on every interface. :func:`loopback_manager_server` replaces the
+``ManagerServer`` class torchft's manager module uses by one that binds and advertises ``127.0.0.1``
+(:func:`patch_manager_bind`), and the state transfer uses ``PGTransport``; nothing of a replica listens
+beyond 127.0.0.1 (``tests/e2e`` lists the job's sockets).
+
+This module imports only torch, torchft and the runtime (never elastic, providers or jobs): the launcher
+(``starverse.elastic.inplace.InplaceLauncher``) provides the Lighthouse and the start barrier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from starverse.errors import ConfigError, TrainingDivergedError
+from starverse.runtime.callbacks import CallbackList, TrainContext
+from starverse.runtime.data import DeterministicSampler, PackedDataset
+from starverse.runtime.export import FINAL_WEIGHTS
+from starverse.runtime.hetero_dp import balanced_shares
+from starverse.runtime.launch import LOOPBACK, RankEnv, store_server
+from starverse.runtime.lora import trainable_state_dict
+from starverse.runtime.steps import autocast_dtype, batch_loss, make_optimizer, make_schedule
+
+log = logging.getLogger(__name__)
+
+INPLACE_LOG = "inplace.jsonl"
+"""Run-directory file of membership changes and redone steps (one JSON object a line, written by the leader)."""
+
+EXTRA_LIGHTHOUSE = "lighthouse"
+"""``RankEnv.extra`` key: the Lighthouse address (``http://127.0.0.1:PORT``)."""
+EXTRA_BARRIER_PORT = "start_barrier_port"
+"""``RankEnv.extra`` key: the launcher's store port where the initial replicas meet before the first quorum."""
+EXTRA_JOINER = "joiner"
+"""``RankEnv.extra`` key: True for a replica started after the job began (it heals from a peer)."""
+
+
+def quiet_torchft() -> None:
+    """torchft's Rust side logs every quorum at INFO to stderr; WARNING and up unless ``$RUST_LOG`` says else
+    (read once, when torchft is first imported in a process)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # a flight-recorder warning every quorum
+
+
+def loopback_manager_server(**kwargs: Any) -> Any:
+    """torchft's ``ManagerServer``, bound to and advertised on 127.0.0.1 instead of ``[::]`` / the hostname."""
+    from torchft._torchft import ManagerServer
+
+    port = str(kwargs.pop("bind")).rsplit(":", 1)[1]
+    kwargs["hostname"] = LOOPBACK
+    return ManagerServer(bind=f"{LOOPBACK}:{port}", **kwargs)
+
+
+def patch_manager_bind() -> None:
+    """Make ``torchft.manager.Manager`` start its ``ManagerServer`` on 127.0.0.1 (torchft 0.2.0 has no option).
+
+    ``Manager.__init__`` calls the module-level name ``ManagerServer(replica_id=..., bind="[::]:PORT", ...)``
+    with keyword arguments only; that name is replaced in this (rank) process by :func:`loopback_manager_server`.
+    """
+    import torchft.manager as tm
+
+    tm.ManagerServer = loopback_manager_server  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """This step's membership as one replica sees it."""
+
+    rank: int
+    """This replica's position among the participants (0: the leader)."""
+    size: int
+    """Number of participants."""
+
+
+class ReplicaSync(Protocol):
+    """What the in-place loop needs from a fault-tolerant group (:class:`TorchftSync` on torchft)."""
+
+    def start_step(self) -> Quorum:
+        """Agree on this step's participants (a late replica is healed here)."""
+        ...
+
+    def allreduce_sum(self, t: torch.Tensor) -> bool:
+        """Sum ``t`` over the participants in place; False if it failed (then :meth:`commit` says False too)."""
+        ...
+
+    def commit(self) -> bool:
+        """True if every participant finished the step (apply it); False: redo it."""
+        ...
+
+    def shutdown(self) -> None:
+        """Leave the group."""
+        ...
+
+
+class TorchftSync:
+    """:class:`ReplicaSync` on a torchft ``Manager`` (replica group of size 1) and a reconfigurable gloo group."""
+
+    def __init__(self, replica_id: str, lighthouse: str, timeout_s: float,
+                 state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None]):
+        quiet_torchft()
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        patch_manager_bind()
+        timeout = timedelta(seconds=timeout_s)
+        self._store = store_server(LOOPBACK, 1, timeout_s)  # this replica group's own store (loopback)
+        pg = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            rank=0, world_size=1, store_addr=LOOPBACK, store_port=self._store.port, lighthouse_addr=lighthouse,
+            replica_id=replica_id, hostname=LOOPBACK, init_sync=False,
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
+        )
+
+    def start_step(self) -> Quorum:
+        """See :class:`ReplicaSync`."""
+        m = self.manager
+        m.start_quorum()  # synchronous: a late replica is healed before this returns
+        rank = m.participating_rank()
+        if rank is None:
+            raise ConfigError("torchft put this replica outside the quorum (spare replicas are not used).")
+        return Quorum(rank=rank, size=m.num_participants())
+
+    def allreduce_sum(self, t: torch.Tensor) -> bool:
+        """See :class:`ReplicaSync`."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        return self.manager.errored() is None
+
+    def commit(self) -> bool:
+        """See :class:`ReplicaSync`."""
+        return bool(self.manager.should_commit())
+
+    def current_step(self) -> int:
+        """Steps committed (torchft's count; healed with the state)."""
+        return int(self.manager.current_step())
+
+    def shutdown(self) -> None:
+        """See :class:`ReplicaSync`."""
+        self.manager.shutdown(wait=False)
+
+
+def replica_shares(num_micro: int, roster: Sequence[tuple[int, float]], previous: Sequence[int] | None,
+                   previous_members: Sequence[int] | None) -> list[int]:
+    """Micro-batches per participant for one step (identical on every participant: a function of the roster).
+
+    ``roster``: ``(replica index, time per micro-batch or 0 if unmeasured)`` per participant, in quorum order.
+    While the members are those of the last step, the last shares are kept; when they changed (a loss, a
+    join), the whole global batch is split again by measured speed (the rebalancer's greedy split; an
+    unmeasured replica counts as the mean of the measured ones).
+    """
+    members = [r for r, _ in roster]
+    if previous is not None and previous_members is not None and list(previous_members) == members:
+        return list(previous)
+    known = [t for _, t in roster if t > 0]
+    fill = sum(known) / len(known) if known else 1.0
+    return balanced_shares(num_micro, [t if t > 0 else fill for _, t in roster])
+
+
+class _NothingToJoin(Exception):
+    """A replacement found no other replica in its first quorum."""
+
+
+@dataclass
+class ReplicaTrainer:
+    """One replica's parts and its fault-tolerant loop (built in the rank process by :meth:`build`)."""
+
+    job: Any
+    """The :class:`~starverse.runtime.rank_loop.FitJob`."""
+    env: RankEnv
+    """Who this replica is (``env.rank`` is its replica index)."""
+    device: torch.device
+    """Where it computes."""
+    model: torch.nn.Module
+    """The whole model."""
+    optimizer: torch.optim.Optimizer
+    """AdamW."""
+    data: PackedDataset
+    """The packed sequences."""
+    ctx: TrainContext
+    """Model, optimizer, schedule, sampler, step, shares: the live state (what a joiner receives)."""
+    callbacks: CallbackList
+    """The job's hooks (run on the leader)."""
+    sync: ReplicaSync | None = None
+    """The fault-tolerant group (set by :meth:`run`)."""
+    members: list[int] | None = None
+    """Replica indices of the last committed step's participants, in quorum order."""
+    leader_started: bool = False
+    """True once this replica ran the callbacks' ``on_fit_start`` (it became the leader)."""
+    my_times: deque[float] = field(default_factory=lambda: deque(maxlen=5))
+    """This replica's recent compute time per micro-batch."""
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    shares_history: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    tokens: int = 0
+    compute_s: float = 0.0
+    redone: int = 0
+    """Steps redone after a failed commit."""
+    last_quorum: Quorum | None = None
+    joiner: bool = False
+    failed_at: float | None = None
+    """When this replica's last attempt at a step failed (None: the last one committed)."""
+    """Started after the job began (a replacement): it must receive the live state from a peer."""
+
+    @classmethod
+    def build(cls, env: RankEnv, job: Any) -> ReplicaTrainer:
+        """Create this replica's model, optimizer, schedule and data (no collectives)."""
+        device = torch.device(env.spec.device)
+        torch.manual_seed(job.seed)
+        np.random.seed(job.seed)
+        model = torch.load(job.model_path, map_location="cpu", weights_only=False).to(device)
+        model.train()
+        optimizer = make_optimizer(model, job.lr, job.weight_decay)
+        scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
+        labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
+        data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
+        sampler = DeterministicSampler(len(data), seed=job.seed)
+        ctx = TrainContext(
+            rank=0, world_size=1, plan=job.plan, run_dir=job.run_dir, step=0, model=model, optimizer=optimizer,
+            lr_scheduler=scheduler, sampler=sampler, group=None, device_kind=env.spec.device_kind, device=device,
+            rank_kinds=[r.device_kind for r in env.ranks], max_steps=job.max_steps, shares=list(job.shares),
+        )
+        ctx.metrics.micro_batch = job.micro_batch
+        callbacks = CallbackList(job.callbacks)
+        if job.resume_from is not None:
+            ctx.extra["resume_from"] = job.resume_from
+            if not callbacks.on_resume(ctx, job.resume_from):
+                ctx.load_state_dict(torch.load(job.resume_from, map_location=device, weights_only=False))
+        return cls(job=job, env=env, device=device, model=model, optimizer=optimizer, data=data, ctx=ctx,
+                   callbacks=callbacks)
+
+    # the state a joiner receives from a peer (torchft calls these from its quorum thread / main thread)
+    def live_state(self) -> dict[str, Any]:
+        """Model, optimizer, schedule, sampler, step, shares, the last members and the run's history so far."""
+        return {"ctx": self.ctx.state_dict(), "members": self.members, "losses": list(self.losses),
+                "step_times": list(self.step_times), "shares_history": [list(h) for h in self.shares_history]}
+
+    def load_live_state(self, sd: dict[str, Any]) -> None:
+        """Adopt a peer's live state (a joiner, at a step boundary)."""
+        self.ctx.load_state_dict(sd["ctx"])
+        self.members = sd["members"]
+        self.losses, self.step_times = list(sd["losses"]), list(sd["step_times"])
+        self.shares_history = [(int(st), tuple(sh)) for st, sh in sd["shares_history"]]
+        log.info("replica %d joined at step %d with the live state of a peer", self.env.rank, self.ctx.step)
+
+    @property
+    def num_micro(self) -> int:
+        """Micro-batches per global batch."""
+        return int(self.job.global_batch // self.job.micro_batch)
+
+    def try_step(self, sync: ReplicaSync) -> bool:
+        """One attempt at the next step; True if it was committed (applied), False if it must be redone."""
+        job, ctx = self.job, self.ctx
+        t0 = time.perf_counter()
+        q = sync.start_step()
+        self.last_quorum = q
+        ctx.rank = q.rank  # callbacks see the leader as rank 0 of a world of 1
+        if self.joiner and self.members is None and q.size == 1:
+            raise _NothingToJoin  # the others finished or are gone: no live state to receive
+        if q.rank == 0:
+            self.lead()
+            if self.failed_at is not None:
+                self.note({"event": "requorum", "step": ctx.step + 1, "members_before": self.members,
+                           "participants": q.size, "failed_at": self.failed_at})
+        self.failed_at = None
+        roster_t = torch.zeros(q.size, 2, dtype=torch.float64)
+        tpm = float(np.median(self.my_times)) if self.my_times else 0.0
+        roster_t[q.rank] = torch.tensor([float(self.env.rank), tpm], dtype=torch.float64)
+        if not sync.allreduce_sum(roster_t):  # a peer died before the step began: new quorum, same step
+            return self.redo(sync)
+        roster = [(round(float(r[0])), float(r[1])) for r in roster_t]
+        members = [r for r, _ in roster]
+        shares = replica_shares(self.num_micro, roster, ctx.shares, self.members)
+        sampler_state = ctx.sampler.state_dict()
+        batch_idx = ctx.sampler.next_indices(job.global_batch)
+        start = sum(shares[: q.rank]) * job.micro_batch
+        mine = [batch_idx[start + k * job.micro_batch: start + (k + 1) * job.micro_batch]
+                for k in range(shares[q.rank])]
+        num_targets = self.data.num_targets(batch_idx) if self.data.labels is not None else None
+        tc = time.perf_counter()
+        loss_part = self.forward_backward(mine, num_targets)
+        compute_s = time.perf_counter() - tc
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        stats = torch.zeros(q.size, 4, dtype=torch.float64)
+        stats[q.rank] = torch.tensor([loss_part, compute_s, time.perf_counter() - t0,
+                                      0.0 if ctx.stop_reason is None else 1.0], dtype=torch.float64)
+        flat = torch.cat([torch.cat([g.reshape(-1).double() for g in grads]), stats.reshape(-1)])
+        sync.allreduce_sum(flat)
+        if not sync.commit():
+            ctx.sampler.load_state_dict(sampler_state)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.redone += 1
+            self.failed_at = time.time()
+            log.warning("replica %d: step %d failed on a peer; redoing it with the new quorum",
+                        self.env.rank, ctx.step + 1)
+            return False
+        summed = flat[: -stats.numel()]
+        stats = flat[-stats.numel():].reshape(q.size, 4)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = summed[offset: offset + n].view_as(p).to(p.dtype).clone()
+            offset += n
+        clip = job.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else torch.stack(
+            [p.grad.norm() for p in params if p.grad is not None]).norm()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        loss = float(stats[:, 0].sum())
+        if not (math.isfinite(loss) and math.isfinite(float(norm))):
+            raise TrainingDivergedError(
+                f"step {ctx.step + 1}: the loss is not finite (gradient norm {float(norm):.3g}); training stopped "
+                "before applying the step. To fix: lower train.lr, then resume from the last checkpoint")
+        self.optimizer.step()
+        ctx.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if shares[q.rank]:
+            self.my_times.append(compute_s / shares[q.rank])
+        self.record(q, shares, members, stats, lr, float(norm))
+        return True
+
+    def redo(self, sync: ReplicaSync) -> bool:
+        """End a step that failed before any computation (commit says no everywhere); it is redone."""
+        self.failed_at = time.time()
+        if sync.commit():
+            raise RuntimeError("torchft committed a step whose collective failed")  # cannot happen: a bug
+        return False
+
+    def forward_backward(self, micro_batches: Sequence[np.ndarray], num_targets: int | None) -> float:
+        """Forward and backward of this replica's micro-batches (each loss scaled to the global batch)."""
+        job = self.job
+        amp = autocast_dtype(job.precision, self.device)
+        scale = job.micro_batch / job.global_batch
+        total = 0.0
+        for idx in micro_batches:
+            tm = time.perf_counter()
+            x = torch.from_numpy(self.data.batch(idx)).to(self.device)
+            y = self.data.batch_labels(idx)
+            with torch.autocast(self.device.type, dtype=amp, enabled=amp is not None):
+                loss = batch_loss(self.model, x, job.loss_fn,
+                                  None if y is None else torch.from_numpy(y).to(self.device), num_targets)
+            weight = scale if y is None else 1.0
+            (loss * weight).backward()
+            total += float(loss.detach()) * weight
+            self.callbacks.on_micro_batch_end(self.ctx, time.perf_counter() - tm)  # every replica: local hooks
+        return total
+
+    def record(self, q: Quorum, shares: list[int], members: list[int], stats: torch.Tensor, lr: float,
+               norm: float) -> None:
+        """Count the committed step; note a membership change; the leader runs the callbacks."""
+        job, ctx = self.job, self.ctx
+        if members != self.members:
+            if self.members is not None and q.rank == 0:
+                gone = sorted(set(self.members) - set(members))
+                new = sorted(set(members) - set(self.members))
+                self.note({"event": "members", "step": ctx.step + 1, "lost": gone, "joined": new,
+                           "members": members, "shares": shares})
+            if self.members is not None or tuple(shares) != self.shares_history[-1][1]:
+                self.shares_history.append((ctx.step, tuple(shares)))
+        self.members = members
+        ctx.shares = shares
+        ctx.step += 1
+        self.tokens += shares[q.rank] * job.micro_batch * job.seq_len
+        self.compute_s += float(stats[q.rank, 1])
+        m = ctx.metrics
+        m.loss = float(stats[:, 0].sum())
+        m.tokens_step = job.global_batch * job.seq_len
+        m.tokens_total += m.tokens_step
+        m.step_time_s = float(stats[:, 2].max())
+        m.step_times_s = [float(x) for x in stats[:, 2]]
+        m.compute_times_s = [float(x) for x in stats[:, 1]]
+        m.shares = list(shares)
+        m.tokens_per_s = m.tokens_step / m.step_time_s if m.step_time_s > 0 else 0.0
+        m.lr = lr
+        m.grad_norm = norm
+        self.losses.append(m.loss)
+        self.step_times.append(m.step_time_s)
+        if bool(stats[:, 3].sum() > 0) and ctx.stop_reason is None:
+            ctx.stop_reason = "stop requested by another replica"
+        if q.rank == 0:
+            self.callbacks.on_step_end(ctx)
+
+    def lead(self) -> None:
+        """Become the leader: run the callbacks' ``on_fit_start`` once. The first leader is replica 0 (the
+        quorum sorts replicas by index and the first quorum holds them all); any other leader takes over."""
+        if self.leader_started:
+            return
+        self.leader_started = True
+        self.ctx.takeover = self.env.rank != 0 or self.joiner
+        self.callbacks.on_fit_start(self.ctx)
+
+    def note(self, event: dict[str, Any]) -> None:
+        """Append an event to the run's in-place log (leader only)."""
+        event = {"time": time.time(), **event}
+        with (Path(self.job.run_dir) / INPLACE_LOG).open("a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def run(self, sync: ReplicaSync) -> Any:
+        """Steps until ``max_steps`` or an agreed stop; the last leader writes the final weights."""
+        from starverse.runtime.rank_loop import RankResult
+
+        self.sync = sync
+        if not self.shares_history:
+            self.shares_history = [(self.ctx.step, tuple(self.ctx.shares))]
+        t_loop = time.perf_counter()
+        while self.ctx.step < self.job.max_steps:
+            try:
+                if self.try_step(sync) and self.ctx.stop_reason is not None:
+                    break
+            except _NothingToJoin:
+                log.warning("replica %d: started as a replacement but no other replica is left; leaving",
+                            self.env.rank)
+                return None
+        wall = time.perf_counter() - t_loop
+        leader = self.last_quorum is not None and self.last_quorum.rank == 0
+        if leader:
+            self.lead()
+            self.callbacks.on_fit_end(self.ctx)
+            final = Path(self.job.run_dir) / FINAL_WEIGHTS
+            tmp = final.with_suffix(".tmp")
+            torch.save({k: v.detach().cpu() for k, v in trainable_state_dict(self.model).items()}, tmp)
+            tmp.replace(final)
+            if self.redone:
+                self.note({"event": "redone", "steps": self.redone})
+        ctx = self.ctx
+        return RankResult(
+            step=ctx.step, losses=tuple(self.losses), tokens_total=ctx.metrics.tokens_total, wall_s=wall,
+            step_times=tuple(self.step_times), shares_history=tuple(self.shares_history),
+            stop_reason=ctx.stop_reason, tokens=self.tokens, compute_s=self.compute_s,
+            share=ctx.shares[self.last_quorum.rank] if self.last_quorum is not None else 0,
+        )
+
+
+def start_barrier(env: RankEnv) -> None:
+    """Initial replicas wait for each other before the first quorum (so it holds all of them); a joiner does not."""
+    port = env.extra.get(EXTRA_BARRIER_PORT)
+    if port is None or env.extra.get(EXTRA_JOINER):
+        return
+    import torch.distributed as dist
+
+    store = dist.TCPStore(LOOPBACK, int(port), is_master=False, timeout=timedelta(seconds=env.collective_timeout_s))
+    store.add("ready", 1)
+    deadline = time.monotonic() + env.collective_timeout_s
+    while store.add("ready", 0) < env.world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replica {env.rank}: the other replicas did not start within "
+                               f"{env.collective_timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def train_replica(env: RankEnv, job: Any) -> Any:
+    """The launched function for ``recovery: in-place``: build the replica, join the quorum, run the loop."""
+    lighthouse = env.extra.get(EXTRA_LIGHTHOUSE)
+    if not lighthouse:
+        raise ConfigError("recovery: in-place needs a launcher with a torchft Lighthouse "
+                          "(starverse.elastic.inplace.InplaceLauncher).")
+    if env.extra.get(EXTRA_JOINER):
+        os.environ["STARVERSE_JOINER"] = "1"
+    trainer = ReplicaTrainer.build(env, job)
+    trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
+    sync = TorchftSync(f"replica{env.rank:04d}", str(lighthouse), env.collective_timeout_s,
+                       trainer.live_state, trainer.load_live_state)
+    start_barrier(env)  # after the Manager: every initial replica heartbeats, so the first quorum waits for all
+    try:
+        return trainer.run(sync)
+    finally:
+        sync.shutdown()
+

@@ -1,0 +1,71 @@
+"""In-place recovery (torchft): a SIGKILLed replica does not stop the job, the math stays exact."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import torch
+
+from helpers import SEQ, TinyLM, reference_training
+from helpers import ramp_tokens as _tokens
+from starverse.elastic.inplace import InplaceLauncher
+from starverse.runtime.cluster import Cluster, local_plan
+from starverse.runtime.data import PackedDataset
+from starverse.runtime.launch import RankSpec
+from starverse.runtime.steps import batch_loss
+from starverse.runtime.trainer import Trainer
+from starverse.runtime.ft import INPLACE_LOG
+from starverse.testing import KillReplicaMidStep, WaitForReplicas
+
+MB, GB, STEPS = 2, 12, 12
+
+
+def _cluster(n: int) -> Cluster:
+    ranks = tuple(RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(n))
+    return Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks)
+
+
+def _fit(tmp_path, launcher, callbacks=()):
+    torch.manual_seed(0)
+    model = TinyLM()
+    initial = copy.deepcopy(model)
+    trainer = Trainer(_cluster(3), callbacks=list(callbacks), run_dir=tmp_path, lr=2e-2, warmup_steps=2,
+                      grad_clip=0.5, timeout_s=120, collective_timeout_s=30, recovery="in-place", launcher=launcher,
+                      progress=False, tensorboard=False)
+    res = trainer.fit(model, dataset=_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
+                      global_batch=GB)
+    tokens = np.concatenate([t.numpy() for t in _tokens()]).astype(np.int32)
+    ref_losses, ref_state = reference_training(initial, trainer, PackedDataset(tokens, SEQ), STEPS, GB, batch_loss)
+    return res, model, ref_losses, ref_state
+
+
+def test_sigkill_mid_step_survivors_finish_exact(tmp_path):
+    launcher = InplaceLauncher()
+    res, model, ref_losses, ref_state = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=1, step=3)])
+    assert [loss.error.rank for loss in launcher.losses] == [1]
+    assert res.steps == STEPS
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], msg=name)
+
+
+def test_a_replacement_joins_with_the_live_state_and_the_math_stays_exact(tmp_path):
+    launcher = InplaceLauncher(replace_after_s=0.0)
+    res, model, ref_losses, ref_state = _fit(
+        tmp_path, launcher, [KillReplicaMidStep(replica=0, step=2), WaitForReplicas(replicas=3, after_step=2, pause_s=1.0)])
+    assert [loss.error.rank for loss in launcher.losses] == [0]
+    assert [j.rank for j in launcher.joins] == [0]
+    # membership: 3 replicas, then 2 (the leader, replica 0, lost), then 3 again (its replacement joined)
+    sizes = [len(s) for _, s in res.shares_history]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, res.shares_history
+    back = sizes.index(3, sizes.index(2))
+    assert set(sizes[back:]) == {3}, res.shares_history  # once joined, every quorum holds all three
+    assert res.ranks[0].tokens > 0  # the replacement trained (its own result, not the lost process's)
+    assert res.steps == STEPS
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))  # its history came along
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], msg=name)
+    events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
+    assert [e.get("lost") for e in events if e["event"] == "members"][:2] == [[0], []], events
