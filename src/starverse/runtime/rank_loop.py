@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,7 +239,7 @@ class RankTrainer:
         full = torch.load(job.model_path, map_location="cpu", weights_only=False)
         pipeline: PipelineRunner | None = None
         parallel: ParallelModel | None = None
-        zeros: list[ZeroModel] = []  # ZeRO inside pipeline stages, one per chunk
+        zeros: list[ZeroModel] = []
         if layout.is_pipelined:
             full.train()
             pipeline = PipelineRunner.build(
@@ -257,13 +257,9 @@ class RankTrainer:
             parallel = parallelize_for_plan(model, job.plan, device, env.world_size)
             if parallel is not None:
                 model = parallel.model
-        optimizer = make_optimizer(model, job.lr, job.weight_decay)
-        if parallel is not None or zeros:  # ZeRO-1: the state sharded over the replicas (FSDP2: as it is)
-            optimizer = (parallel or zeros[0]).shard_optimizer(optimizer)
-        scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
-        labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
-        data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
-        sampler = DeterministicSampler(len(data), seed=job.seed)
+        # ZeRO-1: the optimizer state sharded over the replicas (of this rank's stage in a pipeline)
+        shard = parallel.shard_optimizer if parallel is not None else (zeros[0].shard_optimizer if zeros else None)
+        optimizer, scheduler, data, sampler = training_parts(model, job, shard)
         ctx = TrainContext(
             rank=env.rank, world_size=env.world_size, plan=job.plan, run_dir=job.run_dir, step=0, model=model,
             optimizer=optimizer, lr_scheduler=scheduler, sampler=sampler, group=mesh.host_group,
@@ -277,7 +273,7 @@ class RankTrainer:
         grads: GradientSync | HolderSync | ParallelModel
         if pipeline is not None:
             pipeline.on_compute = lambda dt: callbacks.on_micro_batch_end(ctx, dt)
-            place = layout.places[env.rank]  # under ZeRO-2/3 (and 1 with offload) FSDP2 summed over the replicas
+            place = layout.places[env.rank]  # under FSDP2 (ZeRO-2/3, ZeRO-1 with offload) summed over the replicas
             grads = HolderSync(list(model.named_parameters()), place.tp_rank, kinds, devices, mesh.host_group,
                                job.bucket_mb, place.replica if any(z.fsdp for z in zeros) else None)
         elif parallel is not None and parallel.syncs_own_gradients:
@@ -529,14 +525,27 @@ class RankTrainer:
         tmp.replace(final)
 
 
-def train_rank(env: RankEnv, job: FitJob) -> RankResult:
+def training_parts(
+    model: torch.nn.Module, job: FitJob,
+    shard: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, PackedDataset, DeterministicSampler]:
+    """A rank's optimizer (``shard``: wraps it, e.g. ZeRO-1), schedule, packed data and sampler for ``model``."""
+    optimizer = make_optimizer(model, job.lr, job.weight_decay)
+    if shard is not None:
+        optimizer = shard(optimizer)
+    scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
+    labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
+    data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
+    return optimizer, scheduler, data, DeterministicSampler(len(data), seed=job.seed)
+
+
+def train_rank(env: RankEnv, job: FitJob) -> RankResult | None:
     """The launched function: build this rank's parts and run its loop (``recovery: in-place``: a torchft
     replica's loop, :func:`starverse.runtime.ft.train_replica`)."""
     if job.recovery == "in-place":
         from starverse.runtime.ft import train_replica
 
-        result: RankResult = train_replica(env, job)
-        return result
+        return train_replica(env, job)  # None: a replacement that found no one to join
     return RankTrainer.build(env, job).train()
 
 
