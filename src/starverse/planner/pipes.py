@@ -32,7 +32,8 @@ import numpy.typing as npt
 
 from starverse.costmodel import constants as C
 from starverse.costmodel.comm import ring_allreduce_s
-from starverse.costmodel.group import model_numbers
+from starverse.costmodel.group import measured_times, model_numbers
+from starverse.costmodel.shapes import Candidates
 from starverse.costmodel.stage import ModelNumbers, StageRows, stage_costs
 from starverse.planner import hostmem, pipesplit, space
 from starverse.planner.build import NOMINAL_TOKENS
@@ -45,7 +46,7 @@ IntArray = npt.NDArray[np.int64]
 MAX_LEAVES = 3_000
 """Exact leaf evaluations (block orders) per search; when reached, the search stops with the bound gap
 reported and ``SearchStats.pipelines_proven`` False."""
-MAX_NODES = 200_000
+MAX_NODES = 100_000
 """Branch-and-bound children bounded per search; reaching it stops the search as ``MAX_LEAVES`` does."""
 
 
@@ -81,7 +82,10 @@ def _rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, first: 
     def full(x: float) -> FloatArray:
         return np.full(n, float(x))
 
+    cand = Candidates.make(accelerator=offer, tp=tp.astype(np.int64), pp=int(pp), replicas=r, micro_batch=mb,
+                           num_micro_batches=m)
     return StageRows(
+        **measured_times(d, cand, ctx.train),
         peak_tflops=d.peak_tflops[offer], gemm_efficiency=d.gemm_efficiency[offer], memory_gb=d.memory_gb[offer],
         memory_bw_gb_per_s=d.memory_bw_gb_per_s[offer], intra_node_gb_per_s=d.intra_node_gb_per_s[offer],
         devices_per_node=d.devices_per_node[offer].astype(np.float64), inter_node_gbps=d.inter_node_gbps[offer],
@@ -284,8 +288,9 @@ class _Search:
         self.power = np.array([a.tdp_w for a in (ctx.catalog.accelerator(o.accelerator) for o in pool.offers)]) / 1e3
         self.accs = [o.accelerator for o in pool.offers]
         mn = _mn(ctx)
-        fastest = (float(pool.cross_offer_gbps) if pool.cross_offer_gbps is not None
-                   else max(o.inter_node_gbps for o in pool.offers))
+        names = [o.name for o in pool.offers]
+        fastest = max([float(pool.cross_offer_gbps)] + [float(pool.link_gbps(a, b)) for i, a in enumerate(names)
+                                                       for b in names[i + 1:] if a != b])
         self.hop_s_per_sequence = mn.seq_len * mn.h * mn.bytes_per_value / (fastest / 8.0 * C.NETWORK_EFFICIENCY * 1e9)
 
     def full(self) -> bool:
@@ -420,9 +425,7 @@ class _Search:
         pool = self.ctx.pool
 
         def gbps(a: int, b: int) -> float:
-            if pool.cross_offer_gbps is not None:
-                return float(pool.cross_offer_gbps)
-            return float(min(pool.offers[a].inter_node_gbps, pool.offers[b].inter_node_gbps))
+            return float(pool.link_gbps(pool.offers[a].name, pool.offers[b].name))
 
         p = offer.size
         for i in range(p - 1):
