@@ -12,9 +12,11 @@ Branch and bound, per (``r``, ``mb``, setting): a depth-first walk over the offe
 is left out or which ``(t, k)`` block it contributes. The bound of a node: the bottleneck stage needs at least
 ``τ_lb``, the least ``τ`` at which the stages chosen (and, for the offers still open, the most any of their
 blocks could hold) cover the model with ``L_i ≤ τ / a_i`` and ``L_i ≤`` the memory cap of the stage kind
-(``a_i``: its per-layer time, a lower bound of ``S_i(L) / L``); so ``step ≥ (m - 1) τ_lb + L · min a``, and
-with the price and power of what is chosen (lower bounds: the open offers may add nothing) every objective
-is bounded (``policy.score`` grows with throughput and falls with price, cost and hours). A leaf is
+(``a_i``: its per-layer time, a lower bound of ``S_i(L) / L``; integer layers per stage); ``(m - 1) max S + Σ S``
+is then bounded by :func:`_core_lb` (the bubble included), the sends (at least one crosses two kinds) and the
+optimizer step are added, and with the price and power of what is chosen (lower bounds: the open offers may
+add nothing) every objective is bounded (``policy.score`` grows with throughput and falls with price, cost and
+hours); the money objectives are also capped by tokens/s per unit of price (:func:`_per_price_ub`). A leaf is
 evaluated exactly: every order of its blocks, the exact layer split, the cost model's stage costs
 (``costmodel.stage.stage_costs``), the spot factor and the constraints — the same terms ``costmodel.estimate``
 charges the written plan (a test holds them equal).
