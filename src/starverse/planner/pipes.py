@@ -12,9 +12,11 @@ Branch and bound, per (``r``, ``mb``, setting): a depth-first walk over the offe
 is left out or which ``(t, k)`` block it contributes. The bound of a node: the bottleneck stage needs at least
 ``τ_lb``, the least ``τ`` at which the stages chosen (and, for the offers still open, the most any of their
 blocks could hold) cover the model with ``L_i ≤ τ / a_i`` and ``L_i ≤`` the memory cap of the stage kind
-(``a_i``: its per-layer time, a lower bound of ``S_i(L) / L``); so ``step ≥ (m - 1) τ_lb + L · min a``, and
-with the price and power of what is chosen (lower bounds: the open offers may add nothing) every objective
-is bounded (``policy.score`` grows with throughput and falls with price, cost and hours). A leaf is
+(``a_i``: its per-layer time, a lower bound of ``S_i(L) / L``; integer layers per stage); ``(m - 1) max S + Σ S``
+is then bounded by :func:`_core_lb` (the bubble included), the sends (at least one crosses two kinds) and the
+optimizer step are added, and with the price and power of what is chosen (lower bounds: the open offers may
+add nothing) every objective is bounded (``policy.score`` grows with throughput and falls with price, cost and
+hours); the money objectives are also capped by tokens/s per unit of price (:func:`_per_price_ub`). A leaf is
 evaluated exactly: every order of its blocks, the exact layer split, the cost model's stage costs
 (``costmodel.stage.stage_costs``), the spot factor and the constraints — the same terms ``costmodel.estimate``
 charges the written plan (a test holds them equal).
@@ -32,7 +34,8 @@ import numpy.typing as npt
 
 from starverse.costmodel import constants as C
 from starverse.costmodel.comm import ring_allreduce_s
-from starverse.costmodel.group import model_numbers
+from starverse.costmodel.group import measured_times, model_numbers
+from starverse.costmodel.shapes import Candidates
 from starverse.costmodel.stage import ModelNumbers, StageRows, stage_costs
 from starverse.planner import hostmem, pipesplit, space
 from starverse.planner.build import NOMINAL_TOKENS
@@ -45,7 +48,7 @@ IntArray = npt.NDArray[np.int64]
 MAX_LEAVES = 3_000
 """Exact leaf evaluations (block orders) per search; when reached, the search stops with the bound gap
 reported and ``SearchStats.pipelines_proven`` False."""
-MAX_NODES = 200_000
+MAX_NODES = 100_000
 """Branch-and-bound children bounded per search; reaching it stops the search as ``MAX_LEAVES`` does."""
 
 
@@ -81,7 +84,10 @@ def _rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, first: 
     def full(x: float) -> FloatArray:
         return np.full(n, float(x))
 
+    cand = Candidates.make(accelerator=offer, tp=tp.astype(np.int64), pp=int(pp), replicas=r, micro_batch=mb,
+                           num_micro_batches=m)
     return StageRows(
+        **measured_times(d, cand, ctx.train),
         peak_tflops=d.peak_tflops[offer], gemm_efficiency=d.gemm_efficiency[offer], memory_gb=d.memory_gb[offer],
         memory_bw_gb_per_s=d.memory_bw_gb_per_s[offer], intra_node_gb_per_s=d.intra_node_gb_per_s[offer],
         devices_per_node=d.devices_per_node[offer].astype(np.float64), inter_node_gbps=d.inter_node_gbps[offer],
@@ -284,8 +290,9 @@ class _Search:
         self.power = np.array([a.tdp_w for a in (ctx.catalog.accelerator(o.accelerator) for o in pool.offers)]) / 1e3
         self.accs = [o.accelerator for o in pool.offers]
         mn = _mn(ctx)
-        fastest = (float(pool.cross_offer_gbps) if pool.cross_offer_gbps is not None
-                   else max(o.inter_node_gbps for o in pool.offers))
+        names = [o.name for o in pool.offers]
+        fastest = max([float(pool.cross_offer_gbps)] + [float(pool.link_gbps(a, b)) for i, a in enumerate(names)
+                                                       for b in names[i + 1:] if a != b])
         self.hop_s_per_sequence = mn.seq_len * mn.h * mn.bytes_per_value / (fastest / 8.0 * C.NETWORK_EFFICIENCY * 1e9)
 
     def full(self) -> bool:
@@ -420,9 +427,7 @@ class _Search:
         pool = self.ctx.pool
 
         def gbps(a: int, b: int) -> float:
-            if pool.cross_offer_gbps is not None:
-                return float(pool.cross_offer_gbps)
-            return float(min(pool.offers[a].inter_node_gbps, pool.offers[b].inter_node_gbps))
+            return float(pool.link_gbps(pool.offers[a].name, pool.offers[b].name))
 
         p = offer.size
         for i in range(p - 1):
