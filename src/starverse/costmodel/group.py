@@ -154,6 +154,13 @@ def _measured(devices: DeviceTable, cand: Candidates, train: TrainShape) -> dict
     return {name: vals[:, j] for j, name in enumerate(names)}
 
 
+def measured_times(devices: DeviceTable, cand: Candidates, train: TrainShape) -> dict[str, FloatArray]:
+    """The measured-profile fields of :class:`~starverse.costmodel.stage.StageRows` for ``cand`` (empty without
+    profiles): the same lookup the batch estimator applies, for callers that build their own stage rows (the
+    planner's heterogeneous pipelines)."""
+    return _measured(devices, cand, train)
+
+
 def _rows_for(
     devices: DeviceTable, cand: Candidates, layers: FloatArray, first: bool | np.ndarray, last: np.ndarray,
     stage_index: FloatArray, measured: dict[str, FloatArray] | None = None,
