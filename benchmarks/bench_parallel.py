@@ -13,6 +13,11 @@ peak. A part's bytes are those of the storages behind its tensors, each storage 
 allocated: padding, and FSDP2's one all-gather buffer per unit, counted as such). FSDP2's gathered copies
 are read from its parameter state (``FSDPParam.sharded_state``), the only place that says which are alive.
 
+``lora_state_bytes_error``: the same for LoRA (rank 8) under ZeRO-1 and under TP 2, reported without a target.
+Under TP the runtime keeps the rank-side adapter matrices whole (``lora_A`` of a column-wise split linear,
+``lora_B`` of a row-wise one: splitting them would cost an all-reduce of the whole output per adapted linear),
+while the cost model splits all adapter parameters by ``tp``.
+
 ``tp2_vs_dp2`` and ``zero3_vs_dp2``: training throughput of TP 2 (one replica) and of ZeRO-3 over 2 ranks,
 each divided by plain data parallelism over the same 2 ranks (gradient all-reduce), same model and global
 batch, same run. Reported, no bound: on CPU ranks the all-reduces of TP and the gathers of ZeRO-3 are not
@@ -58,6 +63,9 @@ MODEL: dict[str, Any] = {
 }
 SEQ, GLOBAL_BATCH, MICRO_BATCH = 64, 8, 2
 STATE_CASES = {"zero0": {"zero_stage": 0}, "zero1": {"zero_stage": 1}, "zero3": {"zero_stage": 3}, "tp2": {"tp": 2}}
+"""The cases of ``state_bytes_error`` (the target's)."""
+LORA_STATE_CASES = {"lora_zero1": {"zero_stage": 1, "lora_rank": 8}, "lora_tp2": {"tp": 2, "lora_rank": 8}}
+"""The cases of ``lora_state_bytes_error`` (reported, no target): rank-8 adapters on every linear but the head."""
 THROUGHPUT_CASES = {"dp2": {"zero_stage": 0}, "tp2": {"tp": 2}, "zero3": {"zero_stage": 3}}
 
 
@@ -126,14 +134,20 @@ def _run_case(env: Any, variant: dict[str, Any], steps: int, measure: bool) -> d
     """Train ``steps`` steps of ``variant`` on this rank; its state-byte peaks or its step times."""
     import torch.distributed as dist
 
+    from starverse.runtime.lora import apply_lora
     from starverse.runtime.modeling import build_model
     from starverse.runtime.parallel.blocks import decoder_blocks
     from starverse.runtime.parallel.parallelize import ParallelConfig, clip_grad_norm, group_mesh, parallelize
 
-    config = ParallelConfig(**variant)
+    settings = dict(variant)
+    lora_rank = settings.pop("lora_rank", 0)
+    config = ParallelConfig(**settings)
     mesh = group_mesh("cpu", env.world_size, config.tp)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    pm = parallelize(build_model(MODEL, seed=0), config, mesh)
+    model = build_model(MODEL, seed=0)
+    if lora_rank:
+        apply_lora(model, lora_rank)
+    pm = parallelize(model, config, mesh)
     model = pm.model
     opt = pm.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
     meter = StateMeter(model, opt) if measure else None
@@ -167,7 +181,7 @@ def _run_case(env: Any, variant: dict[str, Any], steps: int, measure: bool) -> d
 
 
 def _rank_main(env: Any, steps: int) -> dict[str, Any]:
-    state = {name: _run_case(env, v, 1, True)["peak"] for name, v in STATE_CASES.items()}
+    state = {name: _run_case(env, v, 1, True)["peak"] for name, v in {**STATE_CASES, **LORA_STATE_CASES}.items()}
     speed = {name: _run_case(env, v, steps, False)["times"] for name, v in THROUGHPUT_CASES.items()}
     return {"state": state, "times": speed}
 
@@ -184,7 +198,8 @@ def _predicted_state_bytes(variant: dict[str, Any], world: int) -> dict[str, flo
         plan = Plan(
             model=str(cfg),
             train=TrainSpec(seq_len=SEQ, global_batch=GLOBAL_BATCH, precision="fp32",
-                            zero_stage=variant.get("zero_stage", 0)),
+                            zero_stage=variant.get("zero_stage", 0), mode="lora" if variant.get("lora_rank") else "full",
+                            lora_rank=variant.get("lora_rank", 16)),
             groups=[Group(replicas=world // tp, micro_batch=MICRO_BATCH,
                           stages=[Stage(accelerator="cpu", tp=tp, layers=MODEL["num_hidden_layers"])])],
         )
@@ -192,18 +207,19 @@ def _predicted_state_bytes(variant: dict[str, Any], world: int) -> dict[str, flo
     return {"params": stage.weights_gb * 1e9, "grads": stage.grads_gb * 1e9, "optimizer": stage.optimizer_gb * 1e9}
 
 
-def state_bytes_figures(results: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    """``state_bytes_error`` (worst case) and each case's measured and predicted parts (rank 0's peaks,
-    the largest over ranks)."""
+def state_bytes_figures(results: list[dict[str, Any]], world: int, prefix: str = "",
+                        variants: dict[str, dict[str, Any]] = STATE_CASES) -> dict[str, Any]:
+    """``<prefix>state_bytes_error`` (worst case) and each case's measured and predicted parts (the largest
+    over ranks)."""
     cases = {}
-    for name, variant in STATE_CASES.items():
+    for name, variant in variants.items():
         measured = {k: max(r["state"][name][k] for r in results) for k in ("params", "grads", "optimizer")}
         predicted = _predicted_state_bytes(variant, world)
         total_m, total_p = sum(measured.values()), sum(predicted.values())
         cases[name] = {"measured_bytes": measured, "predicted_bytes": {k: round(v) for k, v in predicted.items()},
                        "error": total_m / total_p - 1.0}
     worst = max(cases.values(), key=lambda c: abs(c["error"]))
-    return {"state_bytes_error": worst["error"], "state_bytes_cases": cases}
+    return {f"{prefix}state_bytes_error": worst["error"], f"{prefix}state_bytes_cases": cases}
 
 
 def throughput_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -293,6 +309,7 @@ def main() -> int:
         results = launch(_rank_main, [RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(world)],
                          timeout_s=900, args=(max(2, args.steps),))
         out.update(state_bytes_figures(results, world))
+        out.update(state_bytes_figures(results, world, "lora_", LORA_STATE_CASES))
         out.update(throughput_figures(results))
     if args.only != "state":
         out.update(pipeline_figures())
