@@ -20,9 +20,15 @@ hidden behind compute as on GPUs.
 
 Pipelines (the same model, 8 micro-batches of one sequence, ``Trainer.fit`` on CPU ranks):
 
-- ``pp_bubble_error``: a 4-stage 1F1B pipeline (2+2+2+2 layers) on 4 CPU ranks: measured bubble fraction
-  (``FitResult.pipeline.bubble``: 1 - busiest stage's compute / step wall time, first step left out) minus the
-  cost model's (``pipeline_bubble`` / step time of the same plan). Target ``|error| <= 0.25``. Best of two runs.
+- ``pp_bubble_error``: a 4-stage 1F1B pipeline (2+2+2+2 layers) on 4 CPU ranks, 8 micro-batches of
+  ``PP_BUBBLE_MICRO_BATCH`` (4) sequences: measured bubble fraction (``FitResult.pipeline.bubble``: 1 - busiest
+  stage's compute / step wall time, first step left out) minus the cost model's (``pipeline_bubble`` / step time
+  of the same plan). Target ``|error| <= 0.25``. Best of two runs. ``pp_stage_ms`` lists each stage's measured
+  compute per micro-batch beside the cost model's. Why 4 sequences per micro-batch: the cost model's bubble is
+  that of compute-bound stages, ``(p - 1) / (m + p - 1)`` plus its p2p time; with one 64-token sequence a stage
+  computes ~10 ms per micro-batch on the shared 2-core VM, the same order as waking a rank blocked in a
+  ``recv`` on a machine at load ~15 (4 ranks on 2 cores), so each of the schedule's ~40 hand-offs adds that
+  latency to the measured bubble (one run: 0.50 with one sequence, 0.33 with four, predicted 0.25 for both).
 - ``hetero_pp_vs_even``: a 2-stage pipeline whose second rank is slowed 3x (``starverse.testing.SlowRank``):
   steady throughput with the planner's uneven split (``planner.hetero.split_layers`` over the stages' relative
   speeds 1 : 1/3, as a probe profile reports them) over throughput with an even split. Target ``>= 1.5``.
@@ -212,11 +218,14 @@ def throughput_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
             "dp2_step_s": base}
 
 
-PP_MICRO_BATCH, PP_STEPS = 1, 5
+PP_MICRO_BATCH, PP_BUBBLE_MICRO_BATCH, PP_STEPS = 1, 4, 5
 
 
-def _pp_fit(work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list[Any]) -> Any:
-    """``Trainer.fit`` of one pipeline of ``stages`` ``(device kind, layers)``, one CPU rank per stage."""
+def _pp_fit(
+    work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list[Any], micro_batch: int = PP_MICRO_BATCH
+) -> Any:
+    """``Trainer.fit`` of one pipeline of ``stages`` ``(device kind, layers)``, one CPU rank per stage, 8
+    micro-batches of ``micro_batch`` sequences."""
     from starverse.plan import Group, Plan, Stage, TrainSpec
     from starverse.runtime.cluster import Cluster
     from starverse.runtime.launch import RankSpec
@@ -225,15 +234,16 @@ def _pp_fit(work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list
 
     cfg_path = work / "config.json"
     cfg_path.write_text(json.dumps(MODEL))
-    plan = Plan(model=str(cfg_path), train=TrainSpec(seq_len=SEQ, global_batch=GLOBAL_BATCH, precision="fp32"),
-                groups=[Group(micro_batch=PP_MICRO_BATCH, stages=[Stage(accelerator=k, layers=n) for k, n in stages])])
+    gb = 8 * micro_batch
+    plan = Plan(model=str(cfg_path), train=TrainSpec(seq_len=SEQ, global_batch=gb, precision="fp32"),
+                groups=[Group(micro_batch=micro_batch, stages=[Stage(accelerator=k, layers=n) for k, n in stages])])
     ranks = tuple(RankSpec(r, k, "cpu", num_threads=1) for r, (k, _) in enumerate(stages))
     trainer = Trainer(Cluster(plan=plan, ranks=ranks), callbacks=callbacks, run_dir=work / tag, rebalance_every=0,
                       timeout_s=900, progress=False)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, VOCAB, (SEQ * 8,), generator=g) for _ in range(32)]
-    return trainer.fit(build_model(MODEL), dataset=data, per_device_batch_size=PP_MICRO_BATCH, max_steps=PP_STEPS,
-                       seq_len=SEQ, global_batch=GLOBAL_BATCH, tokenizer="bytes")
+    return trainer.fit(build_model(MODEL), dataset=data, per_device_batch_size=micro_batch, max_steps=PP_STEPS,
+                       seq_len=SEQ, global_batch=gb, tokenizer="bytes")
 
 
 def pipeline_figures() -> dict[str, Any]:
@@ -245,8 +255,15 @@ def pipeline_figures() -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        reports = [_pp_fit(work, f"pp4-{i}", [("cpu", layers // 4)] * 4, []).pipeline for i in range(2)]
+        reports = [_pp_fit(work, f"pp4-{i}", [("cpu", layers // 4)] * 4, [], PP_BUBBLE_MICRO_BATCH).pipeline
+                   for i in range(2)]
         rep = min(reports, key=lambda r: r.bubble)
+        out["pp_stage_ms"] = [
+            {"measured": round(st.time_per_micro_batch_s * 1e3, 2),
+             "predicted": None if st.predicted_time_per_micro_batch_s is None
+             else round(st.predicted_time_per_micro_batch_s * 1e3, 2)}
+            for st in rep.stages
+        ]
         out["pp_bubble_measured"] = round(rep.bubble, 4)
         out["pp_bubble_predicted"] = None if rep.predicted_bubble is None else round(rep.predicted_bubble, 4)
         out["pp_bubble_error"] = None if rep.predicted_bubble is None else round(rep.bubble - rep.predicted_bubble, 4)

@@ -54,6 +54,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         schedule=train.schedule,
         virtual_stages=float(train.virtual_stages),
         sync_micro_steps=train.sync_micro_steps,
+        overlap_grad_reduce=train.overlap_grad_reduce,
     )
 
 
