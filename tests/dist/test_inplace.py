@@ -20,6 +20,7 @@ from starverse.runtime.ft import INPLACE_LOG
 from starverse.testing import KillReplicaMidStep, WaitForReplicas
 
 MB, GB, STEPS = 2, 12, 12
+SHORT = 6
 
 
 def _cluster(n: int) -> Cluster:
@@ -27,25 +28,26 @@ def _cluster(n: int) -> Cluster:
     return Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks)
 
 
-def _fit(tmp_path, launcher, callbacks=()):
+def _fit(tmp_path, launcher, callbacks=(), steps=STEPS):
     torch.manual_seed(0)
     model = TinyLM()
     initial = copy.deepcopy(model)
     trainer = Trainer(_cluster(3), callbacks=list(callbacks), run_dir=tmp_path, lr=2e-2, warmup_steps=2,
                       grad_clip=0.5, timeout_s=120, collective_timeout_s=30, recovery="in-place", launcher=launcher,
                       progress=False, tensorboard=False)
-    res = trainer.fit(model, dataset=_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
+    res = trainer.fit(model, dataset=_tokens(), per_device_batch_size=MB, max_steps=steps, seq_len=SEQ,
                       global_batch=GB)
     tokens = np.concatenate([t.numpy() for t in _tokens()]).astype(np.int32)
-    ref_losses, ref_state = reference_training(initial, trainer, PackedDataset(tokens, SEQ), STEPS, GB, batch_loss)
+    ref_losses, ref_state = reference_training(initial, trainer, PackedDataset(tokens, SEQ), steps, GB, batch_loss)
     return res, model, ref_losses, ref_state
 
 
 def test_sigkill_mid_step_survivors_finish_exact(tmp_path):
     launcher = InplaceLauncher()
-    res, model, ref_losses, ref_state = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=1, step=3)])
+    res, model, ref_losses, ref_state = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=1, step=3)], SHORT)
     assert [loss.error.rank for loss in launcher.losses] == [1]
-    assert res.steps == STEPS
+    last = res.shares_history[-1][1]
+    assert res.steps == SHORT and len(last) == 2 and sum(last) == GB // MB  # the lost share redistributed
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, ref_state[name], msg=name)

@@ -54,6 +54,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         schedule=train.schedule,
         virtual_stages=float(train.virtual_stages),
         sync_micro_steps=train.sync_micro_steps,
+        overlap_grad_reduce=train.overlap_grad_reduce,
     )
 
 
@@ -151,6 +152,13 @@ def _measured(devices: DeviceTable, cand: Candidates, train: TrainShape) -> dict
     vals = table[k, tp, mb]
     names = ("measured_layer_s", "measured_layer_forward_s", "measured_head_s", "measured_optimizer_s_per_param")
     return {name: vals[:, j] for j, name in enumerate(names)}
+
+
+def measured_times(devices: DeviceTable, cand: Candidates, train: TrainShape) -> dict[str, FloatArray]:
+    """The measured-profile fields of :class:`~starverse.costmodel.stage.StageRows` for ``cand`` (empty without
+    profiles): the same lookup the batch estimator applies, for callers that build their own stage rows (the
+    planner's heterogeneous pipelines)."""
+    return _measured(devices, cand, train)
 
 
 def _rows_for(

@@ -128,6 +128,7 @@ class ModelNumbers:
     schedule: str
     virtual_stages: float
     sync_micro_steps: bool = False
+    overlap_grad_reduce: bool = True
 
     def layer_matmul_flops_per_token(self) -> float:
         """Forward matmul FLOPs per token of one layer, exact (causal attention over the sequence)."""
@@ -395,7 +396,7 @@ def stage_totals(
     exposed = exposed + np.where(z3, z3_exposed, 0.0)
     stage_mb = compute_mb + exposed
     # gradient reduction (ZeRO 0-2) overlaps the backward of the last micro-batch (bucketed)
-    bwd_last = compute_mb * (2.0 / 3.0)
+    bwd_last = compute_mb * (2.0 / 3.0) if mn.overlap_grad_reduce else 0.0 * compute_mb
     dp_exposed = np.where(z3, 0.0, np.maximum(dp_allreduce - bwd_last, 0.0)
                           + C.OVERLAP_SM_FRACTION * np.minimum(dp_allreduce, bwd_last))
 

@@ -21,7 +21,6 @@ Lighthouse. Unlike the local launcher it does not fail fast on a lost replica:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -33,7 +32,7 @@ from typing import Any
 
 from starverse.errors import ConfigError, LostRankError
 from starverse.providers.failures import code_error, lost_heartbeat, lost_process, overrun, user_error
-from starverse.providers.local import _main_reimport_guard, _rank_entry, _stop_all
+from starverse.providers.local import _main_reimport_guard, _rank_entry, _stop_all, signal_processes
 from starverse.runtime.ft import EXTRA_BARRIER_PORT, EXTRA_JOINER, EXTRA_LIGHTHOUSE, quiet_torchft
 from starverse.runtime.launch import LOOPBACK, RankEnv, RankError, RankSpec, ordered_ranks, store_server
 
@@ -71,7 +70,7 @@ class Lighthouse:
     out of every other quorum).
     """
 
-    def __init__(self, *, heartbeat_timeout_ms: int = 500, join_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
+    def __init__(self, *, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
         quiet_torchft()
         from torchft.coordination import LighthouseServer
 
@@ -95,7 +94,7 @@ class InplaceLauncher:
     """How often each replica stamps its heartbeat (and checks that its parent is alive)."""
     heartbeat_timeout_s: float = 60.0
     """A replica whose process lives but whose heartbeat is older than this is lost (and stopped)."""
-    lighthouse_heartbeat_ms: int = 500
+    lighthouse_heartbeat_ms: int = 1000
     """The Lighthouse's heartbeat timeout (see :class:`Lighthouse`)."""
     losses: list[Loss] = field(default_factory=list, init=False)
     """Replicas lost in the last launch."""
@@ -116,13 +115,7 @@ class InplaceLauncher:
 
     def notify(self, signum: int) -> int:
         """Send ``signum`` to every replica process still running."""
-        n = 0
-        for p in list(self._procs):
-            if p.exitcode is None and p.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signum)
-                    n += 1
-        return n
+        return signal_processes(self._procs, signum)
 
     def pids(self) -> dict[int, int]:
         """Rank -> process id of the replicas running now (tests and benchmarks kill them)."""

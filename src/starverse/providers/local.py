@@ -166,13 +166,7 @@ class LocalLauncher:
 
     def notify(self, signum: int) -> int:
         """Send ``signum`` to every rank process still running (SIGTERM: a job-wide preemption notice)."""
-        n = 0
-        for p in list(self._procs):
-            if p.exitcode is None and p.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signum)
-                    n += 1
-        return n
+        return signal_processes(self._procs, signum)
 
     def launch(
         self,
@@ -287,6 +281,17 @@ def _failure(
         rank = min(errors)
         return code_error(ranks, errors, exit_status=procs[rank].exitcode)
     return DistributedError("a rank exited without a result; the other ranks were stopped.")
+
+
+def signal_processes(procs: list[Any], signum: int) -> int:
+    """Send ``signum`` to every process of ``procs`` still running; returns how many it reached."""
+    n = 0
+    for p in list(procs):
+        if p.exitcode is None and p.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signum)
+                n += 1
+    return n
 
 
 def _stop_all(procs: list[Any], grace_s: float) -> None:

@@ -57,12 +57,13 @@ import torch
 
 from starverse.errors import ConfigError, TrainingDivergedError
 from starverse.runtime.callbacks import CallbackList, TrainContext
-from starverse.runtime.data import DeterministicSampler, PackedDataset
+from starverse.runtime.data import PackedDataset
 from starverse.runtime.export import FINAL_WEIGHTS
 from starverse.runtime.hetero_dp import balanced_shares
 from starverse.runtime.launch import LOOPBACK, RankEnv, store_server
 from starverse.runtime.lora import trainable_state_dict
-from starverse.runtime.steps import autocast_dtype, batch_loss, make_optimizer, make_schedule
+from starverse.runtime.rank_loop import FitJob, RankResult, training_parts
+from starverse.runtime.steps import autocast_dtype, batch_loss
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ def quiet_torchft() -> None:
     """torchft's Rust side logs every quorum at INFO to stderr; WARNING and up unless ``$RUST_LOG`` says else
     (read once, when torchft is first imported in a process)."""
     os.environ.setdefault("RUST_LOG", "warn")
-    logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # a flight-recorder warning every quorum
+    # a flight-recorder warning every quorum, a traceback for every peer lost (logged here once, as a warning)
+    logging.getLogger("torchft.manager").setLevel(logging.CRITICAL)
 
 
 def loopback_manager_server(**kwargs: Any) -> Any:
@@ -209,8 +211,8 @@ class _NothingToJoin(Exception):
 class ReplicaTrainer:
     """One replica's parts and its fault-tolerant loop (built in the rank process by :meth:`build`)."""
 
-    job: Any
-    """The :class:`~starverse.runtime.rank_loop.FitJob`."""
+    job: FitJob
+    """The job."""
     env: RankEnv
     """Who this replica is (``env.rank`` is its replica index)."""
     device: torch.device
@@ -243,22 +245,20 @@ class ReplicaTrainer:
     last_quorum: Quorum | None = None
     joiner: bool = False
     failed_at: float | None = None
+    ready_at: float = 0.0
+    """When this replica's torchft manager was up (process started, imports done, model built)."""
     """When this replica's last attempt at a step failed (None: the last one committed)."""
     """Started after the job began (a replacement): it must receive the live state from a peer."""
 
     @classmethod
-    def build(cls, env: RankEnv, job: Any) -> ReplicaTrainer:
+    def build(cls, env: RankEnv, job: FitJob) -> ReplicaTrainer:
         """Create this replica's model, optimizer, schedule and data (no collectives)."""
         device = torch.device(env.spec.device)
         torch.manual_seed(job.seed)
         np.random.seed(job.seed)
         model = torch.load(job.model_path, map_location="cpu", weights_only=False).to(device)
         model.train()
-        optimizer = make_optimizer(model, job.lr, job.weight_decay)
-        scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)
-        labels = np.load(job.labels_path, mmap_mode="r") if job.labels_path is not None else None
-        data = PackedDataset(np.load(job.tokens_path, mmap_mode="r"), job.seq_len, labels)
-        sampler = DeterministicSampler(len(data), seed=job.seed)
+        optimizer, scheduler, data, sampler = training_parts(model, job)
         ctx = TrainContext(
             rank=0, world_size=1, plan=job.plan, run_dir=job.run_dir, step=0, model=model, optimizer=optimizer,
             lr_scheduler=scheduler, sampler=sampler, group=None, device_kind=env.spec.device_kind, device=device,
@@ -285,6 +285,7 @@ class ReplicaTrainer:
         self.members = sd["members"]
         self.losses, self.step_times = list(sd["losses"]), list(sd["step_times"])
         self.shares_history = [(int(st), tuple(sh)) for st, sh in sd["shares_history"]]
+        self.note({"event": "healed", "replica": self.env.rank, "step": self.ctx.step, "ready_at": self.ready_at})
         log.info("replica %d joined at step %d with the live state of a peer", self.env.rank, self.ctx.step)
 
     @property
@@ -434,15 +435,13 @@ class ReplicaTrainer:
         self.callbacks.on_fit_start(self.ctx)
 
     def note(self, event: dict[str, Any]) -> None:
-        """Append an event to the run's in-place log (leader only)."""
+        """Append an event to the run's in-place log (the leader; a joiner notes its healing)."""
         event = {"time": time.time(), **event}
         with (Path(self.job.run_dir) / INPLACE_LOG).open("a") as f:
             f.write(json.dumps(event) + "\n")
 
-    def run(self, sync: ReplicaSync) -> Any:
+    def run(self, sync: ReplicaSync) -> RankResult | None:
         """Steps until ``max_steps`` or an agreed stop; the last leader writes the final weights."""
-        from starverse.runtime.rank_loop import RankResult
-
         self.sync = sync
         if not self.shares_history:
             self.shares_history = [(self.ctx.step, tuple(self.ctx.shares))]
@@ -492,7 +491,7 @@ def start_barrier(env: RankEnv) -> None:
         time.sleep(0.02)
 
 
-def train_replica(env: RankEnv, job: Any) -> Any:
+def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     """The launched function for ``recovery: in-place``: build the replica, join the quorum, run the loop."""
     lighthouse = env.extra.get(EXTRA_LIGHTHOUSE)
     if not lighthouse:
@@ -504,6 +503,7 @@ def train_replica(env: RankEnv, job: Any) -> Any:
     trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
     sync = TorchftSync(f"replica{env.rank:04d}", str(lighthouse), env.collective_timeout_s,
                        trainer.live_state, trainer.load_live_state)
+    trainer.ready_at = time.time()
     start_barrier(env)  # after the Manager: every initial replica heartbeats, so the first quorum waits for all
     try:
         return trainer.run(sync)
