@@ -146,9 +146,9 @@ def check_tensor_parallel_plan(plan: Plan, rank_kinds: list[str], source: str = 
             where = f"{source}: groups[{gi}].stages[{si}].tp: {s.tp}"
             if len(plan.groups) > 1 or g.num_stages > 1 or len(set(rank_kinds)) > 1:
                 raise ConfigError(
-                    f"{where}: tensor parallelism runs in a plan of one group of one device kind without pipeline "
-                    "stages (TP inside pipeline stages or across groups is not run yet). To fix: set tp: 1, or use "
-                    "one group with one stage."
+                    f"{where}: without pipeline stages, tensor parallelism runs in a plan of one group of one device "
+                    "kind (TP groups across groups of different kinds are not run). To fix: set tp: 1, use one group "
+                    "with one stage, or pipeline stages with the same tp in every stage."
                 )
             if plan.train.mode == "qlora":
                 raise ConfigError(
