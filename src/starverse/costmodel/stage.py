@@ -121,6 +121,8 @@ class ModelNumbers:
     embedding_params: float
     lm_head_params: float
     adapter_params_per_layer: float
+    adapter_whole_per_layer: float
+    """The part of the adapters tensor parallelism does not split (see ``group.adapter_params_per_layer``)."""
     seq_len: float
     bytes_per_value: float
     grad_bytes_per_value: float
@@ -338,7 +340,8 @@ def stage_totals(
     tie_copy = float(mn.tie) * (rows.pp > 1)  # Megatron keeps the tied embedding on the last stage too
     p_dev = (L * mn.params_per_layer + fi * mn.embedding_params
              + la * (mn.lm_head_params + mn.embedding_params * tie_copy)) / t
-    trainable = p_dev if full_mode else L * mn.adapter_params_per_layer / t
+    adapters = mn.adapter_whole_per_layer + (mn.adapter_params_per_layer - mn.adapter_whole_per_layer) / t
+    trainable = p_dev if full_mode else L * adapters
     z = rows.zero_stage
     shard_w = np.where(z >= 3, n, 1.0)
     shard_g = np.where(z >= 2, n, 1.0)
