@@ -13,6 +13,11 @@ peak. A part's bytes are those of the storages behind its tensors, each storage 
 allocated: padding, and FSDP2's one all-gather buffer per unit, counted as such). FSDP2's gathered copies
 are read from its parameter state (``FSDPParam.sharded_state``), the only place that says which are alive.
 
+``lora_state_bytes_error``: the same for LoRA (rank 8) under ZeRO-1 and under TP 2, reported without a target.
+Under TP the runtime keeps the rank-side adapter matrices whole (``lora_A`` of a column-wise split linear,
+``lora_B`` of a row-wise one: splitting them would cost an all-reduce of the whole output per adapted linear),
+while the cost model splits all adapter parameters by ``tp``.
+
 ``tp2_vs_dp2`` and ``zero3_vs_dp2``: training throughput of TP 2 (one replica) and of ZeRO-3 over 2 ranks,
 each divided by plain data parallelism over the same 2 ranks (gradient all-reduce), same model and global
 batch, same run. Reported, no bound: on CPU ranks the all-reduces of TP and the gathers of ZeRO-3 are not
@@ -20,9 +25,15 @@ hidden behind compute as on GPUs.
 
 Pipelines (the same model, 8 micro-batches of one sequence, ``Trainer.fit`` on CPU ranks):
 
-- ``pp_bubble_error``: a 4-stage 1F1B pipeline (2+2+2+2 layers) on 4 CPU ranks: measured bubble fraction
-  (``FitResult.pipeline.bubble``: 1 - busiest stage's compute / step wall time, first step left out) minus the
-  cost model's (``pipeline_bubble`` / step time of the same plan). Target ``|error| <= 0.25``. Best of two runs.
+- ``pp_bubble_error``: a 4-stage 1F1B pipeline (2+2+2+2 layers) on 4 CPU ranks, 8 micro-batches of
+  ``PP_BUBBLE_MICRO_BATCH`` (4) sequences: measured bubble fraction (``FitResult.pipeline.bubble``: 1 - busiest
+  stage's compute / step wall time, first step left out) minus the cost model's (``pipeline_bubble`` / step time
+  of the same plan). Target ``|error| <= 0.25``. Best of two runs. ``pp_stage_ms`` lists each stage's measured
+  compute per micro-batch beside the cost model's. Why 4 sequences per micro-batch: the cost model's bubble is
+  that of compute-bound stages, ``(p - 1) / (m + p - 1)`` plus its p2p time; with one 64-token sequence a stage
+  computes ~10 ms per micro-batch on the shared 2-core VM, the same order as waking a rank blocked in a
+  ``recv`` on a machine at load ~15 (4 ranks on 2 cores), so each of the schedule's ~40 hand-offs adds that
+  latency to the measured bubble (one run: 0.50 with one sequence, 0.33 with four, predicted 0.25 for both).
 - ``hetero_pp_vs_even``: a 2-stage pipeline whose second rank is slowed 3x (``starverse.testing.SlowRank``):
   steady throughput with the planner's uneven split (``planner.hetero.split_layers`` over the stages' relative
   speeds 1 : 1/3, as a probe profile reports them) over throughput with an even split. Target ``>= 1.5``.
@@ -52,6 +63,9 @@ MODEL: dict[str, Any] = {
 }
 SEQ, GLOBAL_BATCH, MICRO_BATCH = 64, 8, 2
 STATE_CASES = {"zero0": {"zero_stage": 0}, "zero1": {"zero_stage": 1}, "zero3": {"zero_stage": 3}, "tp2": {"tp": 2}}
+"""The cases of ``state_bytes_error`` (the target's)."""
+LORA_STATE_CASES = {"lora_zero1": {"zero_stage": 1, "lora_rank": 8}, "lora_tp2": {"tp": 2, "lora_rank": 8}}
+"""The cases of ``lora_state_bytes_error`` (reported, no target): rank-8 adapters on every linear but the head."""
 THROUGHPUT_CASES = {"dp2": {"zero_stage": 0}, "tp2": {"tp": 2}, "zero3": {"zero_stage": 3}}
 
 
@@ -120,14 +134,20 @@ def _run_case(env: Any, variant: dict[str, Any], steps: int, measure: bool) -> d
     """Train ``steps`` steps of ``variant`` on this rank; its state-byte peaks or its step times."""
     import torch.distributed as dist
 
+    from starverse.runtime.lora import apply_lora
     from starverse.runtime.modeling import build_model
     from starverse.runtime.parallel.blocks import decoder_blocks
     from starverse.runtime.parallel.parallelize import ParallelConfig, clip_grad_norm, group_mesh, parallelize
 
-    config = ParallelConfig(**variant)
+    settings = dict(variant)
+    lora_rank = settings.pop("lora_rank", 0)
+    config = ParallelConfig(**settings)
     mesh = group_mesh("cpu", env.world_size, config.tp)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    pm = parallelize(build_model(MODEL, seed=0), config, mesh)
+    model = build_model(MODEL, seed=0)
+    if lora_rank:
+        apply_lora(model, lora_rank)
+    pm = parallelize(model, config, mesh)
     model = pm.model
     opt = pm.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
     meter = StateMeter(model, opt) if measure else None
@@ -161,7 +181,7 @@ def _run_case(env: Any, variant: dict[str, Any], steps: int, measure: bool) -> d
 
 
 def _rank_main(env: Any, steps: int) -> dict[str, Any]:
-    state = {name: _run_case(env, v, 1, True)["peak"] for name, v in STATE_CASES.items()}
+    state = {name: _run_case(env, v, 1, True)["peak"] for name, v in {**STATE_CASES, **LORA_STATE_CASES}.items()}
     speed = {name: _run_case(env, v, steps, False)["times"] for name, v in THROUGHPUT_CASES.items()}
     return {"state": state, "times": speed}
 
@@ -178,7 +198,8 @@ def _predicted_state_bytes(variant: dict[str, Any], world: int) -> dict[str, flo
         plan = Plan(
             model=str(cfg),
             train=TrainSpec(seq_len=SEQ, global_batch=GLOBAL_BATCH, precision="fp32",
-                            zero_stage=variant.get("zero_stage", 0)),
+                            zero_stage=variant.get("zero_stage", 0), mode="lora" if variant.get("lora_rank") else "full",
+                            lora_rank=variant.get("lora_rank", 16)),
             groups=[Group(replicas=world // tp, micro_batch=MICRO_BATCH,
                           stages=[Stage(accelerator="cpu", tp=tp, layers=MODEL["num_hidden_layers"])])],
         )
@@ -186,18 +207,19 @@ def _predicted_state_bytes(variant: dict[str, Any], world: int) -> dict[str, flo
     return {"params": stage.weights_gb * 1e9, "grads": stage.grads_gb * 1e9, "optimizer": stage.optimizer_gb * 1e9}
 
 
-def state_bytes_figures(results: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    """``state_bytes_error`` (worst case) and each case's measured and predicted parts (rank 0's peaks,
-    the largest over ranks)."""
+def state_bytes_figures(results: list[dict[str, Any]], world: int, prefix: str = "",
+                        variants: dict[str, dict[str, Any]] = STATE_CASES) -> dict[str, Any]:
+    """``<prefix>state_bytes_error`` (worst case) and each case's measured and predicted parts (the largest
+    over ranks)."""
     cases = {}
-    for name, variant in STATE_CASES.items():
+    for name, variant in variants.items():
         measured = {k: max(r["state"][name][k] for r in results) for k in ("params", "grads", "optimizer")}
         predicted = _predicted_state_bytes(variant, world)
         total_m, total_p = sum(measured.values()), sum(predicted.values())
         cases[name] = {"measured_bytes": measured, "predicted_bytes": {k: round(v) for k, v in predicted.items()},
                        "error": total_m / total_p - 1.0}
     worst = max(cases.values(), key=lambda c: abs(c["error"]))
-    return {"state_bytes_error": worst["error"], "state_bytes_cases": cases}
+    return {f"{prefix}state_bytes_error": worst["error"], f"{prefix}state_bytes_cases": cases}
 
 
 def throughput_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -212,11 +234,14 @@ def throughput_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
             "dp2_step_s": base}
 
 
-PP_MICRO_BATCH, PP_STEPS = 1, 5
+PP_MICRO_BATCH, PP_BUBBLE_MICRO_BATCH, PP_STEPS = 1, 4, 5
 
 
-def _pp_fit(work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list[Any]) -> Any:
-    """``Trainer.fit`` of one pipeline of ``stages`` ``(device kind, layers)``, one CPU rank per stage."""
+def _pp_fit(
+    work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list[Any], micro_batch: int = PP_MICRO_BATCH
+) -> Any:
+    """``Trainer.fit`` of one pipeline of ``stages`` ``(device kind, layers)``, one CPU rank per stage, 8
+    micro-batches of ``micro_batch`` sequences."""
     from starverse.plan import Group, Plan, Stage, TrainSpec
     from starverse.runtime.cluster import Cluster
     from starverse.runtime.launch import RankSpec
@@ -225,15 +250,16 @@ def _pp_fit(work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list
 
     cfg_path = work / "config.json"
     cfg_path.write_text(json.dumps(MODEL))
-    plan = Plan(model=str(cfg_path), train=TrainSpec(seq_len=SEQ, global_batch=GLOBAL_BATCH, precision="fp32"),
-                groups=[Group(micro_batch=PP_MICRO_BATCH, stages=[Stage(accelerator=k, layers=n) for k, n in stages])])
+    gb = 8 * micro_batch
+    plan = Plan(model=str(cfg_path), train=TrainSpec(seq_len=SEQ, global_batch=gb, precision="fp32"),
+                groups=[Group(micro_batch=micro_batch, stages=[Stage(accelerator=k, layers=n) for k, n in stages])])
     ranks = tuple(RankSpec(r, k, "cpu", num_threads=1) for r, (k, _) in enumerate(stages))
     trainer = Trainer(Cluster(plan=plan, ranks=ranks), callbacks=callbacks, run_dir=work / tag, rebalance_every=0,
                       timeout_s=900, progress=False)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, VOCAB, (SEQ * 8,), generator=g) for _ in range(32)]
-    return trainer.fit(build_model(MODEL), dataset=data, per_device_batch_size=PP_MICRO_BATCH, max_steps=PP_STEPS,
-                       seq_len=SEQ, global_batch=GLOBAL_BATCH, tokenizer="bytes")
+    return trainer.fit(build_model(MODEL), dataset=data, per_device_batch_size=micro_batch, max_steps=PP_STEPS,
+                       seq_len=SEQ, global_batch=gb, tokenizer="bytes")
 
 
 def pipeline_figures() -> dict[str, Any]:
@@ -245,8 +271,15 @@ def pipeline_figures() -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        reports = [_pp_fit(work, f"pp4-{i}", [("cpu", layers // 4)] * 4, []).pipeline for i in range(2)]
+        reports = [_pp_fit(work, f"pp4-{i}", [("cpu", layers // 4)] * 4, [], PP_BUBBLE_MICRO_BATCH).pipeline
+                   for i in range(2)]
         rep = min(reports, key=lambda r: r.bubble)
+        out["pp_stage_ms"] = [
+            {"measured": round(st.time_per_micro_batch_s * 1e3, 2),
+             "predicted": None if st.predicted_time_per_micro_batch_s is None
+             else round(st.predicted_time_per_micro_batch_s * 1e3, 2)}
+            for st in rep.stages
+        ]
         out["pp_bubble_measured"] = round(rep.bubble, 4)
         out["pp_bubble_predicted"] = None if rep.predicted_bubble is None else round(rep.predicted_bubble, 4)
         out["pp_bubble_error"] = None if rep.predicted_bubble is None else round(rep.bubble - rep.predicted_bubble, 4)
@@ -276,6 +309,7 @@ def main() -> int:
         results = launch(_rank_main, [RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(world)],
                          timeout_s=900, args=(max(2, args.steps),))
         out.update(state_bytes_figures(results, world))
+        out.update(state_bytes_figures(results, world, "lora_", LORA_STATE_CASES))
         out.update(throughput_figures(results))
     if args.only != "state":
         out.update(pipeline_figures())

@@ -44,6 +44,24 @@ class SleepyRank(Callback):
             time.sleep(self.seconds)
 
 
+def with_adapters(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``model`` with LoRA adapters of ``rank`` (in place), initialised from fixed seeds whatever the global
+    generator's state. ``lora_B`` starts non-zero (peft starts it at 0), so both adapter matrices learn from the
+    first step and ``lora_A``'s gradients are not ~0, where Adam's normalisation turns fp32 summation-order
+    noise into lr-sized differences."""
+    from starverse.runtime.lora import apply_lora
+
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        apply_lora(model, rank)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.1, generator=g)
+    return model
+
+
 class TinyLM(torch.nn.Module):
     """Embedding -> 2-layer MLP with LayerNorm -> logits (a plain module: the trainer computes the loss)."""
 

@@ -70,6 +70,10 @@ class TrainSpec(FrozenModel):
     pipeline engine with ``wall_clock_breakdown: true`` times each micro-step with ``torch.cuda.synchronize``):
     the host's kernel-launch time per layer is then not hidden behind the device's work
     (``constants.HOST_OVERHEAD_PER_LAYER_S``)."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel gradient all-reduce overlaps the last micro-batch's backward (PyTorch DDP, Megatron,
+    FSDP). False: it runs after the last backward, exposed (DeepSpeed's pipeline engine: its schedule issues
+    ``ReduceGrads`` after the final step, ``deepspeed/runtime/pipe/schedule.py``)."""
     tokens: float | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
     steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
@@ -133,6 +137,11 @@ class Network(FrozenModel):
     links: dict[str, PositiveFloat] = Field(default_factory=dict)
     """Measured Gbit/s between two accelerators' nodes, keyed ``a/b`` (either order; ``a/a`` is between two
     nodes of the same accelerator); overrides ``cross_group_gbps`` and ``inter_node_gbps`` for that pair."""
+    peer_to_peer: dict[str, bool] = Field(default_factory=dict)
+    """Whether the nodes of an accelerator allow PCIe peer-to-peer between their GPUs, by accelerator id
+    (default: the catalog rule, ``costmodel.constants.NO_PEER_TO_PEER``: GeForce/Titan cards do not). Cloud
+    VMs often do not either (AWS G instances: no PCIe P2P); without it NCCL copies through host memory and a
+    collective gets half the link."""
     usable_memory_gb: dict[str, PositiveFloat] = Field(default_factory=dict)
     """Device memory a job can use, GB (10^9 bytes), by accelerator id (ECC and driver reserve taken off);
     overrides the cost model's figure per accelerator."""

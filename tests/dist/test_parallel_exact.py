@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import with_adapters
 from starverse.runtime.launch import RankSpec, launch
 from starverse.runtime.modeling import build_model
 
@@ -44,11 +45,19 @@ FAMILIES = {
 def _split(variant: dict) -> tuple[dict, dict]:
     """(model config, parallel settings) of a variant."""
     settings = dict(variant)
+    settings.pop("lora", None)
     return FAMILIES[settings.pop("family", "llama")], settings
 
 
-def _reference(cfg: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = build_model(cfg, seed=0)
+def _model(variant: dict) -> torch.nn.Module:
+    """The variant's model before parallelisation: seed 0, LoRA adapters of rank ``lora`` when it says so."""
+    model = build_model(FAMILIES[variant.get("family", "llama")], seed=0)
+    return with_adapters(model, variant["lora"]) if variant.get("lora") else model
+
+
+def _reference(variant: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    cfg = FAMILIES[variant.get("family", "llama")]
+    model = _model(variant)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
     losses = []
     for x in _batches(cfg):
@@ -74,7 +83,7 @@ def _train(env, variants):
         config = ParallelConfig(**settings)
         mesh = group_mesh("cpu", env.world_size, config.tp)
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-        pm = parallelize(build_model(cfg, seed=0), config, mesh)
+        pm = parallelize(_model(variant), config, mesh)
         model = pm.model
         opt = pm.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False))
         per_replica = GB // dp
@@ -105,10 +114,14 @@ def _train(env, variants):
 
 
 def _check(results, variants):
-    references = {name: _reference(cfg) for name, cfg in FAMILIES.items()}
+    references = {}
+    for variant in variants:
+        key = (variant.get("family", "llama"), variant.get("lora"))
+        if key not in references:
+            references[key] = _reference(variant)
     for rank_results in results:
         for (losses, weights), variant in zip(rank_results, variants, strict=True):
-            ref_losses, ref_weights = references[variant.get("family", "llama")]
+            ref_losses, ref_weights = references[(variant.get("family", "llama"), variant.get("lora"))]
             torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, v=variant: f"losses of {v}: {m}")
             assert weights.keys() == ref_weights.keys()
@@ -130,11 +143,16 @@ TWO_RANKS = [
     {"zero_stage": 3, "offload": "optimizer+params"},
     {"family": "qwen2", "tp": 2, "sequence_parallel": True},
     {"family": "gpt_neox", "tp": 2, "sequence_parallel": True, "zero_stage": 0},
+    # LoRA (peft adapters, frozen base): adapters split with their linears; FSDP2 over a frozen base
+    {"lora": 4, "tp": 2, "sequence_parallel": True},
+    {"lora": 4, "zero_stage": 1},
+    {"lora": 4, "zero_stage": 3},
 ]
 FOUR_RANKS = [
     {"tp": 2},  # TP 2 x plain DP 2: the replicas' TP shards summed by sync_gradients
     {"tp": 2, "zero_stage": 3},
     {"tp": 2, "zero_stage": 1, "sequence_parallel": True, "recompute": "full"},  # DTensor shards broadcast
+    {"lora": 4, "tp": 2, "zero_stage": 3},
 ]
 
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from helpers import TINY, SleepyRank, reference_training
+from helpers import TINY, SleepyRank, reference_training, with_adapters
 from helpers import ramp_tokens as _tokens
 from starverse.errors import ConfigError
 from starverse.runtime.cluster import Cluster, local_plan
@@ -50,11 +50,15 @@ def _reference(model: torch.nn.Module, trainer: Trainer) -> tuple[list[float], d
         # Rank 1 (3 of the 4 micro-batches) sleeps per micro-batch, so the shares rebalance for sure.
         ({"zero_stage": 1, "recompute": "selective"}, [1, 3], 1),
         ({"zero_stage": 3, "recompute": "full"}, [2, 2], 0),
+        # LoRA: the adapters split with their linears (sequence parallel too), only they train and are saved
+        ({"tp": 2, "sequence_parallel": True, "mode": "lora", "lora_rank": 4}, None, 1),
     ],
-    ids=["tp2-sp-full", "zero1-selective-uneven", "zero3-full"],
+    ids=["tp2-sp-full", "zero1-selective-uneven", "zero3-full", "lora-tp2-sp"],
 )
 def test_fit_with_zero_and_recompute_equals_single_process(tmp_path, train, shares, rebalance_every):
     model = build_model(LLAMA, seed=0)
+    if train.get("mode") == "lora":
+        with_adapters(model, int(train["lora_rank"]))  # fit keeps adapters that are there
     initial = copy.deepcopy(model)
     slow = [SleepyRank(1, 0.12)] if shares is not None and rebalance_every else []
     trainer = Trainer(_cluster(["cpu", "cpu"], **train), run_dir=tmp_path, lr=2e-2, warmup_steps=1, callbacks=slow,
@@ -65,7 +69,8 @@ def test_fit_with_zero_and_recompute_equals_single_process(tmp_path, train, shar
     if slow:
         assert min(s[1] for _, s in res.shares_history) < 3, res.shares_history  # rebalanced mid-run
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    assert ref_losses[-1] < ref_losses[0] - 0.05  # it learned: not two untouched models compared
+    # it learned: not two untouched models compared (rank-4 adapters on a frozen base learn slowly)
+    assert ref_losses[-1] < ref_losses[0] - (0.002 if train.get("mode") == "lora" else 0.05)
     # atol 1e-4: Adam moves a weight whose gradient element is ~0 by up to ~lr * 1e-2 on summation-order
     # differences (see test_parallel_exact.py); a wrong step moves many weights by ~lr = 2e-2.
     for name, value in model.state_dict().items():

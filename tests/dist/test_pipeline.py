@@ -104,7 +104,8 @@ def _fit(tmp_path, model, plan: Plan, kinds: list[str], steps: int = STEPS, **kw
     ranks = tuple(RankSpec(r, k, "cpu", num_threads=1) for r, k in enumerate(kinds))
     trainer = Trainer(Cluster(plan=plan, ranks=ranks), run_dir=tmp_path, lr=LR, warmup_steps=WARMUP, grad_clip=CLIP,
                       weight_decay=WD, timeout_s=240, **kw.pop("trainer", {}))
-    return trainer.fit(model, dataset=kw.pop("dataset", _tokens()), per_device_batch_size=MB, max_steps=steps, seq_len=SEQ,
+    return trainer.fit(model, dataset=kw.pop("dataset", _tokens()), per_device_batch_size=MB, max_steps=steps,
+                       seq_len=kw.pop("seq_len", SEQ),
                        global_batch=GB, **kw)
 
 

@@ -32,6 +32,7 @@ from starverse.plan import Group, Stage
 from starverse.runtime.data import pack, tokenize_corpus
 from starverse.runtime.lora import apply_lora
 from starverse.runtime.modeling import build_model
+from starverse.runtime.parallel.pipeline_weights import skeleton, unchanged_weights_folder
 
 
 def _stages(layers: tuple[int, ...], kinds: tuple[str, ...], tp: int = 1) -> list[Stage]:
@@ -41,17 +42,6 @@ def _stages(layers: tuple[int, ...], kinds: tuple[str, ...], tp: int = 1) -> lis
 def _plan_with(groups: list[Group], **train: object):
     plan = _plan(groups)
     return plan.model_copy(update={"train": plan.train.model_copy(update=train)})
-
-
-@pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_recompute_inside_stages_equals_single_process(tmp_path, recompute):
-    """PP 2 (1:3 over two kinds, 1F1B) with each stage's blocks recomputed."""
-    model = _llama(4)
-    initial = _state(model)
-    ref_losses, ref_state = _reference(model)
-    plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b")))], recompute=recompute)
-    res = _fit(tmp_path, model, plan, ["cpu", "cpu-b"])
-    _assert_same(res, model, initial, ref_losses, ref_state)
 
 
 def test_recompute_of_a_block_list_inside_stages(tmp_path):
@@ -64,24 +54,27 @@ def test_recompute_of_a_block_list_inside_stages(tmp_path):
     _assert_same(res, model, initial, ref_losses, ref_state)
 
 
-def test_tensor_parallel_inside_pipeline_stages_equals_single_process(tmp_path):
+@pytest.mark.parametrize(("recompute", "sequence_parallel"), [("full", False), ("selective", True)])
+def test_tensor_parallel_inside_pipeline_stages_equals_single_process(tmp_path, recompute, sequence_parallel):
     """TP 2 x PP 2: each stage (1:3 layers, two device kinds) is a TP group of two ranks; TP rank t of stage 0
-    sends its activation to TP rank t of stage 1."""
+    sends its activation (whole, or its sequence shard under sequence parallel) to TP rank t of stage 1; each
+    stage's blocks are recomputed (full, or selective)."""
     model = _llama(4)
     initial = _state(model)
     ref_losses, ref_state = _reference(model)
-    plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b"), tp=2))], recompute="full")
+    plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b"), tp=2))], recompute=recompute,
+                      sequence_parallel=sequence_parallel)
     res = _fit(tmp_path, model, plan, ["cpu", "cpu", "cpu-b", "cpu-b"])
     _assert_same(res, model, initial, ref_losses, ref_state)
     # each rank holds half of its stage's split matrices: the stages' state adds up to the whole model's
     report = res.pipeline
-    assert report is not None and [s.layers for s in report.stages] == [1, 3]
+    assert report is not None and [s.layers for s in report.stages] == [1, 1, 3, 3]  # per rank
 
 
-@pytest.mark.parametrize(("zero", "offload", "shares"), [(1, "optimizer", [1 * 2, 3 * 2]), (3, "none", None)])
+@pytest.mark.parametrize(("zero", "offload", "shares"), [(1, "none", [2, 6]), (3, "optimizer", None)])
 def test_zero_inside_pipeline_stages_equals_single_process(tmp_path, zero, offload, shares):
-    """PP 2 x ZeRO over two replicas of one group: each stage's parameters are sharded over the two ranks that
-    hold it (ZeRO-1 with uneven shares and offload, ZeRO-3 in lockstep)."""
+    """PP 2 x ZeRO over two replicas of one group: ZeRO-1 shards each stage's optimizer state over the two ranks
+    that hold it (uneven shares); ZeRO-3 + offload shards the parameters with FSDP2 (lockstep)."""
     model = _llama(4)
     initial = _state(model)
     ref_losses, ref_state = _reference(model)
@@ -137,12 +130,17 @@ def test_pipeline_refuses_in_stage_settings_it_cannot_run(tmp_path):
                                           r"needs the same tp in every stage"):
         _fit(tmp_path / "a", model, _plan_with([mixed]), ["cpu"] * 3)
     sp = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu"), tp=2))], sequence_parallel=True)
-    with pytest.raises(ConfigError, match=r"sequence_parallel with pipeline stages is not run yet"):
-        _fit(tmp_path / "b", model, sp, two)
+    with pytest.raises(ConfigError, match=r"sequence_parallel with pipeline stages splits the 15-token sequences "
+                                          r"between the stages' 2 TP ranks"):
+        _fit(tmp_path / "b", model, sp, two, seq_len=15)
     groups = [Group(stages=_stages((1, 3), ("cpu", "cpu"))), Group(stages=_stages((3, 1), ("cpu", "cpu")))]
     with pytest.raises(ConfigError, match=r"zero_stage: 1 with pipeline stages shards over the replicas of one "
                                           r"group, but the plan has 2 groups"):
         _fit(tmp_path / "c", model, _plan_with(groups, zero_stage=1), two)
+    with pytest.raises(ConfigError, match=r"eval_fraction=0.1\): the held-out evaluation does not run through "
+                                          r"pipeline stages yet"):
+        _fit(tmp_path / "e", model, _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu")))]), ["cpu"] * 2,
+             trainer={"eval_fraction": 0.1})
     z3 = _plan_with([Group(replicas=2, stages=_stages((1, 3), ("cpu", "cpu")))], zero_stage=3)
     with pytest.raises(ConfigError, match=r"zero_stage: 3 gathers each block per micro-batch"):
         _fit(tmp_path / "d", model, z3, two, shares=[2, 6], trainer={"rebalance_every": 0})
@@ -158,3 +156,33 @@ def test_masked_reference_is_sensitive():
     all_tokens = F.cross_entropy(logits[:, :-1].reshape(-1, 64), x[:, 1:].reshape(-1))
     masked = F.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1), ignore_index=-100)
     assert abs(float(all_tokens - masked)) > 1e-4
+
+
+def test_each_stage_loads_only_its_tensors_from_the_folder(tmp_path):
+    """A model built from a save_pretrained folder: each pipeline rank reads its own stage's tensors from the
+    safetensors (stage 0: embedding + 1 layer, stage 1: 3 layers + final norm + head), and training is exact."""
+    folder = tmp_path / "tiny"
+    _llama(4).save_pretrained(folder)
+    model = build_model(folder)
+    initial = _state(model)
+    assert unchanged_weights_folder(model) == folder
+    ref_losses, ref_state = _reference(model)
+    plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b")))])
+    res = _fit(tmp_path / "run", model, plan, ["cpu", "cpu-b"])
+    _assert_same(res, model, initial, ref_losses, ref_state)
+    assert res.pipeline is not None
+    per_layer = 9  # q, k, v, o, gate, up, down, two norms
+    assert [s.loaded_tensors for s in res.pipeline.stages] == [1 + per_layer, 3 * per_layer + 2]
+
+
+def test_a_model_changed_after_loading_is_not_read_again_from_its_folder(tmp_path):
+    folder = tmp_path / "tiny"
+    _llama(2).save_pretrained(folder)
+    model = build_model(folder)
+    assert unchanged_weights_folder(model) == folder
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
+    assert unchanged_weights_folder(model) is None  # ranks then load the whole (changed) model
+    assert unchanged_weights_folder(_llama(2)) is None  # built from a config: no folder
+    shell = skeleton(build_model(folder), folder)
+    assert all(p.is_meta for p in shell.parameters())

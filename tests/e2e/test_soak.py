@@ -15,8 +15,8 @@ Then it checks:
 - the ledger checks (``starverse bill --check``'s library call);
 - the run is data-parallel only, so its final weights equal an uninterrupted run's on the same global batches.
 
-``RECOVERY`` lists the recovery modes the soak runs; checkpoint-restart is the one built. The torchft in-place mode
-(and its "kill while a replica is joining" event) is added there as a mode when it lands.
+``RECOVERY`` lists the recovery modes this soak runs: checkpoint-restart. ``recovery: in-place`` (torchft: no
+restart, replacements join live) has its own soak with kills while a replica joins: ``test_soak_inplace.py``.
 """
 
 from __future__ import annotations

@@ -48,6 +48,27 @@ def test_memo_shares_one_computation_and_forgets_failures_and_dropped_keys() -> 
     asyncio.run(scenario())
 
 
+def test_memo_refreshes_an_ageing_answer_in_the_background() -> None:
+    async def scenario() -> None:
+        memo: Memo[int] = Memo(math.inf, 8, refresh_after_s=0)  # every answer is due for a refresh at once
+        calls = 0
+
+        async def compute() -> int:
+            nonlocal calls
+            calls += 1
+            return calls
+
+        assert await memo.get("s", compute) == 1  # computed while the caller waits
+        assert await memo.get("s", compute) == 1  # answered at once; a refresh is started behind it
+        assert await memo.get("s", compute) == 1  # answered at once; that refresh is already under way
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert calls == 2  # one refresh, however many asked while it was due
+        assert await memo.get("s", compute) == 2  # the refreshed answer
+
+    asyncio.run(scenario())
+
+
 def test_ttl_cache_of_zero_keeps_nothing_and_drop_forgets() -> None:
     off: TTLCache[int] = TTLCache(0)
     off.put("a", 1)

@@ -354,6 +354,26 @@ def test_geforce_without_peer_to_peer_halves_tp_bandwidth() -> None:
     assert dev.intra_node_gb_per_s[2] == CAT.accelerator("a100-80gb-sxm").intra_node_gb_per_s
 
 
+def test_nodes_without_peer_to_peer_halve_the_link_in_both_paths() -> None:
+    """network.peer_to_peer: {t4: false} (a cloud VM without PCIe P2P) halves the T4's collective bandwidth,
+    in the scalar estimate and in the batch path's DeviceTable alike."""
+    from starverse.costmodel.constants import intra_node_gb_per_s
+
+    t4 = CAT.accelerator("t4")
+    assert intra_node_gb_per_s(t4, False) == pytest.approx(intra_node_gb_per_s(t4) / 2)
+    dev = DeviceTable.from_catalog(CAT, ["t4"], "fp16", peer_to_peer={"t4": False})
+    assert dev.intra_node_gb_per_s[0] == pytest.approx(intra_node_gb_per_s(t4) / 2)
+    spec = gpt(h=1024, layers=24, heads=16, vocab=50304, seq=1024)
+
+    def tp_comm(p2p: bool) -> float:
+        p = parse(Plan, {"model": "llama-2-70b", "train": {"seq_len": 1024, "global_batch": 4, "precision": "fp16"},
+                         "groups": [{"micro_batch": 1, "stages": [{"accelerator": "t4", "tp": 4, "layers": 24}]}],
+                         "network": {"peer_to_peer": {"t4": p2p}}}, "test.yaml")
+        return estimate(p, CAT, spec).breakdown["tp_comm"]
+
+    assert tp_comm(False) > 1.5 * tp_comm(True)
+
+
 def test_host_overhead_only_where_the_framework_synchronises_per_micro_step() -> None:
     """DeepSpeed's pipeline engine with wall_clock_breakdown synchronises per micro-step: the host's launch
     time per layer is added there (fitted constant), nowhere else; smaller micro-batches pay it more often."""
@@ -403,3 +423,22 @@ def test_pipeline_across_accelerator_types_sends_over_the_cross_link() -> None:
     per_send = 4096 * 8192 * 2 / 8 / (10 / 8 * 0.9 / 8 * 1e9)
     assert slow.breakdown["pp_comm"] == pytest.approx(2 * (16 + 2 - 1) * per_send, rel=0.01)
     assert fast.breakdown["pp_comm"] < slow.breakdown["pp_comm"] / 50
+
+
+def test_gradient_reduce_after_the_last_backward_is_exposed() -> None:
+    """DeepSpeed's pipeline engine all-reduces gradients after the last backward (overlap_grad_reduce: false):
+    the whole all-reduce is on the step; overlapped (the default) only what the last backward does not hide."""
+    spec = gpt(h=1024, layers=24, heads=16, vocab=50304, seq=1024)
+
+    def est(overlap: bool) -> object:
+        p = parse(Plan, {"model": "llama-2-70b",
+                         "train": {"seq_len": 1024, "global_batch": 16, "precision": "fp16",
+                                   "overlap_grad_reduce": overlap},
+                         "groups": [{"replicas": 16, "micro_batch": 1,
+                                     "stages": [{"accelerator": "t4", "tp": 1, "layers": 24}]}]}, "test.yaml")
+        return estimate(p, CAT, spec)
+
+    hidden, exposed = est(True), est(False)
+    assert exposed.breakdown["dp_comm"] > hidden.breakdown["dp_comm"] > 0.0
+    assert exposed.step_time_s - hidden.step_time_s == pytest.approx(
+        exposed.breakdown["dp_comm"] - hidden.breakdown["dp_comm"], rel=0.35)

@@ -36,10 +36,10 @@ def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> No
     # the sustained matmul fraction is not specific to one software stack
     sustained = loso["fitted"]["SUSTAINED_FRACTION"]
     assert all(abs(v - sustained["all"]) < 0.03 for v in sustained["without"].values()), sustained
-    # the PCIe collective fraction is identified by two clusters that disagree (open: docs/costmodel.md):
-    # without Sailor's GeForce nodes it falls to AMP's T4 nodes' value, about half
+    # the PCIe collective fraction is identified by two clusters of different cards (AMP's T4 nodes on AWS G
+    # instances, Sailor's GeForce nodes; neither has PCIe peer-to-peer) and both give the same value
     pcie = loso["fitted"]["PCIE_COLLECTIVE_FRACTION"]
-    assert pcie["without"]["sailor"] < 0.7 * pcie["all"]
+    assert all(abs(v - pcie["all"]) < 0.03 for v in pcie["without"].values()), pcie
 
 
 def test_held_out_figures_against_the_targets(loso: dict) -> None:
@@ -52,11 +52,15 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     # the mixed consumer cluster: ranking meets the target, the errors do not (open miss, reported as such)
     sailor = held["sailor"]
     assert sailor["meets"]["spearman"] is True
+    assert sailor["meets"]["median_abs_error"] is True
     assert sailor["meets"]["p90_abs_error"] is False
     assert set(sailor["failed_cases"]) == {"sailor-mit-n2-d2"}
-    # AMP's clusters held out: medians 12-16 % (24 % / 17 % before the host-overhead and PCIe terms),
-    # Spearman 0.74-0.79 (0.56 / 0.35 before): close to, not at, the targets (open misses)
+    # AMP's clusters held out (before the host-overhead, PCIe and gradient-reduce terms: medians 24 % / 17 %,
+    # Spearman 0.56 / 0.35): 16 x T4 meets the rank target (0.86), V100 + T4 the median (7.5 %); the other
+    # figures are close to, not at, the targets (open misses, docs/costmodel.md)
+    assert held["amp_t4"]["meets"]["spearman"] is True
+    assert held["amp_mixed"]["meets"]["median_abs_error"] is True
     for src in ("amp_t4", "amp_mixed"):
-        assert held[src]["median_abs_error"] <= 0.17, src
+        assert held[src]["median_abs_error"] <= 0.14, src
         assert held[src]["spearman"] >= 0.7, src
     assert loso["pooled"]["n"] == 136

@@ -72,3 +72,25 @@ def test_recompute_saves_less_and_changes_nothing():
         assert grads.keys() == grads0.keys()
         for k in grads0:
             torch.testing.assert_close(grads[k], grads0[k], rtol=0, atol=0, msg=k)
+
+
+def test_qlora_with_tensor_parallel_or_fsdp_is_refused_lora_is_not():
+    from starverse.runtime.cluster import local_plan
+    from starverse.runtime.launch import RankSpec
+    from starverse.runtime.parallel.parallelize import check_parallel_plan
+
+    ranks = [RankSpec(r, "cpu", "cpu") for r in range(2)]
+    base = local_plan(ranks, "tiny", 2, 16, 4, precision="fp32")
+
+    def plan(tp: int = 1, **train: object):
+        g = base.groups[0]
+        stages = [g.stages[0].model_copy(update={"tp": tp})]
+        return base.model_copy(update={"train": base.train.model_copy(update=train),
+                                       "groups": [g.model_copy(update={"replicas": 2 // tp, "stages": stages})]})
+
+    with pytest.raises(ConfigError, match=r"tp: 2: tensor parallelism with train.mode: qlora is not run"):
+        check_parallel_plan(plan(2, mode="qlora"), ["cpu", "cpu"], 0)
+    with pytest.raises(ConfigError, match=r"zero_stage: 3 \(offload: none\) with train.mode: qlora is not run"):
+        check_parallel_plan(plan(zero_stage=3, mode="qlora"), ["cpu", "cpu"], 0)
+    check_parallel_plan(plan(2, mode="lora"), ["cpu", "cpu"], 0, model=build_model(LLAMA))
+    check_parallel_plan(plan(zero_stage=1, mode="qlora"), ["cpu", "cpu"], 0)  # ZeRO-1 shards adapter state only

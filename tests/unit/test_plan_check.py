@@ -128,3 +128,15 @@ def test_fit_refuses_the_plan_before_starting_ranks(tmp_path):
                                           r"model has 4 layers\. To fix: make the stages' layers sum to 4\."):
         Trainer(cluster, run_dir=tmp_path).fit(build_model(LLAMA), dataset=["x" * 100], max_steps=1, seq_len=8)
     assert not (tmp_path / "data").exists()
+
+
+def test_accelerate_checks_what_runs_inside_pipeline_stages():
+    """An explicit plan with TP inside pipeline stages passes the cluster's check (it runs now); one whose stages
+    have different tp is refused with one line naming the fix."""
+    from starverse.runtime.cluster import check_plan_fits_ranks
+
+    tp_pp = _plan(Stage(accelerator="cpu", layers=1, tp=2), Stage(accelerator="cpu", layers=1, tp=2))
+    check_plan_fits_ranks(tp_pp, _ranks("cpu", "cpu", "cpu", "cpu"), "plan.yaml")
+    mixed = _plan(Stage(accelerator="cpu", layers=1, tp=2), Stage(accelerator="cpu", layers=1, tp=1))
+    with pytest.raises(ConfigError, match=r"plan\.yaml: stages have tp \[1, 2\].*To fix: set every stage's tp"):
+        check_plan_fits_ranks(mixed, _ranks("cpu", "cpu", "cpu"), "plan.yaml")

@@ -138,8 +138,8 @@ def test_plan_for_devices_mixed_kinds_use_every_device_split_by_speed(catalog):
     assert sum(shares.values()) == pytest.approx(1.0)
     # the A100 is faster than one 4090, so its single replica takes more than a third of a 4090 replica's share
     assert shares["a100-80gb-sxm"] > shares["rtx-4090"] / 2
-    # the runtime's restrictions: TP 1, one stage, no ZeRO
-    assert all(s.tp == 1 and g.num_stages == 1 for g in best.plan.groups for s in g.stages)
+    # the runtime runs pipelines now: the two 4090s may form one 2-stage replica beside the A100's (PP x DP)
+    assert sorted(g.num_stages for g in best.plan.groups) in ([1, 1, 1], [1, 2])
 
 
 def test_plan_for_devices_with_prices_and_unrestricted(catalog):

@@ -135,6 +135,8 @@ def random_case(seed: int):
         offers[0].update(pricing="spot", spot_price_per_hour=round(offers[0]["price_per_hour"] * 0.5, 2),
                          interruptions_per_hour=0.1)
     pool = {"currency": "USD", "offers": offers, "cross_offer_gbps": rng.choice([25, 100, 400])}
+    if rng.random() < 0.4:  # a measured link between two offers replaces cross_offer_gbps for that pair
+        pool["network"] = {"links": {f"{kinds[0]}/{kinds[1]}": rng.choice([10, 50, 800])}}
     train = {"seq_len": rng.choice([1024, 2048]), "global_batch": rng.choice([2, 4]), "tokens": 1e8,
              "zero_stage": rng.choice([0, 1]), "recompute": rng.choice(["none", "full"]), "offload": "none",
              "micro_batch": 1}
@@ -165,3 +167,22 @@ def test_pipelines_match_brute_force(seed, catalog):
     rp = rank_plan(job_r, pool, catalog, spec, pipeline_plan(ctx, found),
                    {pool.offers[o].name: c for o, c in found.devices().items()}, "hetero-pipeline", False)
     assert rp is not None and rp.objective_value == pytest.approx(found.value, rel=1e-9)
+
+
+def test_claim_names_the_cap_when_the_pipeline_bound_does_not_close(catalog, monkeypatch):
+    """A search stopped by the pipeline caps is not called proven; with room it is."""
+    from starverse.cli.plan import optimality_claim
+    from starverse.planner import pipes, search
+
+    job = job_from_dict({"model": "llama-tiny", "train": {"seq_len": 1024, "global_batch": 4, "micro_batch": 1},
+                         "objective": "throughput"})
+    pool = pool_from_dict({"offers": [{"accelerator": "rtx-4090", "count": 2, "price_per_hour": 0.5},
+                                      {"accelerator": "t4", "count": 2, "price_per_hour": 0.2}]}, catalog)
+    full = search(job, pool, catalog, top=1)
+    assert full.stats.pipelines_searched and full.stats.pipelines_proven
+    assert optimality_claim(full).startswith("proven optimal") and "heterogeneous pipelines" in optimality_claim(full)
+    monkeypatch.setattr(pipes, "MAX_NODES", 1)
+    cut = search(job, pool, catalog, top=1)
+    claim = optimality_claim(cut)
+    assert not cut.stats.pipelines_proven and claim.startswith("NOT proven optimal")
+    assert "caps of the heterogeneous-pipeline search" in claim and "bound gap" in claim

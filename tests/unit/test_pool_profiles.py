@@ -30,7 +30,7 @@ def test_measured_link_between_offers_is_used_by_the_search_and_the_emitted_plan
     job = job_from_dict(JOB7B)
     slow = search(job, slow_pool, CAT, top=1).best
     fast = search(job, pool_from_dict(MIXED, CAT), CAT, top=1).best
-    assert fast.kind == "hetero-dp"
+    assert fast.kind in ("hetero-dp", "hetero-pipeline")  # both offers, across the link
     # at 1 Gbit/s between the two offers the gradient sync between them costs more than it brings
     assert slow.tokens_per_s < fast.tokens_per_s
     # what the batch search ranked by is the scalar estimate of the emitted plan, which carries the link

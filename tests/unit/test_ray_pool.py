@@ -116,3 +116,19 @@ def test_replan_ranks_keep_survivors_drop_what_left_and_add_what_joined():
     # the lost rank's device is still there (its process died, not its node): it is re-planned on again
     again = _Fixed([_node("a", {"CPU": 8.0, "rtx-4090": 2.0}), _node("b", {"CPU": 1.0})])
     assert [r.device_kind for r in again.current_ranks(survivors, lost)] == ["rtx-4090", "cpu", "rtx-4090"]
+
+
+def test_a_jobs_ray_pool_field(tmp_path):
+    from starverse.elastic.job import RayPoolSettings, load_job
+
+    (tmp_path / "good.yaml").write_text("dataset: c.txt\npool: {ray: '10.0.0.1:6379', prices: p.yaml}\n")
+    assert load_job(tmp_path / "good.yaml").pool == RayPoolSettings(ray="10.0.0.1:6379", prices=str(tmp_path / "p.yaml"))
+    (tmp_path / "bad.yaml").write_text("dataset: c.txt\npool: {ray: auto, price: p.yaml}\n")
+    with pytest.raises(ConfigError) as e:
+        load_job(tmp_path / "bad.yaml")
+    assert str(e.value) == (f"{tmp_path / 'bad.yaml'}:2: pool: unknown field 'price' of a Ray pool. Did you mean "
+                            "'prices'? To fix: write {ray: auto | HOST:PORT, prices: PRICE_LIST.yaml}")
+    (tmp_path / "bad.yaml").write_text("dataset: c.txt\npool: {ray: 3}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:2: pool: ray: must be 'auto' or HOST:PORT \(got 3\)$"):
+        load_job(tmp_path / "bad.yaml")
+

@@ -12,7 +12,9 @@ examples/ds_pretrain_gpt2_pipe.sh and examples/ds_config.json of that repository
 ``r_cost`` is the measured seconds per iteration (``inf``: the run did not complete; left out, the source
 does not say why). Ranks follow DeepSpeed's pipe/data/model topology (rank = pp·dp·mp index order) over
 the hostfile's nodes of 4 ranks; the heterogeneous cluster's last node is the T4 node (het_cluster.py).
-AMP's partitions count 30 pipeline layer specs: embedding, transpose, 24 transformer layers, transpose,
+The T4 nodes are AWS g4dn instances: AWS G-family instances have no PCIe peer-to-peer between their GPUs
+(reported for g5 and g6: NVIDIA/TensorRT-LLM#1034, llm-d-incubation/llm-d-infra#181), hence
+``peer_to_peer: {t4: false}``. AMP's partitions count 30 pipeline layer specs: embedding, transpose, 24 transformer layers, transpose,
 final norm, tied LM head, fp16->fp32; a stage [a, b) holds the transformer layers among specs 2..25.
 """
 
@@ -31,13 +33,14 @@ SETTINGS = {
     "homogeneous": {
         "kinds": ["t4"] * 4,
         "source": "4 x g4dn.12xlarge (4 x T4 each, 50 Gbit/s)",
-        "network": "  devices_per_node: {t4: 4}\n  inter_node_gbps: {t4: 50}\n",
+        "network": "  devices_per_node: {t4: 4}\n  inter_node_gbps: {t4: 50}\n  peer_to_peer: {t4: false}\n",
     },
     "het_cluster": {
         "kinds": ["v100-16gb-sxm"] * 3 + ["t4"],
         "source": "3 x p3.8xlarge (4 x V100-16GB NVLink, 10 Gbit/s) + 1 x g4dn.12xlarge (4 x T4, 50 Gbit/s)",
         "network": ("  devices_per_node: {t4: 4, v100-16gb-sxm: 4}\n"
-                    "  inter_node_gbps: {t4: 50, v100-16gb-sxm: 10}\n  cross_group_gbps: 10\n"),
+                    "  inter_node_gbps: {t4: 50, v100-16gb-sxm: 10}\n  cross_group_gbps: 10\n"
+                    "  peer_to_peer: {t4: false}\n"),
     },
 }
 
@@ -64,7 +67,8 @@ def case_yaml(setting: str, bounds: list[int], mbs: int, mp: int, dp: int, pp: i
     tokens = GBS * SEQ / seconds
     return (f"model: ../models/gpt2-medium-megatron.json\n"
             f"train: {{seq_len: {SEQ}, global_batch: {GBS}, precision: fp16, mode: full, zero_stage: 0, "
-            f"recompute: none, schedule: 1f1b, grad_reduce_fp32: true, sync_micro_steps: true}}\n"
+            f"recompute: none, schedule: 1f1b, grad_reduce_fp32: true, sync_micro_steps: true, "
+            f"overlap_grad_reduce: false}}\n"
             f"groups:\n" + "\n".join(groups) + "\nnetwork:\n" + SETTINGS[setting]["network"] +
             f"measured: {{tokens_per_s: {tokens:.2f}, step_time_s: {seconds}}}\n"
             f"source: 'AMP (Li et al., NeurIPS 2022, arXiv:2210.07297) {SETTINGS[setting]['source']}; "

@@ -97,13 +97,13 @@ def optimality_claim(result: Any) -> str:
         if not s.proven_optimal:
             what.append("the evaluation cap of the single-kind / data-parallel search")
         if not s.pipelines_proven:
-            what.append("the leaf cap of the heterogeneous-pipeline search (best-first branch and bound)")
+            what.append("the node/leaf caps of the heterogeneous-pipeline search (best-first branch and bound)")
         return f"NOT proven optimal: stopped at {' and '.join(what)}, bound gap {s.bound_gap:.1%}"
     scope = "over the options kept by screening" if s.screened else "over the searched space"
-    kinds = "single-accelerator plans and heterogeneous data parallelism"
+    claim = f"proven optimal: single-accelerator plans and heterogeneous data parallelism {scope}"
     if s.pipelines_searched:
-        kinds += " and heterogeneous pipelines (1F1B, exact layer split)"
-    return f"proven optimal {scope} ({kinds})"
+        claim += "; heterogeneous pipelines (1F1B, exact layer split) over their whole space"
+    return claim
 
 
 def plot_frontier(result: Any, path: Path) -> None:

@@ -132,7 +132,7 @@ def tenant_topup(
     amount: Annotated[str, typer.Argument(help="Amount added to the prepaid balance.")],
     root: RootOpt = None, database: DatabaseOpt = None,
 ) -> None:
-    """Add prepaid credit to a tenant (recorded as a balance entry)."""
+    """Add prepaid credit to a tenant (a payment in its billing ledger)."""
     from starverse.service.db import Database
     from starverse.service.tenants import top_up
 

@@ -35,14 +35,13 @@ thermally-limited clocks across a whole node (Bekman, same chapter, "Not all acc
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.74 (fit 0.7403) makes the mean over sources of each source's mean
-tokens/s error zero on the runs of data/validation that do not use pre-Ampere tensor cores (A100/H100:
-Korthikanti 2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry; Sailor's fp32 consumer
-cluster); the runs with pre-Ampere tensor cores identify :data:`PRE_AMPERE_EFFICIENCY` instead.
-Leave-one-source-out refits 0.72-0.77, i.e. it is not specific to one software stack
-(``scripts/loso.py``; held-out figures in docs/costmodel.md). For
-comparison, Bekman quotes ~150-180 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model
-A100 training reached; 0.74 x MAMF is the matmul-only part of that."""
+FITTED (``costmodel.fit.FITTED``): 0.7689 makes the mean over sources of each source's mean tokens/s error
+zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
+2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry); until issue 9 Sailor's fp32 runs were in
+this fit too (0.74). Leave-one-source-out refits 0.75-0.79, i.e. it is not specific to one software stack
+(``scripts/loso.py``; held-out figures in docs/costmodel.md). For comparison, Bekman quotes ~150-180
+TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training reached; 0.77 x MAMF is
+the matmul-only part of that."""
 
 GEMM_EFFICIENCY_FP8: dict[str, float] = {
     # FP8 (e4m3) MAMF / dense FP8 peak, same table (Bekman)
@@ -63,15 +62,16 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.3875
+PRE_AMPERE_EFFICIENCY = 0.4689
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
-``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) on every run of data/validation that
-uses such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, fp16; each source weighted equally),
-after :data:`SUSTAINED_FRACTION` is fitted on the other runs; leave-one-source-out refits 0.205-0.22. Physically: the T4's 65 TFLOP/s fp16 peak is a 70 W part's boost
-figure it does not sustain, Turing GeForce/Titan peaks are boost-clock figures, and the 2020-era stacks
-these runs used (Megatron-LM 1.1.5 in DeepSpeed pipelines, fp32 Megatron-DeepSpeed) reach less of the
-tensor cores than today's kernels. A measured profile (``starverse probe``) replaces it for the cards a
+``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
+:data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs
+that use such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, fp16); leave-one-source-out refits
+0.43-0.62. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
+time and made large matmuls too slow (AMP's LM head reaches ~35 % of the T4 peak). Physically: the T4's
+65 TFLOP/s fp16 peak is a 70 W part's boost figure it does not sustain, Turing GeForce/Titan peaks are
+boost-clock figures, and 2020-era kernels reach less of the tensor cores than today's. A measured profile (``starverse probe``) replaces it for the cards a
 user has."""
 
 GEMM_EFFICIENCY_BY_STACK: dict[str, float] = {
@@ -118,14 +118,16 @@ EAGER_SCORE_BYTES = 8.0
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
 
-HOST_OVERHEAD_PER_LAYER_S = 7.216e-3
+HOST_OVERHEAD_PER_LAYER_S = 4.829e-3
 """Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
 hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
 server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
 synchronises the device between pipeline instructions (DeepSpeed's pipeline engine; AMP's runs also time
 every instruction, ``wall_clock_breakdown``) exposes that launch time instead of overlapping it. Independent
 of the device, so it weighs on small layers and small micro-batches: it is why micro-batch 1 is slower
-per sequence than micro-batch 8 on the same plan. FITTED (``costmodel.fit.FITTED``) on all sources."""
+per sequence than micro-batch 8 on the same plan. Only where ``train.sync_micro_steps`` says so. FITTED
+(``costmodel.fit.FITTED``) jointly on all runs; identified by AMP's (micro-batch 1-32 at fixed layouts);
+leave-one-source-out 3.0-8.8 ms."""
 
 # --- memory-bound work ---------------------------------------------------------------------------------
 
@@ -178,23 +180,26 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.4311
+PCIE_COLLECTIVE_FRACTION = 0.4758
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
 parallelism are a few MB (below NCCL's bandwidth plateau on PCIe, nccl-tests all_reduce_perf reaches a
 third to a half of its large-message busbw at 1-4 MB on PCIe systems), and small-message protocols (LL/LL128)
-trade bandwidth for latency. FITTED (``costmodel.fit.FITTED``) on the runs that use TP or data parallelism
-inside PCIe nodes (AMP's T4 nodes, Sailor's consumer nodes)."""
+trade bandwidth for latency. FITTED (``costmodel.fit.FITTED``) jointly on all runs; identified by the runs
+that use TP or data parallelism inside PCIe nodes (AMP's T4 nodes, Sailor's consumer nodes, both without
+PCIe peer-to-peer); leave-one-source-out 0.46-0.49."""
 
 
-def intra_node_gb_per_s(acc: Any) -> float:
+def intra_node_gb_per_s(acc: Any, peer_to_peer: bool | None = None) -> float:
     """Device-to-device bandwidth a collective can use inside a node: PCIe-only nodes reach
-    :data:`PCIE_COLLECTIVE_FRACTION` of the link, and half of that again without peer-to-peer."""
+    :data:`PCIE_COLLECTIVE_FRACTION` of the link, and half of that again without peer-to-peer
+    (``peer_to_peer``: the node's own figure, ``network.peer_to_peer``; None: :data:`NO_PEER_TO_PEER`)."""
     bw = float(acc.intra_node_gb_per_s)
     if getattr(acc, "intra_node_link", "") == "pcie":
         bw *= PCIE_COLLECTIVE_FRACTION
-    return bw / 2.0 if acc.id in NO_PEER_TO_PEER else bw
+    p2p = acc.id not in NO_PEER_TO_PEER if peer_to_peer is None else peer_to_peer
+    return bw if p2p else bw / 2.0
 
 
 PCIE_HOST_GB_PER_S = 25.0

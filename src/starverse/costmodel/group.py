@@ -15,14 +15,26 @@ PART_NAMES = ("compute", "memory", "tp_comm", "dp_comm", "pp_comm", "pipeline_bu
 """Order of the step-time parts (same as ``batch.BOTTLENECKS``)."""
 
 
-def adapter_params_per_layer(shape: ModelShape, rank: int) -> float:
-    """LoRA parameters of one layer: r*(in+out) for every linear (attention and MLP, all experts)."""
+def adapter_params_per_layer(shape: ModelShape, rank: int, tp: float | FloatArray = 1.0) -> float | FloatArray:
+    """LoRA parameters one device holds of a layer: r*(in+out) for every linear (attention and MLP, all experts).
+
+    Under tensor parallelism ``tp`` each adapter is split with its linear, as the runtime does
+    (``runtime/parallel/tensor.py``): a column-split linear (q, k, v, gate, up) splits its ``B`` (out/tp x r) and
+    keeps ``A`` (r x hidden) whole; a row-split one (o, down) splits ``A`` (r x in/tp) and keeps ``B`` whole. So
+    the hidden-size side of every adapter is held whole on each TP rank and only the other side is divided.
+    """
+    whole, split = adapter_sides(shape)
+    return rank * (whole + split / tp)
+
+
+def adapter_sides(shape: ModelShape) -> tuple[float, float]:
+    """Per layer and per unit of LoRA rank: (the hidden-size sides of the adapters, which TP keeps whole; the
+    other sides, which TP splits)."""
     h, q = shape.hidden_size, shape.num_heads * shape.head_dim
     kv = shape.num_kv_heads * shape.head_dim
-    f = shape.ffn_hidden_size
-    attn = (h + q) + 2 * (h + kv) + (q + h)
-    mlp = (3 if shape.gated_mlp else 2) * (h + f) * max(shape.num_experts, 1)
-    return float(rank * (attn + mlp))
+    linears_mlp = 3 if shape.gated_mlp else 2
+    experts = max(shape.num_experts, 1)
+    return float(h * (4 + linears_mlp * experts)), float((q + 2 * kv + q) + linears_mlp * shape.ffn_hidden_size * experts)
 
 
 def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
@@ -46,7 +58,8 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         active_params_per_layer=float(shape.active_params_per_layer),
         embedding_params=float(shape.embedding_params),
         lm_head_params=float(shape.lm_head_params),
-        adapter_params_per_layer=adapter_params_per_layer(shape, train.lora_rank),
+        adapter_params_per_layer=float(adapter_params_per_layer(shape, train.lora_rank)),
+        adapter_whole_per_layer=train.lora_rank * adapter_sides(shape)[0],
         seq_len=float(train.seq_len),
         bytes_per_value=C.BYTES_PER_VALUE[train.precision],
         grad_bytes_per_value=4.0 if train.grad_reduce_fp32 else C.BYTES_PER_VALUE[train.precision],
@@ -54,6 +67,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         schedule=train.schedule,
         virtual_stages=float(train.virtual_stages),
         sync_micro_steps=train.sync_micro_steps,
+        overlap_grad_reduce=train.overlap_grad_reduce,
     )
 
 
@@ -151,6 +165,13 @@ def _measured(devices: DeviceTable, cand: Candidates, train: TrainShape) -> dict
     vals = table[k, tp, mb]
     names = ("measured_layer_s", "measured_layer_forward_s", "measured_head_s", "measured_optimizer_s_per_param")
     return {name: vals[:, j] for j, name in enumerate(names)}
+
+
+def measured_times(devices: DeviceTable, cand: Candidates, train: TrainShape) -> dict[str, FloatArray]:
+    """The measured-profile fields of :class:`~starverse.costmodel.stage.StageRows` for ``cand`` (empty without
+    profiles): the same lookup the batch estimator applies, for callers that build their own stage rows (the
+    planner's heterogeneous pipelines)."""
+    return _measured(devices, cand, train)
 
 
 def _rows_for(

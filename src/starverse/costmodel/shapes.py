@@ -144,6 +144,8 @@ class TrainShape:
     """Gradients accumulated and all-reduced in fp32 (``TrainSpec.grad_reduce_fp32``)."""
     sync_micro_steps: bool = False
     """The framework synchronises the device per micro-step (``TrainSpec.sync_micro_steps``)."""
+    overlap_grad_reduce: bool = True
+    """The gradient all-reduce overlaps the last backward (``TrainSpec.overlap_grad_reduce``)."""
 
     @classmethod
     def from_train(cls, train: TrainSpec) -> TrainShape:
@@ -158,6 +160,7 @@ class TrainShape:
             attention=train.attention,
             grad_reduce_fp32=train.grad_reduce_fp32,
             sync_micro_steps=train.sync_micro_steps,
+            overlap_grad_reduce=train.overlap_grad_reduce,
         )
 
 
@@ -209,13 +212,15 @@ class DeviceTable:
         price_per_hour: Sequence[float | None] | None = None,
         usable_memory_gb: Sequence[float | None] | None = None,
         profiles: Sequence[Any] | None = None,
+        peer_to_peer: Sequence[bool | None] | None = None,
     ) -> DeviceTable:
         """One row per ``catalog.Accelerator``; optional per-row overrides (pool offers; a None entry keeps
         the accelerator's own figure). A row's measured profile also replaces its intra-node bandwidth by the
         measured one (``links_gb_per_s["intra_node"]``, as the scalar estimate does)."""
         k = len(accelerators)
         profs = None if profiles is None or all(p is None for p in profiles) else tuple(profiles)
-        intra = [intra_node_gb_per_s(a) for a in accelerators]
+        p2p = [None] * k if peer_to_peer is None else list(peer_to_peer)
+        intra = [intra_node_gb_per_s(a, p) for a, p in zip(accelerators, p2p, strict=True)]
         for i, prof in enumerate(profs or ()):
             if prof is not None and "intra_node" in prof.links_gb_per_s:
                 intra[i] = prof.links_gb_per_s["intra_node"] / LINK_EFFICIENCY
@@ -250,6 +255,7 @@ class DeviceTable:
         inter_node_gbps: Mapping[str, float] | None = None,
         price_per_hour: Mapping[str, float] | None = None,
         usable_memory_gb: Mapping[str, float] | None = None,
+        peer_to_peer: Mapping[str, bool] | None = None,
     ) -> DeviceTable:
         """Rows for catalog ids; per-id overrides as in a plan's ``network``/``pricing``.
 
@@ -267,6 +273,7 @@ class DeviceTable:
             inter_node_gbps=[nic.get(a.id, a.inter_node_gbps) for a in accs],
             price_per_hour=[prices[a.id] if a.id in prices else cheapest_price_per_hour(catalog, a.id) for a in accs],
             usable_memory_gb=[usable.get(a.id) for a in accs],
+            peer_to_peer=[(peer_to_peer or {}).get(a.id) for a in accs],
         )
 
     def index(self, acc_id: str) -> int:

@@ -121,6 +121,8 @@ class ModelNumbers:
     embedding_params: float
     lm_head_params: float
     adapter_params_per_layer: float
+    adapter_whole_per_layer: float
+    """The part of the adapters tensor parallelism does not split (see ``group.adapter_params_per_layer``)."""
     seq_len: float
     bytes_per_value: float
     grad_bytes_per_value: float
@@ -128,6 +130,7 @@ class ModelNumbers:
     schedule: str
     virtual_stages: float
     sync_micro_steps: bool = False
+    overlap_grad_reduce: bool = True
 
     def layer_matmul_flops_per_token(self) -> float:
         """Forward matmul FLOPs per token of one layer, exact (causal attention over the sequence)."""
@@ -337,7 +340,8 @@ def stage_totals(
     tie_copy = float(mn.tie) * (rows.pp > 1)  # Megatron keeps the tied embedding on the last stage too
     p_dev = (L * mn.params_per_layer + fi * mn.embedding_params
              + la * (mn.lm_head_params + mn.embedding_params * tie_copy)) / t
-    trainable = p_dev if full_mode else L * mn.adapter_params_per_layer / t
+    adapters = mn.adapter_whole_per_layer + (mn.adapter_params_per_layer - mn.adapter_whole_per_layer) / t
+    trainable = p_dev if full_mode else L * adapters
     z = rows.zero_stage
     shard_w = np.where(z >= 3, n, 1.0)
     shard_g = np.where(z >= 2, n, 1.0)
@@ -395,7 +399,7 @@ def stage_totals(
     exposed = exposed + np.where(z3, z3_exposed, 0.0)
     stage_mb = compute_mb + exposed
     # gradient reduction (ZeRO 0-2) overlaps the backward of the last micro-batch (bucketed)
-    bwd_last = compute_mb * (2.0 / 3.0)
+    bwd_last = compute_mb * (2.0 / 3.0) if mn.overlap_grad_reduce else 0.0 * compute_mb
     dp_exposed = np.where(z3, 0.0, np.maximum(dp_allreduce - bwd_last, 0.0)
                           + C.OVERLAP_SM_FRACTION * np.minimum(dp_allreduce, bwd_last))
 

@@ -224,7 +224,7 @@ def _intra_node(plan: Plan, acc: Any, profiles: dict[str, ModelProfile]) -> floa
     prof = profiles.get(acc.id)
     if prof is not None and "intra_node" in prof.links_gb_per_s:
         return prof.links_gb_per_s["intra_node"] / C.LINK_EFFICIENCY
-    return C.intra_node_gb_per_s(acc)
+    return C.intra_node_gb_per_s(acc, plan.network.peer_to_peer.get(acc.id))
 
 
 def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m: np.ndarray,

@@ -26,7 +26,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from starverse.config import (
     MAX_BATCH,
@@ -39,6 +39,7 @@ from starverse.config import (
     FrozenModel,
     PathText,
     _line_of,
+    did_you_mean,
     parse,
     read_yaml,
 )
@@ -154,6 +155,16 @@ class MetricsSettings(FrozenModel):
     """Keep serving this long after training ends (a last scrape)."""
 
 
+class RayPoolSettings(FrozenModel):
+    """``pool: {ray: auto}``: the job runs on the devices of a running Ray cluster (``docs/ray.md``)."""
+
+    ray: str = Field(min_length=1)
+    """``auto`` (``$RAY_ADDRESS``) or the cluster's ``HOST:PORT``; its nodes' accelerator resources are the devices,
+    re-read at each re-plan."""
+    prices: PathText | None = None
+    """The operator's price list (a pool file, relative to this file); default: the catalog's prices."""
+
+
 class TrainJob(FrozenModel):
     """A training job run by ``starverse train`` under the supervisor."""
 
@@ -165,9 +176,10 @@ class TrainJob(FrozenModel):
     """Run directory (relative to this file)."""
     plan: PathText | None = None
     """A plan file for these devices (default: planned on the local devices)."""
-    pool: PathText | None = None
+    pool: PathText | RayPoolSettings | None = None
     """A pool file: its offers price the leases of the job's devices (by accelerator id; a device it does not
-    offer is free: your own machine) and their interruption rates set the checkpoint interval."""
+    offer is free: your own machine) and their interruption rates set the checkpoint interval. Or a Ray
+    cluster, ``{ray: auto | HOST:PORT, prices: FILE}``: the job runs on its devices with the Ray launcher."""
     train: TrainSettings = Field(default_factory=TrainSettings)
     """Steps, batch and optimiser settings."""
     devices: DeviceSettings = Field(default_factory=DeviceSettings)
@@ -187,6 +199,19 @@ class TrainJob(FrozenModel):
     """Ledger and budgets."""
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     """Prometheus exporter."""
+
+    @field_validator("pool", mode="before")
+    @classmethod
+    def _ray_pool(cls, value: Any) -> Any:
+        """A mapping is a Ray pool: name an unknown key plainly (the union would list both shapes' errors)."""
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"ray", "prices"})
+            if unknown:
+                raise ValueError(f"unknown field '{unknown[0]}' of a Ray pool.{did_you_mean(unknown[0], ['ray', 'prices'])}"
+                                 " To fix: write {ray: auto | HOST:PORT, prices: PRICE_LIST.yaml}")
+            if not isinstance(value.get("ray"), str) or not value["ray"]:
+                raise ValueError(f"ray: must be 'auto' or HOST:PORT (got {value.get('ray')!r})")
+        return value
 
 
 def _rel(base: Path, value: str | None) -> str | None:
@@ -227,9 +252,11 @@ def load_job(path: str | Path) -> TrainJob:
             line = _line_of(node, ("billing", "currency"))
             raise ConfigError(f"{path}:{line}: billing.currency: {e}") from None
     billing = billing.model_copy(update={"ledger": _rel(base, billing.ledger)})
+    pool: str | RayPoolSettings | None = _rel(base, job.pool) if not isinstance(job.pool, RayPoolSettings) else (
+        job.pool.model_copy(update={"prices": _rel(base, job.pool.prices)}))
     return job.model_copy(update={
         "model": model, "train": train, "dataset": _rel(base, job.dataset), "run_dir": _rel(base, job.run_dir),
-        "plan": _rel(base, job.plan), "pool": _rel(base, job.pool), "checkpoint": ck, "billing": billing,
+        "plan": _rel(base, job.plan), "pool": pool, "checkpoint": ck, "billing": billing,
     })
 
 
@@ -247,15 +274,18 @@ class JobPrices:
     """One line per accelerator: count, price, mode and source (for the CLI)."""
 
 
-def job_prices(job: TrainJob, device_kinds: list[str], source: str = "job") -> JobPrices:
-    """The leases of ``job`` on these devices: :func:`lease_prices` with the job's pool and billing settings."""
-    return lease_prices(device_kinds, pool=job.pool, currency=job.billing.currency,
+def job_prices(job: TrainJob, device_kinds: list[str], source: str = "job", pool: Any = None) -> JobPrices:
+    """The leases of ``job`` on these devices: :func:`lease_prices` with the job's pool (``pool``: a resolved
+    :class:`~starverse.planner.pool.Pool` instead, e.g. a Ray cluster's) and billing settings."""
+    if pool is None and isinstance(job.pool, RayPoolSettings):
+        raise ConfigError(f"{source}: pool: a Ray pool is priced from the cluster's pool; pass it as pool=")
+    return lease_prices(device_kinds, pool=pool if pool is not None else job.pool, currency=job.billing.currency,
                         max_budget_per_hour=job.billing.max_budget_per_hour, source=source)
 
 
-def lease_prices(device_kinds: list[str], *, pool: str | None = None, currency: str | None = None,
+def lease_prices(device_kinds: list[str], *, pool: Any = None, currency: str | None = None,
                  max_budget_per_hour: Decimal | None = None, source: str = "job") -> JobPrices:
-    """Price one lease per rank from a pool file (the first offer of each accelerator id: its pricing mode,
+    """Price one lease per rank from a pool file or a resolved ``Pool`` (the first offer of each accelerator id: its pricing mode,
     price and billing granularity); an accelerator the pool does not offer, or no pool at all, is the
     user's own machine and free. ``currency``: the job's (default: the pool's, else USD). Raises
     :class:`BudgetExceededError` when the devices together cost more than ``max_budget_per_hour`` (checked
@@ -267,10 +297,12 @@ def lease_prices(device_kinds: list[str], *, pool: str | None = None, currency: 
 
     offers: dict[str, Any] = {}
     pool_currency = "USD"
+    label = ""
     if pool is not None:
         from starverse.planner.pool import load_pool
 
-        loaded = load_pool(pool)
+        loaded = load_pool(pool) if isinstance(pool, (str, Path)) else pool
+        label = loaded.source if loaded.source.startswith("ray://") else Path(loaded.source).name
         pool_currency = loaded.currency
         for offer in loaded.offers:
             offers.setdefault(offer.accelerator, offer)
@@ -282,7 +314,7 @@ def lease_prices(device_kinds: list[str], *, pool: str | None = None, currency: 
         o = offers.get(acc)
         if o is None:
             prices[acc] = LeasePricing.free()
-            where = f"not offered by {Path(pool).name}" if pool else "no pool"
+            where = f"not offered by {label}" if pool is not None else "no pool"
             lines.append(f"{n} x {acc}: free ({where}: your own device)")
             continue
         # the pool resolves prices to floats in its currency; the ledger keeps micro-units
@@ -291,7 +323,7 @@ def lease_prices(device_kinds: list[str], *, pool: str | None = None, currency: 
         prices[acc] = LeasePricing(mode, price, pool_currency, o.billing_granularity_s)
         total += n * convert(price, pool_currency, currency)
         lines.append(f"{n} x {acc}: {price.normalize():f} {pool_currency}/h each, {mode.value} (offer '{o.name}' "
-                     f"of {Path(str(pool)).name})")
+                     f"of {label})")
     cap = max_budget_per_hour
     if cap is not None and total > cap:
         raise BudgetExceededError(
@@ -318,7 +350,7 @@ def job_mtbf(job: TrainJob, device_kinds: list[str]) -> tuple[float, str]:
             f"trace {Path(ck.trace).name}: {stats.events_per_hour:.3g} interruption events/h over "
             f"{stats.mean_nodes:.3g} nodes ({stats.mean_nodes_per_event:.2g} nodes each), scaled to {n}"
         )
-    if job.pool is not None:
+    if isinstance(job.pool, str):
         rates = _pool_rates(job.pool)
         per = [rates.get(k, 0.0) for k in device_kinds]
         if any(per):

@@ -19,12 +19,13 @@ import starverse
 from starverse.checks import check_dataset, check_port_free, check_run_dir, check_seq_len
 from starverse.config import where
 from starverse.elastic.inplace import InplaceLauncher
-from starverse.elastic.job import JobPrices, TrainJob, job_mtbf, job_prices, load_job
+from starverse.elastic.job import JobPrices, RayPoolSettings, TrainJob, job_mtbf, job_prices, load_job
 from starverse.elastic.supervisor import Attempt, SupervisedResult, Supervisor, read_progress
 from starverse.errors import ConfigError
 from starverse.jobs.ledger import InplaceAccounting, JobBill, check_ledger_job, job_bill
 from starverse.jobs.wiring import JobCallbacks, build_callbacks
 from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
+from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.lora import check_mode
 from starverse.runtime.trainer import FitResult, inplace_supported
@@ -102,10 +103,12 @@ class PreparedJob:
         pretrained = Path(job.model).is_dir()
         # a pretrained folder is never scaled down: the default size cap applies only when the job file sets it
         max_params = job.train.max_params if not pretrained or "max_params" in job.train.model_fields_set else None
+        # a Ray pool: the cluster's devices now, the Ray launcher, and the cluster asked again at each re-plan
+        ray_pool: RayPoolSource | None = pool_source_for(job.pool) if isinstance(job.pool, RayPoolSettings) else None
         self.cluster: Cluster = starverse.accelerate(
             model_id=job.model, plan=job.plan, num_cpu_ranks=job.devices.cpu_ranks, use_gpus=job.devices.use_gpus,
             seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=max_params,
-            mode=job.train.mode, lora_rank=job.train.lora_rank,
+            mode=job.train.mode, lora_rank=job.train.lora_rank, ranks=ray_pool.ranks() if ray_pool else None,
         )
         check_seq_len(job.train.seq_len, self.cluster.model_config, job.model, source)
         check_mode(job.train.mode, [r.device for r in self.cluster.ranks], source)
@@ -113,13 +116,14 @@ class PreparedJob:
         self.mtbf_s, self.mtbf_why = job_mtbf(job, kinds)
         self.prices: JobPrices | None = None
         if job.billing.enabled:
-            self.prices = job_prices(job, kinds, source)  # refuses a job above max_budget_per_hour
+            # refuses a job above max_budget_per_hour
+            self.prices = job_prices(job, kinds, source, pool=ray_pool.pool() if ray_pool else None)
         self.callbacks: JobCallbacks = build_callbacks(job, mtbf_s=self.mtbf_s, prices=self.prices)
         billing = self.callbacks.billing
         if billing is not None and billing.ledger_path is not None and self.prices is not None:
             check_ledger_job(Path(billing.ledger_path), billing.job_name or self.run_dir.name, self.prices.currency,
                              job.billing.budget_total, source)
-        launcher: Any = job.devices.launcher
+        launcher: Any = ray_pool.launcher() if ray_pool else job.devices.launcher
         self.inplace: InplaceAccounting | None = None
         if job.recovery == "in-place":
             launcher = self._inplace_launcher(source)
@@ -131,7 +135,7 @@ class PreparedJob:
                              "rebalance_every": job.train.rebalance_every, "launcher": launcher,
                              "eval_fraction": job.train.eval_fraction, "eval_every": job.train.eval_every,
                              "recovery": job.recovery},
-            max_restarts=job.max_restarts,
+            max_restarts=job.max_restarts, pool_source=ray_pool,
         )
         self.resume_from = resume_from
         self.resume_path = self.supervisor.resume_path(resume_from)  # checked before anything is launched
@@ -140,10 +144,11 @@ class PreparedJob:
         """``recovery: in-place``: the torchft launcher, its lost and joining leases billed (see
         :class:`~starverse.jobs.ledger.InplaceAccounting`)."""
         job = self.job
-        if job.devices.launcher != "local":
+        if job.devices.launcher != "local" or isinstance(job.pool, RayPoolSettings):
             raise ConfigError(
                 f"{where(source, ('recovery',))}: recovery: in-place runs with devices.launcher: local only (in-place "
-                "recovery on Ray is not built). To fix: set devices.launcher: local, or recovery: restart.")
+                "recovery on Ray, a Ray pool included, is not built). To fix: set devices.launcher: local (and a pool "
+                "file, not a Ray pool), or recovery: restart.")
         if not inplace_supported(self.cluster.plan):
             log.warning("recovery: in-place needs one rank per data-parallel replica; this plan (%s) uses "
                         "checkpoint-restart", self.cluster.plan.groups)

@@ -42,7 +42,7 @@ def host_gb_per_device(model: ModelShape, train: TrainShape, layers: FloatArray,
     if train.mode == "full":
         trainable = params
     else:
-        trainable = layers * adapter_params_per_layer(model, train.lora_rank) / tp
+        trainable = layers * adapter_params_per_layer(model, train.lora_rank, tp)
     base_bytes = QLORA_BYTES_PER_PARAM if train.mode == "qlora" else bv
     shard_o = np.where(zero_stage >= 1, replicas, 1.0)
     shard_w = np.where(zero_stage >= 3, replicas, 1.0)

@@ -12,9 +12,11 @@ Branch and bound, per (``r``, ``mb``, setting): a depth-first walk over the offe
 is left out or which ``(t, k)`` block it contributes. The bound of a node: the bottleneck stage needs at least
 ``τ_lb``, the least ``τ`` at which the stages chosen (and, for the offers still open, the most any of their
 blocks could hold) cover the model with ``L_i ≤ τ / a_i`` and ``L_i ≤`` the memory cap of the stage kind
-(``a_i``: its per-layer time, a lower bound of ``S_i(L) / L``); so ``step ≥ (m - 1) τ_lb + L · min a``, and
-with the price and power of what is chosen (lower bounds: the open offers may add nothing) every objective
-is bounded (``policy.score`` grows with throughput and falls with price, cost and hours). A leaf is
+(``a_i``: its per-layer time, a lower bound of ``S_i(L) / L``; integer layers per stage); ``(m - 1) max S + Σ S``
+is then bounded by :func:`_core_lb` (the bubble included), the sends (at least one crosses two kinds) and the
+optimizer step are added, and with the price and power of what is chosen (lower bounds: the open offers may
+add nothing) every objective is bounded (``policy.score`` grows with throughput and falls with price, cost and
+hours); the money objectives are also capped by tokens/s per unit of price (:func:`_per_price_ub`). A leaf is
 evaluated exactly: every order of its blocks, the exact layer split, the cost model's stage costs
 (``costmodel.stage.stage_costs``), the spot factor and the constraints — the same terms ``costmodel.estimate``
 charges the written plan (a test holds them equal).
@@ -32,7 +34,8 @@ import numpy.typing as npt
 
 from starverse.costmodel import constants as C
 from starverse.costmodel.comm import ring_allreduce_s
-from starverse.costmodel.group import model_numbers
+from starverse.costmodel.group import measured_times, model_numbers
+from starverse.costmodel.shapes import Candidates
 from starverse.costmodel.stage import ModelNumbers, StageRows, stage_costs
 from starverse.planner import hostmem, pipesplit, space
 from starverse.planner.build import NOMINAL_TOKENS
@@ -45,6 +48,8 @@ IntArray = npt.NDArray[np.int64]
 MAX_LEAVES = 3_000
 """Exact leaf evaluations (block orders) per search; when reached, the search stops with the bound gap
 reported and ``SearchStats.pipelines_proven`` False."""
+MAX_NODES = 100_000
+"""Branch-and-bound children bounded per search; reaching it stops the search as ``MAX_LEAVES`` does."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,10 @@ def _rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, first: 
     def full(x: float) -> FloatArray:
         return np.full(n, float(x))
 
+    cand = Candidates.make(accelerator=offer, tp=tp.astype(np.int64), pp=int(pp), replicas=r, micro_batch=mb,
+                           num_micro_batches=m)
     return StageRows(
+        **measured_times(d, cand, ctx.train),
         peak_tflops=d.peak_tflops[offer], gemm_efficiency=d.gemm_efficiency[offer], memory_gb=d.memory_gb[offer],
         memory_bw_gb_per_s=d.memory_bw_gb_per_s[offer], intra_node_gb_per_s=d.intra_node_gb_per_s[offer],
         devices_per_node=d.devices_per_node[offer].astype(np.float64), inter_node_gbps=d.inter_node_gbps[offer],
@@ -169,7 +177,7 @@ def _tau_lb(slopes: FloatArray, limits: FloatArray, total: int, count: FloatArra
     with np.errstate(divide="ignore", invalid="ignore"):
         hi = np.where(sl > 0, li / np.where(sl > 0, sl, 1.0), 0.0).max(axis=1) * 1.01 + 1e-12
     lo = np.zeros_like(hi)
-    for _ in range(40):
+    for _ in range(30):
         mid = (lo + hi) / 2
         got = _capacity(mid, sl, li, count[ok]).sum(axis=1)
         enough = got >= total
@@ -221,18 +229,47 @@ def _core_lb(w: float, tau_lb: FloatArray, cost: FloatArray, slope: FloatArray, 
     need = total - mand.sum(axis=1)
     safe = np.where(np.isfinite(tau_lb), tau_lb, 0.0)
 
-    def g(tau: FloatArray) -> FloatArray:
-        with np.errstate(invalid="ignore"):
-            cap = np.maximum(_capacity(tau, slope, lim, mand) - mand, 0.0)
-        return base + _fill(cost, cap, need)
-
-    best = w * safe * 1.01 ** GRID_STEPS + base + _fill(cost, np.maximum(lim - mand, 0.0), need)
-    lo = safe
-    for _ in range(GRID_STEPS):
-        hi = lo * 1.01
-        best = np.minimum(best, w * lo + g(hi))
-        lo = hi
+    # every grid point of every row at once: rows repeated G times
+    n, g_n = cost.shape[0], GRID_STEPS
+    grid = safe[:, None] * 1.01 ** np.arange(1, g_n + 1)[None, :]  # τ_{j+1}, j = 0..G-1
+    rep = np.repeat(np.arange(n), g_n)
+    with np.errstate(invalid="ignore"):
+        cap = np.maximum(_capacity(grid.ravel(), slope[rep], lim[rep], mand[rep]) - mand[rep], 0.0)
+    g_next = (base[rep] + _fill(cost[rep], cap, need[rep])).reshape(n, g_n)
+    steps = w * (grid / 1.01) + g_next
+    tail = w * safe * 1.01 ** g_n + base + _fill(cost, np.maximum(lim - mand, 0.0), need)
+    best = np.minimum(steps.min(axis=1) if g_n else tail, tail)
     return np.where(np.isfinite(tau_lb) & (need >= -1e-9), best, np.inf)
+
+
+PRICE_GRID = 40
+"""Points of the grid over the open offers' share in :func:`_per_price_ub`."""
+
+
+def _per_price_ub(m: int, total: int, seqs: float, rate_c: FloatArray, price_c: FloatArray, fixed: FloatArray,
+                  r_open: float, e_open: float) -> FloatArray:
+    """Upper bound of tokens/s per unit of price of any pipeline completing a node.
+
+    The step is at least ``(m - 1) L / R + c`` (``R = Σ 1/a`` over the stages, the layer rate: the bottleneck
+    is at least ``L / R``; ``c = fixed``: every layer once at the cheapest per-layer time, the optimizer step
+    and the sends), so tokens/s ≤ ``seqs · m · R / ((m - 1) L + c R)`` (``seqs = r mb seq``).
+    The open offers add a rate ``x ∈ [0, r_open]`` at a price of at least ``x / e_open``; on each step
+    ``[x_j, x_{j+1}]`` of a grid the ratio is at most its numerator at ``x_{j+1}`` over its denominator at
+    ``x_j`` (both grow with ``x``)."""
+    xs = np.r_[0.0, r_open * np.geomspace(1e-4, 1.0, PRICE_GRID)] if r_open > 0 else np.zeros(1)
+    lo, hi = xs[:-1] if xs.size > 1 else xs, xs[1:] if xs.size > 1 else xs
+    rc, pc, c = rate_c[:, None], price_c[:, None], fixed[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        add_price = lo[None, :] / e_open if e_open > 0 else np.where(lo[None, :] > 0, np.inf, 0.0)
+        num = seqs * m * (rc + hi[None, :])
+        den = ((m - 1.0) * total + c * (rc + lo[None, :])) * (pc + add_price)
+        ratio = np.where(den > 0, num / den, np.inf)
+        ratio = np.where(np.isnan(ratio), np.inf, ratio)
+        out = ratio.max(axis=1)
+        # nothing chosen yet: every stage comes from the open offers, rate per price at most e_open
+        empty = (rate_c <= 0) & (price_c <= 0)
+        out = np.where(empty, seqs * m * e_open / ((m - 1.0) * total) if m > 1 else np.inf, out)
+    return np.asarray(out, dtype=np.float64)
 
 
 class _Search:
@@ -244,6 +281,7 @@ class _Search:
         self.best: Pipeline | None = None
         self.stats = stats
         self.leaves = 0
+        self.nodes = 0
         self.gap_bound = -math.inf
         pool = ctx.pool
         self.total = int(ctx.spec.num_layers)
@@ -252,15 +290,21 @@ class _Search:
         self.power = np.array([a.tdp_w for a in (ctx.catalog.accelerator(o.accelerator) for o in pool.offers)]) / 1e3
         self.accs = [o.accelerator for o in pool.offers]
         mn = _mn(ctx)
-        fastest = (float(pool.cross_offer_gbps) if pool.cross_offer_gbps is not None
-                   else max(o.inter_node_gbps for o in pool.offers))
+        names = [o.name for o in pool.offers]
+        fastest = max([float(pool.cross_offer_gbps)] + [float(pool.link_gbps(a, b)) for i, a in enumerate(names)
+                                                       for b in names[i + 1:] if a != b])
         self.hop_s_per_sequence = mn.seq_len * mn.h * mn.bytes_per_value / (fastest / 8.0 * C.NETWORK_EFFICIENCY * 1e9)
+
+    def full(self) -> bool:
+        """The caps are reached: the search stops (and is not proven unless its bound closed)."""
+        return self.leaves >= MAX_LEAVES or self.nodes >= MAX_NODES
 
     # ---- bounds -------------------------------------------------------------------------------------
     def bound(self, m: int, mb: int, core: FloatArray, stages: FloatArray, p2p: FloatArray, opt: FloatArray,
-              price: FloatArray, power: FloatArray) -> FloatArray:
+              price: FloatArray, power: FloatArray, per_price: FloatArray | None = None) -> FloatArray:
         """Objective bound from ``core`` (a lower bound of ``(m - 1) max S + Σ S``), the stages known to be in
-        the pipeline, the largest point-to-point time and optimizer step known (lower bounds of the maxima)."""
+        the pipeline, the largest point-to-point time and optimizer step known (lower bounds of the maxima),
+        and for the money objectives ``per_price``, an upper bound of tokens/s per unit of price."""
         ctx = self.ctx
         # at least one send crosses between two kinds, each at least this long
         hop = np.maximum(mb * self.hop_s_per_sequence, p2p)
@@ -271,14 +315,22 @@ class _Search:
             hours = self.tokens / tps / 3600.0
         total = paid_cost(price, hours)
         val = score(ctx.job.objective, tps, price, total, hours)
+        if per_price is not None:
+            obj = ctx.job.objective
+            with np.errstate(divide="ignore", invalid="ignore"):
+                if obj == "cost-performance":
+                    val = np.minimum(val, per_price * 3600.0)
+                elif obj == "cost":  # total ≥ price × hours = price × tokens / (tokens/s × 3600)
+                    val = np.minimum(val, np.where(per_price > 0, -self.tokens / (3600.0 * per_price), -np.inf))
         ok = (tps > 0) & within(ctx.limits, price, power, hours, total)
         return np.where(ok, val, -np.inf)
 
     # ---- exact leaves ---------------------------------------------------------------------------------
-    def leaf(self, r: int, mb: int, setting: int, blocks: list[tuple[int, int, int]]) -> None:
+    def leaf(self, r: int, mb: int, setting: int, blocks: list[tuple[int, int, int]], bound: float) -> None:
+        """Every order of the blocks, exactly (``bound``: the node's, kept as the gap if the caps stop it)."""
         for order in itertools.permutations(blocks):
-            if self.leaves >= MAX_LEAVES:
-                self.stats.pipelines_proven = False
+            if self.full():
+                self.gap_bound = max(self.gap_bound, bound)
                 return
             self.leaves += 1
             pipe = self.evaluate(r, mb, setting, list(order))
@@ -314,10 +366,44 @@ class _Search:
         tied = c["tied_s"].reshape(p, lmax)[:, 0].copy()
         self._cross_node(mn, offer, tp, mb, p2p, tied)
         const = float(tied.max() + 2.0 * (m + p - 1.0) * p2p.max()) if p > 1 else 0.0
-        step, layers = pipesplit.best_split(s, o, d, total, float(m), const)
+        limit = self._step_limit(r, blocks)
+        if limit <= 0:
+            return None
+        step, layers = pipesplit.best_split(s, o, d, total, float(m), const, incumbent=limit)
         if layers is None:
             return None
         return self._value(r, mb, setting, blocks, layers, step)
+
+    def _terms(self, r: int, blocks: list[tuple[int, int, int]]) -> tuple[dict[int, int], float, float, float]:
+        """Devices per offer, spot factor, price and power of a pipeline's devices."""
+        offers = self.ctx.pool.offers
+        n = {o: r * t * k for o, t, k in blocks}
+        lam = sum(k * offers[o].interruptions_per_hour for o, k in n.items())
+        nodes = sum(math.ceil(k / offers[o].devices_per_node) for o, k in n.items())
+        factor = float(spot_factor_of(self.ctx, np.asarray(lam, dtype=float), np.asarray(nodes, dtype=float)))
+        price = float(sum(k * self.price[o] for o, k in n.items()))
+        power = float(sum(k * self.power[o] for o, k in n.items()))
+        return n, factor, price, power
+
+    def _step_limit(self, r: int, blocks: list[tuple[int, int, int]]) -> float:
+        """The step a pipeline on these devices must undercut to beat the best plan known (the objective
+        falls as the step grows; ``cost`` is bounded below by price × hours, billing rounds up)."""
+        ctx = self.ctx
+        best = self.best_value
+        _, factor, price, _ = self._terms(r, blocks)
+        if not math.isfinite(best) or not math.isfinite(factor):
+            return math.inf if math.isfinite(factor) else 0.0
+        work = ctx.batch * ctx.seq_len / factor  # tokens/s × step
+        obj = ctx.job.objective
+        slack = 1.0 + 1e-9
+        if obj == "throughput":
+            return work / best * slack if best > 0 else math.inf
+        if obj == "cost-performance":
+            return work * 3600.0 / (price * best) * slack if best > 0 and price > 0 else math.inf
+        hours_max = -best if obj == "time" else (-best / price if price > 0 else math.inf)
+        if not hours_max > 0:
+            return 0.0
+        return work * 3600.0 * hours_max / self.tokens * slack
 
     def _host_fits(self, offer: IntArray, tp: IntArray, pos: IntArray, lay: FloatArray, p: int, r: int,
                    setting: int, blocks: list[tuple[int, int, int]]) -> npt.NDArray[np.bool_]:
@@ -341,9 +427,7 @@ class _Search:
         pool = self.ctx.pool
 
         def gbps(a: int, b: int) -> float:
-            if pool.cross_offer_gbps is not None:
-                return float(pool.cross_offer_gbps)
-            return float(min(pool.offers[a].inter_node_gbps, pool.offers[b].inter_node_gbps))
+            return float(pool.link_gbps(pool.offers[a].name, pool.offers[b].name))
 
         p = offer.size
         for i in range(p - 1):
@@ -362,15 +446,10 @@ class _Search:
                step: float) -> Pipeline | None:
         ctx = self.ctx
         offers = ctx.pool.offers
-        n = {o: r * t * k for o, t, k in blocks}
-        lam = sum(k * offers[o].interruptions_per_hour for o, k in n.items())
-        nodes = sum(math.ceil(k / offers[o].devices_per_node) for o, k in n.items())
-        factor = float(spot_factor_of(ctx, np.asarray(lam, dtype=float), np.asarray(nodes, dtype=float)))
+        n, factor, price, power = self._terms(r, blocks)
         if not math.isfinite(factor):
             return None
         tps_eff = ctx.batch * ctx.seq_len / step / factor
-        price = float(sum(k * self.price[o] for o, k in n.items()))
-        power = float(sum(k * self.power[o] for o, k in n.items()))
         hours = self.tokens / tps_eff / 3600.0
         total = float(sum(k * self.price[o] * billed_hours(np.asarray(hours), offers[o].billing_granularity_s)
                           for o, k in n.items()))
@@ -389,16 +468,20 @@ class _Search:
         rate = {o: float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers}
         reach = {o: float((kinds.kmax * kinds.cap)[kinds.offer == o].max()) for o in offers}
         amin_open = {o: float(kinds.a[kinds.offer == o].min()) for o in offers}
+        # tokens/s per unit of price: the step is at least m L / Σ(1/a) over the stages, so tokens/s is at
+        # most K Σ(1/a) with K = r mb seq / L, and a stage of kind (o, t) costs r t price_o
+        k_rate = r * mb * self.ctx.seq_len / self.total
+        a_least = float(kinds.a.min())
+        with np.errstate(divide="ignore"):
+            eff = {o: float((1.0 / (kinds.a * r * kinds.tp * self.price[o]))[kinds.offer == o].max()) for o in offers}
         max_stages = min(self.total, self.ctx.job.search.max_pipeline_stages or self.total)
 
         # a chosen block: (offer, tp, stages, per-layer time, layers per stage at most, p2p, optimizer step)
-        def walk(level: int, chosen: list[tuple[int, int, int, float, int, float, float]]) -> None:
-            if self.leaves >= MAX_LEAVES:
-                return
+        def walk(level: int, chosen: list[tuple[int, int, int, float, int, float, float]], bound: float) -> None:
             accs = {self.accs[c[0]] for c in chosen}
             if level == len(offers):
                 if len(accs) >= 2:
-                    self.leaf(r, mb, setting, [(o, t, k) for o, t, k, *_ in chosen])
+                    self.leaf(r, mb, setting, [(o, t, k) for o, t, k, *_ in chosen], bound)
                 return
             o = offers[level]
             open_ = offers[level + 1:]
@@ -446,19 +529,26 @@ class _Search:
             power = power0 + np.where(kk > 0, r * kt * kk * self.power[o], 0.0)
             p2p = np.maximum(max([c[5] for c in chosen], default=0.0), np.where(kk > 0, kp, 0.0))
             opt = np.maximum(max([c[6] for c in chosen], default=0.0), np.where(kk > 0, ko, 0.0))
-            b = self.bound(m, mb, core, used + kk, p2p, opt, price, power)
+            rate_c = sum(c[2] / c[3] for c in chosen) + np.where(kk > 0, kk / child_a, 0.0)
+            r_open = float(sum(rate[q] for q in open_))
+            e_open = max([eff[q] for q in open_], default=0.0)
+            fixed = self.total * a_least + opt + 2.0 * (m + np.maximum(used + kk, 2.0) - 1.0) * np.maximum(
+                mb * self.hop_s_per_sequence, p2p)
+            per_price = _per_price_ub(m, self.total, k_rate * self.total, rate_c, price, fixed, r_open, e_open)
+            b = self.bound(m, mb, core, used + kk, p2p, opt, price, power, per_price)
             self.stats.pipeline_nodes += nk
+            self.nodes += nk
             for i in np.argsort(-b, kind="stable"):
                 if b[i] <= self.best_value:
                     break
-                if self.leaves >= MAX_LEAVES:
+                if self.full():
                     self.gap_bound = max(self.gap_bound, float(b[i]))
                     return
                 nxt = chosen if kk[i] == 0 else [*chosen, (o, int(kt[i]), int(kk[i]), float(ka[i]), int(kc[i]),
                                                            float(kp[i]), float(ko[i]))]
-                walk(level + 1, nxt)
+                walk(level + 1, nxt, float(b[i]))
 
-        walk(0, [])
+        walk(0, [], math.inf)
 
 
 def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
@@ -493,19 +583,23 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
                 cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
                 m = ctx.batch // (r * mb)
                 core = _core_lb(m - 1.0, tau, cost, sl, li, np.zeros_like(sl), total)
-                fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1))
+                with np.errstate(divide="ignore"):
+                    per_price = r * mb * ctx.seq_len / total * float(
+                        (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())
+                fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1),
+                             np.array([per_price]))
                 fams.append((float(fb[0]), r, mb, si, kinds))
     stats.pipeline_families += len(fams)
     fams.sort(key=lambda f: -f[0])
     for bound, r, mb, si, kinds in fams:
         if bound <= s.best_value:
             break
-        if s.leaves >= MAX_LEAVES:
+        if s.full():
             s.gap_bound = max(s.gap_bound, bound)
             break
         s.family(r, mb, si, kinds)
     stats.pipeline_leaves += s.leaves
-    if s.leaves >= MAX_LEAVES and s.gap_bound > s.best_value:
+    if s.full() and s.gap_bound > s.best_value:
         stats.pipelines_proven = False
         ref = s.best_value
         stats.bound_gap = max(stats.bound_gap, abs(s.gap_bound - ref) / abs(ref) if ref and math.isfinite(ref)

@@ -214,6 +214,18 @@ class RayPoolSource:
         data = pool_dict(self.nodes(), _load_prices(self.prices), self.source)
         return pool_from_dict(data, self._cat(), source=self.source)
 
+    def ranks(self) -> list[RankSpec]:
+        """One rank per device the cluster offers now (what a job on this pool starts on)."""
+        return self.current_ranks([], [])
+
+    def launcher(self) -> Any:
+        """The Ray launcher for this cluster: ranks of an accelerator kind pinned to nodes carrying its resource."""
+        from starverse.providers.ray import RayLauncher
+
+        kinds = sorted({k for n in self.nodes() for k in n.devices if k != "cpu"})
+        address = None if self.address == AUTO else self.address.removeprefix(SCHEME)
+        return RayLauncher(address=address, kind_resources={k: k for k in kinds} or None)
+
     def current_ranks(self, survivors: Sequence[RankSpec], lost: Sequence[RankSpec]) -> list[RankSpec]:
         """The supervisor's re-plan hook: one rank per device the cluster offers now, the survivors first (they
         keep their device string and settings), then devices that joined. ``lost`` is what the launcher lost
@@ -236,11 +248,13 @@ class RayPoolSource:
         return [RankSpec(i, r.device_kind, r.device, r.num_threads, r.env) for i, r in enumerate(kept)]
 
 
-def pool_source_for(ref: str | Mapping[str, Any], *, catalog: Any = None, base: Path | None = None) -> RayPoolSource:
+def pool_source_for(ref: str | Mapping[str, Any] | Any, *, catalog: Any = None, base: Path | None = None) -> RayPoolSource:
     """A :class:`RayPoolSource` for ``ray://ADDRESS`` or ``{ray: auto|ADDRESS, prices: FILE}`` (``prices``
     relative to ``base``)."""
     if isinstance(ref, str):
         return RayPoolSource(ref, catalog=catalog)
+    if not isinstance(ref, Mapping):  # a job's RayPoolSettings (prices already absolute)
+        return RayPoolSource(ref.ray, ref.prices, catalog=catalog)
     unknown = sorted(set(ref) - {"ray", "prices"})
     if unknown:
         raise ConfigError(f"pool: unknown field '{unknown[0]}'.{did_you_mean(unknown[0], ['ray', 'prices'])} "

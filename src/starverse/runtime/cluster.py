@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,6 +209,7 @@ def accelerate(
     max_params: int | None = None,
     mode: str = "full",
     lora_rank: int = 16,
+    ranks: Sequence[RankSpec] | None = None,
 ) -> Cluster:
     """Choose devices, plan and model for a training job (see the module docstring).
 
@@ -218,7 +219,7 @@ def accelerate(
     (per hour, in the plan's currency) go to the planner when it is available. ``plan``: an explicit
     Plan or plan file, checked against the devices. ``pool``: None = the local provider (the only one
     implemented). ``max_params``: cap on the model size built here (default: what fits; on CPU ranks
-    also at most 20M parameters).
+    also at most 20M parameters). ``ranks``: the devices to run on (a Ray cluster's); None: this machine's.
     """
     from starverse.runtime.devices import local_ranks
 
@@ -227,7 +228,7 @@ def accelerate(
             "only the local provider is implemented (pool=None); multi-node pools are planned with "
             "`starverse plan` but not yet launched. To fix: omit pool=."
         )
-    ranks = local_ranks(num_cpu_ranks, use_gpus)
+    ranks = list(ranks) if ranks is not None else local_ranks(num_cpu_ranks, use_gpus)
     notes: list[str] = []
     if plan is not None:
         source = str(plan) if not isinstance(plan, Plan) else "plan"

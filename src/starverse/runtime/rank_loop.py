@@ -35,6 +35,7 @@ from starverse.runtime.hetero_dp import GradientSync, HolderSync, Rebalancer, lo
 from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.mesh import MixedMesh
+from starverse.runtime.parallel.fsdp import ZeroModel
 from starverse.runtime.parallel.parallelize import ParallelModel, full_tensors, parallelize_for_plan
 from starverse.runtime.parallel.pipeline import (
     PipelineRunner,
@@ -50,6 +51,7 @@ from starverse.runtime.parallel.pipeline_parallel import (
     pipeline_parallel_config,
     stage_meshes,
 )
+from starverse.runtime.parallel.pipeline_weights import load_chunk_weights
 from starverse.runtime.steps import LossFn, autocast_dtype, batch_loss, make_optimizer, make_schedule
 
 
@@ -107,6 +109,9 @@ class FitJob:
     """Gradient all-reduce bucket size."""
     labels_path: Path | None = None
     """Per-token labels (``np.save``; -100 = no loss, e.g. a chat prompt); None: the tokens shifted."""
+    weights_folder: Path | None = None
+    """With a pipeline: ``model_path`` is a skeleton whose meta parameters each rank reads for its stage only
+    from this folder's safetensors (see ``parallel.pipeline_weights``); None: ``model_path`` is the whole model."""
     recovery: str = "restart"
     """``restart`` (checkpoint-restart by the supervisor) or ``in-place`` (torchft replicas: ``runtime/ft.py``)."""
 
@@ -145,6 +150,8 @@ class RankResult:
     """Bytes of parameters, gradients and optimizer state on this rank at the end."""
     peak_activation_bytes: int = 0
     """Peak device memory above the training state (CUDA only; 0 where unmeasured)."""
+    loaded_tensors: int = 0
+    """Tensors this rank read from the model folder for its stage (per-stage loading; 0 otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -232,15 +239,17 @@ class RankTrainer:
         full = torch.load(job.model_path, map_location="cpu", weights_only=False)
         pipeline: PipelineRunner | None = None
         parallel: ParallelModel | None = None
+        zeros: list[ZeroModel] = []
         if layout.is_pipelined:
             full.train()
             pipeline = PipelineRunner.build(
                 full, layout, env.rank, device, job.plan.train.schedule, job.micro_batch / job.global_batch,
-                pipeline_groups(layout, kinds, devices),
+                pipeline_groups(layout, kinds, devices), job.weights_folder,
             )
             in_stage = pipeline_parallel_config(job.plan)
             if not in_stage.is_plain:  # the same on every rank: all build the stage meshes together
-                parallelize_chunks(pipeline.chunks, in_stage, stage_meshes(layout, devices, in_stage, device.type))
+                zeros = parallelize_chunks(pipeline.chunks, in_stage,
+                                           stage_meshes(layout, devices, in_stage, device.type))
             model: torch.nn.Module = UnsplitView(pipeline.parameters(), UnsplitSignature.of(full))
             del full
         else:
@@ -248,9 +257,9 @@ class RankTrainer:
             parallel = parallelize_for_plan(model, job.plan, device, env.world_size)
             if parallel is not None:
                 model = parallel.model
-        # ZeRO-1: the optimizer state sharded over the replicas
-        optimizer, scheduler, data, sampler = training_parts(
-            model, job, parallel.shard_optimizer if parallel is not None else None)
+        # ZeRO-1: the optimizer state sharded over the replicas (of this rank's stage in a pipeline)
+        shard = parallel.shard_optimizer if parallel is not None else (zeros[0].shard_optimizer if zeros else None)
+        optimizer, scheduler, data, sampler = training_parts(model, job, shard)
         ctx = TrainContext(
             rank=env.rank, world_size=env.world_size, plan=job.plan, run_dir=job.run_dir, step=0, model=model,
             optimizer=optimizer, lr_scheduler=scheduler, sampler=sampler, group=mesh.host_group,
@@ -264,9 +273,9 @@ class RankTrainer:
         grads: GradientSync | HolderSync | ParallelModel
         if pipeline is not None:
             pipeline.on_compute = lambda dt: callbacks.on_micro_batch_end(ctx, dt)
-            place = layout.places[env.rank]  # under ZeRO, FSDP2 summed over the replicas already
+            place = layout.places[env.rank]  # under FSDP2 (ZeRO-2/3, ZeRO-1 with offload) summed over the replicas
             grads = HolderSync(list(model.named_parameters()), place.tp_rank, kinds, devices, mesh.host_group,
-                               job.bucket_mb, place.replica if job.plan.train.zero_stage else None)
+                               job.bucket_mb, place.replica if any(z.fsdp for z in zeros) else None)
         elif parallel is not None and parallel.syncs_own_gradients:
             grads = parallel
         else:
@@ -456,6 +465,7 @@ class RankTrainer:
             stop_reason=ctx.stop_reason, tokens=self.tokens, compute_s=self.compute_s,
             share=ctx.shares[self.replica], **self.pipeline_figures(), state_bytes=self.state_bytes(),
             peak_activation_bytes=self.peak_activation_bytes(),
+            loaded_tensors=sum(c.loaded_tensors for c in self.pipeline.chunks) if self.pipeline else 0,
         )
 
     def pipeline_figures(self) -> dict[str, Any]:
@@ -499,6 +509,8 @@ class RankTrainer:
             if self.rank != 0:
                 return
             full = torch.load(self.job.model_path, map_location="cpu", weights_only=False)
+            if self.job.weights_folder is not None:  # a skeleton: the untrained tensors (frozen base) from the files
+                load_chunk_weights(full, {n: n for n, _ in full.named_parameters()}, self.job.weights_folder)
             named = dict(full.named_parameters())
             with torch.no_grad():
                 for part in parts:

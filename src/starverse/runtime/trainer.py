@@ -44,6 +44,7 @@ from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 from starverse.runtime.parallel.pipeline_parallel import check_pipeline_parallel
 from starverse.runtime.parallel.pipeline_report import PipelineReport, pipeline_report
 from starverse.runtime.parallel.pipeline_split import as_module
+from starverse.runtime.parallel.pipeline_weights import skeleton, unchanged_weights_folder
 from starverse.runtime.plan_check import check_model, check_ranks
 from starverse.runtime.rank_loop import FitJob, RankResult, train_rank
 from starverse.runtime.runlog import EVAL_FILE, EvalCallback, ProgressCallback, RunLogCallback
@@ -251,7 +252,7 @@ class Trainer:
         check_ranks(plan, ranks, "the cluster's plan")
         check_model(plan, model, "the cluster's plan")
         layout = PipelineLayout.from_plan(plan)
-        _check_runs(plan, layout, loss_fn)
+        _check_runs(plan, layout, loss_fn, self.eval_fraction)
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
                 f"the model ({type(model).__name__}) has no trainable parameters. To fix: pass a model with "
@@ -274,7 +275,7 @@ class Trainer:
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
         if layout.is_pipelined:
-            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model)
+            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model, seq_len=seq_len)
         else:
             check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
 
@@ -320,7 +321,9 @@ class Trainer:
                      bpe_file=corpus.tokenizer[4:] if corpus.tokenizer.startswith("bpe:") else None,
                      lora=lora, mode=plan.train.mode)
         model_path = run_dir / "data" / "init_model.pt"
-        torch.save(model, model_path)
+        # a pipeline's ranks read only their stage's tensors from the folder when the model still holds its weights
+        weights = unchanged_weights_folder(model) if layout.is_pipelined else None
+        torch.save(skeleton(model, weights) if weights is not None else model, model_path)
 
         prec = precision or plan.train.precision
         job = FitJob(
@@ -329,7 +332,7 @@ class Trainer:
             lr=self.lr, warmup_steps=self.warmup_steps if self.warmup_steps is not None else max(1, max_steps // 20),
             min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
             seed=self.seed, rebalance_every=self.rebalance_every, hysteresis=self.hysteresis, precision=prec,
-            callbacks=tuple(callbacks), loss_fn=loss_fn, labels_path=labels_path,
+            callbacks=tuple(callbacks), loss_fn=loss_fn, labels_path=labels_path, weights_folder=weights,
             resume_from=Path(resume_from).resolve() if resume_from is not None else None,
             peaks_tflops=tuple(_peak_tflops(r.device_kind, prec, r.device) for r in ranks),
             flops_per_token=flops_per_token(model, seq_len),
@@ -389,8 +392,13 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
     return emb[0].num_embeddings if emb else None
 
 
-def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> None:
+def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None, eval_fraction: float = 0.0) -> None:
     """What this runtime does not run yet, refused rather than silently run as something else."""
+    if layout.is_pipelined and eval_fraction:
+        raise ConfigError(
+            f"Trainer(eval_fraction={eval_fraction}): the held-out evaluation does not run through pipeline stages "
+            "yet. To fix: eval_fraction=0 for a pipelined plan, or one stage per group."
+        )
     # tensor parallelism: checked by parallel.parallelize.check_parallel_plan (with the shares)
     if layout.is_pipelined and loss_fn is not None:
         raise ConfigError(

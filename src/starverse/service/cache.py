@@ -38,21 +38,27 @@ class TTLCache(Generic[V]):
 
     def get(self, key: Hashable) -> V | None:
         """The live value of ``key``, or None."""
+        hit = self.get_aged(key)
+        return None if hit is None else hit[0]
+
+    def get_aged(self, key: Hashable) -> tuple[V, float] | None:
+        """The live value of ``key`` and its age in seconds, or None."""
         with self._lock:
             hit = self._items.get(key)
             if hit is None:
                 return None
-            if hit[0] <= time.monotonic():
+            age = time.monotonic() - hit[0]
+            if age >= self.ttl_s:
                 del self._items[key]
                 return None
-            return hit[1]
+            return hit[1], age
 
     def put(self, key: Hashable, value: V) -> None:
         """Remember ``value`` for the TTL (the oldest entry goes when full)."""
         if self.ttl_s <= 0:
             return
         with self._lock:
-            self._items[key] = (time.monotonic() + self.ttl_s, value)
+            self._items[key] = (time.monotonic(), value)
             self._items.move_to_end(key)
             while len(self._items) > self.max_entries:
                 self._items.popitem(last=False)
@@ -62,6 +68,12 @@ class TTLCache(Generic[V]):
         with self._lock:
             for key in [k for k in self._items if match(k)]:
                 del self._items[key]
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Done-callback of a background refresh: take its exception (the next request computes again)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _canonical(obj: dict[str, Any] | None, text: str | None) -> Any:
@@ -93,30 +105,39 @@ class Memo(Generic[V]):
     many requests ask at the same time: the first starts the computation, the others wait for it. Used from
     the server's event loop only (the store itself is thread-safe)."""
 
-    def __init__(self, ttl_s: float, max_entries: int):
+    def __init__(self, ttl_s: float, max_entries: int, refresh_after_s: float | None = None):
         self.store: TTLCache[V] = TTLCache(ttl_s if max_entries > 0 else 0, max(1, max_entries))
+        self.refresh_after_s = refresh_after_s
         self._running: dict[Hashable, asyncio.Future[V]] = {}
         self.hits = self.misses = 0
 
-    async def get(self, key: Hashable, compute: Callable[[], Awaitable[V]],
-                  keep: Callable[[V], bool] = lambda _: True) -> V:
-        """The answer under ``key``: remembered, awaited from the same computation in flight, or computed
-        (remembered only if ``keep`` says so; an exception reaches every waiter and nothing is remembered)."""
-        hit = self.store.get(key)
+    async def get(self, key: Hashable, compute: Callable[[], Awaitable[V]]) -> V:
+        """The answer under ``key``: remembered, awaited from the same computation in flight, or computed (an
+        exception reaches every waiter and nothing is remembered). An answer older than ``refresh_after_s``
+        is still returned while one computation replaces it in the background, so under steady traffic no
+        request waits for a recomputation; none is ever older than the TTL."""
+        hit = self.store.get_aged(key)
         if hit is not None:
             self.hits += 1
-            return hit
+            value, age = hit
+            if self.refresh_after_s is not None and age >= self.refresh_after_s and key not in self._running:
+                self._start(key, compute).add_done_callback(_retrieve)
+            return value
         running = self._running.get(key)
         if running is None:
             self.misses += 1
-            # a task of its own: a client that disconnects does not cancel what the others wait for
-            running = asyncio.ensure_future(self._compute(key, compute, keep))
-            self._running[key] = running
+            running = self._start(key, compute)
         else:
             self.hits += 1
         return await asyncio.shield(running)
 
-    async def _compute(self, key: Hashable, compute: Callable[[], Awaitable[V]], keep: Callable[[V], bool]) -> V:
+    def _start(self, key: Hashable, compute: Callable[[], Awaitable[V]]) -> asyncio.Future[V]:
+        # a task of its own: a client that disconnects does not cancel what the others wait for
+        task = asyncio.ensure_future(self._compute(key, compute))
+        self._running[key] = task
+        return task
+
+    async def _compute(self, key: Hashable, compute: Callable[[], Awaitable[V]]) -> V:
         me = asyncio.current_task()
         try:
             value = await compute()
@@ -124,7 +145,7 @@ class Memo(Generic[V]):
             current = self._running.get(key)
             if current is me:
                 del self._running[key]
-        if current is me and keep(value):  # not dropped while it ran
+        if current is me:  # not dropped while it ran
             self.store.put(key, value)
         return value
 

@@ -1,4 +1,5 @@
-"""The service's state: tenants, hashed tokens, the job queue, job events and samples, prepaid balances.
+"""The service's state: tenants, hashed tokens, the job queue, job events and samples (what tenants paid in
+is in their billing ledgers; see ``tenants``).
 
 One schema for SQLite (embedded, the default) and PostgreSQL (``--database postgresql://...``), created and
 upgraded by Alembic (``service/migrations``). The jobs table is the queue: a worker claims a job with one
@@ -134,7 +135,8 @@ class JobSample(Base):
 
 
 class BalanceEntry(Base):
-    """A movement of a tenant's prepaid balance (sign-up credit, top-up), in integer micro-units."""
+    """A sign-up credit or top-up as services before the ledger's payments recorded them (micro-units); kept
+    only to move such rows into the tenants' ledgers (``tenants.import_balance_entries``), never written."""
 
     __tablename__ = "balance_entries"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -158,7 +160,10 @@ def make_engine(url: str) -> Engine:
     if not (url.startswith("sqlite") or url.startswith("postgresql+")):
         raise ConfigError(f"--database {url!r}: use sqlite:///FILE or postgresql://USER@HOST:PORT/DB")
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        # 20 connections kept open (one past the pool is closed when returned, and opening one costs three
+        # PRAGMAs), 40 at most: the server's threads for sync routes
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False},
+                               pool_size=20, max_overflow=20)
 
         @event.listens_for(engine, "connect")
         def _pragmas(conn: Any, _record: Any) -> None:

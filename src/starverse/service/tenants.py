@@ -2,7 +2,7 @@
 
 A token is shown once, when created; the database keeps its hash, so a stolen database does not hand out
 access. A token may expire (``expires_at``) or be revoked. A tenant's balance is what it paid in (the
-sign-up credit and top-ups, rows of ``balance_entries``) minus what its jobs' ledger charged, plus the
+sign-up credit and top-ups) minus what its jobs' ledgers charged, plus the
 insurance credits the ledger granted: the worker stops a tenant's running jobs (emergency checkpoint) when
 it reaches zero, and a job is refused at submit while it is not positive.
 

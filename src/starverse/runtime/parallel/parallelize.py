@@ -137,7 +137,8 @@ class ParallelModel:
 
 def check_tensor_parallel_plan(plan: Plan, rank_kinds: list[str], source: str = "plan") -> None:
     """Raise :class:`ConfigError` unless ``plan``'s tensor parallelism is of a shape the runtime runs: one
-    group of one device kind, no pipeline stages, full training (see :func:`check_parallel_plan`)."""
+    group of one device kind, no pipeline stages, full training or LoRA, not QLoRA (see
+    :func:`check_parallel_plan`)."""
     for gi, g in enumerate(plan.groups):
         for si, s in enumerate(g.stages):
             if s.tp == 1:
@@ -145,14 +146,15 @@ def check_tensor_parallel_plan(plan: Plan, rank_kinds: list[str], source: str = 
             where = f"{source}: groups[{gi}].stages[{si}].tp: {s.tp}"
             if len(plan.groups) > 1 or g.num_stages > 1 or len(set(rank_kinds)) > 1:
                 raise ConfigError(
-                    f"{where}: tensor parallelism runs in a plan of one group of one device kind without pipeline "
-                    "stages (TP inside pipeline stages or across groups is not run yet). To fix: set tp: 1, or use "
-                    "one group with one stage."
+                    f"{where}: without pipeline stages, tensor parallelism runs in a plan of one group of one device "
+                    "kind (TP groups across groups of different kinds are not run). To fix: set tp: 1, use one group "
+                    "with one stage, or pipeline stages with the same tp in every stage."
                 )
-            if plan.train.mode != "full":
+            if plan.train.mode == "qlora":
                 raise ConfigError(
-                    f"{where}: tensor parallelism with train.mode: {plan.train.mode} is not run (the adapters wrap the "
-                    "linears TP splits). To fix: tp: 1 for LoRA / QLoRA."
+                    f"{where}: tensor parallelism with train.mode: qlora is not run: bitsandbytes' 4-bit weights are "
+                    "packed blocks DTensor cannot split by rows or columns. To fix: tp: 1 for QLoRA, or mode: lora "
+                    "(its adapters are split with their linears)."
                 )
 
 
@@ -178,6 +180,13 @@ def check_parallel_plan(
         raise ConfigError(
             f"plan: train.zero_stage: {cfg.zero_stage} shards over one device kind, but the ranks are "
             f"{sorted(set(rank_kinds))}. To fix: set zero_stage: 0 for a mixed cluster, or use one device kind."
+        )
+    if plan.train.mode == "qlora" and (cfg.zero_stage >= 2 or cfg.offload != "none"):
+        raise ConfigError(
+            f"plan: train.zero_stage: {cfg.zero_stage} (offload: {cfg.offload}) with train.mode: qlora is not run: "
+            "FSDP2 would shard bitsandbytes' packed 4-bit weights, which Starverse does not support. To fix: "
+            "zero_stage: 0 or 1 without offload for QLoRA (the 4-bit base is small; ZeRO-1 shards the adapters' "
+            "optimizer state), or mode: lora."
         )
     if cfg.zero_stage >= 2 and rebalance_every != 0:
         raise ConfigError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -185,15 +186,18 @@ class PipelineRunner:
     @classmethod
     def build(
         cls, model: nn.Module, layout: PipelineLayout, rank: int, device: torch.device, schedule: str,
-        loss_scale: float, groups: dict[int, Any],
+        loss_scale: float, groups: dict[int, Any], weights: Path | None = None,
     ) -> PipelineRunner:
-        """The rank's chunks of ``model`` (the unsplit model, left untouched) and its replica's P2P group."""
+        """The rank's chunks of ``model`` (the unsplit model, left untouched) and its replica's P2P group.
+
+        ``weights``: ``model`` is a skeleton; each chunk reads its own tensors from this folder (see ``cut``)."""
         place = layout.places[rank]
         ranks = layout.stage_ranks(place.replica, place.tp_rank)
         kinds = {layout.places[r].accelerator for r in ranks}
         comm = device if len(kinds) == 1 else torch.device("cpu")
         chunks = [
-            cut(model, c.first_layer, c.num_layers, c.is_first, c.is_last, device, comm) for c in layout.chunks_of(rank)
+            cut(model, c.first_layer, c.num_layers, c.is_first, c.is_last, device, comm, weights)
+            for c in layout.chunks_of(rank)
         ]
         return cls(chunks, groups[place.replica], layout.num_stages(place.group), schedule, comm, loss_scale)
 

@@ -9,8 +9,9 @@ hold the same stage.
   stage ``tp``; the same ``tp`` in every stage). Its 1-D ``DeviceMesh`` (dimension ``tp``) is built from a process
   group over those ranks. Pipelines run per TP index (``pipeline_groups``): TP rank ``t`` of stage ``s`` sends
   its activation to TP rank ``t`` of stage ``s + 1``. Without sequence parallel the activations between blocks
-  are replicated over the TP group, so every TP rank sends the same (whole) tensor to its peer, and the last
-  stage's head gathers the logits: each TP rank of the last stage computes the same loss (counted once).
+  are replicated over the TP group, so every TP rank sends the same (whole) tensor to its peer; with it (as
+  torchtitan) each sends its sequence shard and the peer resumes from that shard. The last stage's head gathers
+  the logits: each TP rank of the last stage computes the same loss (counted once).
 - **ZeRO x PP.** The ranks holding the same stage and TP index in the group's replicas form the ``dp``
   dimension; ``fully_shard`` shards each block and the chunk (the root: embedding, final norm, head) over it.
   ``torch.distributed.pipelining`` runs an FSDP chunk's backwards without gradient sync and reduce-scatters once
@@ -20,8 +21,8 @@ hold the same stage.
   ``(dp, tp)`` per stage.
 - **Recompute** wraps each chunk's blocks (a user's block list is one block each).
 
-Refused with one line each (:func:`check_pipeline_parallel`): different ``tp`` per stage, sequence parallel in
-a pipeline, TP with LoRA / QLoRA, ZeRO over several groups (their pipelines may split differently, and a
+Refused with one line each (:func:`check_pipeline_parallel`): different ``tp`` per stage, sequence parallel with
+a ``seq_len`` the TP ranks do not divide, TP with LoRA / QLoRA, ZeRO over several groups (their pipelines may split differently, and a
 sharded gradient cannot be summed with a differently held one), ZeRO-3 with uneven or rebalanced shares.
 """
 
@@ -55,11 +56,12 @@ def pipeline_parallel_config(plan: Plan) -> ParallelConfig:
 
 def check_pipeline_parallel(
     plan: Plan, rebalance_every: int, shares: Sequence[int], model: torch.nn.Module | None = None,
-    source: str = "the cluster's plan",
+    source: str = "the cluster's plan", seq_len: int | None = None,
 ) -> None:
     """Raise :class:`ConfigError` unless this runtime runs the in-stage parallelism of ``plan``'s pipelines with
-    these shares (``model``, when given, is checked for tensor parallelism)."""
-    cfg = check_pipeline_plan(plan, source)
+    these shares (``model``, when given, is checked for tensor parallelism; ``seq_len``: the one trained, None:
+    the plan's)."""
+    cfg = check_pipeline_plan(plan, source, seq_len)
     if model is not None and cfg.tp > 1:
         tp_layout(model)
         check_tensor_parallel(getattr(model, "config", None), cfg.tp)
@@ -71,7 +73,7 @@ def check_pipeline_parallel(
         )
 
 
-def check_pipeline_plan(plan: Plan, source: str = "plan") -> ParallelConfig:
+def check_pipeline_plan(plan: Plan, source: str = "plan", seq_len: int | None = None) -> ParallelConfig:
     """The in-stage settings of a pipelined ``plan``; :class:`ConfigError` for a shape this runtime does not run."""
     tps = sorted({s.tp for g in plan.groups for s in g.stages})
     t = plan.train
@@ -83,10 +85,11 @@ def check_pipeline_plan(plan: Plan, source: str = "plan") -> ParallelConfig:
         )
     cfg = pipeline_parallel_config(plan)
     if cfg.tp > 1:
-        if cfg.sequence_parallel:
+        seq = seq_len or t.seq_len
+        if cfg.sequence_parallel and seq % cfg.tp:
             raise ConfigError(
-                f"{source}: train.sequence_parallel with pipeline stages is not run yet (stages exchange whole "
-                "activations). To fix: sequence_parallel: false, or one stage per group."
+                f"{source}: train.sequence_parallel with pipeline stages splits the {seq}-token sequences "
+                f"between the stages' {cfg.tp} TP ranks. To fix: a seq_len that is a multiple of {cfg.tp}."
             )
         if t.mode != "full":
             raise ConfigError(
@@ -158,7 +161,9 @@ def parallelize_chunks(chunks: Sequence[Chunk], config: ParallelConfig, meshes: 
     zeros = []
     for chunk in chunks:
         if meshes.tp is not None:
-            apply_tensor_parallel(chunk.body, meshes.tp, sequence_parallel=False)
+            apply_tensor_parallel(chunk.body, meshes.tp, sequence_parallel=config.sequence_parallel)
+            if config.sequence_parallel:
+                chunk.sequence_mesh = meshes.tp
         apply_recompute(chunk.body, config.recompute)
         if meshes.dp is not None:
             zeros.append(apply_zero(chunk, meshes.dp, config.zero_stage, config.offload))

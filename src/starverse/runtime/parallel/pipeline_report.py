@@ -45,6 +45,8 @@ class StageReport:
     """The cost model's time per micro-batch of the group's slowest stage (None: no estimate)."""
     predicted_state_bytes: float | None
     """The cost model's weights + gradients + optimizer bytes per device of this stage (None: no estimate)."""
+    loaded_tensors: int = 0
+    """Tensors the rank read from the model folder for this stage (per-stage loading; 0: whole model cut)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ def pipeline_report(layout: PipelineLayout, results: Sequence[Any], kinds: Seque
                 state_bytes=res.state_bytes, peak_activation_bytes=res.peak_activation_bytes,
                 predicted_time_per_micro_batch_s=_per_micro(ge),
                 predicted_state_bytes=_state_bytes(ge, place.stage),
+                loaded_tensors=getattr(res, "loaded_tensors", 0),
             ))
     predicted = None
     if groups:

@@ -25,11 +25,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from starverse.errors import ConfigError
+from starverse.runtime.parallel.pipeline_weights import load_chunk_weights
 
 
 @dataclass(frozen=True)
@@ -89,10 +92,25 @@ class Chunk(nn.Module):
         """Unsplit-model name of each of this chunk's parameters, by its name in ``body`` (wrappers aside)."""
         self.device = device
         self.comm_device = comm_device
+        self.loaded_tensors = 0
+        """Tensors this chunk read from the model folder (per-stage loading; 0: cut from a whole model)."""
+        self.sequence_mesh: Any = None
+        """The stage's TP mesh when sequence parallel splits the hidden states between stages (None: whole)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the chunk on its device; input and output live on the pipeline's communication device."""
-        y = self._run(self.body, x.to(self.device))
+        """Run the chunk on its device; input and output live on the pipeline's communication device.
+
+        Under sequence parallel (:attr:`sequence_mesh`) hidden states cross between stages as each TP rank's
+        sequence shard: the input is this rank's shard of the previous stage's output, the output this rank's
+        shard (token ids and logits are whole)."""
+        x = x.to(self.device)
+        if self.sequence_mesh is not None and x.is_floating_point():
+            from torch.distributed.tensor import DTensor, Shard
+
+            x = DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False)
+        y = self._run(self.body, x)
+        if self.sequence_mesh is not None and hasattr(y, "to_local"):
+            y = y.to_local()  # type: ignore[operator]
         return y.to(self.comm_device)
 
     def named_parameters_unsplit(self) -> list[tuple[str, nn.Parameter]]:
@@ -163,9 +181,12 @@ def as_module(model: nn.Module | list[nn.Module]) -> nn.Module:
 
 def cut(
     model: nn.Module, first_layer: int, num_layers: int, is_first: bool, is_last: bool, device: torch.device,
-    comm_device: torch.device,
+    comm_device: torch.device, weights: Path | None = None,
 ) -> Chunk:
-    """The chunk of ``model`` holding layers ``first_layer .. first_layer + num_layers - 1`` (a fresh copy)."""
+    """The chunk of ``model`` holding layers ``first_layer .. first_layer + num_layers - 1`` (a fresh copy).
+
+    ``weights``: ``model`` is a skeleton (:func:`~starverse.runtime.parallel.pipeline_weights.skeleton`) whose
+    meta parameters the chunk reads from this folder's safetensors (only its own tensors)."""
     memo: dict[int, object] = {}
     body = copy.deepcopy(model, memo)
     by_id = {id(memo[id(p)]): n for n, p in model.named_parameters()}
@@ -192,6 +213,8 @@ def cut(
         names = {n: by_id[id(p)] for n, p in body.named_parameters()}
         chunk = Chunk(body, _with_head(run, fam.base) if is_last else _without_head(run, fam.base), names, device,
                       comm_device)
+    if weights is not None:
+        chunk.loaded_tensors = load_chunk_weights(chunk.body, chunk.names, weights)
     chunk.to(device)
     return chunk
 

@@ -13,6 +13,10 @@ family's module names. Families without a plain column/row table (GPT-2's fused 
 multi-query fused QKV, MoE experts, Qwen3's per-head norms) are refused with :class:`TensorParallelError`
 rather than run wrong.
 
+A linear carrying peft LoRA adapters is split with them (see :func:`_split_linear`), so ``train.mode: lora``
+runs under TP; parameters frozen before the split stay frozen. QLoRA's packed 4-bit weights cannot be split
+(refused by ``parallelize.check_tensor_parallel_plan``).
+
 ``sequence_parallel=True`` (Korthikanti et al. 2022) also splits the activations between the blocks' matmul
 regions along the sequence: norms and residual adds run on ``seq / tp`` tokens per rank, the all-reduces
 become a reduce-scatter + all-gather pair (the same bytes).
@@ -130,6 +134,8 @@ def apply_tensor_parallel(
     tp = tp_mesh.size()
     config = getattr(model, "config", None)
     layout = tp_layout(model)
+    # parallelize_module re-creates parameters (SequenceParallel's as requires_grad=True): frozen stays frozen
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     check_tensor_parallel(config, tp)
     base = getattr(model, layout.base_prefix)
     vocab = _first(config, "vocab_size")
@@ -138,9 +144,9 @@ def apply_tensor_parallel(
 
     plan: dict[str, ParallelStyle] = {}
     for key in layout.column:
-        plan[key] = ColwiseParallel()
+        plan.update(_split_linear(base, key, "colwise", sequence_parallel))
     for key in layout.row:
-        plan[key] = RowwiseParallel(output_layouts=seq_layout, use_local_output=not sequence_parallel)
+        plan.update(_split_linear(base, key, "rowwise", sequence_parallel))
     if sequence_parallel:
         for name in _norm_names(base, layout):
             plan[name] = SequenceParallel()
@@ -158,6 +164,7 @@ def apply_tensor_parallel(
         emb.register_forward_hook(partial(_scatter_sequence, tp_mesh))
     parallelize_module(base, tp_mesh, plan)
     if sequence_parallel:
+        _lora_hooks(base, layout, tp_mesh)
         for region in layout.regions:
             for _, mod in _matching(base, region):
                 mod.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
@@ -172,8 +179,60 @@ def apply_tensor_parallel(
                 head.weight = emb.weight  # type: ignore[union-attr,assignment]
         elif sequence_parallel:
             head.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     log.info("tensor parallel over %d ranks%s", tp, " with sequence parallel" if sequence_parallel else "")
     return model
+
+
+def _split_linear(base: torch.nn.Module, key: str, style: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan entries that split the linears ``key`` matches ``style``-wise (see the module docstring).
+
+    A linear carrying LoRA adapters (peft's ``LoraLayer``: ``base_layer``, ``lora_A.<name>``,
+    ``lora_B.<name>``) is split with its adapters so the adapted output is split as the plain one is:
+    column-wise, ``lora_B`` (rank → out) is split column-wise too and ``lora_A`` stays whole (its input is the
+    whole activation; DTensor all-reduces the gradient flowing back into it, as for the base); row-wise,
+    ``lora_A`` (in → rank) is split row-wise (its input is the sharded activation; its rank-wide output is
+    all-reduced, a few numbers per token) and ``lora_B`` stays whole and plain, so its gradient is the same
+    on every TP rank. Under sequence parallel ``lora_B``'s output is then cut to this rank's part of the
+    sequence, as the base's is reduce-scattered (see :func:`_lora_hooks`).
+    """
+    seq_layout = Shard(1) if sequence_parallel else Replicate()
+
+    def split() -> ParallelStyle:
+        if style == "colwise":
+            return ColwiseParallel()
+        return RowwiseParallel(output_layouts=seq_layout, use_local_output=not sequence_parallel)
+
+    adapters = {name for _, mod in _matching(base, key) for name in _adapters(mod, "lora_A")}
+    if not adapters:
+        return {key: split()}
+    out: dict[str, ParallelStyle] = {f"{key}.base_layer": split()}
+    for name in sorted(adapters):
+        if style == "colwise":
+            out[f"{key}.lora_B.{name}"] = ColwiseParallel()
+        else:
+            out[f"{key}.lora_A.{name}"] = RowwiseParallel(output_layouts=Replicate())
+    return out
+
+
+def _lora_hooks(base: torch.nn.Module, layout: TensorParallelLayout, tp_mesh: DeviceMesh) -> None:
+    """Under sequence parallel: each row-wise split linear's ``lora_B`` (whole, on the whole sequence) keeps
+    this rank's sequence shard of its output, a DTensor to add to the base's reduce-scattered one."""
+    for key in layout.row:
+        for _, mod in _matching(base, key):
+            for lora_b in _adapters(mod, "lora_B").values():
+                lora_b.register_forward_hook(partial(_scatter_sequence, tp_mesh))
+
+
+def _adapters(module: torch.nn.Module, which: str) -> dict[str, torch.nn.Module]:
+    """``module.<which>`` (``lora_A`` or ``lora_B``: adapter name → linear) when ``module`` is a peft LoRA layer
+    wrapping a linear (``base_layer`` plus ``lora_A``/``lora_B`` module dicts), else empty."""
+    found = getattr(module, which, None)
+    if not isinstance(getattr(module, "base_layer", None), torch.nn.Module) or not isinstance(found, torch.nn.ModuleDict):
+        return {}
+    return dict(found.items())
 
 
 def _scatter_sequence(mesh: DeviceMesh, module: torch.nn.Module, args: Any, output: torch.Tensor) -> Any:
