@@ -236,13 +236,19 @@ class ReplicaTrainer:
     my_times: deque[float] = field(default_factory=lambda: deque(maxlen=5))
     """This replica's recent compute time per micro-batch."""
     losses: list[float] = field(default_factory=list)
+    """Loss of every committed step of the run (a joiner receives the earlier ones with the live state)."""
     step_times: list[float] = field(default_factory=list)
+    """Wall time (slowest participant) of every committed step."""
     shares_history: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    """``(step, shares)`` at the start and at every change of members or shares."""
     tokens: int = 0
+    """Tokens this replica processed."""
     compute_s: float = 0.0
+    """This replica's forward+backward time."""
     redone: int = 0
     """Steps redone after a failed commit."""
     last_quorum: Quorum | None = None
+    """The quorum of the last step attempted."""
     joiner: bool = False
     failed_at: float | None = None
     ready_at: float = 0.0
