@@ -42,7 +42,7 @@ def test_estimate_json_is_consistent(tmp_path: Path) -> None:
                                      "cross_group_sync"}
 
 
-KNOWN_REFUSED = {"sailor-mit-n2-d2", "sailor-mit-n4-d4", "sailor-mit-n6-d6"}
+KNOWN_REFUSED = {"sailor-mit-n2-d2"}
 """Measured runs the estimator says do not fit (open misses of issue 9, item 4; see data/validation/README.md)."""
 
 
