@@ -27,7 +27,8 @@ from typing import Any
 from starverse.runtime.callbacks import Callback
 
 KILL_STEP = 4
-STEPS = 16
+STEPS = 64
+"""Long enough after the loss for the replacement (started 2 s after it) to join on an idle machine too."""
 GLOBAL_BATCH = 12
 INTERVAL = 5
 WINDOW_S = 30.0
