@@ -137,10 +137,6 @@ def test_pipeline_refuses_in_stage_settings_it_cannot_run(tmp_path):
     with pytest.raises(ConfigError, match=r"zero_stage: 1 with pipeline stages shards over the replicas of one "
                                           r"group, but the plan has 2 groups"):
         _fit(tmp_path / "c", model, _plan_with(groups, zero_stage=1), two)
-    with pytest.raises(ConfigError, match=r"eval_fraction=0.1\): the held-out evaluation does not run through "
-                                          r"pipeline stages yet"):
-        _fit(tmp_path / "e", model, _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu")))]), ["cpu"] * 2,
-             trainer={"eval_fraction": 0.1})
     z3 = _plan_with([Group(replicas=2, stages=_stages((1, 3), ("cpu", "cpu")))], zero_stage=3)
     with pytest.raises(ConfigError, match=r"zero_stage: 3 gathers each block per micro-batch"):
         _fit(tmp_path / "d", model, z3, two, shares=[2, 6], trainer={"rebalance_every": 0})
