@@ -20,9 +20,11 @@ hold the same stage.
   replicas must run the same micro-batches (equal shares, no rebalancing). With TP the two form a 2-D mesh
   ``(dp, tp)`` per stage.
 - **Recompute** wraps each chunk's blocks (a user's block list is one block each).
+- **LoRA x TP.** A chunk's linears carrying peft adapters are split with them (``tensor._split_linear``: as
+  without pipelines), so only the adapters train and their gradients are summed like any parameter's.
 
 Refused with one line each (:func:`check_pipeline_parallel`): different ``tp`` per stage, sequence parallel with
-a ``seq_len`` the TP ranks do not divide, TP with LoRA / QLoRA, ZeRO over several groups (their pipelines may split differently, and a
+a ``seq_len`` the TP ranks do not divide, ZeRO over several groups (their pipelines may split differently, and a
 sharded gradient cannot be summed with a differently held one), ZeRO-3 with uneven or rebalanced shares.
 """
 
@@ -90,11 +92,6 @@ def check_pipeline_plan(plan: Plan, source: str = "plan", seq_len: int | None = 
             raise ConfigError(
                 f"{source}: train.sequence_parallel with pipeline stages splits the {seq}-token sequences "
                 f"between the stages' {cfg.tp} TP ranks. To fix: a seq_len that is a multiple of {cfg.tp}."
-            )
-        if t.mode != "full":
-            raise ConfigError(
-                f"{source}: tensor parallelism with train.mode: {t.mode} is not run (the adapters wrap the linears "
-                "TP splits). To fix: tp: 1 for LoRA / QLoRA."
             )
     if cfg.zero_stage > 0 and len(plan.groups) > 1:
         raise ConfigError(
