@@ -84,6 +84,24 @@ def test_zero_inside_pipeline_stages_equals_single_process(tmp_path, zero, offlo
     _assert_same(res, model, initial, ref_losses, ref_state)
 
 
+def test_zero1_over_two_groups_with_different_splits_equals_single_process(tmp_path):
+    """ZeRO-1 over several groups: group 0 (two replicas, 2:2 layers) shards each stage's optimizer state over its
+    two replicas; group 1 (one replica, 1:3 over another kind) holds it whole; every parameter's whole gradient is
+    summed over its holders in both groups (uneven shares and a rebalance allowed, as ZeRO-1 is per step)."""
+    model = _llama(4)
+    initial = _state(model)
+    ref_losses, ref_state = _reference(model)
+    plan = _plan_with([Group(replicas=2, stages=_stages((2, 2), ("cpu", "cpu"))),
+                       Group(stages=_stages((1, 3), ("cpu-b", "cpu-b")))], zero_stage=1)
+    res = _fit(tmp_path, model, plan, ["cpu"] * 4 + ["cpu-b"] * 2, shares=[2, 2, 4])
+    _assert_same(res, model, initial, ref_losses, ref_state)
+    # Adam's two moments of each parameter are held once in group 0 (sharded), by its holder in group 1
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    stages = res.pipeline.stages if res.pipeline is not None else []
+    by_group = [sum(s.state_bytes for s in stages if s.group == g) for g in (0, 1)]
+    assert by_group == [2 * 2 * whole + 2 * whole, 4 * whole], (by_group, whole)
+
+
 def _chat_file(tmp_path) -> Path:
     rows = [{"prompt": f"say {i} twice", "response": f"{i} {i} and {i * 7 % 13}"} for i in range(24)]
     path = tmp_path / "chat.jsonl"
@@ -139,9 +157,9 @@ def test_pipeline_refuses_in_stage_settings_it_cannot_run(tmp_path):
                                           r"between the stages' 2 TP ranks"):
         _fit(tmp_path / "b", model, sp, two, seq_len=15)
     groups = [Group(stages=_stages((1, 3), ("cpu", "cpu"))), Group(stages=_stages((3, 1), ("cpu", "cpu")))]
-    with pytest.raises(ConfigError, match=r"zero_stage: 1 with pipeline stages shards over the replicas of one "
-                                          r"group, but the plan has 2 groups"):
-        _fit(tmp_path / "c", model, _plan_with(groups, zero_stage=1), two)
+    with pytest.raises(ConfigError, match=r"zero_stage: 2 \(offload: none\) with pipeline stages and 2 groups is "
+                                          r"not run: FSDP2 reduce-scatters"):
+        _fit(tmp_path / "c", model, _plan_with(groups, zero_stage=2), two)
     z3 = _plan_with([Group(replicas=2, stages=_stages((1, 3), ("cpu", "cpu")))], zero_stage=3)
     with pytest.raises(ConfigError, match=r"zero_stage: 3 gathers each block per micro-batch"):
         _fit(tmp_path / "d", model, z3, two, shares=[2, 6], trainer={"rebalance_every": 0})
