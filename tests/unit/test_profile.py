@@ -120,7 +120,7 @@ def test_probe_model_errors(tmp_path: Path) -> None:
         probe_model(load_plan(plan), load_model(gpt2), "cpu")
     # a precision the probe cannot measure (tf32, fp8): one line naming the field
     tf32 = load_plan(plan).model_copy(update={"train": load_plan(plan).train.model_copy(update={"precision": "tf32"})})
-    with pytest.raises(ConfigError, match="probe: train.precision 'tf32' is not measured; probe with one of fp32"):
+    with pytest.raises(ConfigError, match=r"probe: train\.precision 'tf32' is not measured; probe with one of fp32"):
         probe_model(tf32, load_model(TINY), "cpu")
 
 
