@@ -20,6 +20,7 @@ from starverse.costmodel.constants import (
     has_flash_attention,
     host_collectives,
     intra_node_gb_per_s,
+    peak_tflops,
 )
 from starverse.costmodel.constants import usable_memory_gb as usable_memory
 from starverse.costmodel.pricing import cheapest_price_per_hour
@@ -233,7 +234,7 @@ class DeviceTable:
         usable = [None] * k if usable_memory_gb is None else list(usable_memory_gb)
         return cls(
             ids=tuple(a.id for a in accelerators),
-            peak_tflops=np.array([a.peak_tflops(precision) for a in accelerators], dtype=np.float64),
+            peak_tflops=np.array([peak_tflops(a, precision) for a in accelerators], dtype=np.float64),
             gemm_efficiency=np.array([gemm_efficiency(a, precision) for a in accelerators], dtype=np.float64),
             memory_gb=np.array([usable_memory(a) if u is None else u for a, u in zip(accelerators, usable, strict=True)],
                                dtype=np.float64),

@@ -202,7 +202,8 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # host-side launch time of the layer's kernels (forward, backward, recomputed forward), exposed where
     # the framework synchronises the device per micro-step; counted with the matmuls (a measured profile
     # below includes it)
-    host = C.HOST_OVERHEAD_PER_LAYER_S * (1.0 + rc_full / 3.0) if mn.sync_micro_steps else 0.0 * rc_full
+    host_issue = C.HOST_OVERHEAD_PER_LAYER_S * (1.0 + rc_full / 3.0)
+    host = host_issue if mn.sync_micro_steps else 0.0 * rc_full
     gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any) + host
     attn_elem = np.zeros_like(a)
     if eager.any():
@@ -242,6 +243,11 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus, 1.0, collective_latency_s(rows.host_collectives, True))
     latency = collective_latency_s(rows.host_collectives)
     tp_layer = ar * (4.0 + 2.0 * rc_full)
+
+    if not mn.sync_micro_steps:
+        # asynchronous launches: the device waits for the host where a layer's work is shorter than the
+        # time to issue its kernels (launch-bound small layers and micro-batches)
+        gemm_layer = gemm_layer + np.maximum(host_issue - (gemm_layer + elem_layer + tp_layer), 0.0)
 
     head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm)
     head_elem = tokens * (mn.vocab * C.CROSS_ENTROPY_BYTES_PER_LOGIT) / t / bw

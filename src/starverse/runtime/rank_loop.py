@@ -30,6 +30,7 @@ from starverse.errors import ConfigError, TrainingDivergedError
 from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback, CallbackList, TrainContext
 from starverse.runtime.data import DeterministicSampler, PackedDataset
+from starverse.runtime.eval_pipeline import PipelineScorer
 from starverse.runtime.export import FINAL_WEIGHTS
 from starverse.runtime.hetero_dp import GradientSync, HolderSync, Rebalancer, local
 from starverse.runtime.launch import RankEnv
@@ -267,6 +268,10 @@ class RankTrainer:
             max_steps=job.max_steps, shares=list(job.shares),
         )
         ctx.metrics.micro_batch = job.micro_batch
+        if pipeline is not None:  # no rank holds the whole model: held-out sequences go through the pipelines
+            place = layout.places[env.rank]
+            ctx.held_out_scorer = PipelineScorer(pipeline, place.replica, layout.num_replicas, job.micro_batch,
+                                                 pipeline.has_last and place.tp_rank == 0)
         callbacks = CallbackList(job.callbacks)
         _resume(ctx, callbacks, job.resume_from, device)
         callbacks.on_fit_start(ctx)
