@@ -50,6 +50,7 @@ from starverse.runtime.callbacks import Callback, TrainContext
 from starverse.runtime.cluster import (
     Cluster,
     estimate_or_none,
+    has_blocks,
     local_plan,
     order_ranks_like_plan,
 )
@@ -159,7 +160,8 @@ def replan_local(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence
 
 
 def replan_with_planner(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence[RankSpec], *,
-                        pipelines: bool = True, recovery: str = "restart", rebalance_every: int = 0) -> Cluster:
+                        pipelines: bool = True, recovery: str = "restart", rebalance_every: int = 0,
+                        blocks: bool = True) -> Cluster:
     """The default re-plan: :func:`starverse.planner.plan_for_devices` on the surviving devices, within what
     the runtime executes there (:func:`~starverse.runtime.cluster.executable_caps`: TP, ZeRO, recompute,
     offload, pipelines; the checkpoint loads across layouts), for the same model (the cluster's config, scaled
@@ -168,7 +170,8 @@ def replan_with_planner(cluster: Cluster, survivors: Sequence[RankSpec], lost: S
     when the planner fails (unknown model or device, a batch that does not split over the survivors...), logged
     with the planner's reason. ``pipelines=False``: one stage per group (the model cannot be cut into stages);
     ``recovery="in-place"``: plain data parallelism, so the next attempt can still recover in place;
-    ``rebalance_every``: the Trainer's (ZeRO-2/3 plans need 0: their ranks run in lockstep)."""
+    ``rebalance_every``: the Trainer's (ZeRO-2/3 plans need 0: their ranks run in lockstep); ``blocks=False``: the
+    model has no ``nn.ModuleList`` of blocks (ZeRO ≤ 1, no recompute)."""
     from starverse.runtime.cluster import executable_caps, plan_on_ranks
 
     ranks = tuple(RankSpec(i, r.device_kind, r.device, r.num_threads, r.env) for i, r in enumerate(survivors))
@@ -178,7 +181,7 @@ def replan_with_planner(cluster: Cluster, survivors: Sequence[RankSpec], lost: S
              "precision": old.train.precision, "mode": old.train.mode, "lora_rank": old.train.lora_rank}
     try:
         result = plan_on_ranks(model, old.model, ranks, cluster.policy, train,
-                               executable_caps(ranks, recovery, pipelines), catalog=cluster.catalog,
+                               executable_caps(ranks, recovery, pipelines, blocks), catalog=cluster.catalog,
                                rebalance_every=rebalance_every)
         best = result.best
     except StarverseError as e:
@@ -298,7 +301,8 @@ class Supervisor:
             options: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Trainer)} | self.trainer_options
             self.replan = functools.partial(replan_with_planner, pipelines=can_be_pipelined(first_model),
                                             recovery=str(options["recovery"]),
-                                            rebalance_every=int(options["rebalance_every"]))
+                                            rebalance_every=int(options["rebalance_every"]),
+                                            blocks=has_blocks(first_model))
         if resume is not None:
             self._check_model(first_model, resume)
         # signal handlers can only be set from the main thread; elsewhere (a service) stop with request_stop

@@ -176,12 +176,14 @@ def order_ranks_like_plan(plan: Plan, ranks: list[RankSpec]) -> tuple[RankSpec, 
     return tuple(out)
 
 
-def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipelines: bool = True) -> Any:
+def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipelines: bool = True,
+                    blocks: bool = True) -> Any:
     """What this runtime executes on ``ranks`` (a :class:`~starverse.planner.devices.RuntimeCaps`): everything
     (``EXECUTABLE``) but offload on CPU ranks (their memory is the host's: nothing to offload to) and ZeRO when
     the ranks are of several kinds (FSDP2 shards over one device kind). ``recovery="in-place"``: data-parallel
     replicas of one rank each, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is searched).
-    ``pipelines=False``: one stage per group (a model that cannot be cut)."""
+    ``pipelines=False``: one stage per group (a model that cannot be cut); ``blocks=False``: a model without an
+    ``nn.ModuleList`` of blocks, so no FSDP2 unit (ZeRO ≤ 1) and nothing to recompute."""
     import dataclasses
 
     from starverse.planner.devices import EXECUTABLE
@@ -195,7 +197,20 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
         caps = dataclasses.replace(caps, zero_stage=0, offload="none")
     if not pipelines:
         caps = dataclasses.replace(caps, max_pipeline_stages=1)
+    if not blocks:
+        caps = dataclasses.replace(caps, max_zero_stage=min(caps.max_zero_stage, 1), recompute="none")
     return caps
+
+
+def has_blocks(model: Any) -> bool:
+    """True when ``model`` has an ``nn.ModuleList`` of blocks (the unit of FSDP2 sharding and of recompute)."""
+    from starverse.runtime.parallel.blocks import decoder_blocks
+
+    try:
+        decoder_blocks(model)
+    except ConfigError:
+        return False
+    return True
 
 
 def check_runnable(plan: Plan, ranks: Sequence[RankSpec], model_config: dict[str, Any] | None = None,
