@@ -166,6 +166,30 @@ COLLECTIVE_LATENCY_S = 10e-6
 n-rank collective costs about 2*log2(n) of these (nccl-tests: an 8-byte all-reduce takes ~20-30 us on 8
 GPUs of one node and ~100 us over a few hundred nodes). Also the fixed cost of one pipeline send."""
 
+CPU_COLLECTIVE_LATENCY_S = 1.3e-4
+"""Per-call latency of a gloo collective between CPU ranks (processes of one host): MEASURED, median 8-byte
+all-reduce between 2 one-thread ranks, ``scripts/measure_cpu_collectives.py`` on the project's 2-core VM
+(0.13 ms, 13x NCCL's :data:`COLLECTIVE_LATENCY_S`). Used instead of it for ranks of the ``cpu`` stack."""
+
+CPU_DTENSOR_COLLECTIVE_S = 3.1e-3
+"""What one DTensor collective costs on CPU ranks as the runtime runs it (redistribution and dispatch + a gloo
+collective, each rank one thread): a tensor-parallel all-reduce of the split linears, an FSDP2 (ZeRO-3)
+all-gather or reduce-scatter. MEASURED by ``scripts/measure_cpu_collectives.py`` (TP 2 fwd+bwd of
+bench_parallel's model minus half the unsharded time, per all-reduce counted; 3.1 ms at load ~5 on the 2-core
+VM, 5.3 ms at load ~15: it grows with the machine's load). On CPU ranks these many small collectives per layer cost this per call, not bandwidth: it replaces the
+latency term of the TP and ZeRO-3 collectives of ``cpu`` rows."""
+
+PARAM_TENSORS_PER_LAYER = 9
+"""Parameter tensors of one decoder layer (4 attention projections, 3 gated-MLP linears, 2 norms): the
+runtime's ZeRO-1 (``ZeroRedundancyOptimizer``) broadcasts each updated tensor from its owner after the step,
+one collective per tensor; priced for ``cpu`` rows, where each costs :data:`CPU_COLLECTIVE_LATENCY_S`."""
+
+
+def host_collectives(acc: Any) -> bool:
+    """True for accelerators whose ranks are host processes talking over gloo (the ``cpu`` stack)."""
+    return getattr(acc, "stack", "cuda") == "cpu"
+
+
 GRADIENT_BUCKET_BYTES = 25e6
 """Gradients are reduced in buckets (PyTorch DDP bucket_cap_mb=25; Megatron ~40M elements): one collective
 latency per bucket."""

@@ -18,6 +18,7 @@ from starverse.costmodel.constants import (
     LINK_EFFICIENCY,
     gemm_efficiency,
     has_flash_attention,
+    host_collectives,
     intra_node_gb_per_s,
     peak_tflops,
 )
@@ -196,6 +197,8 @@ class DeviceTable:
     """Price per device-hour (NaN = unknown)."""
     flash_attention: BoolArray | None = None
     """Has a fused attention kernel (used by ``TrainShape.attention == "auto"``); None = all do."""
+    host_collectives: BoolArray | None = None
+    """Ranks are host processes over gloo (``constants.host_collectives``: the ``cpu`` stack); None = none are."""
     profiles: tuple[Any, ...] | None = None
     """Per row, a measured ``costmodel.profile.ModelProfile`` of the search's model on that device kind, or
     None (analytic); a pool offer's ``profile``. Where one has an entry at a candidate's micro-batch,
@@ -242,6 +245,7 @@ class DeviceTable:
             tdp_w=np.array([a.tdp_w for a in accelerators], dtype=np.float64),
             price_per_hour=np.array([np.nan if p is None else p for p in price], dtype=np.float64),
             flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
+            host_collectives=np.array([host_collectives(a) for a in accelerators], dtype=np.bool_),
             profiles=profs,
         )
 

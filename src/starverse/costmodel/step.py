@@ -270,6 +270,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         sequence_parallel=np.full((pp, k), tr.sequence_parallel),
         pipeline_devices=full(sum(s.tp for s in stages)),
         flash_attention=np.repeat(np.array([C.has_flash_attention(a) for a in accs])[:, None], k, axis=1),
+        host_collectives=np.repeat(np.array([C.host_collectives(a) for a in accs])[:, None], k, axis=1),
         measured_layer_s=layer_s,
         measured_layer_forward_s=layer_fwd_s,
         measured_head_s=head_s,
