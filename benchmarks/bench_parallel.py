@@ -38,7 +38,11 @@ Pipelines (the same model, 8 micro-batches of one sequence, ``Trainer.fit`` on C
 - ``hetero_pp_vs_even``: a 2-stage pipeline whose second rank is slowed 3x (``starverse.testing.SlowRank``):
   steady throughput with the planner's uneven split (``planner.hetero.split_layers`` over the stages' relative
   speeds 1 : 1/3, as a probe profile reports them) over throughput with an even split. Target ``>= 1.5``.
-  The two alternate (A B A B), each keeps its best run.
+  Measured in ``HETERO_BLOCKS`` blocks of four fits in the order uneven, even, even, uneven (ABBA: a load that
+  rises or falls steadily over a block weighs on both splits alike), ``HETERO_STEPS`` steps each; a fit's
+  throughput is tokens per step over its median step time (first step left out), a block's ratio is the mean
+  uneven throughput over the mean even one, and the figure is the median of the blocks' ratios
+  (``hetero_pp_block_ratios`` lists them: their spread is the noise of the shared machine).
 
     .venv/bin/python benchmarks/bench_parallel.py [--steps 4] [--only state|pipeline]
 """
@@ -251,10 +255,13 @@ def throughput_figures(results: list[dict[str, Any]], world: int) -> dict[str, A
 
 
 PP_MICRO_BATCH, PP_BUBBLE_MICRO_BATCH, PP_STEPS = 1, 4, 5
+HETERO_BLOCKS, HETERO_STEPS = 3, 8
+"""``hetero_pp_vs_even``: ABBA blocks, and steps per fit (see the module docstring)."""
 
 
 def _pp_fit(
-    work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list[Any], micro_batch: int = PP_MICRO_BATCH
+    work: Path, tag: str, stages: list[tuple[str, int]], callbacks: list[Any], micro_batch: int = PP_MICRO_BATCH,
+    steps: int = PP_STEPS,
 ) -> Any:
     """``Trainer.fit`` of one pipeline of ``stages`` ``(device kind, layers)``, one CPU rank per stage, 8
     micro-batches of ``micro_batch`` sequences."""
@@ -274,15 +281,35 @@ def _pp_fit(
                       timeout_s=900, progress=False)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, VOCAB, (SEQ * 8,), generator=g) for _ in range(32)]
-    return trainer.fit(build_model(MODEL), dataset=data, per_device_batch_size=micro_batch, max_steps=PP_STEPS,
+    return trainer.fit(build_model(MODEL), dataset=data, per_device_batch_size=micro_batch, max_steps=steps,
                        seq_len=SEQ, global_batch=gb, tokenizer="bytes")
+
+
+def hetero_pp_figures(work: Path, layers: int) -> dict[str, Any]:
+    """``hetero_pp_vs_even``: the planner's uneven split over an even one, rank 1 slowed 3x, in ABBA blocks (see
+    the module docstring)."""
+    import statistics
+
+    from starverse.planner.hetero import split_layers
+    from starverse.testing import SlowRank
+
+    splits = {"uneven": split_layers([1.0, 1.0 / 3.0], layers), "even": [layers // 2, layers - layers // 2]}
+    tokens_step = 8 * PP_MICRO_BATCH * SEQ
+    ratios = []
+    for block in range(HETERO_BLOCKS):
+        tps: dict[str, list[float]] = {tag: [] for tag in splits}
+        for i, tag in enumerate(("uneven", "even", "even", "uneven")):
+            split = splits[tag]
+            res = _pp_fit(work, f"{tag}-{block}-{i}", [("cpu", split[0]), ("cpu", split[1])], [SlowRank(1, 3.0)],
+                          steps=HETERO_STEPS)
+            tps[tag].append(tokens_step / statistics.median(res.step_times_s[1:]))
+        ratios.append(statistics.mean(tps["uneven"]) / statistics.mean(tps["even"]))
+    return {"hetero_pp_splits": splits, "hetero_pp_vs_even": round(statistics.median(ratios), 3),
+            "hetero_pp_block_ratios": [round(r, 3) for r in ratios]}
 
 
 def pipeline_figures() -> dict[str, Any]:
     """``pp_bubble_error`` and ``hetero_pp_vs_even`` (see the module docstring)."""
-    from starverse.planner.hetero import split_layers
-    from starverse.testing import SlowRank
-
     layers = int(MODEL["num_hidden_layers"])
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -299,15 +326,7 @@ def pipeline_figures() -> dict[str, Any]:
         out["pp_bubble_measured"] = round(rep.bubble, 4)
         out["pp_bubble_predicted"] = None if rep.predicted_bubble is None else round(rep.predicted_bubble, 4)
         out["pp_bubble_error"] = None if rep.predicted_bubble is None else round(rep.bubble - rep.predicted_bubble, 4)
-        splits = {"uneven": split_layers([1.0, 1.0 / 3.0], layers), "even": [layers // 2, layers - layers // 2]}
-        tps = dict.fromkeys(splits, 0.0)
-        for i in range(2):
-            for tag, split in splits.items():
-                res = _pp_fit(work, f"{tag}-{i}", [("cpu", split[0]), ("cpu", split[1])], [SlowRank(1, 3.0)])
-                times = res.step_times_s[1:] or res.step_times_s
-                tps[tag] = max(tps[tag], GLOBAL_BATCH * SEQ * len(times) / sum(times))
-        out["hetero_pp_splits"] = splits
-        out["hetero_pp_vs_even"] = round(tps["uneven"] / tps["even"], 3)
+        out.update(hetero_pp_figures(work, layers))
     return out
 
 

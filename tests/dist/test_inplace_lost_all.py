@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,23 +23,36 @@ from starverse.runtime.launch import RankSpec
 from starverse.runtime.trainer import _fill_lost
 
 
-def _die_then_replacement_finds_no_one(env) -> None:
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.01)
+
+
+def _die_then_replacement_finds_no_one(env, folder: str) -> None:
+    """Rank 1 dies; rank 0 dies once rank 1's replacement runs; that replacement returns None after that."""
+    marks = Path(folder)
     if env.extra.get(EXTRA_JOINER):
-        time.sleep(2.0)  # its first quorum: alone (rank 0 died meanwhile)
-        return None
-    time.sleep(0.2 if env.rank == 1 else 1.0)
+        if env.rank == 1:
+            (marks / "joiner1").touch()
+            _wait_for(marks / "rank0-gone")
+            time.sleep(0.5)
+        return None  # as train_replica's replacement that found no one to join
+    if env.rank == 0:
+        _wait_for(marks / "joiner1")
+        (marks / "rank0-gone").touch()
     os.kill(os.getpid(), signal.SIGKILL)
     return None
 
 
-def test_every_replica_lost_while_a_replacement_starts_is_a_lost_rank_error():
+def test_every_replica_lost_while_a_replacement_starts_is_a_lost_rank_error(tmp_path):
     launcher = InplaceLauncher(replace_after_s=0.0, warm_spares=False)
     ranks = [RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(2)]
     with pytest.raises(LostRankError) as err:
-        launcher.launch(_die_then_replacement_finds_no_one, ranks, timeout_s=60, collective_timeout_s=20)
+        launcher.launch(_die_then_replacement_finds_no_one, ranks, timeout_s=120, collective_timeout_s=20,
+                        args=(str(tmp_path),))
     assert err.value.rank == 0 and err.value.signal == signal.SIGKILL
     assert [loss.error.rank for loss in launcher.losses] == [1, 0]
-    assert [(j.rank, j.warm) for j in launcher.joins] == [(1, False), (0, False)]  # both replaced, cold
+    assert (launcher.joins[0].rank, launcher.joins[0].warm) == (1, False)
 
 
 def test_fill_lost_of_no_result_is_a_typed_error():

@@ -130,7 +130,7 @@ class TrainShape:
     seq_len: int
     """Tokens per sequence."""
     precision: str = "bf16"
-    """bf16 | fp16 | fp8 | fp32 (selects the accelerator peak and bytes per value)."""
+    """bf16 | fp16 | fp8 | fp32 | tf32 (selects the accelerator peak and bytes per value)."""
     mode: str = "full"
     """full | lora | qlora."""
     lora_rank: int = 16

@@ -43,6 +43,7 @@ from starverse.runtime.ft import (
     EXTRA_JOINER,
     EXTRA_LIGHTHOUSE,
     EXTRA_SPARE,
+    JOINED_KEY,
     SPARE_KEY,
     quiet_torchft,
 )
@@ -119,6 +120,8 @@ class InplaceLauncher:
     """Replicas lost in the last launch."""
     joins: list[Join] = field(default_factory=list, init=False)
     """Replacements started in the last launch."""
+    spares: list[str] = field(default_factory=list, init=False)
+    """Device kind of each warm spare process started in the last launch, in order."""
     on_loss: Callable[[Loss], None] | None = field(default=None, repr=False, compare=False)
     """Called (in the launcher's thread) when a replica is lost: the job layer ends its lease there."""
     on_join: Callable[[Join, RankSpec], None] | None = field(default=None, repr=False, compare=False)
@@ -153,7 +156,7 @@ class InplaceLauncher:
     ) -> list[Any]:
         """Run ``fn(rank_env, *args)`` per replica; results in rank order (None: lost for good)."""
         ranks = ordered_ranks(ranks)
-        self.losses, self.joins = [], []
+        self.losses, self.joins, self.spares = [], [], []
         # a healthy replica late to a step is waited for (as a collective would): only a silent one is dropped
         lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms,
                                 join_timeout_ms=int(collective_timeout_s * 1000))
@@ -197,6 +200,8 @@ class _Run:
     """An activated spare's slot -> the rank it became (its reports come under the slot)."""
     beat_slot: dict[int, int] = field(default_factory=dict)
     """Rank -> the heartbeat slot of the activated spare now running it."""
+    refill: dict[int, str] = field(default_factory=dict)
+    """Rank of an activated spare not yet joined -> its device kind (the next spare starts once it joined)."""
     live: dict[int, Any] = field(default_factory=dict)
     values: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, RankError] = field(default_factory=dict)
@@ -237,6 +242,7 @@ class _Run:
         like = next(r for r in self.ranks if r.device_kind == kind)
         p = self.spawn(replace(like, rank=slot), {EXTRA_JOINER: True, EXTRA_SPARE: True}, f"starverse-spare{slot}")
         self.spares[kind] = (slot, p)
+        self.launcher.spares.append(kind)
 
     def replace_rank(self, spec: RankSpec) -> bool:
         """Start the replacement of ``spec``: activate the warm spare of its kind (then start the next spare);
@@ -245,11 +251,22 @@ class _Run:
         if p is None or p.exitcode is not None:
             self.start(spec, joiner=True)
             return False
+        self.store.delete_key(f"{JOINED_KEY}{spec.rank}")
         self.store.set(f"{SPARE_KEY}{slot}", str(spec.rank))
         self.slot_rank[slot], self.beat_slot[spec.rank] = spec.rank, slot
         self.live[spec.rank] = p
-        self.start_spare(spec.device_kind)
+        self.refill[spec.rank] = spec.device_kind
         return True
+
+    def refill_spares(self, lost: set[int]) -> None:
+        """Start the next spare of a kind once its activated spare joined (or was lost before it did)."""
+        if self.finished:  # the survivors finished: no more spares
+            self.refill.clear()
+        for rank, kind in list(self.refill.items()):
+            if rank in lost or self.store.check([f"{JOINED_KEY}{rank}"]):
+                del self.refill[rank]
+                with _main_reimport_guard():
+                    self.start_spare(kind)
 
     def drain(self, wait_s: float) -> None:
         """Read what the replicas reported (waiting up to ``wait_s`` for the first message)."""
@@ -270,6 +287,11 @@ class _Run:
         except queue.Empty:
             return
 
+    @property
+    def finished(self) -> bool:
+        """A replica returned its result (a replacement that found no one to join returns None: not counted)."""
+        return any(v is not None for v in self.values.values())
+
     def finish_joiners(self, now: float) -> None:
         """Once a replica finished, the others finish the same step within moments; a process still running
         well after that is a replacement that never joined: it is stopped (its result is None)."""
@@ -280,6 +302,34 @@ class _Run:
                 log.warning("in-place: rank %d did not finish with the others; stopping it", rank)
                 p.kill()
                 self.live.pop(rank)
+
+    def absorb_losses(self, now: float) -> set[int]:
+        """Record the replicas lost since the last look (the job goes on); their ranks."""
+        launcher, gone = self.launcher, set[int]()
+        for rank, p in list(self.live.items()):
+            last = self.beats[self.beat_slot.get(rank, rank)]
+            lost: LostRankError | None = None
+            if p.exitcode is not None:
+                self.drain(0.2)  # its result may still be on the way
+                if rank in self.values or rank in self.errors:
+                    continue
+                lost = lost_process(self.ranks[rank], p.exitcode)
+            elif p.exitcode is None and last > 0 and now - last > launcher.heartbeat_timeout_s:
+                p.kill()
+                lost = lost_heartbeat(self.ranks[rank], now - last)
+            if lost is None:
+                continue
+            self.live.pop(rank)
+            gone.add(rank)
+            loss = Loss(lost, time.time())
+            launcher.losses.append(loss)
+            log.warning("in-place: rank %d (%s) lost (%s%s); the other replicas go on", rank, lost.device_kind,
+                        lost.cause.value, f", signal {lost.signal}" if lost.signal is not None else "")
+            if launcher.on_loss is not None:
+                launcher.on_loss(loss)
+            if launcher.replace_after_s is not None:
+                self.pending.append((now + launcher.replace_after_s, self.ranks[rank]))
+        return gone
 
     def watch(self, timeout_s: float) -> None:
         """Until every live replica reported (and no replacement is pending), absorbing losses."""
@@ -293,33 +343,12 @@ class _Run:
                 time.sleep(0.5)  # let a root cause report too
                 user = user_error(self.errors)
                 raise user if user is not None else code_error(self.ranks, self.errors)
-            for rank, p in list(self.live.items()):
-                last = self.beats[self.beat_slot.get(rank, rank)]
-                lost: LostRankError | None = None
-                if p.exitcode is not None:
-                    self.drain(0.2)  # its result may still be on the way
-                    if rank in self.values or rank in self.errors:
-                        continue
-                    lost = lost_process(self.ranks[rank], p.exitcode)
-                elif p.exitcode is None and last > 0 and now - last > launcher.heartbeat_timeout_s:
-                    p.kill()
-                    lost = lost_heartbeat(self.ranks[rank], now - last)
-                if lost is None:
-                    continue
-                self.live.pop(rank)
-                loss = Loss(lost, time.time())
-                launcher.losses.append(loss)
-                log.warning("in-place: rank %d (%s) lost (%s%s); the other replicas go on", rank, lost.device_kind,
-                            lost.cause.value, f", signal {lost.signal}" if lost.signal is not None else "")
-                if launcher.on_loss is not None:
-                    launcher.on_loss(loss)
-                if launcher.replace_after_s is not None:
-                    self.pending.append((now + launcher.replace_after_s, self.ranks[rank]))
-            if not self.live and all(v is None for v in self.values.values()):
+            self.refill_spares(self.absorb_losses(now))
+            if not self.live and not self.finished:
                 # every replica lost (a replacement that found no one returns None): nobody holds the live state
                 self.failed = True
                 raise launcher.losses[-1].error
-            if self.values:
+            if self.finished:
                 self.pending.clear()  # the survivors finished: no one to join
                 self.finish_joiners(now)
             for due, spec in list(self.pending):

@@ -81,6 +81,9 @@ EXTRA_SPARE = "spare"
 the quorum) on the launcher's store for the rank it replaces (:func:`wait_for_activation`)."""
 SPARE_KEY = "activate/"
 """Store key prefix the launcher sets to activate a spare: ``activate/<slot>`` = the rank it becomes."""
+JOINED_KEY = "joined/"
+"""Store key a replacement sets once it committed its first step (``joined/<rank>``): the launcher starts the
+next warm spare then, not while the replacement is joining (its start-up would slow the join on a busy host)."""
 
 
 def quiet_torchft() -> None:
@@ -460,9 +463,14 @@ class ReplicaTrainer:
         if not self.shares_history:
             self.shares_history = [(self.ctx.step, tuple(self.ctx.shares))]
         t_loop = time.perf_counter()
+        announce = self.joiner
         while self.ctx.step < self.job.max_steps:
             try:
-                if self.try_step(sync) and self.ctx.stop_reason is not None:
+                committed = self.try_step(sync)
+                if committed and announce:
+                    announce = False
+                    announce_joined(self.env)
+                if committed and self.ctx.stop_reason is not None:
                     break
             except _NothingToJoin:
                 log.warning("replica %d: started as a replacement but no other replica is left; leaving",
@@ -505,6 +513,19 @@ def start_barrier(env: RankEnv) -> None:
         time.sleep(0.02)
 
 
+def _launcher_store(env: RankEnv) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(LOOPBACK, int(env.extra[EXTRA_BARRIER_PORT]), is_master=False,
+                         timeout=timedelta(seconds=env.collective_timeout_s))
+
+
+def announce_joined(env: RankEnv) -> None:
+    """A replacement tells the launcher it trained its first step (``joined/<rank>``)."""
+    if env.extra.get(EXTRA_BARRIER_PORT) is not None:
+        _launcher_store(env).set(f"{JOINED_KEY}{env.rank}", "1")
+
+
 def load_model(job: FitJob) -> torch.nn.Module:
     """The job's initial model, on the CPU."""
     model: torch.nn.Module = torch.load(job.model_path, map_location="cpu", weights_only=False)
@@ -520,13 +541,11 @@ def wait_for_activation(env: RankEnv, job: FitJob, poll_s: float = 0.005) -> tup
     holds no Manager and no device work until activated, then joins like any replacement (healed at a step
     boundary from a peer), so its lease starts at activation."""
     quiet_torchft()
-    import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo  # noqa: F401  (imported now: part of the start-up paid early)
     from torchft.checkpointing.pg_transport import PGTransport  # noqa: F401
 
     model = load_model(job)
-    store = dist.TCPStore(LOOPBACK, int(env.extra[EXTRA_BARRIER_PORT]), is_master=False,
-                          timeout=timedelta(seconds=env.collective_timeout_s))
+    store = _launcher_store(env)
     key = f"{SPARE_KEY}{env.rank}"
     while not store.check([key]):
         time.sleep(poll_s)
