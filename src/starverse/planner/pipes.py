@@ -24,6 +24,7 @@ charges the written plan (a test holds them equal).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from dataclasses import dataclass, replace
@@ -48,7 +49,7 @@ IntArray = npt.NDArray[np.int64]
 MAX_LEAVES = 3_000
 """Exact leaf evaluations (block orders) per search; when reached, the search stops with the bound gap
 reported and ``SearchStats.pipelines_proven`` False."""
-MAX_NODES = 100_000
+MAX_NODES = 3_000
 """Branch-and-bound children bounded per search; reaching it stops the search as ``MAX_LEAVES`` does."""
 
 
@@ -119,6 +120,8 @@ class _Kinds:
     """A stage's point-to-point time at its least (two stages, so as likely as it gets inside one node)."""
     opt: FloatArray
     """Optimizer step of a one-layer middle stage (the least any stage of the kind takes)."""
+    opt_layer: FloatArray
+    """Optimizer step per layer at least (``O(L) ≥ L · opt_layer``; ``O`` is affine in ``L``)."""
 
 
 def _kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: list[list[int]], total: int,
@@ -135,7 +138,8 @@ def _kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: list[l
     tp = np.array([t for ts in tps for t in ts], dtype=np.int64)
     if offer.size == 0:
         z = np.zeros(0, dtype=np.int64)
-        return _Kinds(z, z, np.zeros(0), np.zeros((0, 1), dtype=np.int64), z, np.zeros(0), np.zeros(0))
+        return _Kinds(z, z, np.zeros(0), np.zeros((0, 1), dtype=np.int64), z, np.zeros(0), np.zeros(0),
+                      np.zeros(0))
     m = ctx.batch // (r * mb)
     sp = bool((tp > 1).any())
     n = offer.size
@@ -166,8 +170,10 @@ def _kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: list[l
     kmax = np.minimum(np.minimum(cnt // (r * tp), min(total, max_stages)), longest)
     ok = (kmax >= 1) & np.isfinite(a) & (a > 0)
     p2p = c["p2p"][:n]
-    opt = c["optimizer_s"][:n]
-    return _Kinds(offer[ok], tp[ok], a[ok], per[ok], kmax[ok], p2p[ok], opt[ok])
+    o4 = c["optimizer_s"].reshape(4, n)
+    opt = o4[0]
+    opt_layer = np.minimum(o4[0], o4[2] / lmax)
+    return _Kinds(offer[ok], tp[ok], a[ok], per[ok], kmax[ok], p2p[ok], opt[ok], opt_layer[ok])
 
 
 def _reach(kinds: _Kinds) -> FloatArray:
@@ -434,30 +440,27 @@ class _Search:
         per_unit = np.where(np.isnan(per_unit), np.inf, per_unit)
         per_unit = np.where((ks[None, :] <= kinds.kmax[:, None])[:, :, None], per_unit, 0.0)
         ratio_tab = per_unit.max(axis=1)  # (kinds, levels)
+        # max_i O_i ≥ L / Σ_i (1 / o_i) (O_i ≥ o_i L_i): the stages' inverse optimizer rates, at most
+        with np.errstate(divide="ignore"):
+            inv_o = np.where(kinds.opt_layer > 0, 1.0 / kinds.opt_layer, np.inf)
+        inv_open = {o: float((kinds.kmax * inv_o)[kinds_of[o]].max()) for o in offers}
 
         # a chosen block: (offer, tp, stages, per-layer time, kind index, p2p, optimizer step)
-        def walk(level: int, chosen: list[tuple[int, int, int, float, int, float, float]], bound: float) -> None:
-            accs = {self.accs[c[0]] for c in chosen}
-            if level == len(offers):
-                if len(accs) >= 2:
-                    self.leaf(r, mb, setting, [(o, t, k) for o, t, k, *_ in chosen], bound)
-                return
+        Chosen = list[tuple[int, int, int, float, int, float, float]]
+
+        def bounds(level: int, chosen: Chosen, kj: IntArray, klo: IntArray, khi: IntArray) -> FloatArray:
+            """Bounds of the children ``kind kj[i]`` with ``klo[i]..khi[i]`` stages (``klo = 0``: the offer
+            left out): fewest stages for the price, power and sends, most stages for the layers held."""
             o = offers[level]
             open_ = offers[level + 1:]
             used = sum(c[2] for c in chosen)
-            # children: leave the offer out, or one of its (tp, k) blocks
-            kid_t, kid_k, kid_a, kid_j = [0], [0], [np.inf], [0]
-            if self.accs[o] not in accs:
-                for j in kinds_of[o]:
-                    for k in range(1, min(int(kinds.kmax[j]), max_stages - used) + 1):
-                        kid_t.append(int(kinds.tp[j]))
-                        kid_k.append(k)
-                        kid_a.append(float(kinds.a[j]))
-                        kid_j.append(int(j))
-            kt, kk = np.array(kid_t), np.array(kid_k, dtype=np.float64)
-            ka, kj = np.array(kid_a), np.array(kid_j)
-            kp, ko = kinds.p2p[kid_j], kinds.opt[kid_j]
-            nk = kt.size
+            nk = kj.size
+            on = klo > 0
+            kk, kmost = klo.astype(np.float64), khi.astype(np.float64)
+            jj = np.where(on, kj, 0)
+            kt = np.where(on, kinds.tp[jj], 0)
+            ka = np.where(on, kinds.a[jj], np.inf)
+            kp, ko = np.where(on, kinds.p2p[jj], 0.0), np.where(on, kinds.opt[jj], 0.0)
             # columns: the chosen blocks, the child's block, the open offers' envelopes
             ch_k = np.array([float(c[2]) for c in chosen])
             ch_a = np.array([c[3] for c in chosen])
@@ -468,8 +471,8 @@ class _Search:
                 return np.hstack([np.tile(fixed, (nk, 1)), np.asarray(child, dtype=np.float64)[:, None],
                                   np.tile(rest, (nk, 1))])
 
-            child_a = np.where(kk > 0, ka, 1.0)
-            kid_tab = np.where((kk > 0)[:, None], tab[kj, kk.astype(np.int64), :], zero[None, :])
+            child_a = np.where(on, ka, 1.0)
+            kid_tab = np.where(on[:, None], tab[jj, khi, :], zero[None, :])
             fixed_tab = np.stack([tab[c[4], c[2], :] for c in chosen] + [open_tab[q] for q in open_]) \
                 if chosen or open_ else np.zeros((0, self.total + 1))
             nch = len(chosen)
@@ -482,38 +485,74 @@ class _Search:
             mand = cols(ch_k, kk, np.zeros(len(open_)))
             tau = pipebound.tau_lb(cap, self.total)
             a_chosen = max([c[3] for c in chosen], default=0.0)
-            tau = np.maximum(tau, np.where(kk > 0, np.maximum(a_chosen, ka), a_chosen))
+            tau = np.maximum(tau, np.where(on, np.maximum(a_chosen, ka), a_chosen))
             taus, steps = pipebound.core_grid(m - 1.0, tau, cost, cap, mand, self.total)
             core = steps.min(axis=1)
             price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
             power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
-            price = price0 + np.where(kk > 0, r * kt * kk * self.price[o], 0.0)
-            power = power0 + np.where(kk > 0, r * kt * kk * self.power[o], 0.0)
-            p2p = np.maximum(max([c[5] for c in chosen], default=0.0), np.where(kk > 0, kp, 0.0))
-            opt = np.maximum(max([c[6] for c in chosen], default=0.0), np.where(kk > 0, ko, 0.0))
-            rate_c = sum(c[2] / c[3] for c in chosen) + np.where(kk > 0, kk / child_a, 0.0)
+            price = price0 + np.where(on, r * kt * kk * self.price[o], 0.0)
+            power = power0 + np.where(on, r * kt * kk * self.power[o], 0.0)
+            p2p = np.maximum(max([c[5] for c in chosen], default=0.0), kp)
+            opt = np.maximum(max([c[6] for c in chosen], default=0.0), ko)
+            inv = (sum(c[2] * float(inv_o[c[4]]) for c in chosen) + np.where(on, kmost * inv_o[jj], 0.0)
+                   + sum(inv_open[q] for q in open_))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                opt = np.maximum(opt, np.where(np.isfinite(inv) & (inv > 0), self.total / inv, 0.0))
+            rate_c = sum(c[2] / c[3] for c in chosen) + np.where(on, kmost / child_a, 0.0)
             r_open = float(sum(rate[q] for q in open_))
             e_open = max([eff[q] for q in open_], default=0.0)
             fixed = self.total * a_least + opt + 2.0 * (m + np.maximum(used + kk, 2.0) - 1.0) * np.maximum(
                 mb * self.hop_s_per_sequence, p2p)
-            per_price = pipebound.per_price_ub(m, self.total, k_rate * self.total, rate_c, price, fixed, r_open, e_open)
+            per_price = pipebound.per_price_ub(m, self.total, k_rate * self.total, rate_c, price, fixed, r_open,
+                                               e_open)
             if money:
                 per_price = np.minimum(per_price, self._per_price_tables(
                     m, mb, taus, steps, cap, len(chosen) + 1, used + kk, p2p, opt, price,
                     np.concatenate([kinds_of[q] for q in open_]) if open_ else np.zeros(0, dtype=np.int64),
                     kinds.a, ratio_tab))
-            b = self.bound(m, mb, core, used + kk, p2p, opt, price, power, per_price)
             self.stats.pipeline_nodes += nk
             self.nodes += nk
-            for i in np.argsort(-b, kind="stable"):
-                if b[i] <= self.best_value:
+            return self.bound(m, mb, core, used + kk, p2p, opt, price, power, per_price)
+
+        def walk(level: int, chosen: Chosen, bound: float) -> None:
+            accs = {self.accs[c[0]] for c in chosen}
+            if level == len(offers):
+                if len(accs) >= 2:
+                    self.leaf(r, mb, setting, [(o, t, k) for o, t, k, *_ in chosen], bound)
+                return
+            o = offers[level]
+            used = sum(c[2] for c in chosen)
+            # children: leave the offer out, or one of its blocks; a block's stage count is first a range
+            # (1..most), split in halves while its bound beats the best plan known
+            kids = [(-1, 0, 0)]
+            if self.accs[o] not in accs:
+                kids += [(int(j), 1, min(int(kinds.kmax[j]), max_stages - used)) for j in kinds_of[o]]
+                kids = [k for k in kids if k[2] >= k[1]]
+            heap: list[tuple[float, int, tuple[int, int, int]]] = []
+            seq = itertools.count()
+
+            def push(batch: list[tuple[int, int, int]]) -> None:
+                arr = np.array(batch, dtype=np.int64).reshape(-1, 3)
+                # a child's bound never exceeds its parent's (both are valid for all it leads to)
+                got = np.minimum(bounds(level, chosen, arr[:, 0], arr[:, 1], arr[:, 2]), bound)
+                for kid, bv in zip(batch, got, strict=True):
+                    heapq.heappush(heap, (-float(bv), next(seq), kid))
+
+            push(kids)
+            while heap:
+                nb, _, (j, lo, hi) = heapq.heappop(heap)
+                if -nb <= self.best_value:
                     break
                 if self.full():
-                    self.gap_bound = max(self.gap_bound, float(b[i]))
+                    self.gap_bound = max(self.gap_bound, -nb)
                     return
-                nxt = chosen if kk[i] == 0 else [*chosen, (o, int(kt[i]), int(kk[i]), float(ka[i]), int(kj[i]),
-                                                           float(kp[i]), float(ko[i]))]
-                walk(level + 1, nxt, float(b[i]))
+                if hi > lo:
+                    mid = (lo + hi) // 2
+                    push([(j, lo, mid), (j, mid + 1, hi)])
+                    continue
+                nxt = chosen if lo == 0 else [*chosen, (o, int(kinds.tp[j]), lo, float(kinds.a[j]), j,
+                                                        float(kinds.p2p[j]), float(kinds.opt[j]))]
+                walk(level + 1, nxt, -nb)
 
         walk(0, [], math.inf)
 
