@@ -87,8 +87,11 @@ def _rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, first: 
 
     cand = Candidates.make(accelerator=offer, tp=tp.astype(np.int64), pp=int(pp), replicas=r, micro_batch=mb,
                            num_micro_batches=m)
+    measured: dict[str, Any] = dict(measured_times(d, cand, ctx.train))
+    if d.host_collectives is not None:  # CPU ranks: gloo collectives pay a per-call latency (costmodel.comm)
+        measured["host_collectives"] = d.host_collectives[offer]
     return StageRows(
-        **measured_times(d, cand, ctx.train),
+        **measured,
         peak_tflops=d.peak_tflops[offer], gemm_efficiency=d.gemm_efficiency[offer], memory_gb=d.memory_gb[offer],
         memory_bw_gb_per_s=d.memory_bw_gb_per_s[offer], intra_node_gb_per_s=d.intra_node_gb_per_s[offer],
         devices_per_node=d.devices_per_node[offer].astype(np.float64), inter_node_gbps=d.inter_node_gbps[offer],

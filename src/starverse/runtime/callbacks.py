@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from starverse.plan import Plan
+    from starverse.runtime.data import PackedDataset
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +143,10 @@ class TrainContext:
     takeover: bool = False
     """True on an in-place replica that takes over the job's callbacks from a lost leader (``runtime/ft.py``):
     the run goes on, it is not a restart (billing adopts the open leases)."""
+    held_out_scorer: Callable[[PackedDataset], torch.Tensor] | None = None
+    """How this rank scores held-out sequences where ``model`` cannot (pipeline stages: the trainer sets
+    ``eval_pipeline.PipelineScorer``): ``[loss sum, labelled tokens]`` of its part, summed over all ranks by the
+    evaluation. None: ``model`` scores a round-robin slice of the sequences."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free space for the user's own callbacks (Starverse's callbacks use the typed fields above)."""
 

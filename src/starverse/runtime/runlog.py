@@ -58,6 +58,19 @@ class EvalCallback(Callback):
         import torch.distributed as dist
 
         assert self.data is not None
+        total = ctx.held_out_scorer(self.data) if ctx.held_out_scorer is not None else self._score_slice(ctx)
+        if ctx.world_size > 1:
+            dist.all_reduce(total, group=ctx.group)
+        loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
+        out = {"step": ctx.step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+               "tokens": int(total[1]), "sequences": len(self.data)}
+        ctx.extra["eval"] = out
+        self.last = out
+        return out
+
+    def _score_slice(self, ctx: TrainContext) -> torch.Tensor:
+        """``[loss sum, labelled tokens]`` of this rank's round-robin slice, scored by ``ctx.model``."""
+        assert self.data is not None
         model = ctx.model
         was_training = model.training
         model.eval()
@@ -74,14 +87,7 @@ class EvalCallback(Callback):
                     s = batch_loss(model, x, labels=y, num_targets=1)
                 total += torch.tensor([float(s), float((y[:, 1:] != IGNORE_INDEX).sum())], dtype=torch.float64)
         model.train(was_training)
-        if ctx.world_size > 1:
-            dist.all_reduce(total, group=ctx.group)
-        loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
-        out = {"step": ctx.step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
-               "tokens": int(total[1]), "sequences": len(self.data)}
-        ctx.extra["eval"] = out
-        self.last = out
-        return out
+        return total
 
     def on_step_end(self, ctx: TrainContext) -> None:
         """Evaluate every ``every`` steps (not at the last step: ``on_fit_end`` does)."""

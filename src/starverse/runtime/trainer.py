@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from starverse.errors import ConfigError
+from starverse.errors import ConfigError, DistributedError
 from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback
 from starverse.runtime.data import (
@@ -252,7 +252,7 @@ class Trainer:
         check_ranks(plan, ranks, "the cluster's plan")
         check_model(plan, model, "the cluster's plan")
         layout = PipelineLayout.from_plan(plan)
-        _check_runs(plan, layout, loss_fn, self.eval_fraction)
+        _check_runs(plan, layout, loss_fn)
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
                 f"the model ({type(model).__name__}) has no trainable parameters. To fix: pass a model with "
@@ -370,6 +370,8 @@ def inplace_supported(plan: Plan) -> bool:
 def _fill_lost(results: list[Any]) -> list[RankResult]:
     """An in-place run's results with each rank lost for good (``None``) reported as having trained nothing."""
     done = [r for r in results if r is not None]
+    if not done:  # every replica lost (a launcher that does not raise it itself): the supervisor restarts
+        raise DistributedError("every replica of the in-place run was lost; nothing holds the live state")
     return [r if r is not None else dataclasses.replace(done[0], tokens=0, compute_s=0.0, share=0) for r in results]
 
 
@@ -392,13 +394,8 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
     return emb[0].num_embeddings if emb else None
 
 
-def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None, eval_fraction: float = 0.0) -> None:
+def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> None:
     """What this runtime does not run yet, refused rather than silently run as something else."""
-    if layout.is_pipelined and eval_fraction:
-        raise ConfigError(
-            f"Trainer(eval_fraction={eval_fraction}): the held-out evaluation does not run through pipeline stages "
-            "yet. To fix: eval_fraction=0 for a pipelined plan, or one stage per group."
-        )
     # tensor parallelism: checked by parallel.parallelize.check_parallel_plan (with the shares)
     if layout.is_pipelined and loss_fn is not None:
         raise ConfigError(

@@ -34,6 +34,12 @@ from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 from starverse.runtime.parallel.pipeline_split import Chunk, cut
 from starverse.runtime.steps import masked_cross_entropy, shifted_cross_entropy
 
+
+def _summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A held-out micro-batch's next-token loss summed over its labelled tokens (the evaluation's loss)."""
+    return masked_cross_entropy(logits, labels, 1)
+
+
 _SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
 
@@ -182,6 +188,7 @@ class PipelineRunner:
     _schedule: Any = None
     _n_micro: int = 0
     _num_targets: int | None = None
+    _eval_schedules: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -227,20 +234,51 @@ class PipelineRunner:
             return masked_cross_entropy(logits, target, self._num_targets)
         return shifted_cross_entropy(logits, target) * self.loss_scale
 
-    def _make_schedule(self, n_micro: int) -> Any:
+    def _make_schedule(self, n_micro: int, evaluation: bool = False) -> Any:
+        """The step's schedule over new stages of this rank's chunks; ``evaluation``: for forward-only steps
+        (untimed stages, the loss summed over the labelled tokens: see :meth:`evaluate`)."""
         why = micro_batch_count_error(self.schedule_name, self.num_stages, n_micro)
         if why is not None:
             raise ConfigError(f"train.schedule: {why}. To fix: raise the global batch or lower the micro-batch size.")
         group_rank = dist.get_rank(self.group)
+        num = self.num_stages * len(self.chunks)
         stages = [
-            _TimedStage(ch, group_rank + i * self.num_stages, self.num_stages * len(self.chunks), self.comm_device,
+            PipelineStage(ch, group_rank + i * self.num_stages, num, self.comm_device, group=self.group)
+            if evaluation else
+            _TimedStage(ch, group_rank + i * self.num_stages, num, self.comm_device,
                         group=self.group, times=lambda: self.times, on_compute=lambda dt: self.on_compute(dt))
             for i, ch in enumerate(self.chunks)
         ]
         cls = _SCHEDULES[self.schedule_name]
+        loss = _summed_loss if evaluation else self._loss
         if self.schedule_name == "interleaved":
-            return cls(stages, n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
-        return cls(stages[0], n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
+            return cls(stages, n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
+        return cls(stages[0], n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
+
+    def evaluate(self, tokens: torch.Tensor, labels: torch.Tensor, n_micro: int) -> float:
+        """Forward only (``schedule.eval``, no gradients, modules in eval mode) of ``tokens`` [n_micro ×
+        micro_batch, seq] as ``n_micro`` micro-batches; returns the summed next-token loss over the labelled
+        tokens of ``labels`` (-100: none) on the last stage, 0.0 elsewhere.
+
+        The forward-only schedule has its own stages over the same chunks (built once per micro-batch count),
+        so the training schedule's state and timings are untouched."""
+        schedule = self._eval_schedules.get(n_micro)
+        if schedule is None:
+            schedule = self._eval_schedules[n_micro] = self._make_schedule(n_micro, evaluation=True)
+        last = self.has_last
+        losses: list[torch.Tensor] = []
+        x = tokens.to(self.comm_device)
+        modes = [ch.training for ch in self.chunks]
+        for ch in self.chunks:
+            ch.train(False)
+        try:
+            with torch.no_grad():
+                schedule.eval(*((x,) if self.has_first else ()), target=labels.to(self.comm_device) if last else None,
+                              losses=losses if last else None)
+        finally:
+            for ch, mode in zip(self.chunks, modes, strict=True):
+                ch.train(mode)
+        return float(sum(loss.double().cpu() for loss in losses)) if last else 0.0
 
     def step(
         self, tokens: torch.Tensor, n_micro: int, labels: torch.Tensor | None = None, num_targets: int | None = None

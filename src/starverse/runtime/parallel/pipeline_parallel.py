@@ -13,17 +13,21 @@ hold the same stage.
   torchtitan) each sends its sequence shard and the peer resumes from that shard. The last stage's head gathers
   the logits: each TP rank of the last stage computes the same loss (counted once).
 - **ZeRO x PP.** The ranks holding the same stage and TP index in the group's replicas form the ``dp``
-  dimension; ``fully_shard`` shards each block and the chunk (the root: embedding, final norm, head) over it.
+  dimension (one per group: with several groups, ZeRO-1 shards each stage's optimizer state inside its group,
+  and the whole gradients are summed over every rank holding a parameter, in all groups, as without ZeRO); ``fully_shard`` shards each block and the chunk (the root: embedding, final norm, head) over it.
   ``torch.distributed.pipelining`` runs an FSDP chunk's backwards without gradient sync and reduce-scatters once
   after the last micro-batch (``perform_reduce_grad``), so ZeRO-1 and ZeRO-2 move one all-gather and one
   reduce-scatter per step and keep uneven shares; ZeRO-3 gathers each block per micro-batch forward, so the
   replicas must run the same micro-batches (equal shares, no rebalancing). With TP the two form a 2-D mesh
   ``(dp, tp)`` per stage.
 - **Recompute** wraps each chunk's blocks (a user's block list is one block each).
+- **LoRA x TP.** A chunk's linears carrying peft adapters are split with them (``tensor._split_linear``: as
+  without pipelines), so only the adapters train and their gradients are summed like any parameter's.
 
 Refused with one line each (:func:`check_pipeline_parallel`): different ``tp`` per stage, sequence parallel with
-a ``seq_len`` the TP ranks do not divide, TP with LoRA / QLoRA, ZeRO over several groups (their pipelines may split differently, and a
-sharded gradient cannot be summed with a differently held one), ZeRO-3 with uneven or rebalanced shares.
+a ``seq_len`` the TP ranks do not divide, ZeRO-2/3 or offload over several groups (their pipelines may split
+differently, and FSDP2's sharded gradient cannot be summed with a differently cut one), ZeRO-3 with uneven or
+rebalanced shares.
 """
 
 from __future__ import annotations
@@ -91,15 +95,13 @@ def check_pipeline_plan(plan: Plan, source: str = "plan", seq_len: int | None = 
                 f"{source}: train.sequence_parallel with pipeline stages splits the {seq}-token sequences "
                 f"between the stages' {cfg.tp} TP ranks. To fix: a seq_len that is a multiple of {cfg.tp}."
             )
-        if t.mode != "full":
-            raise ConfigError(
-                f"{source}: tensor parallelism with train.mode: {t.mode} is not run (the adapters wrap the linears "
-                "TP splits). To fix: tp: 1 for LoRA / QLoRA."
-            )
-    if cfg.zero_stage > 0 and len(plan.groups) > 1:
+    if len(plan.groups) > 1 and (cfg.zero_stage > 1 or (cfg.zero_stage == 1 and cfg.offload != "none")):
         raise ConfigError(
-            f"{source}: train.zero_stage: {cfg.zero_stage} with pipeline stages shards over the replicas of one "
-            f"group, but the plan has {len(plan.groups)} groups. To fix: one group (replicas: N), or zero_stage: 0."
+            f"{source}: train.zero_stage: {cfg.zero_stage} (offload: {cfg.offload}) with pipeline stages and "
+            f"{len(plan.groups)} groups is not run: FSDP2 reduce-scatters each group's gradients into shards cut "
+            "by that group's replicas and split, which cannot be summed with another group's differently cut "
+            "shards. To fix: zero_stage: 1 without offload (optimizer state sharded inside each group, whole "
+            "gradients summed over the groups), or one group (replicas: N)."
         )
     return cfg
 
