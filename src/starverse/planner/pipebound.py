@@ -54,7 +54,7 @@ class Tables:
     """Capacities from per-level tables: column ``c`` of row ``r`` holds ``tab[r, c, q]`` layers when each of
     its stages may take ``q = ⌊τ / a[r, c]⌋`` layers (``q`` saturates at the table's end). For a block of
     ``k`` stages of one kind, ``tab[q] = Σ_{j ≤ k} min(q, cap_j)`` with ``cap_j`` its memory cap at the
-    ``j``-th least number of micro-batches in flight (``pipes._kinds``)."""
+    ``j``-th least number of micro-batches in flight (``pipekinds.family_kinds``)."""
 
     a: FloatArray
     tab: FloatArray
