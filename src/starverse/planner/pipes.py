@@ -119,7 +119,8 @@ class _Search(LeafEvaluator):
             return np.asarray(np.where(ps > 0, self.ctx.batch * self.ctx.seq_len / ps, np.inf))
 
     # ---- the walk over offers ----------------------------------------------------------------------------
-    def family(self, r: int, mb: int, setting: int, kinds: Kinds) -> None:
+    def family(self, r: int, mb: int, setting: int, kinds: Kinds, bound: float = math.inf) -> None:
+        """Branch and bound over one family (``bound``: the family's own, which caps every node's)."""
         m = self.ctx.batch // (r * mb)
         offers = [int(o) for o in np.unique(kinds.offer)]
         # per open offer: its best layer rate (stages per unit τ) and most layers, over its kinds
@@ -264,7 +265,7 @@ class _Search(LeafEvaluator):
                                                         float(kinds.p2p[j]), float(kinds.opt[j]))]
                 walk(level + 1, nxt, -nb)
 
-        walk(0, [], math.inf)
+        walk(0, [], bound)
 
 
 def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
@@ -314,7 +315,7 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
         if s.full():
             s.gap_bound = max(s.gap_bound, bound)
             break
-        s.family(r, mb, si, kinds)
+        s.family(r, mb, si, kinds, bound)
     stats.pipeline_leaves += s.leaves
     if s.full() and s.gap_bound > s.best_value:
         stats.pipelines_proven = False
