@@ -8,7 +8,10 @@
   resumed from, over attempts; 0 means no restart); ``inplace_redone_steps``: failed commits redone (the step in
   flight, not lost work: it had not been applied).
 - ``join_s``: a replacement started (``replace_after_s`` after the loss) -> the first step it trained in (the
-  leader's membership record). Target <= 5 s.
+  leader's membership record). Target <= 5 s. The replacement is the launcher's *warm spare* (a process started
+  with the job that imported torch/torchft and loaded the model, waiting outside the quorum), so "started" is
+  its activation, when its lease starts. ``join_cold_s``: the same with no spare (``warm_spares=False``), a
+  fresh process spawned at that moment (spawn, imports, model load, heal, first step), in a second run.
 - ``inplace_vs_restart_goodput``: useful steps per second over the same wall-clock window (steps whose last
   computation ended within WINDOW_S of the first fit start and that the run kept: a step a restart computes
   again counts when it is done again, one rolled back and never redone does not) with one SIGKILL of rank 1 at LOSS_AT_S, in-place vs
@@ -82,7 +85,8 @@ class StopAt(Callback):
             ctx.request_stop("benchmark window over")
 
 
-def _supervisor(run_dir: Path, callbacks: Any, recovery: str, replace_after_s: float | None = None) -> Any:
+def _supervisor(run_dir: Path, callbacks: Any, recovery: str, replace_after_s: float | None = None,
+                warm: bool = True) -> Any:
     import starverse
     from starverse.checkpoint import CheckpointCallback
     from starverse.elastic.inplace import InplaceLauncher
@@ -91,7 +95,7 @@ def _supervisor(run_dir: Path, callbacks: Any, recovery: str, replace_after_s: f
     cluster = starverse.accelerate(num_cpu_ranks=3, seq_len=64, global_batch=GLOBAL_BATCH)
     options: dict[str, Any] = {"rebalance_every": 0, "collective_timeout_s": 60.0, "recovery": recovery}
     if recovery == "in-place":
-        options["launcher"] = InplaceLauncher(replace_after_s=replace_after_s)
+        options["launcher"] = InplaceLauncher(replace_after_s=replace_after_s, warm_spares=warm)
     return cluster, Supervisor(cluster, run_dir, checkpoint=CheckpointCallback(interval_steps=INTERVAL),
                                callbacks=callbacks, trainer_options=options)
 
@@ -115,13 +119,14 @@ def _stamps(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "stamps.jsonl").read_text().splitlines()]
 
 
-def bench_inplace_loss(tmp: Path) -> dict[str, Any]:
-    """One SIGKILL mid-step of 3 replicas, a replacement 2 s later: recovery, lost/redone steps, join."""
+def bench_inplace_loss(tmp: Path, warm: bool = True) -> dict[str, Any]:
+    """One SIGKILL mid-step of 3 replicas, a replacement 2 s later (``warm``: the warm spare activated; else a
+    new process): recovery, lost/redone steps, join."""
     from starverse.runtime.ft import INPLACE_LOG
 
-    run_dir = tmp / "inplace-loss"
+    run_dir = tmp / f"inplace-loss-{'warm' if warm else 'cold'}"
     cluster, sup = _supervisor(run_dir, lambda n: [LeaderStamps(n), KillMidStep(1, step=KILL_STEP)], "in-place",
-                               replace_after_s=2.0)
+                               replace_after_s=2.0, warm=warm)
     out = sup.run(_factory, _data(cluster), resume_from=None, per_device_batch_size=2, max_steps=STEPS, seq_len=64)
     kill = json.loads((run_dir / "kill.json").read_text())
     done = next(s for s in _stamps(run_dir) if s["event"] == "step" and s["step"] == kill["step"])
@@ -139,8 +144,9 @@ def bench_inplace_loss(tmp: Path) -> dict[str, Any]:
         "inplace_redone_steps": redone,
         "inplace_attempts": len(out.attempts),
         "inplace_final_step": out.final_step,
+        "join_warm": [j.warm for j in joins],
         "join_s": joined[0]["time"] - joins[0].at if joined and joins else None,
-        "join_breakdown_s": {"process_start_s": round(healed[0]["ready_at"] - joins[0].at, 2),
+        "join_breakdown_s": {"start_or_activation_s": round(healed[0]["ready_at"] - joins[0].at, 2),
                              "heal_and_first_step_s": round(joined[0]["time"] - healed[0]["ready_at"], 2)}
         if joined and joins and healed else None,
     }
@@ -196,10 +202,14 @@ class _Deferred(Callback):
 def bench_inplace(tmp: Path) -> dict[str, Any]:
     """All in-place figures (see the module docstring)."""
     loss = bench_inplace_loss(tmp)
+    cold = bench_inplace_loss(tmp, warm=False)
     inplace = _goodput(tmp, "in-place")
     restart = _goodput(tmp, "restart")
     out: dict[str, Any] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in loss.items()}
     out.update({
+        "join_cold_s": round(cold["join_s"], 2) if cold["join_s"] is not None else None,
+        "join_cold_breakdown_s": cold["join_breakdown_s"],
+        "join_cold_warm": cold["join_warm"],
         "inplace_recovery_target_s": 2.0,
         "join_target_s": 5.0,
         "goodput_window_s": WINDOW_S,

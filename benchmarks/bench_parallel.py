@@ -18,10 +18,11 @@ Under TP the runtime keeps the rank-side adapter matrices whole (``lora_A`` of a
 ``lora_B`` of a row-wise one: splitting them would cost an all-reduce of the whole output per adapted linear),
 while the cost model splits all adapter parameters by ``tp``.
 
-``tp2_vs_dp2`` and ``zero3_vs_dp2``: training throughput of TP 2 (one replica) and of ZeRO-3 over 2 ranks,
-each divided by plain data parallelism over the same 2 ranks (gradient all-reduce), same model and global
-batch, same run. Reported, no bound: on CPU ranks the all-reduces of TP and the gathers of ZeRO-3 are not
-hidden behind compute as on GPUs.
+``tp2_vs_dp2``, ``zero1_vs_dp2`` and ``zero3_vs_dp2``: training throughput of TP 2 (one replica), of ZeRO-1 and
+of ZeRO-3 over 2 ranks, each divided by plain data parallelism over the same 2 ranks (gradient all-reduce),
+same model and global batch, same run. Reported, no bound: on CPU ranks the all-reduces of TP and the gathers
+of ZeRO-3 are not hidden behind compute as on GPUs. Beside each, ``<name>_predicted``: the same ratio from
+the cost model's step times of the same plans on one-thread CPU ranks (what ``accelerate()`` ranks by).
 
 Pipelines (the same model, 8 micro-batches of one sequence, ``Trainer.fit`` on CPU ranks):
 
@@ -70,7 +71,7 @@ STATE_CASES = {"zero0": {"zero_stage": 0}, "zero1": {"zero_stage": 1}, "zero3": 
 """The cases of ``state_bytes_error`` (the target's)."""
 LORA_STATE_CASES = {"lora_zero1": {"zero_stage": 1, "lora_rank": 8}, "lora_tp2": {"tp": 2, "lora_rank": 8}}
 """The cases of ``lora_state_bytes_error`` (reported, no target): rank-8 adapters on every linear but the head."""
-THROUGHPUT_CASES = {"dp2": {"zero_stage": 0}, "tp2": {"tp": 2}, "zero3": {"zero_stage": 3}}
+THROUGHPUT_CASES = {"dp2": {"zero_stage": 0}, "tp2": {"tp": 2}, "zero1": {"zero_stage": 1}, "zero3": {"zero_stage": 3}}
 
 
 def _allocated(tensors: Any) -> int:
@@ -190,8 +191,8 @@ def _rank_main(env: Any, steps: int) -> dict[str, Any]:
     return {"state": state, "times": speed}
 
 
-def _predicted_state_bytes(variant: dict[str, Any], world: int) -> dict[str, float]:
-    """The cost model's weights + grads + optimizer bytes per device for the same plan."""
+def _stage_estimate(variant: dict[str, Any], world: int, catalog: Any = None) -> Any:
+    """The cost model's estimate of ``variant`` on ``world`` CPU ranks (the benchmark's model and batch)."""
     from starverse.costmodel.step import estimate
     from starverse.plan import Group, Plan, Stage, TrainSpec
 
@@ -207,7 +208,12 @@ def _predicted_state_bytes(variant: dict[str, Any], world: int) -> dict[str, flo
             groups=[Group(replicas=world // tp, micro_batch=MICRO_BATCH,
                           stages=[Stage(accelerator="cpu", tp=tp, layers=MODEL["num_hidden_layers"])])],
         )
-        stage = estimate(plan).groups[0].stages[0]
+        return estimate(plan, catalog)
+
+
+def _predicted_state_bytes(variant: dict[str, Any], world: int) -> dict[str, float]:
+    """The cost model's weights + grads + optimizer bytes per device for the same plan."""
+    stage = _stage_estimate(variant, world).groups[0].stages[0]
     return {"params": stage.weights_gb * 1e9, "grads": stage.grads_gb * 1e9, "optimizer": stage.optimizer_gb * 1e9}
 
 
@@ -226,16 +232,26 @@ def state_bytes_figures(results: list[dict[str, Any]], world: int, prefix: str =
     return {f"{prefix}state_bytes_error": worst["error"], f"{prefix}state_bytes_cases": cases}
 
 
-def throughput_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """``tp2_vs_dp2`` and ``zero3_vs_dp2``: throughput ratios (median step time, first step dropped)."""
+def throughput_figures(results: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    """``tp2_vs_dp2``, ``zero1_vs_dp2`` and ``zero3_vs_dp2``: throughput ratios (median step time, first step
+    dropped), each beside the cost model's (``<name>_predicted``: the planner's view of the same plans on
+    one-thread CPU ranks, ``planner.devices.cpu_rank_catalog``)."""
     import statistics
+
+    from starverse.catalog import load_catalog
+    from starverse.planner.devices import cpu_rank_catalog
 
     def median_step(name: str) -> float:
         return statistics.median(max(r["times"][name][i] for r in results) for i in range(1, len(results[0]["times"][name])))
 
+    catalog = cpu_rank_catalog(load_catalog(), 1)
+    predicted = {name: _stage_estimate(v, world, catalog).step_time_s for name, v in THROUGHPUT_CASES.items()}
     base = median_step("dp2")
-    return {"tp2_vs_dp2": base / median_step("tp2"), "zero3_vs_dp2": base / median_step("zero3"),
-            "dp2_step_s": base}
+    out: dict[str, Any] = {"dp2_step_s": base, "dp2_step_s_predicted": predicted["dp2"]}
+    for name in ("tp2", "zero1", "zero3"):
+        out[f"{name}_vs_dp2"] = base / median_step(name)
+        out[f"{name}_vs_dp2_predicted"] = predicted["dp2"] / predicted[name]
+    return out
 
 
 PP_MICRO_BATCH, PP_BUBBLE_MICRO_BATCH, PP_STEPS = 1, 4, 5
@@ -329,7 +345,7 @@ def main() -> int:
                          timeout_s=900, args=(max(2, args.steps),))
         out.update(state_bytes_figures(results, world))
         out.update(state_bytes_figures(results, world, "lora_", LORA_STATE_CASES))
-        out.update(throughput_figures(results))
+        out.update(throughput_figures(results, world))
     if args.only != "state":
         out.update(pipeline_figures())
     print(json.dumps(out))

@@ -23,7 +23,9 @@ from starverse.config import (
     load_file,
 )
 
-Precision = Literal["bf16", "fp16", "fp8", "fp32"]
+Precision = Literal["bf16", "fp16", "fp8", "fp32", "tf32"]
+"""``tf32``: fp32 weights and activations, matmuls on TF32 tensor cores (NVIDIA Ampere and later; PyTorch's
+``allow_tf32`` or NGC containers' ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``); elsewhere it runs as fp32."""
 Mode = Literal["full", "lora", "qlora"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]

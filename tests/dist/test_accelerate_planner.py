@@ -4,12 +4,15 @@ planner's plan runs on real gloo ranks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import starverse
 from starverse.plan import Group, Plan, Stage, TrainSpec, save_plan
 from starverse.planner import plan_for_devices
+from starverse.planner.devices import EXECUTABLE
 from starverse.runtime import Trainer
 from starverse.runtime.launch import RankSpec
 
@@ -37,9 +40,11 @@ def _two_cpu_cluster():
 def test_accelerate_uses_the_planners_plan_with_its_estimate():
     cluster = _two_cpu_cluster()
     assert cluster.scaled  # a 7B model on CPU ranks: the planner plans the scaled copy really trained
+    # what the runtime executes on CPU ranks: everything but offload; CPU compute priced per rank's threads
     expected = plan_for_devices(cluster.model_config, {"cpu": 2}, policy="cost-performance",
                                 train={"seq_len": 32, "global_batch": 8, "precision": "fp32"},
-                                model_name=cluster.plan.model).best
+                                model_name=cluster.plan.model, runtime_caps=replace(EXECUTABLE, offload="none"),
+                                cpu_threads=cluster.ranks[0].num_threads).best
     assert cluster.plan == expected.plan
     assert cluster.estimate.step_time_s == pytest.approx(expected.estimate.step_time_s)
     g = cluster.plan.groups[0]
@@ -50,10 +55,14 @@ def test_accelerate_uses_the_planners_plan_with_its_estimate():
         f"estimate: step {expected.estimate.step_time_s:.4g} s, {expected.tokens_per_s:,.0f} tokens/s, "
         f"bottleneck {expected.estimate.bottleneck}")
     assert "planner: every device is owned (price 0)" in " ".join(cluster.notes)
-    # the plan names the config really trained, so `starverse estimate` on it gives the same numbers
+    # the plan names the config really trained, so `starverse estimate` on it gives the same numbers (with the
+    # catalog's CPU figures for ranks of this many threads, as the planner priced them)
+    from starverse.catalog import load_catalog
     from starverse.costmodel import estimate
+    from starverse.planner.devices import cpu_rank_catalog
 
-    assert estimate(cluster.plan).step_time_s == pytest.approx(cluster.estimate.step_time_s)
+    catalog = cpu_rank_catalog(load_catalog(), cluster.ranks[0].num_threads)
+    assert estimate(cluster.plan, catalog).step_time_s == pytest.approx(cluster.estimate.step_time_s)
 
 
 def test_a_batch_that_does_not_split_over_the_ranks_is_planned_as_a_pipeline():

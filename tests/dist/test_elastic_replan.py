@@ -8,8 +8,6 @@ ranks then need not import transformers: the 3 -> 2 test stays well under 30 s).
 
 from __future__ import annotations
 
-import dataclasses
-
 import logging
 
 import numpy as np
@@ -19,9 +17,9 @@ from test_elastic_recovery import FIT, GLOBAL_BATCH, OPTS, KillAfterCommit, Tiny
 from starverse.checkpoint import CheckpointCallback
 from starverse.elastic.preemption import PreemptionCallback
 from starverse.elastic.supervisor import Supervisor, replan_with_planner
-from starverse.planner import RUNTIME_CAPS, plan_for_devices
+from starverse.planner import plan_for_devices
 from starverse.runtime import Trainer
-from starverse.runtime.cluster import Cluster, check_plan_fits_ranks
+from starverse.runtime.cluster import Cluster, check_plan_fits_ranks, executable_caps
 from starverse.runtime.launch import RankSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -58,9 +56,12 @@ def test_lost_rank_3_to_2_replanned_by_the_planner_keeps_the_trajectory(tmp_path
     out = sup.run(lambda c: TinyLM(), _data(), **FIT)
     assert [a.outcome for a in out.attempts] == ["lost", "completed"]
     assert out.attempts[1].device_kinds == ("cpu", "cpu") and out.attempts[1].resumed_from == 2
-    # TinyLM cannot be cut into pipeline stages: the re-plan keeps one stage per group
-    one_stage = dataclasses.replace(RUNTIME_CAPS, max_pipeline_stages=1)
-    expected = plan_for_devices(SMALL, {"cpu": 2}, train=TRAIN, model_name="small-llama", runtime_caps=one_stage).best
+    # TinyLM cannot be cut into pipeline stages: the re-plan keeps one stage per group; what the runtime executes
+    # on CPU ranks of one thread
+    caps = executable_caps(sup.cluster.ranks, pipelines=False)
+    assert caps.max_pipeline_stages == 1 and caps.offload == "none" and caps.zero_stage is None
+    expected = plan_for_devices(SMALL, {"cpu": 2}, train={**TRAIN, "mode": "full", "lora_rank": 16},
+                                model_name="small-llama", runtime_caps=caps, cpu_threads=1).best
     assert all(g.num_stages == 1 for g in sup.cluster.plan.groups)
     assert sup.cluster.plan == expected.plan and sup.cluster.plan.train.global_batch == GLOBAL_BATCH
     assert sup.cluster.estimate.step_time_s == pytest.approx(expected.estimate.step_time_s)
@@ -83,8 +84,7 @@ def test_replan_falls_back_per_kind_when_the_batch_does_not_split(caplog):
                            "kind (planner not used: InfeasiblePlanError: no plan for small-llama on <devices>: "
                            "every device must be used (3×cpu")
     assert note.endswith("a global batch of 15 or 18, or use fewer devices (searched only what the runtime executes: "
-                         "TP ≤ 1, ZeRO-0, recompute none, offload none, full training, every "
-                         "device used)), global batch 16")
+                         "offload none, full training, every device used)), global batch 16")
     assert any(r.message.startswith("planner not used for the re-plan (InfeasiblePlanError: ")
                for r in caplog.records)
 
@@ -95,8 +95,8 @@ def test_replan_of_mixed_kinds_splits_the_batch_by_speed_and_orders_ranks_like_t
     lost = next(r for r in cluster.ranks if r.device_kind == "rtx-4090")
     survivors = [r for r in cluster.ranks if r is not lost]
     new = replan_with_planner(cluster, survivors, [lost])
-    expected = plan_for_devices(SMALL, {"rtx-4090": 1, "a100-80gb-sxm": 1}, train=train,
-                                model_name="small-llama").best
+    expected = plan_for_devices(SMALL, {"rtx-4090": 1, "a100-80gb-sxm": 1}, train={**train, "mode": "full"},
+                                model_name="small-llama", runtime_caps=executable_caps(survivors)).best
     assert new.plan == expected.plan and expected.kind == "hetero-dp"
     check_plan_fits_ranks(new.plan, new.ranks)
     assert [r.device_kind for r in new.ranks] == [g.stages[0].accelerator for g in new.plan.groups]

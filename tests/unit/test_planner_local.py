@@ -138,8 +138,9 @@ def test_plan_for_devices_mixed_kinds_use_every_device_split_by_speed(catalog):
     assert sum(shares.values()) == pytest.approx(1.0)
     # the A100 is faster than one 4090, so its single replica takes more than a third of a 4090 replica's share
     assert shares["a100-80gb-sxm"] > shares["rtx-4090"] / 2
-    # the runtime runs pipelines now: the two 4090s may form one 2-stage replica beside the A100's (PP x DP)
-    assert sorted(g.num_stages for g in best.plan.groups) in ([1, 1, 1], [1, 2])
+    # the runtime runs pipelines now: the two 4090s may form one 2-stage replica beside the A100's (PP x DP),
+    # or one group of two replicas (a tiny model's layers are launch-bound: more replicas, no pipeline)
+    assert sorted(g.num_stages for g in best.plan.groups) in ([1, 1, 1], [1, 2], [1, 1])
 
 
 def test_plan_for_devices_with_prices_and_unrestricted(catalog):

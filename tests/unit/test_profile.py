@@ -118,6 +118,10 @@ def test_probe_model_errors(tmp_path: Path) -> None:
     plan.write_text(plan.read_text().replace("accelerator: cpu", "accelerator: cpu, tp: 2"))
     with pytest.raises(ConfigError, match="tp=2 needs a model family whose layers can be built as one TP shard"):
         probe_model(load_plan(plan), load_model(gpt2), "cpu")
+    # a precision the probe cannot measure (tf32, fp8): one line naming the field
+    tf32 = load_plan(plan).model_copy(update={"train": load_plan(plan).train.model_copy(update={"precision": "tf32"})})
+    with pytest.raises(ConfigError, match=r"probe: train\.precision 'tf32' is not measured; probe with one of fp32"):
+        probe_model(tf32, load_model(TINY), "cpu")
 
 
 def test_batch_path_uses_a_profile_as_the_scalar_estimate_does(tmp_path: Path) -> None:

@@ -19,15 +19,13 @@ The runtime's view is small::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from starverse.billing.insurance import (
     Credit,
@@ -55,11 +53,23 @@ from starverse.billing.rating import (
     hourly_rate_micros,
     rate_lease,
 )
-from starverse.billing.schema import APPLICATION_ID, SCHEMA_VERSION, check_header, migrate, verify
+from starverse.billing.records import (
+    JOB_COLS,
+    LEASE_COLS,
+    Job,
+    Lease,
+    LeasePricing,
+    Payment,
+    PaymentKind,
+    id_of,
+    to_job,
+    to_lease,
+)
+from starverse.billing.store import LEDGER_FILE, LedgerFile
 from starverse.errors import BillingError, BudgetExceededError
 
-LEDGER_FILE = "ledger.sqlite"
-"""Name of the ledger inside a run directory."""
+__all__ = ["LEDGER_FILE", "Job", "Lease", "LeasePricing", "Ledger", "Payment", "PaymentKind", "budget_ticks"]
+
 _PAYMENT_COLS = "id, kind, currency, amount_micros, at_s, ref, note"
 
 
@@ -67,212 +77,8 @@ def _now() -> int:
     return int(time.time())
 
 
-@dataclass(frozen=True)
-class LeasePricing:
-    """How a lease is priced: mode, price (per hour, or per package), currency, billing granularity."""
-
-    mode: PricingMode
-    """on-demand, spot (per second), or an hourly/daily/monthly package (charged whole when bought)."""
-    price: Decimal
-    """Per device-hour for on-demand/spot; per package for packages."""
-    currency: str = "USD"
-    """ISO code of ``price``."""
-    granularity_s: int = 1
-    """The offer bills in whole multiples of this many seconds (1 = per second)."""
-
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "mode", PricingMode(self.mode))
-        except ValueError:
-            known = ", ".join(m.value for m in PricingMode)
-            raise BillingError(f"pricing mode {self.mode!r} is unknown; use one of {known}") from None
-        object.__setattr__(self, "price", to_decimal(self.price, "price"))
-        price_to_micros(self.price, "price")  # rejects a negative price here, before anything is written
-        if not isinstance(self.granularity_s, int) or self.granularity_s < 1:
-            raise BillingError(f"granularity_s: must be a whole number of seconds >= 1 (got {self.granularity_s!r})")
-
-    @classmethod
-    def free(cls) -> LeasePricing:
-        """A device that costs nothing (the user's own machine)."""
-        return cls(PricingMode.ON_DEMAND, Decimal(0))
-
-    @classmethod
-    def from_offer(cls, offer: Any, *, spot: bool = False) -> LeasePricing:
-        """Pricing of a catalog/pool offer (``price_per_hour``, ``spot_price_per_hour``, ``currency``,
-        ``billing_granularity_s``); ``spot=True`` uses the spot price."""
-        price = offer.spot_price_per_hour if spot else offer.price_per_hour
-        if price is None:
-            raise BillingError(f"offer {getattr(offer, 'provider', '?')}/{getattr(offer, 'accelerator', '?')} "
-                               "has no spot price; lease it on-demand or add spot_price_per_hour")
-        return cls(PricingMode.SPOT if spot else PricingMode.ON_DEMAND, to_decimal(price),
-                   getattr(offer, "currency", "USD"), int(getattr(offer, "billing_granularity_s", 1) or 1))
-
-
-@dataclass(frozen=True)
-class Job:
-    """A training job: all its leases are charged in ``currency``."""
-
-    id: int
-    name: str
-    currency: str
-    budget_total: Decimal | None
-    max_budget_per_hour: Decimal | None
-    run_dir: str | None
-    created_s: int
-
-
-PaymentKind = Literal["signup", "topup"]
-
-
-@dataclass(frozen=True)
-class Payment:
-    """Prepaid money paid in: a sign-up credit or a top-up."""
-
-    id: int
-    kind: PaymentKind
-    currency: str
-    amount_micros: int
-    at_s: int
-    ref: str | None
-    """Idempotency key: a payment with a ref already recorded is not recorded again."""
-    note: str
-
-    @property
-    def amount(self) -> Decimal:
-        """The amount, 6 places."""
-        return micros_to_decimal(self.amount_micros)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """One device rented for one interval (``end_s`` is ``None`` while open)."""
-
-    id: int
-    job_id: int
-    device: str
-    accelerator: str
-    provider: str
-    offer: str | None
-    mode: PricingMode
-    offer_price: Decimal
-    """Price as offered (per hour or per package), in ``offer_currency``."""
-    offer_currency: str
-    fx_rate: Decimal
-    """Job currency per unit of the offer currency, fixed when the lease opened."""
-    granularity_s: int
-    start_s: int
-    end_s: int | None
-    last_seen_s: int
-    """Last heartbeat: where :meth:`Ledger.recover` closes the lease if its process died."""
-
-
-_JOB_COLS = "id, name, currency, budget_total_micros, max_per_hour_micros, run_dir, created_s"
-_LEASE_COLS = ("id, job_id, device, accelerator, provider, offer, mode, offer_price_micros, offer_currency, "
-               "fx_rate, granularity_s, start_s, end_s, last_seen_s")
-
-
-def _job(row: Sequence[Any]) -> Job:
-    return Job(row[0], row[1], row[2], None if row[3] is None else micros_to_decimal(row[3]),
-               None if row[4] is None else micros_to_decimal(row[4]), row[5], row[6])
-
-
-def _lease(row: Sequence[Any]) -> Lease:
-    return Lease(row[0], row[1], row[2], row[3], row[4], row[5], PricingMode(row[6]), micros_to_decimal(row[7]),
-                 row[8], Decimal(row[9]), row[10], row[11], row[12], row[13])
-
-
-def _id(obj: Job | Lease | int) -> int:
-    return obj if isinstance(obj, int) else obj.id
-
-
-class Ledger:
+class Ledger(LedgerFile):
     """An open ledger file. Use :meth:`open`; close with :meth:`close` or a ``with`` block."""
-
-    def __init__(self, conn: sqlite3.Connection, path: Path):
-        self._conn = conn
-        self.path = path
-
-    # ---------------------------------------------------------------- opening
-    @classmethod
-    def open(cls, path: str | Path, *, create: bool = True, read_only: bool = False,
-             check: Literal["quick", "full"] = "quick", timeout_s: float = 30.0) -> Ledger:
-        """Open (or create) the ledger at ``path``, migrating its schema to the current version.
-
-        An existing file is checked first on a read-only connection (:func:`~starverse.billing.schema.verify`:
-        SQLite's page checks at level ``check``, schema and version): a foreign, damaged or newer file raises
-        ``BillingError`` and is left byte-for-byte untouched, its ``-wal`` included. ``read_only``: for reports
-        (``bill``): the connection cannot write, so no file is changed or removed (a healthy ledger of an older
-        schema is first migrated by a short read-write open). ``timeout_s`` bounds the wait for another
-        process's write lock.
-        """
-        p = Path(path)
-        exists = check_header(p)
-        if not exists and not create:
-            raise BillingError(f"{p}: no ledger here. To fix: pass the run directory of a job that ran "
-                               "with billing, or --db FILE")
-        version = verify(p, check, timeout_s) if exists else 0
-        if read_only and exists:
-            if version < SCHEMA_VERSION:
-                cls.open(p, create=False, timeout_s=timeout_s).close()  # a healthy older ledger: migrate it
-            conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
-                                   timeout=timeout_s)
-            return cls(conn, p)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            conn = sqlite3.connect(p, isolation_level=None, timeout=timeout_s)
-        except sqlite3.Error as e:
-            raise BillingError(f"{p}: cannot open ledger ({e})") from None
-        try:
-            if not exists:
-                # written before WAL is on, so the id is in the main file's header from the first moment
-                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-            if app_id != APPLICATION_ID:
-                raise BillingError(f"{p}: an SQLite database of another application (application_id "
-                                   f"{app_id:#x}), not a Starverse ledger; left untouched")
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            conn.execute("PRAGMA foreign_keys = ON")
-            migrate(conn, p)
-        except sqlite3.DatabaseError as e:
-            conn.close()
-            raise BillingError(f"{p}: ledger is corrupted ({e}); left untouched. To fix: restore it from "
-                               "a backup; `starverse bill --check` shows what is wrong") from None
-        except BaseException:
-            conn.close()
-            raise
-        return cls(conn, p)
-
-    def close(self) -> None:
-        """Close the file (committed data is already durable)."""
-        self._conn.close()
-
-    def __enter__(self) -> Ledger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; any error rolls it back, leaving what was recorded before intact."""
-        conn = self._conn
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as e:
-            raise BillingError(f"{self.path}: cannot write the ledger ({e}). To fix: make sure no other "
-                               "process holds it for long, and that the disk is writable") from None
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as e:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            raise BillingError(f"{self.path}: commit failed ({e}); nothing of this operation was recorded") from None
 
     # ---------------------------------------------------------------- jobs
     def start_job(self, name: str, *, currency: str = "USD", budget_total: Decimal | str | int | None = None,
@@ -286,7 +92,7 @@ class Ledger:
         total = None if budget_total is None else price_to_micros(budget_total, "budget_total")
         hourly = None if max_budget_per_hour is None else price_to_micros(max_budget_per_hour, "max_budget_per_hour")
         with self._tx() as c:
-            row = c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE name = ?", (name,)).fetchone()
+            row = c.execute(f"SELECT {JOB_COLS} FROM jobs WHERE name = ?", (name,)).fetchone()
             if row is None:
                 c.execute("INSERT INTO jobs (name, currency, budget_total_micros, max_per_hour_micros, run_dir, "
                           "created_s) VALUES (?,?,?,?,?,?)",
@@ -300,21 +106,21 @@ class Ledger:
                     c.execute("UPDATE jobs SET budget_total_micros = ? WHERE id = ?", (total, row[0]))
                 if hourly is not None:
                     c.execute("UPDATE jobs SET max_per_hour_micros = ? WHERE id = ?", (hourly, row[0]))
-            return _job(c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE name = ?", (name,)).fetchone())
+            return to_job(c.execute(f"SELECT {JOB_COLS} FROM jobs WHERE name = ?", (name,)).fetchone())
 
     def job(self, job: Job | int | str) -> Job:
         """A job by id, name or a stale ``Job`` value (re-read)."""
         if isinstance(job, str):
-            row = self._conn.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE name = ?", (job,)).fetchone()
+            row = self._conn.execute(f"SELECT {JOB_COLS} FROM jobs WHERE name = ?", (job,)).fetchone()
         else:
-            row = self._conn.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE id = ?", (_id(job),)).fetchone()
+            row = self._conn.execute(f"SELECT {JOB_COLS} FROM jobs WHERE id = ?", (id_of(job),)).fetchone()
         if row is None:
             raise BillingError(f"no job {job!r} in {self.path}; `starverse bill --by job` lists them")
-        return _job(row)
+        return to_job(row)
 
     def jobs(self) -> list[Job]:
         """All jobs, oldest first."""
-        return [_job(r) for r in self._conn.execute(f"SELECT {_JOB_COLS} FROM jobs ORDER BY id")]
+        return [to_job(r) for r in self._conn.execute(f"SELECT {JOB_COLS} FROM jobs ORDER BY id")]
 
     # ---------------------------------------------------------------- leases
     def open_lease(self, job: Job | int, device: str, accelerator: str, pricing: LeasePricing, *,
@@ -368,30 +174,30 @@ class Ledger:
 
     def burn_rate(self, job: Job | int) -> Decimal:
         """The job's open leases' cost per hour, in the job currency."""
-        return micros_to_decimal(self._burn_micros(self._conn, _id(job)))
+        return micros_to_decimal(self._burn_micros(self._conn, id_of(job)))
 
     def lease(self, lease: Lease | int) -> Lease:
         """A lease by id (re-read)."""
-        row = self._conn.execute(f"SELECT {_LEASE_COLS} FROM leases WHERE id = ?", (_id(lease),)).fetchone()
+        row = self._conn.execute(f"SELECT {LEASE_COLS} FROM leases WHERE id = ?", (id_of(lease),)).fetchone()
         if row is None:
-            raise BillingError(f"no lease {_id(lease)} in {self.path}")
-        return _lease(row)
+            raise BillingError(f"no lease {id_of(lease)} in {self.path}")
+        return to_lease(row)
 
     def leases(self, job: Job | int | None = None, *, open_only: bool = False) -> list[Lease]:
         """Leases (of one job, or all), oldest first."""
-        sql = f"SELECT {_LEASE_COLS} FROM leases WHERE 1=1"
+        sql = f"SELECT {LEASE_COLS} FROM leases WHERE 1=1"
         args: list[Any] = []
         if job is not None:
             sql += " AND job_id = ?"
-            args.append(_id(job))
+            args.append(id_of(job))
         if open_only:
             sql += " AND end_s IS NULL"
-        return [_lease(r) for r in self._conn.execute(sql + " ORDER BY id", args)]
+        return [to_lease(r) for r in self._conn.execute(sql + " ORDER BY id", args)]
 
     def segments(self, lease: Lease | int) -> list[Segment]:
         """Price segments of a lease (job currency, micro-units), in time order."""
         return [Segment(s, p) for s, p in self._conn.execute(
-            "SELECT start_s, price_micros FROM price_segments WHERE lease_id = ? ORDER BY start_s", (_id(lease),))]
+            "SELECT start_s, price_micros FROM price_segments WHERE lease_id = ? ORDER BY start_s", (id_of(lease),))]
 
     def set_price(self, lease: Lease | int, price: Decimal | str | int | float, *, at_s: int | None = None) -> None:
         """A spot price change: from ``at_s`` on, the lease costs ``price`` (offer currency) per hour."""
@@ -400,11 +206,11 @@ class Ledger:
     def record_prices(self, lease: Lease | int, prices: Iterable[tuple[int, Decimal | str | int | float]]) -> None:
         """Several spot price changes ``(at_s, price)`` in one transaction (e.g. a provider's price trace)."""
         with self._tx() as c:
-            row = c.execute(f"SELECT {_LEASE_COLS}, (SELECT MAX(start_s) FROM price_segments s WHERE s.lease_id = "
-                            "leases.id) FROM leases WHERE id = ?", (_id(lease),)).fetchone()
+            row = c.execute(f"SELECT {LEASE_COLS}, (SELECT MAX(start_s) FROM price_segments s WHERE s.lease_id = "
+                            "leases.id) FROM leases WHERE id = ?", (id_of(lease),)).fetchone()
             if row is None:
-                raise BillingError(f"no lease {_id(lease)} in {self.path}")
-            le, last = _lease(row), int(row[-1])
+                raise BillingError(f"no lease {id_of(lease)} in {self.path}")
+            le, last = to_lease(row), int(row[-1])
             if le.mode != PricingMode.SPOT:
                 raise BillingError(f"lease {le.id} is {le.mode.value}: its price is fixed; only spot prices change")
             if le.end_s is not None:
@@ -428,7 +234,7 @@ class Ledger:
         """Mark the job's open leases as alive at ``at_s`` (where a crash would close them)."""
         with self._tx() as c:
             c.execute("UPDATE leases SET last_seen_s = MAX(last_seen_s, ?) WHERE job_id = ? AND end_s IS NULL",
-                      (_now() if at_s is None else int(at_s), _id(job)))
+                      (_now() if at_s is None else int(at_s), id_of(job)))
 
     def close_lease(self, lease: Lease | int, end_s: int | None = None) -> list[ChargeRow]:
         """End the lease at ``end_s`` (default now), rate it and store its charges; returns them.
@@ -487,7 +293,7 @@ class Ledger:
         """Stored charge rows of a (closed) lease."""
         return [ChargeRow(seq, ChargeKind(kind), a, b, secs, price, ticks) for seq, kind, a, b, secs, price, ticks in
                 self._conn.execute("SELECT seq, kind, start_s, end_s, seconds, price_micros, ticks FROM charges "
-                                   "WHERE lease_id = ? ORDER BY seq", (_id(lease),))]
+                                   "WHERE lease_id = ? ORDER BY seq", (id_of(lease),))]
 
     # ---------------------------------------------------------------- events, spend, credits
     def record_event(self, job: Job | int, kind: EventKind | str, *, at_s: int | None = None,
@@ -502,7 +308,7 @@ class Ledger:
         with self._tx() as c:
             j = self.job(job)
             cur = c.execute("INSERT INTO events (job_id, lease_id, kind, at_s, step, detail) VALUES (?,?,?,?,?,?)",
-                            (j.id, None if lease is None else _id(lease), k.value, _now() if at_s is None else
+                            (j.id, None if lease is None else id_of(lease), k.value, _now() if at_s is None else
                              int(at_s), step, json.dumps(dict(detail), sort_keys=True) if detail else None))
             return int(cur.lastrowid or 0)
 
@@ -510,11 +316,11 @@ class Ledger:
         """The job's events in time order."""
         return [Event(i, jid, lid, EventKind(k), at, step, json.loads(d) if d else {}) for i, jid, lid, k, at, step, d
                 in self._conn.execute("SELECT id, job_id, lease_id, kind, at_s, step, detail FROM events "
-                                      "WHERE job_id = ? ORDER BY at_s, id", (_id(job),))]
+                                      "WHERE job_id = ? ORDER BY at_s, id", (id_of(job),))]
 
     def spent_ticks(self, job: Job | int, *, at_s: int | None = None) -> int:
         """Charges of the job's closed leases plus what its open leases have accrued by ``at_s``."""
-        jid = _id(job)
+        jid = id_of(job)
         now = _now() if at_s is None else int(at_s)
         # by the job's leases (PK prefix of charges), not a scan of every job's charges
         where = "WHERE lease_id IN (SELECT id FROM leases WHERE job_id = ? AND end_s IS NOT NULL)"
@@ -575,10 +381,6 @@ class Ledger:
     def payments(self) -> list[Payment]:
         """Every payment, oldest first."""
         return [Payment(*r) for r in self._conn.execute(f"SELECT {_PAYMENT_COLS} FROM payments ORDER BY id")]
-
-    def execute(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
-        """Read-only SQL for reports (``report`` module); not for writes."""
-        return self._conn.execute(sql, args)
 
 
 def budget_ticks(amount: Decimal) -> int:

@@ -10,22 +10,29 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from starverse.costmodel.constants import COLLECTIVE_LATENCY_S, LINK_EFFICIENCY, NETWORK_EFFICIENCY
+from starverse.costmodel.constants import (
+    COLLECTIVE_LATENCY_S,
+    CPU_COLLECTIVE_LATENCY_S,
+    CPU_DTENSOR_COLLECTIVE_S,
+    LINK_EFFICIENCY,
+    NETWORK_EFFICIENCY,
+)
 
 FloatArray = npt.NDArray[np.float64]
 
 
-def ring_allreduce_s(bytes_: Any, n: Any, bus_gb_per_s: Any, count: Any = 1.0) -> FloatArray:
+def ring_allreduce_s(bytes_: Any, n: Any, bus_gb_per_s: Any, count: Any = 1.0,
+                     latency_s: Any = COLLECTIVE_LATENCY_S) -> FloatArray:
     """All-reduce of ``bytes_`` (in total, split over ``count`` collectives) over ``n`` ranks.
 
     Bandwidth term of a ring: each rank sends and receives 2(n-1)/n of the data at the achieved bus
-    bandwidth ``bus_gb_per_s``; latency term: ``count`` collectives of 2*log2(n) latency steps each.
-    Zero for n <= 1.
+    bandwidth ``bus_gb_per_s``; latency term: ``count`` collectives of 2*log2(n) steps of ``latency_s`` each
+    (NCCL's by default; :func:`collective_latency_s` per row). Zero for n <= 1.
     """
     n_ = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
     b = np.asarray(bytes_, dtype=np.float64)
     bw = np.maximum(np.asarray(bus_gb_per_s, dtype=np.float64), 1e-9) * 1e9
-    t = 2.0 * (n_ - 1.0) / n_ * b / bw + np.asarray(count) * 2.0 * np.log2(n_) * COLLECTIVE_LATENCY_S
+    t = 2.0 * (n_ - 1.0) / n_ * b / bw + np.asarray(count) * 2.0 * np.log2(n_) * np.asarray(latency_s)
     return np.asarray(np.where(n_ > 1.0, t, 0.0), dtype=np.float64)
 
 
@@ -53,3 +60,15 @@ def group_bus_gb_per_s(
     intra_or_inter = np.where(intra > 0, intra, inter)
     cross = np.minimum(intra_or_inter, inter)
     return np.asarray(np.where(n <= g, intra_or_inter, cross), dtype=np.float64)
+
+
+def collective_latency_s(host_collectives: Any, dtensor: bool = False) -> Any:
+    """Latency of one step of a collective (``ring_allreduce_s``'s ``latency_s``) per row: NCCL's
+    :data:`~starverse.costmodel.constants.COLLECTIVE_LATENCY_S`, or for rows of CPU ranks (``host_collectives``
+    True; None: no such row) gloo's measured per-call latency, and for their DTensor collectives (``dtensor``:
+    TP all-reduces, ZeRO-3 gathers) the measured per-call cost (``CPU_DTENSOR_COLLECTIVE_S``, measured at 2
+    ranks: 2 latency steps)."""
+    if host_collectives is None:
+        return COLLECTIVE_LATENCY_S
+    cpu = CPU_DTENSOR_COLLECTIVE_S / 2.0 if dtensor else CPU_COLLECTIVE_LATENCY_S
+    return np.where(np.asarray(host_collectives, dtype=np.bool_), cpu, COLLECTIVE_LATENCY_S)

@@ -62,13 +62,13 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.4689
+PRE_AMPERE_EFFICIENCY = 0.4385
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
 :data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs
 that use such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, fp16); leave-one-source-out refits
-0.43-0.62. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
+0.42-0.47. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
 time and made large matmuls too slow (AMP's LM head reaches ~35 % of the T4 peak). Physically: the T4's
 65 TFLOP/s fp16 peak is a 70 W part's boost figure it does not sustain, Turing GeForce/Titan peaks are
 boost-clock figures, and 2020-era kernels reach less of the tensor cores than today's. A measured profile (``starverse probe``) replaces it for the cards a
@@ -118,16 +118,19 @@ EAGER_SCORE_BYTES = 8.0
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
 
-HOST_OVERHEAD_PER_LAYER_S = 4.829e-3
+HOST_OVERHEAD_PER_LAYER_S = 3.762e-3
 """Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
 hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
 server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
 synchronises the device between pipeline instructions (DeepSpeed's pipeline engine; AMP's runs also time
 every instruction, ``wall_clock_breakdown``) exposes that launch time instead of overlapping it. Independent
 of the device, so it weighs on small layers and small micro-batches: it is why micro-batch 1 is slower
-per sequence than micro-batch 8 on the same plan. Only where ``train.sync_micro_steps`` says so. FITTED
-(``costmodel.fit.FITTED``) jointly on all runs; identified by AMP's (micro-batch 1-32 at fixed layouts);
-leave-one-source-out 3.0-8.8 ms."""
+per sequence than micro-batch 8 on the same plan. Added where ``train.sync_micro_steps`` says so; elsewhere
+the launches overlap the device's work and the host's time is a floor: a layer's forward + backward per
+micro-batch takes at least this long (launch-bound small layers: Sailor's micro-batch-1 runs of OPT-350M on
+4 GH200s take ~3 ms per layer where the device needs ~1.3 ms). FITTED (``costmodel.fit.FITTED``) jointly on
+all runs; identified by AMP's (micro-batch 1-32 at fixed layouts) and Sailor's GH200 micro-batch-1 runs;
+leave-one-source-out range in docs/costmodel.md."""
 
 # --- memory-bound work ---------------------------------------------------------------------------------
 
@@ -163,6 +166,30 @@ COLLECTIVE_LATENCY_S = 10e-6
 n-rank collective costs about 2*log2(n) of these (nccl-tests: an 8-byte all-reduce takes ~20-30 us on 8
 GPUs of one node and ~100 us over a few hundred nodes). Also the fixed cost of one pipeline send."""
 
+CPU_COLLECTIVE_LATENCY_S = 1.3e-4
+"""Per-call latency of a gloo collective between CPU ranks (processes of one host): MEASURED, median 8-byte
+all-reduce between 2 one-thread ranks, ``scripts/measure_cpu_collectives.py`` on the project's 2-core VM
+(0.13 ms, 13x NCCL's :data:`COLLECTIVE_LATENCY_S`). Used instead of it for ranks of the ``cpu`` stack."""
+
+CPU_DTENSOR_COLLECTIVE_S = 3.1e-3
+"""What one DTensor collective costs on CPU ranks as the runtime runs it (redistribution and dispatch + a gloo
+collective, each rank one thread): a tensor-parallel all-reduce of the split linears, an FSDP2 (ZeRO-3)
+all-gather or reduce-scatter. MEASURED by ``scripts/measure_cpu_collectives.py`` (TP 2 fwd+bwd of
+bench_parallel's model minus half the unsharded time, per all-reduce counted; 3.1 ms at load ~5 on the 2-core
+VM, 5.3 ms at load ~15: it grows with the machine's load). On CPU ranks these many small collectives per layer cost this per call, not bandwidth: it replaces the
+latency term of the TP and ZeRO-3 collectives of ``cpu`` rows."""
+
+PARAM_TENSORS_PER_LAYER = 9
+"""Parameter tensors of one decoder layer (4 attention projections, 3 gated-MLP linears, 2 norms): the
+runtime's ZeRO-1 (``ZeroRedundancyOptimizer``) broadcasts each updated tensor from its owner after the step,
+one collective per tensor; priced for ``cpu`` rows, where each costs :data:`CPU_COLLECTIVE_LATENCY_S`."""
+
+
+def host_collectives(acc: Any) -> bool:
+    """True for accelerators whose ranks are host processes talking over gloo (the ``cpu`` stack)."""
+    return getattr(acc, "stack", "cuda") == "cpu"
+
+
 GRADIENT_BUCKET_BYTES = 25e6
 """Gradients are reduced in buckets (PyTorch DDP bucket_cap_mb=25; Megatron ~40M elements): one collective
 latency per bucket."""
@@ -180,7 +207,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.4758
+PCIE_COLLECTIVE_FRACTION = 0.4686
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
@@ -188,7 +215,7 @@ parallelism are a few MB (below NCCL's bandwidth plateau on PCIe, nccl-tests all
 third to a half of its large-message busbw at 1-4 MB on PCIe systems), and small-message protocols (LL/LL128)
 trade bandwidth for latency. FITTED (``costmodel.fit.FITTED``) jointly on all runs; identified by the runs
 that use TP or data parallelism inside PCIe nodes (AMP's T4 nodes, Sailor's consumer nodes, both without
-PCIe peer-to-peer); leave-one-source-out 0.46-0.49."""
+PCIe peer-to-peer); leave-one-source-out 0.45-0.49."""
 
 
 def intra_node_gb_per_s(acc: Any, peer_to_peer: bool | None = None) -> float:
@@ -246,7 +273,7 @@ reserved - allocated of 5-10 % in long LLM runs)."""
 
 # --- precision ------------------------------------------------------------------------------------------
 
-BYTES_PER_VALUE: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 2.0, "fp32": 4.0}
+BYTES_PER_VALUE: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 2.0, "fp32": 4.0, "tf32": 4.0}
 """Bytes of a stored activation/weight/gradient value by compute precision (fp8 training keeps bf16
 weights and activations and casts per matmul, as Transformer Engine does)."""
 
@@ -269,6 +296,20 @@ def has_flash_attention(acc: Any) -> bool:
     return acc.id not in NO_FUSED_ATTENTION
 
 
+def has_tf32(acc: Any) -> bool:
+    """Whether an accelerator has TF32 tensor cores: NVIDIA Ampere and later (not :data:`PRE_AMPERE`)."""
+    return getattr(acc, "vendor", "") == "nvidia" and acc.id not in PRE_AMPERE
+
+
+def peak_tflops(acc: Any, precision: str) -> float:
+    """Dense peak TFLOP/s of a ``catalog.Accelerator`` at ``precision``. ``tf32``: half the dense fp16/bf16
+    tensor-core peak where :func:`has_tf32` (NVIDIA datasheets: A100 156 of 312, H100 SXM 494.7 of 989.4,
+    L40S 181 of 362, RTX 3090 35.6 of 71), else the fp32 peak; other precisions: the catalog's."""
+    if precision == "tf32":
+        return float(acc.bf16_tflops) / 2.0 if has_tf32(acc) else float(acc.fp32_tflops)
+    return float(acc.peak_tflops(precision))
+
+
 def gemm_efficiency(acc: Any, precision: str = "bf16") -> float:
     """Large-matmul fraction of peak a ``catalog.Accelerator`` sustains in training (MAMF x sustained)."""
     if acc.id in GEMM_EFFICIENCY:
@@ -276,6 +317,8 @@ def gemm_efficiency(acc: Any, precision: str = "bf16") -> float:
     elif acc.id in PRE_AMPERE and precision in TENSOR_CORE_PRECISIONS:
         mamf = PRE_AMPERE_EFFICIENCY
     else:
+        mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
+    if precision == "tf32" and not has_tf32(acc):
         mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
     if precision == "fp8" and getattr(acc, "fp8_tflops", None) is not None:
         mamf = GEMM_EFFICIENCY_FP8.get(acc.id, mamf * FP8_VS_BF16_EFFICIENCY)

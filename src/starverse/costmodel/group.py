@@ -207,6 +207,7 @@ def _rows_for(
         pipeline_devices=tp * pp,
         flash_attention=(np.ones(n, dtype=np.bool_) if devices.flash_attention is None
                          else devices.flash_attention[k]),
+        host_collectives=None if devices.host_collectives is None else devices.host_collectives[k],
         **(measured or {}),
     )
 

@@ -18,7 +18,9 @@ from starverse.costmodel.constants import (
     LINK_EFFICIENCY,
     gemm_efficiency,
     has_flash_attention,
+    host_collectives,
     intra_node_gb_per_s,
+    peak_tflops,
 )
 from starverse.costmodel.constants import usable_memory_gb as usable_memory
 from starverse.costmodel.pricing import cheapest_price_per_hour
@@ -128,7 +130,7 @@ class TrainShape:
     seq_len: int
     """Tokens per sequence."""
     precision: str = "bf16"
-    """bf16 | fp16 | fp8 | fp32 (selects the accelerator peak and bytes per value)."""
+    """bf16 | fp16 | fp8 | fp32 | tf32 (selects the accelerator peak and bytes per value)."""
     mode: str = "full"
     """full | lora | qlora."""
     lora_rank: int = 16
@@ -195,6 +197,8 @@ class DeviceTable:
     """Price per device-hour (NaN = unknown)."""
     flash_attention: BoolArray | None = None
     """Has a fused attention kernel (used by ``TrainShape.attention == "auto"``); None = all do."""
+    host_collectives: BoolArray | None = None
+    """Ranks are host processes over gloo (``constants.host_collectives``: the ``cpu`` stack); None = none are."""
     profiles: tuple[Any, ...] | None = None
     """Per row, a measured ``costmodel.profile.ModelProfile`` of the search's model on that device kind, or
     None (analytic); a pool offer's ``profile``. Where one has an entry at a candidate's micro-batch,
@@ -230,7 +234,7 @@ class DeviceTable:
         usable = [None] * k if usable_memory_gb is None else list(usable_memory_gb)
         return cls(
             ids=tuple(a.id for a in accelerators),
-            peak_tflops=np.array([a.peak_tflops(precision) for a in accelerators], dtype=np.float64),
+            peak_tflops=np.array([peak_tflops(a, precision) for a in accelerators], dtype=np.float64),
             gemm_efficiency=np.array([gemm_efficiency(a, precision) for a in accelerators], dtype=np.float64),
             memory_gb=np.array([usable_memory(a) if u is None else u for a, u in zip(accelerators, usable, strict=True)],
                                dtype=np.float64),
@@ -241,6 +245,7 @@ class DeviceTable:
             tdp_w=np.array([a.tdp_w for a in accelerators], dtype=np.float64),
             price_per_hour=np.array([np.nan if p is None else p for p in price], dtype=np.float64),
             flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
+            host_collectives=np.array([host_collectives(a) for a in accelerators], dtype=np.bool_),
             profiles=profs,
         )
 

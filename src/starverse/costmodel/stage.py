@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.costmodel import constants as C
-from starverse.costmodel.comm import group_bus_gb_per_s, ring_allreduce_s
+from starverse.costmodel.comm import collective_latency_s, group_bus_gb_per_s, ring_allreduce_s
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -81,6 +81,9 @@ class StageRows:
     """Measured forward + backward of embedding, LM head and loss per micro-batch; NaN = analytic."""
     measured_optimizer_s_per_param: FloatArray | None = None
     """Measured Adam step time per parameter held (``costmodel.profile``); NaN = analytic."""
+    host_collectives: BoolArray | None = None
+    """Ranks are host processes talking over gloo (``constants.host_collectives``: the ``cpu`` stack), whose
+    collectives cost ``comm.collective_latency_s`` per call; None = none are."""
 
 
 def _f(x: object) -> FloatArray:
@@ -199,7 +202,8 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # host-side launch time of the layer's kernels (forward, backward, recomputed forward), exposed where
     # the framework synchronises the device per micro-step; counted with the matmuls (a measured profile
     # below includes it)
-    host = C.HOST_OVERHEAD_PER_LAYER_S * (1.0 + rc_full / 3.0) if mn.sync_micro_steps else 0.0 * rc_full
+    host_issue = C.HOST_OVERHEAD_PER_LAYER_S * (1.0 + rc_full / 3.0)
+    host = host_issue if mn.sync_micro_steps else 0.0 * rc_full
     gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any) + host
     attn_elem = np.zeros_like(a)
     if eager.any():
@@ -236,8 +240,14 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     same_node = rows.tp <= rows.devices_per_node
     tp_bus = group_bus_gb_per_s(t, np.where(same_node, t, 1.0), rows.intra_node_gb_per_s,
                                 rows.devices_per_node, rows.inter_node_gbps)
-    ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus)
+    ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus, 1.0, collective_latency_s(rows.host_collectives, True))
+    latency = collective_latency_s(rows.host_collectives)
     tp_layer = ar * (4.0 + 2.0 * rc_full)
+
+    if not mn.sync_micro_steps:
+        # asynchronous launches: the device waits for the host where a layer's work is shorter than the
+        # time to issue its kernels (launch-bound small layers and micro-batches)
+        gemm_layer = gemm_layer + np.maximum(host_issue - (gemm_layer + elem_layer + tp_layer), 0.0)
 
     head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm)
     head_elem = tokens * (mn.vocab * C.CROSS_ENTROPY_BYTES_PER_LOGIT) / t / bw
@@ -286,7 +296,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     nic_per_dev = rows.inter_node_gbps * (C.NETWORK_EFFICIENCY / 8.0) / senders
     intra = rows.intra_node_gb_per_s * C.LINK_EFFICIENCY
     pp_bw = np.where(pp_bus_same_node & (intra > 0), intra, nic_per_dev)
-    p2p = tokens * (h * bv) / t / (pp_bw * 1e9) + C.COLLECTIVE_LATENCY_S
+    p2p = tokens * (h * bv) / t / (pp_bw * 1e9) + latency
     # Megatron all-reduces the tied embedding's gradient between the first and the last stage after
     # every step (not overlapped): one 2-rank all-reduce per TP rank over the pipeline link
     tied = (mn.tie * (rows.pp > 1)).astype(np.float64)
@@ -309,6 +319,11 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         "tied_s": tied_s,
         "capacity_gb": capacity,
         "tokens": tokens,
+        "latency": np.broadcast_to(np.asarray(latency, dtype=np.float64), tokens.shape),
+        "dtensor_latency": np.broadcast_to(np.asarray(collective_latency_s(rows.host_collectives, True),
+                                                      dtype=np.float64), tokens.shape),
+        "host": (np.zeros(tokens.shape, dtype=np.bool_) if rows.host_collectives is None
+                 else np.broadcast_to(rows.host_collectives, tokens.shape)),
     }
 
 
@@ -388,12 +403,18 @@ def stage_totals(
     exposed = np.maximum(offload_mb - compute_mb, 0.0)
 
     grad_bytes = trainable * mn.grad_bytes_per_value
-    dp_allreduce = ring_allreduce_s(grad_bytes, n, lc["dp_bus"], np.ceil(grad_bytes / C.GRADIENT_BUCKET_BYTES))
-    z3 = z >= 3
+    dp_allreduce = ring_allreduce_s(grad_bytes, n, lc["dp_bus"], np.ceil(grad_bytes / C.GRADIENT_BUCKET_BYTES),
+                                    lc["latency"])
+    # CPU ranks: the runtime's ZeRO-2 is FSDP2 too (gathers forward, reduce-scatters per micro-batch: 2 DTensor
+    # collectives per block, the all-reduce's volume), priced with ZeRO-3's per-micro-batch collectives
+    fsdp2_cpu = lc["host"] & (z == 2)
+    z3 = (z >= 3) | fsdp2_cpu
     # ZeRO-3: per layer an all-gather for forward, again for backward, and a reduce-scatter of gradients
     # (1.5x the all-reduce volume), overlapped with the micro-batch's compute except the first gather;
     # the overlapped part still takes SMs from compute
-    z3_mb = 1.5 * ring_allreduce_s(p_dev * bv, n, lc["dp_bus"], 2.0 * np.maximum(L, 1.0))
+    z3_mb = 1.5 * ring_allreduce_s(p_dev * bv, n, lc["dp_bus"], 2.0 * np.maximum(L, 1.0),
+                                   lc["dtensor_latency"])
+    z3_mb = np.where(fsdp2_cpu, z3_mb / 1.5, z3_mb)
     z3_exposed = (np.maximum(z3_mb - compute_mb, 0.0) + z3_mb / (3.0 * np.maximum(L, 1.0))
                   + C.OVERLAP_SM_FRACTION * np.minimum(z3_mb, compute_mb))
     exposed = exposed + np.where(z3, z3_exposed, 0.0)
@@ -402,6 +423,11 @@ def stage_totals(
     bwd_last = compute_mb * (2.0 / 3.0) if mn.overlap_grad_reduce else 0.0 * compute_mb
     dp_exposed = np.where(z3, 0.0, np.maximum(dp_allreduce - bwd_last, 0.0)
                           + C.OVERLAP_SM_FRACTION * np.minimum(dp_allreduce, bwd_last))
+    # CPU ranks: the runtime's ZeRO-1 (ZeroRedundancyOptimizer) broadcasts each updated parameter tensor from
+    # its owner after the step (on GPUs priced as DeepSpeed's reduce-scatter + all-gather, the all-reduce's)
+    tensors = L * C.PARAM_TENSORS_PER_LAYER + fi + 2.0 * la
+    bcast = (n - 1.0) / np.maximum(n, 1.0) * p_dev * bv / (lc["dp_bus"] * 1e9) + tensors * lc["latency"]
+    dp_exposed = dp_exposed + np.where(lc["host"] & (z == 1) & (rows.offload == 0) & (n > 1), bcast, 0.0)
 
     total = (weights + grads + optimizer + activations) / 1e9 + C.RESERVED_GB
     return {

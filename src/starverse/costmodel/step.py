@@ -248,7 +248,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
     pp = len(stages)
     layer_s, layer_fwd_s, head_s = _measured(profiles, stages, micro_batches, tr.seq_len, precision)
     return StageRows(
-        peak_tflops=col([a.peak_tflops(precision) for a in accs]),
+        peak_tflops=col([C.peak_tflops(a, precision) for a in accs]),
         gemm_efficiency=col([C.gemm_efficiency(a, precision) for a in accs]),
         memory_gb=col([plan.network.usable_memory_gb.get(a.id, C.usable_memory_gb(a)) for a in accs]),
         memory_bw_gb_per_s=col([a.memory_bw_gb_per_s for a in accs]),
@@ -270,6 +270,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         sequence_parallel=np.full((pp, k), tr.sequence_parallel),
         pipeline_devices=full(sum(s.tp for s in stages)),
         flash_attention=np.repeat(np.array([C.has_flash_attention(a) for a in accs])[:, None], k, axis=1),
+        host_collectives=np.repeat(np.array([C.host_collectives(a) for a in accs])[:, None], k, axis=1),
         measured_layer_s=layer_s,
         measured_layer_forward_s=layer_fwd_s,
         measured_head_s=head_s,
@@ -494,7 +495,7 @@ def estimate(plan: Plan, catalog: Any = None, spec: Any = None) -> Estimate:
     for g in plan.groups:
         for st in g.stages:
             acc = catalog.accelerator(st.accelerator)
-            peak_sum += g.replicas * st.tp * st.repeat * acc.peak_tflops(plan.train.precision)
+            peak_sum += g.replicas * st.tp * st.repeat * C.peak_tflops(acc, plan.train.precision)
             power_w += g.replicas * st.tp * st.repeat * acc.tdp_w
     flops_per_token = mn.model_flops_per_token()
     model_tflops = flops_per_token * tokens_per_s / 1e12

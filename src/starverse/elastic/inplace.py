@@ -10,8 +10,13 @@ Lighthouse. Unlike the local launcher it does not fail fast on a lost replica:
 - a replica killed (signal, exit without a result, heartbeat lost) is recorded as a :class:`Loss` (its
   :class:`~starverse.errors.LostRankError`, and when it happened); the survivors finish the step in flight
   without it; the job goes on;
-- with ``replace_after_s`` set, a replacement process for the same rank (same device) is started that long
-  after the loss; it joins at a step boundary with the live state of a peer (a :class:`Join`);
+- with ``replace_after_s`` set, a replacement for the same rank (same device) is started that long after the
+  loss; it joins at a step boundary with the live state of a peer (a :class:`Join`). With ``warm_spares`` (the
+  default) the replacement is a *warm spare*: one process per device kind started with the job, which has
+  imported torch and torchft and loaded the model and waits, outside the quorum, on the launcher's store;
+  "started" then means activated (``activate/<slot>`` set), so the process start-up is not on the join's path.
+  The launcher starts a new spare of that kind at each activation. Without a live spare the replacement is a
+  fresh process (*cold*, :attr:`Join.warm` False);
 - the job fails, with a typed error as the local launcher's, when a replica raises (a code error), when
   every replica is lost (the supervisor then restarts from the last checkpoint) or past ``timeout_s``.
 
@@ -33,10 +38,21 @@ from typing import Any
 from starverse.errors import ConfigError, LostRankError
 from starverse.providers.failures import code_error, lost_heartbeat, lost_process, overrun, user_error
 from starverse.providers.local import _main_reimport_guard, _rank_entry, _stop_all, signal_processes
-from starverse.runtime.ft import EXTRA_BARRIER_PORT, EXTRA_JOINER, EXTRA_LIGHTHOUSE, quiet_torchft
+from starverse.runtime.ft import (
+    EXTRA_BARRIER_PORT,
+    EXTRA_JOINER,
+    EXTRA_LIGHTHOUSE,
+    EXTRA_SPARE,
+    JOINED_KEY,
+    SPARE_KEY,
+    quiet_torchft,
+)
 from starverse.runtime.launch import LOOPBACK, RankEnv, RankError, RankSpec, ordered_ranks, store_server
 
 log = logging.getLogger(__name__)
+
+SPARE_SLOTS = 16
+"""Spare processes one launch may start (each activation starts the next one)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +74,9 @@ class Join:
     device_kind: str
     """Its accelerator id."""
     at: float
-    """``time.time()`` when it was started."""
+    """``time.time()`` when it was started (a warm spare: activated; its lease starts here)."""
+    warm: bool = False
+    """True: a warm spare was activated; False: a fresh process was spawned."""
 
 
 class Lighthouse:
@@ -96,15 +114,20 @@ class InplaceLauncher:
     """A replica whose process lives but whose heartbeat is older than this is lost (and stopped)."""
     lighthouse_heartbeat_ms: int = 1000
     """The Lighthouse's heartbeat timeout (see :class:`Lighthouse`)."""
+    warm_spares: bool = True
+    """With ``replace_after_s``: keep one pre-started spare process per device kind (see the module docstring)."""
     losses: list[Loss] = field(default_factory=list, init=False)
     """Replicas lost in the last launch."""
     joins: list[Join] = field(default_factory=list, init=False)
     """Replacements started in the last launch."""
+    spares: list[str] = field(default_factory=list, init=False)
+    """Device kind of each warm spare process started in the last launch, in order."""
     on_loss: Callable[[Loss], None] | None = field(default=None, repr=False, compare=False)
     """Called (in the launcher's thread) when a replica is lost: the job layer ends its lease there."""
     on_join: Callable[[Join, RankSpec], None] | None = field(default=None, repr=False, compare=False)
     """Called when a replacement is started: the job layer opens its lease."""
     _procs: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
+    _live: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.replace_after_s is not None and self.replace_after_s < 0:
@@ -119,8 +142,7 @@ class InplaceLauncher:
 
     def pids(self) -> dict[int, int]:
         """Rank -> process id of the replicas running now (tests and benchmarks kill them)."""
-        return {int(p.name.rsplit("rank", 1)[1]): p.pid for p in list(self._procs)
-                if p.exitcode is None and p.pid is not None}
+        return {rank: p.pid for rank, p in list(self._live.items()) if p.exitcode is None and p.pid is not None}
 
     def launch(
         self,
@@ -134,23 +156,26 @@ class InplaceLauncher:
     ) -> list[Any]:
         """Run ``fn(rank_env, *args)`` per replica; results in rank order (None: lost for good)."""
         ranks = ordered_ranks(ranks)
-        self.losses, self.joins = [], []
+        self.losses, self.joins, self.spares = [], [], []
         # a healthy replica late to a step is waited for (as a collective would): only a silent one is dropped
         lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms,
                                 join_timeout_ms=int(collective_timeout_s * 1000))
         barrier = store_server(LOOPBACK, len(ranks) + 1, collective_timeout_s)
         run = _Run(self, ranks, fn, args, collective_timeout_s, mp.get_context("spawn"),
-                   {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port})
+                   {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port}, barrier)
         try:
             with _main_reimport_guard():
                 for spec in ranks:
                     run.start(spec, joiner=False)
+                if self.replace_after_s is not None and self.warm_spares:
+                    for kind in dict.fromkeys(r.device_kind for r in ranks):
+                        run.start_spare(kind)
             log.info("in-place launch: %d replicas, lighthouse %s", len(ranks), lighthouse.address)
             run.watch(timeout_s)
         finally:
             _stop_all(run.procs, grace_s if run.failed else 0.0)
             run.results.close()
-            self._procs = []
+            self._procs, self._live = [], {}
             lighthouse.shutdown()
         return [run.values.get(r.rank) for r in ranks]
 
@@ -166,7 +191,17 @@ class _Run:
     collective_timeout_s: float
     mp_ctx: Any
     extra: dict[str, Any]
+    store: Any
+    """The launcher's store (start barrier, spare activation)."""
     procs: list[Any] = field(default_factory=list)
+    spares: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    """Device kind -> (slot, process) of the warm spare waiting for that kind."""
+    slot_rank: dict[int, int] = field(default_factory=dict)
+    """An activated spare's slot -> the rank it became (its reports come under the slot)."""
+    beat_slot: dict[int, int] = field(default_factory=dict)
+    """Rank -> the heartbeat slot of the activated spare now running it."""
+    refill: dict[int, str] = field(default_factory=dict)
+    """Rank of an activated spare not yet joined -> its device kind (the next spare starts once it joined)."""
     live: dict[int, Any] = field(default_factory=dict)
     values: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, RankError] = field(default_factory=dict)
@@ -176,21 +211,62 @@ class _Run:
 
     def __post_init__(self) -> None:
         self.results = self.mp_ctx.Queue()
-        self.beats = self.mp_ctx.Array("d", len(self.ranks), lock=False)
-        self.launcher._procs = self.procs
+        # heartbeat slots: one per rank, then one per spare process ever started (at most SPARE_SLOTS)
+        self.beats = self.mp_ctx.Array("d", len(self.ranks) + SPARE_SLOTS, lock=False)
+        self.next_slot = len(self.ranks)
+        self.launcher._procs, self.launcher._live = self.procs, self.live
 
-    def start(self, spec: RankSpec, *, joiner: bool) -> None:
+    def spawn(self, spec: RankSpec, extra: dict[str, Any], name: str) -> Any:
         env = RankEnv(spec=spec, ranks=tuple(self.ranks), collective_timeout_s=self.collective_timeout_s,
-                      extra={**self.extra, EXTRA_JOINER: joiner})
+                      extra={**self.extra, **extra})
         self.beats[spec.rank] = 0.0
         p = self.mp_ctx.Process(
             target=_rank_entry,
             args=(self.fn, env, self.args, None, self.results, self.beats, os.getpid(), self.launcher.heartbeat_s),
-            name=f"starverse-replica-rank{spec.rank}",
+            name=name,
         )
         p.start()
         self.procs.append(p)
+        return p
+
+    def start(self, spec: RankSpec, *, joiner: bool) -> None:
+        self.beat_slot.pop(spec.rank, None)
+        self.live[spec.rank] = self.spawn(spec, {EXTRA_JOINER: joiner}, f"starverse-replica-rank{spec.rank}")
+
+    def start_spare(self, kind: str) -> None:
+        """A warm spare for ``kind`` (it runs as the first rank of that kind until activated as the lost one)."""
+        if self.next_slot >= len(self.beats):
+            log.warning("in-place: no spare slot left; later replacements of %s start cold", kind)
+            return
+        slot, self.next_slot = self.next_slot, self.next_slot + 1
+        like = next(r for r in self.ranks if r.device_kind == kind)
+        p = self.spawn(replace(like, rank=slot), {EXTRA_JOINER: True, EXTRA_SPARE: True}, f"starverse-spare{slot}")
+        self.spares[kind] = (slot, p)
+        self.launcher.spares.append(kind)
+
+    def replace_rank(self, spec: RankSpec) -> bool:
+        """Start the replacement of ``spec``: activate the warm spare of its kind (then start the next spare);
+        a fresh process if there is none. True: it was a warm spare."""
+        slot, p = self.spares.pop(spec.device_kind, (-1, None))
+        if p is None or p.exitcode is not None:
+            self.start(spec, joiner=True)
+            return False
+        self.store.delete_key(f"{JOINED_KEY}{spec.rank}")
+        self.store.set(f"{SPARE_KEY}{slot}", str(spec.rank))
+        self.slot_rank[slot], self.beat_slot[spec.rank] = spec.rank, slot
         self.live[spec.rank] = p
+        self.refill[spec.rank] = spec.device_kind
+        return True
+
+    def refill_spares(self, lost: set[int]) -> None:
+        """Start the next spare of a kind once its activated spare joined (or was lost before it did)."""
+        if self.finished:  # the survivors finished: no more spares
+            self.refill.clear()
+        for rank, kind in list(self.refill.items()):
+            if rank in lost or self.store.check([f"{JOINED_KEY}{rank}"]):
+                del self.refill[rank]
+                with _main_reimport_guard():
+                    self.start_spare(kind)
 
     def drain(self, wait_s: float) -> None:
         """Read what the replicas reported (waiting up to ``wait_s`` for the first message)."""
@@ -198,6 +274,11 @@ class _Run:
             while True:
                 rank, status, payload = self.results.get(timeout=wait_s)
                 wait_s = 0.0
+                if rank >= len(self.ranks):  # a spare: activated (reports as its slot) or not (ignored)
+                    if rank not in self.slot_rank:
+                        log.warning("in-place: a spare process ended before it was activated (%s)", status)
+                        continue
+                    rank = self.slot_rank[rank]
                 if status == "ok":
                     self.values[rank] = payload
                     self.live.pop(rank, None)
@@ -205,6 +286,11 @@ class _Run:
                     self.errors[rank] = payload
         except queue.Empty:
             return
+
+    @property
+    def finished(self) -> bool:
+        """A replica returned its result (a replacement that found no one to join returns None: not counted)."""
+        return any(v is not None for v in self.values.values())
 
     def finish_joiners(self, now: float) -> None:
         """Once a replica finished, the others finish the same step within moments; a process still running
@@ -216,6 +302,34 @@ class _Run:
                 log.warning("in-place: rank %d did not finish with the others; stopping it", rank)
                 p.kill()
                 self.live.pop(rank)
+
+    def absorb_losses(self, now: float) -> set[int]:
+        """Record the replicas lost since the last look (the job goes on); their ranks."""
+        launcher, gone = self.launcher, set[int]()
+        for rank, p in list(self.live.items()):
+            last = self.beats[self.beat_slot.get(rank, rank)]
+            lost: LostRankError | None = None
+            if p.exitcode is not None:
+                self.drain(0.2)  # its result may still be on the way
+                if rank in self.values or rank in self.errors:
+                    continue
+                lost = lost_process(self.ranks[rank], p.exitcode)
+            elif p.exitcode is None and last > 0 and now - last > launcher.heartbeat_timeout_s:
+                p.kill()
+                lost = lost_heartbeat(self.ranks[rank], now - last)
+            if lost is None:
+                continue
+            self.live.pop(rank)
+            gone.add(rank)
+            loss = Loss(lost, time.time())
+            launcher.losses.append(loss)
+            log.warning("in-place: rank %d (%s) lost (%s%s); the other replicas go on", rank, lost.device_kind,
+                        lost.cause.value, f", signal {lost.signal}" if lost.signal is not None else "")
+            if launcher.on_loss is not None:
+                launcher.on_loss(loss)
+            if launcher.replace_after_s is not None:
+                self.pending.append((now + launcher.replace_after_s, self.ranks[rank]))
+        return gone
 
     def watch(self, timeout_s: float) -> None:
         """Until every live replica reported (and no replacement is pending), absorbing losses."""
@@ -229,44 +343,26 @@ class _Run:
                 time.sleep(0.5)  # let a root cause report too
                 user = user_error(self.errors)
                 raise user if user is not None else code_error(self.ranks, self.errors)
-            for rank, p in list(self.live.items()):
-                last = self.beats[rank]
-                lost: LostRankError | None = None
-                if p.exitcode is not None:
-                    self.drain(0.2)  # its result may still be on the way
-                    if rank in self.values or rank in self.errors:
-                        continue
-                    lost = lost_process(self.ranks[rank], p.exitcode)
-                elif p.exitcode is None and last > 0 and now - last > launcher.heartbeat_timeout_s:
-                    p.kill()
-                    lost = lost_heartbeat(self.ranks[rank], now - last)
-                if lost is None:
-                    continue
-                self.live.pop(rank)
-                loss = Loss(lost, time.time())
-                launcher.losses.append(loss)
-                log.warning("in-place: rank %d (%s) lost (%s%s); the other replicas go on", rank, lost.device_kind,
-                            lost.cause.value, f", signal {lost.signal}" if lost.signal is not None else "")
-                if launcher.on_loss is not None:
-                    launcher.on_loss(loss)
-                if launcher.replace_after_s is not None:
-                    self.pending.append((now + launcher.replace_after_s, self.ranks[rank]))
-            if not self.live and not self.values:  # every replica lost: nobody holds the live state
+            self.refill_spares(self.absorb_losses(now))
+            if not self.live and not self.finished:
+                # every replica lost (a replacement that found no one returns None): nobody holds the live state
                 self.failed = True
                 raise launcher.losses[-1].error
-            if self.values:
+            if self.finished:
                 self.pending.clear()  # the survivors finished: no one to join
                 self.finish_joiners(now)
             for due, spec in list(self.pending):
                 if now >= due:
                     self.pending.remove((due, spec))
-                    join = Join(spec.rank, spec.device_kind, time.time())
+                    at = time.time()
+                    with _main_reimport_guard():
+                        warm = self.replace_rank(replace(spec))
+                    join = Join(spec.rank, spec.device_kind, at, warm)
                     launcher.joins.append(join)
                     if launcher.on_join is not None:
                         launcher.on_join(join, spec)
-                    with _main_reimport_guard():
-                        self.start(replace(spec), joiner=True)
-                    log.info("in-place: started a replacement for rank %d", spec.rank)
+                    log.info("in-place: started a replacement for rank %d (%s)", spec.rank,
+                             "warm spare" if warm else "new process")
             if now > deadline:
                 self.failed = True
                 raise overrun(timeout_s, len(self.values), len(self.ranks))

@@ -35,7 +35,6 @@ import re
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +49,8 @@ from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback, TrainContext
 from starverse.runtime.cluster import (
     Cluster,
-    check_plan_fits_ranks,
     estimate_or_none,
+    has_blocks,
     local_plan,
     order_ranks_like_plan,
 )
@@ -161,28 +160,30 @@ def replan_local(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence
 
 
 def replan_with_planner(cluster: Cluster, survivors: Sequence[RankSpec], lost: Sequence[RankSpec], *,
-                        pipelines: bool = True) -> Cluster:
+                        pipelines: bool = True, recovery: str = "restart", rebalance_every: int = 0,
+                        blocks: bool = True) -> Cluster:
     """The default re-plan: :func:`starverse.planner.plan_for_devices` on the surviving devices, within what
-    the runtime executes, for the same model (the cluster's config, scaled copy included), sequence length,
-    precision and **global batch**, with the cluster's policy. Falls back to :func:`replan_local` only when
-    the planner fails (unknown model or device, a batch that does not split over the survivors...), logged
-    with the planner's reason. ``pipelines=False``: one stage per group (the model cannot be cut into stages)."""
-    from starverse.planner import RUNTIME_CAPS, plan_for_devices
-
-    caps = RUNTIME_CAPS if pipelines else dataclasses.replace(RUNTIME_CAPS, max_pipeline_stages=1)
+    the runtime executes there (:func:`~starverse.runtime.cluster.executable_caps`: TP, ZeRO, recompute,
+    offload, pipelines; the checkpoint loads across layouts), for the same model (the cluster's config, scaled
+    copy included), sequence length, precision, training mode and **global batch**, with the cluster's policy;
+    the runnable plans only, the simplest within 5 % of the best first. Falls back to :func:`replan_local` only
+    when the planner fails (unknown model or device, a batch that does not split over the survivors...), logged
+    with the planner's reason. ``pipelines=False``: one stage per group (the model cannot be cut into stages);
+    ``recovery="in-place"``: plain data parallelism, so the next attempt can still recover in place;
+    ``rebalance_every``: the Trainer's (ZeRO-2/3 plans need 0: their ranks run in lockstep); ``blocks=False``: the
+    model has no ``nn.ModuleList`` of blocks (ZeRO ≤ 1, no recompute)."""
+    from starverse.runtime.cluster import executable_caps, plan_on_ranks
 
     ranks = tuple(RankSpec(i, r.device_kind, r.device, r.num_threads, r.env) for i, r in enumerate(survivors))
     old = cluster.plan
     model = cluster.model_config if cluster.model_config is not None else old.model
+    train = {"seq_len": old.train.seq_len, "global_batch": old.train.global_batch,
+             "precision": old.train.precision, "mode": old.train.mode, "lora_rank": old.train.lora_rank}
     try:
-        result = plan_for_devices(
-            model, dict(Counter(r.device_kind for r in ranks)), policy=cluster.policy, model_name=old.model,
-            train={"seq_len": old.train.seq_len, "global_batch": old.train.global_batch,
-                   "precision": old.train.precision},
-            runtime_caps=caps, top=1,
-        )
+        result = plan_on_ranks(model, old.model, ranks, cluster.policy, train,
+                               executable_caps(ranks, recovery, pipelines, blocks), catalog=cluster.catalog,
+                               rebalance_every=rebalance_every)
         best = result.best
-        check_plan_fits_ranks(best.plan, ranks, "the planner's re-plan")
     except StarverseError as e:
         reason = " ".join(str(e).split())
         log.warning("planner not used for the re-plan (%s: %s); one data-parallel group per device kind",
@@ -296,8 +297,12 @@ class Supervisor:
              fit_kwargs: dict[str, Any]) -> SupervisedResult:
         resume = self.resume_path(resume_from)
         first_model = model_factory(self.cluster)
-        if self.replan is replan_with_planner and not can_be_pipelined(first_model):
-            self.replan = functools.partial(replan_with_planner, pipelines=False)  # a user's model, not cut
+        if self.replan is replan_with_planner:  # a user's model is not cut; in-place recovery needs plain DP
+            options: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Trainer)} | self.trainer_options
+            self.replan = functools.partial(replan_with_planner, pipelines=can_be_pipelined(first_model),
+                                            recovery=str(options["recovery"]),
+                                            rebalance_every=int(options["rebalance_every"]),
+                                            blocks=has_blocks(first_model))
         if resume is not None:
             self._check_model(first_model, resume)
         # signal handlers can only be set from the main thread; elsewhere (a service) stop with request_stop

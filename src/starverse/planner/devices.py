@@ -4,18 +4,26 @@ Where ``search`` chooses what to rent from a pool, here the devices are given (`
 ``{"h100-80gb-sxm": 4, "rtx-4090": 2}``): they become a pool of **owned** offers (price 0, so
 ``cost-performance`` ranks by throughput; see :func:`~starverse.planner.policy.resolve_objective`), or of
 rented ones where ``prices`` names a price. ``runtime_caps`` restricts the space to what the runtime that will
-execute the plan can run; by default (:data:`RUNTIME_CAPS`) that is today's runtime: data parallelism and
-pipelines (any depth, uneven layer splits, stages of different kinds), TP 1, no ZeRO / recompute / offload,
-full training, every device used.
+execute the plan can run: :data:`EXECUTABLE` is what ``starverse.runtime`` executes (TP, ZeRO 0-3, recompute,
+offload, pipelines; ``accelerate()`` narrows it per cluster), :data:`RUNTIME_CAPS` the plain subset (data
+parallelism and pipelines, TP 1, no ZeRO / recompute / offload).
+
+Where the caps leave TP, ZeRO, recompute or offload open, the space is searched once per setting (the search
+keeps one plan per device set, so its ``top`` list never shows two settings of the same devices), and
+``plan_for_devices`` ranks the settings' best plans itself: plans the runtime refuses (``runnable``) are left
+out, and among plans whose objective is within :data:`TIE_TOLERANCE` of the best the simplest setting wins
+(:func:`simplicity`: no offload, TP 1, no recompute, the lowest ZeRO stage), so a setting the cost model prices
+a few percent faster (ZeRO-1's sharded optimizer step) does not replace plain data parallelism.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from starverse.errors import CatalogError, ConfigError, InfeasiblePlanError
+from starverse.errors import CatalogError, ConfigError, InfeasiblePlanError, StarverseError
 from starverse.planner.job import Objective, job_from_dict
 from starverse.planner.pool import pool_from_dict
 from starverse.planner.result import PlanResult
@@ -39,6 +47,8 @@ class RuntimeCaps:
     """True when it can run LoRA/QLoRA (then proposed as alternatives when full training cannot fit)."""
     use_all_devices: bool = True
     """True when every given device becomes a rank (the plan must use them all)."""
+    max_zero_stage: int = 3
+    """Highest ZeRO stage searched when ``zero_stage`` is None."""
 
     def search_options(self, num_kinds: int) -> dict[str, Any]:
         """The ``search:`` section of the job these caps give, for ``num_kinds`` device kinds."""
@@ -59,6 +69,8 @@ class RuntimeCaps:
             parts.append(f"≤ {self.max_pipeline_stages} pipeline stage{'s' if self.max_pipeline_stages > 1 else ''}")
         if self.zero_stage is not None:
             parts.append(f"ZeRO-{self.zero_stage}")
+        elif self.max_zero_stage < 3:
+            parts.append(f"ZeRO ≤ {self.max_zero_stage}")
         if self.recompute is not None:
             parts.append(f"recompute {self.recompute}")
         if self.offload is not None:
@@ -75,9 +87,70 @@ class RuntimeCaps:
         return {k: v for k, v in fixes.items() if v is not None}
 
 
+    @property
+    def open_settings(self) -> bool:
+        """True when TP, ZeRO, recompute or offload is left to the search."""
+        return (self.max_tp is None or self.max_tp > 1 or self.zero_stage is None or self.recompute is None
+                or self.offload is None)
+
+    def settings(self) -> list[RuntimeCaps]:
+        """One caps per setting these allow (TP 1 or TP open, each ZeRO stage, recompute, offload), fixed."""
+        zeros = [self.zero_stage] if self.zero_stage is not None else list(range(self.max_zero_stage + 1))
+        rcs = [self.recompute] if self.recompute is not None else ["none", "selective", "full"]
+        offs = [self.offload] if self.offload is not None else ["none", "optimizer", "optimizer+params"]
+        tps = [self.max_tp] if self.max_tp == 1 else [1, self.max_tp]
+        return [dataclasses.replace(self, max_tp=tp, zero_stage=z, recompute=rc, offload=off)  # type: ignore[arg-type]
+                for off in offs for rc in rcs for tp in tps for z in zeros if off == "none" or z >= 1]
+
+
 RUNTIME_CAPS = RuntimeCaps(max_pipeline_stages=None)
-"""What ``starverse.runtime`` executes today: data parallelism across (possibly mixed) device kinds and pipelines
-(``torch.distributed.pipelining``, uneven splits, heterogeneous stages); TP, ZeRO, recompute, offload not yet."""
+"""The plain subset of what ``starverse.runtime`` executes: data parallelism across (possibly mixed) device kinds
+and pipelines (``torch.distributed.pipelining``, uneven splits, heterogeneous stages); TP 1, ZeRO-0, no
+recompute or offload (what in-place recovery runs)."""
+EXECUTABLE = RuntimeCaps(max_tp=None, max_pipeline_stages=None, zero_stage=None, recompute=None, offload=None)
+"""Everything ``starverse.runtime`` executes (issue 10): TP (within a node; the plan's check refuses a TP that
+does not divide the heads), ZeRO 0-3 (FSDP2; ZeRO-1 a sharded optimizer), recompute, offload, pipelines; full
+training, every device used. ``accelerate()`` narrows it to the cluster (no offload on CPU ranks, plain for
+in-place recovery) and filters the ranked plans by the runtime's own checks."""
+TIE_TOLERANCE = 0.05
+"""Plans whose objective is within this fraction of the best one are ties, won by the simplest setting."""
+
+_RECOMPUTE = {"none": 0, "selective": 1, "full": 2}
+_OFFLOAD = {"none": 0, "optimizer": 1, "optimizer+params": 2}
+
+
+def simplicity(plan: Any) -> tuple[int, int, int, int]:
+    """Sort key of a plan's setting, simplest first: no offload, TP 1, no recompute, the lowest ZeRO stage."""
+    t = plan.train
+    tp = max(s.tp for g in plan.groups for s in g.stages)
+    return (_OFFLOAD.get(t.offload, 3), int(tp > 1), _RECOMPUTE.get(t.recompute, 3), int(t.zero_stage))
+
+
+def pick_simplest(result: PlanResult, runnable: Callable[[Any], None] | None = None,
+                  tolerance: float = TIE_TOLERANCE) -> PlanResult:
+    """``result`` with the plans ``runnable`` refuses (raises a StarverseError) left out and the simplest plan
+    within ``tolerance`` of the best objective first (then by objective). InfeasiblePlanError when none is
+    left, naming why each was refused."""
+    kept, refused = [], []
+    for rp in result.plans:
+        try:
+            if runnable is not None:
+                runnable(rp.plan)
+        except StarverseError as e:
+            refused.append(f"{rp.layout()}: {' '.join(str(e).split())}")
+            continue
+        kept.append(rp)
+    if not kept:
+        raise InfeasiblePlanError("the runtime runs none of the planner's plans on these devices:", refused)
+    best = max(rp.objective_value for rp in kept)
+    ties = [rp for rp in kept if rp.objective_value >= best - tolerance * abs(best)]
+    first = min(ties, key=lambda rp: simplicity(rp.plan))
+    rest = sorted((rp for rp in kept if rp is not first), key=lambda rp: -rp.objective_value)
+    notes = list(result.notes)
+    if first.objective_value < best:
+        notes.append(f"chose the simplest setting within {tolerance:.0%} of the best estimate: {first.layout()}")
+    notes.extend(f"not run by the runtime: {r}" for r in refused[:3])
+    return dataclasses.replace(result, plans=(first, *rest), notes=tuple(notes))
 UNRESTRICTED = RuntimeCaps(max_tp=None, max_pipeline_stages=None, zero_stage=None, recompute=None, offload=None,
                            fine_tuning=True, use_all_devices=False)
 """The planner's whole space (TP, pipelines, ZeRO, offload, LoRA; any subset of the devices)."""
@@ -97,6 +170,8 @@ def plan_for_devices(
     model_name: str | None = None,
     cross_kind_gbps: float | None = None,
     top: int = 5,
+    runnable: Callable[[Any], None] | None = None,
+    cpu_threads: int | None = None,
 ) -> PlanResult:
     """Ranked plans for ``model`` on exactly these ``devices`` (accelerator id → count), within ``runtime_caps``.
 
@@ -106,7 +181,11 @@ def plan_for_devices(
     ``train``: ``seq_len``, ``global_batch``, ``precision`` and any other ``job.yaml`` train field.
     ``prices``: price per device-hour by accelerator (in ``currency``); devices without one are owned
     (price 0). All devices of one kind are taken as one node (a single machine). ``runtime_caps``: None
-    searches the whole space. Raises ``ConfigError``/``InfeasiblePlanError`` (say what failed and why).
+    searches the whole space. ``runnable``: the runtime's check of a plan (raises a StarverseError for one it
+    does not run); when given, or when the caps leave settings open, the plans are ranked by
+    :func:`pick_simplest` (see the module docstring). ``cpu_threads``: threads of each ``cpu`` rank, which
+    scale the catalog's CPU compute figures (:func:`cpu_rank_catalog`; a probe's measured figures are kept).
+    Raises ``ConfigError``/``InfeasiblePlanError`` (say what failed and why).
     """
     from starverse.catalog import load_catalog
     from starverse.models import load_model
@@ -115,6 +194,8 @@ def plan_for_devices(
     if not devices or any(int(n) < 1 for n in devices.values()):
         raise ConfigError(f"plan_for_devices: devices must map accelerator ids to counts >= 1 (got {dict(devices)})")
     catalog = catalog if catalog is not None else load_catalog()
+    if cpu_threads is not None and "cpu" in devices:
+        catalog = cpu_rank_catalog(catalog, cpu_threads)
     for acc in devices:
         try:
             catalog.accelerator(acc)
@@ -144,17 +225,36 @@ def plan_for_devices(
         pool_d["cross_offer_gbps"] = cross_kind_gbps
     pool = pool_from_dict(pool_d, catalog, source="<devices>")
     caps = runtime_caps if runtime_caps is not None else UNRESTRICTED
-    job_d: dict[str, Any] = {
-        "model": model_name,
-        "train": {**dict(train), **caps.train_fixes()},  # what the runtime cannot change wins
-        "objective": str(policy),
-        "search": caps.search_options(len(devices)),
-    }
-    if max_budget_per_hour is not None:
-        job_d["constraints"] = {"max_budget_per_hour": max_budget_per_hour}
-    job = job_from_dict(job_d, "<plan_for_devices>")
+
+    def job_for(c: RuntimeCaps) -> Any:
+        job_d: dict[str, Any] = {
+            "model": model_name,
+            "train": {**dict(train), **c.train_fixes()},  # what the runtime cannot change wins
+            "objective": str(policy),
+            "search": c.search_options(len(devices)),
+        }
+        if max_budget_per_hour is not None:
+            job_d["constraints"] = {"max_budget_per_hour": max_budget_per_hour}
+        return job_from_dict(job_d, "<plan_for_devices>")
+
     try:
-        return search(job, pool, catalog, top, spec=spec)
+        if runtime_caps is None or (runnable is None and not caps.open_settings):
+            return search(job_for(caps), pool, catalog, top, spec=spec)
+        found: dict[str, Any] = {}
+        result = None
+        for c in caps.settings():
+            try:
+                r = search(job_for(c), pool, catalog, top, spec=spec)
+            except InfeasiblePlanError:
+                continue
+            result = result or r
+            for rp in r.plans:
+                found.setdefault(f"{rp.layout()} {rp.mode}", rp)
+        if result is None:  # nothing fits any setting: the error of the widest search says why
+            return search(job_for(caps), pool, catalog, top, spec=spec)
+        ranked = sorted(found.values(), key=lambda rp: -rp.objective_value)
+        picked = pick_simplest(dataclasses.replace(result, plans=tuple(ranked)), runnable)
+        return dataclasses.replace(picked, plans=picked.plans[:max(top, 1)])
     except InfeasiblePlanError as e:
         limits = caps.describe()
         if not limits:
@@ -165,4 +265,25 @@ def plan_for_devices(
         raise err from None
 
 
-__all__ = ["RUNTIME_CAPS", "UNRESTRICTED", "RuntimeCaps", "plan_for_devices"]
+CATALOG_CPU_CORES = 5
+"""Cores the catalog's ``cpu`` compute figures assume (its source: "~5 cores" for fp32_tflops)."""
+
+
+def cpu_rank_catalog(catalog: Any, threads: int) -> Any:
+    """``catalog`` with the ``cpu`` accelerator's compute figures scaled to a rank of ``threads`` threads
+    (``threads / CATALOG_CPU_CORES`` of the catalog's, at most all of it) while they are the bundled defaults;
+    figures measured by ``starverse probe`` (a rank's own) are kept."""
+    from starverse.catalog import bundled_catalog
+
+    acc, default = catalog.accelerator("cpu"), bundled_catalog().accelerator("cpu")
+    scale = min(max(int(threads), 1), CATALOG_CPU_CORES) / CATALOG_CPU_CORES
+    fields = ("fp32_tflops", "bf16_tflops", "fp16_tflops")
+    changes = {f: getattr(default, f) * scale for f in fields if getattr(acc, f) == getattr(default, f)}
+    if not changes or scale == 1.0:
+        return catalog
+    source = f"catalog default x {threads}/{CATALOG_CPU_CORES} cores (a rank of {threads} threads)"
+    return catalog.with_overrides({"cpu": {**changes, "sources": dict.fromkeys(changes, source)}})
+
+
+__all__ = ["EXECUTABLE", "RUNTIME_CAPS", "TIE_TOLERANCE", "UNRESTRICTED", "RuntimeCaps", "cpu_rank_catalog",
+           "pick_simplest", "plan_for_devices", "simplicity"]

@@ -37,7 +37,7 @@ from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.group import measured_times, model_numbers
 from starverse.costmodel.shapes import Candidates
 from starverse.costmodel.stage import ModelNumbers, StageRows, stage_costs
-from starverse.planner import hostmem, pipesplit, space
+from starverse.planner import hostmem, pipebound, pipesplit, space
 from starverse.planner.build import NOMINAL_TOKENS
 from starverse.planner.policy import billed_hours, checkpoint_seconds, paid_cost, score, spot_factor, within
 from starverse.planner.result import SearchStats
@@ -86,8 +86,11 @@ def _rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, first: 
 
     cand = Candidates.make(accelerator=offer, tp=tp.astype(np.int64), pp=int(pp), replicas=r, micro_batch=mb,
                            num_micro_batches=m)
+    measured: dict[str, Any] = dict(measured_times(d, cand, ctx.train))
+    if d.host_collectives is not None:  # CPU ranks: gloo collectives pay a per-call latency (costmodel.comm)
+        measured["host_collectives"] = d.host_collectives[offer]
     return StageRows(
-        **measured_times(d, cand, ctx.train),
+        **measured,
         peak_tflops=d.peak_tflops[offer], gemm_efficiency=d.gemm_efficiency[offer], memory_gb=d.memory_gb[offer],
         memory_bw_gb_per_s=d.memory_bw_gb_per_s[offer], intra_node_gb_per_s=d.intra_node_gb_per_s[offer],
         devices_per_node=d.devices_per_node[offer].astype(np.float64), inter_node_gbps=d.inter_node_gbps[offer],
@@ -106,12 +109,14 @@ def _mn(ctx: Any) -> ModelNumbers:
 
 @dataclass
 class _Kinds:
-    """Stage kinds (offer, tp) of one family (r, mb, setting): per-layer time lower bound and memory cap."""
+    """Stage kinds (offer, tp) of one family (r, mb, setting): per-layer time lower bound and memory caps."""
 
     offer: IntArray
     tp: IntArray
     a: FloatArray
-    cap: IntArray
+    per: IntArray
+    """(kinds, stages): ``cap_j``, the most layers a stage of the kind holds with the ``j``-th least number of
+    micro-batches in flight a stage of a block can have (:func:`_kinds`); never grows with ``j``."""
     kmax: IntArray
     p2p: FloatArray
     """A stage's point-to-point time at its least (two stages, so as likely as it gets inside one node)."""
@@ -121,70 +126,66 @@ class _Kinds:
 
 def _kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: list[list[int]], total: int,
            max_stages: int) -> _Kinds:
+    """The stage kinds of a family with their bounds.
+
+    Memory caps by place: under 1F1B the stage ``i`` places from the end keeps ``min(i, m)`` micro-batches
+    of activations, so the ``k`` stages of one kind, wherever they stand, keep at least ``min(1, m), …,
+    min(k, m)`` (sorted); a middle stage's memory is affine in its layers ``L`` and in the micro-batches in
+    flight ``j`` (``base + L (w + j · act)``, the cost model's own terms, first and last stages only add), so
+    the ``k`` stages hold at most ``Σ_{j ≤ k} cap(min(j, m))`` layers, and no block is longer than the last
+    ``k`` with ``cap(min(k, m)) ≥ 1``."""
     offer = np.array([o for o, ts in enumerate(tps) for _ in ts], dtype=np.int64)
     tp = np.array([t for ts in tps for t in ts], dtype=np.int64)
     if offer.size == 0:
         z = np.zeros(0, dtype=np.int64)
-        return _Kinds(z, z, np.zeros(0), z, z, np.zeros(0), np.zeros(0))
+        return _Kinds(z, z, np.zeros(0), np.zeros((0, 1), dtype=np.int64), z, np.zeros(0), np.zeros(0))
     m = ctx.batch // (r * mb)
     sp = bool((tp > 1).any())
     n = offer.size
     lmax = total - 1
-    three = np.repeat(np.array([1.0, 2.0, float(lmax)]), n)
-    o3, t3 = np.tile(offer, 3), np.tile(tp, 3).astype(np.float64)
-    # a middle stage with one micro-batch in flight: the least memory any stage of the kind needs
-    rows = _rows(ctx, o3, t3, three, False, False, np.ones(3 * n), 2.0, r, mb, m, setting, sp)
+    # rows: (L, in flight) = (1, 1), (2, 1), (lmax, 1), (1, 2): a middle stage (index 1) of a pp-deep pipeline
+    three = np.repeat(np.array([1.0, 2.0, float(lmax), 1.0]), n)
+    pp = np.repeat(np.array([2.0, 2.0, 2.0, 3.0]), n)
+    o3, t3 = np.tile(offer, 4), np.tile(tp, 4).astype(np.float64)
+    rows = _rows(ctx, o3, t3, three, False, False, np.ones(4 * n), 2.0, r, mb, m, setting, sp)
+    rows = replace(rows, pp=pp)
     c = stage_costs(_mn(ctx), rows)
-    s = c["stage_mb"].reshape(3, n)
-    mem = c["memory_gb"].reshape(3, n)
+    s = c["stage_mb"].reshape(4, n)
+    mem = c["memory_gb"].reshape(4, n)
     capacity = c["capacity_gb"][:n]
     a = np.minimum(s[0], s[2] / lmax)
-    slope = mem[1] - mem[0]
+    act = mem[3] - mem[0] if m >= 2 else np.zeros(n)  # one more micro-batch in flight, per layer
+    w = mem[1] - mem[0] - act  # per layer at no activation
+    base = mem[0] - w - act
+    kk = np.minimum(np.arange(1, min(total, max_stages) + 1, dtype=np.float64), float(m))  # in flight
+    slope = w[:, None] + kk[None, :] * act[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        cap_f = np.where(slope > 0, np.floor((capacity - mem[0]) / np.where(slope > 0, slope, 1.0) + 1e-9) + 1,
-                         np.where(mem[0] <= capacity, lmax, 0))
-    cap = np.clip(cap_f, 0, lmax).astype(np.int64)
-    cap = np.where(mem[0] <= capacity, cap, 0)
+        room = capacity[:, None] - base[:, None]
+        cap_f = np.where(slope > 0, np.floor(room / np.where(slope > 0, slope, 1.0) + 1e-6),
+                         np.where(room >= 0, lmax, 0))
+    per = np.clip(np.nan_to_num(cap_f, nan=0.0, posinf=lmax, neginf=0.0), 0, lmax).astype(np.int64)
+    longest = (per >= 1).cumprod(axis=1).sum(axis=1)  # caps never grow with j
     cnt = np.array([caps[o] for o in offer], dtype=np.int64)
-    kmax = np.minimum(cnt // (r * tp), min(total, max_stages))
-    ok = (cap >= 1) & (kmax >= 1) & np.isfinite(a) & (a > 0)
+    kmax = np.minimum(np.minimum(cnt // (r * tp), min(total, max_stages)), longest)
+    ok = (kmax >= 1) & np.isfinite(a) & (a > 0)
     p2p = c["p2p"][:n]
     opt = c["optimizer_s"][:n]
-    return _Kinds(offer[ok], tp[ok], a[ok], cap[ok], kmax[ok], p2p[ok], opt[ok])
+    return _Kinds(offer[ok], tp[ok], a[ok], per[ok], kmax[ok], p2p[ok], opt[ok])
 
 
-def _capacity(tau: FloatArray, slopes: FloatArray, limits: FloatArray, count: FloatArray) -> FloatArray:
-    """Layers each column can hold under bottleneck ``τ`` (rows × columns): a block of ``count`` stages of
-    per-layer time ``a`` (``slopes = count / a``) holds ``count · ⌊τ / a⌋`` (integer layers), an open offer
-    (``count = 0``) at most ``τ · slopes``; never more than ``limits`` (memory)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        per = np.where(count > 0, count * np.floor(tau[:, None] * slopes / np.where(count > 0, count, 1.0) + 1e-9),
-                       tau[:, None] * slopes)
-    return np.minimum(np.where(np.isfinite(per), per, 0.0), limits)
+def _reach(kinds: _Kinds) -> FloatArray:
+    """Most layers each kind's longest block can hold."""
+    capsum = np.cumsum(kinds.per, axis=1)
+    return capsum[np.arange(kinds.kmax.size), kinds.kmax - 1].astype(np.float64)
 
 
-def _tau_lb(slopes: FloatArray, limits: FloatArray, total: int, count: FloatArray) -> FloatArray:
-    """Least ``τ`` with ``Σ_j capacity_j(τ) ≥ total`` per row (inf if never; :func:`_capacity`).
-
-    Found by bisection; the lower end of the final bracket is returned, so the result never exceeds the
-    true least ``τ`` (a valid lower bound)."""
-    reach = limits.sum(axis=1)
-    out = np.full(slopes.shape[0], np.inf)
-    ok = reach >= total - 1e-9
-    if not ok.any():
-        return out
-    sl, li = slopes[ok], limits[ok]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        hi = np.where(sl > 0, li / np.where(sl > 0, sl, 1.0), 0.0).max(axis=1) * 1.01 + 1e-12
-    lo = np.zeros_like(hi)
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        got = _capacity(mid, sl, li, count[ok]).sum(axis=1)
-        enough = got >= total
-        hi = np.where(enough, mid, hi)
-        lo = np.where(enough, lo, mid)
-    out[ok] = lo
-    return out
+def _tables(kinds: _Kinds, total: int) -> FloatArray:
+    """(kinds, stages + 1, total + 1): ``T[κ, k, q] = Σ_{j ≤ k} min(q, cap_j)``, the most layers a block of
+    ``k`` stages of kind ``κ`` holds when each stage may take ``q`` (:class:`.pipebound.Tables`)."""
+    q = np.arange(total + 1, dtype=np.float64)
+    per = np.minimum(q[None, None, :], kinds.per[:, :, None].astype(np.float64))
+    n = kinds.per.shape[0]
+    return np.concatenate([np.zeros((n, 1, total + 1)), np.cumsum(per, axis=1)], axis=1)
 
 
 def spot_factor_of(ctx: Any, lam: Any, nodes: Any) -> FloatArray:
@@ -192,84 +193,6 @@ def spot_factor_of(ctx: Any, lam: Any, nodes: Any) -> FloatArray:
     write the checkpoint in parallel), as every stage of the search charges it."""
     ckpt = checkpoint_seconds(ctx.state_bytes, 1, ctx.job.search.checkpoint_gb_per_s) / np.maximum(nodes, 1)
     return np.asarray(spot_factor(lam, ckpt, ctx.job.search.restart_s), dtype=np.float64)
-
-
-GRID_STEPS = 70
-"""Points of the geometric grid (×1.01 apart) over which :func:`_core_lb` bounds the bottleneck level."""
-
-
-def _fill(cost: FloatArray, cap: FloatArray, need: FloatArray) -> FloatArray:
-    """Least ``Σ cost · x`` with ``0 ≤ x ≤ cap`` and ``Σ x = need`` per row (columns already sorted by cost;
-    inf where the capacity falls short)."""
-    before = np.cumsum(cap, axis=1) - cap
-    take = np.clip(need[:, None] - before, 0.0, cap)
-    out = (cost * take).sum(axis=1)
-    with np.errstate(invalid="ignore"):
-        return np.where(cap.sum(axis=1) >= need - 1e-9, out, np.inf)
-
-
-def _core_lb(w: float, tau_lb: FloatArray, cost: FloatArray, slope: FloatArray, lim: FloatArray,
-             mand: FloatArray, total: int) -> FloatArray:
-    # (``mand`` is also the stage count of a block column: integer layers per stage, :func:`_capacity`)
-    """Lower bound of ``w · max S + Σ S`` per row, with ``S_i ≥ a_i L_i``: columns are groups of stages
-    (a block: ``mand`` stages of at least one layer each, holding at most ``min(τ · slope, lim)`` layers under
-    bottleneck ``τ``, each layer costing at least ``cost``; an open offer: ``mand = 0``).
-
-    For bottleneck ``τ``, ``Σ S ≥ g(τ)`` = the cheapest way to place the layers within the capacities (a
-    fractional knapsack, exact by filling the cheapest columns first), and ``g`` does not grow with ``τ``;
-    so on each step ``[τ_j, τ_{j+1}]`` of a geometric grid from ``τ_lb``, ``w τ + g(τ) ≥ w τ_j + g(τ_{j+1})``,
-    and beyond the grid ``≥ w τ_J + g(∞)``. The least of these is the bound (the bubble of a deep pipeline
-    is in it: balanced stages make ``Σ S ≈ p τ``)."""
-    order = np.argsort(cost, axis=1, kind="stable")
-    cost = np.take_along_axis(cost, order, axis=1)
-    slope = np.take_along_axis(slope, order, axis=1)
-    lim = np.take_along_axis(lim, order, axis=1)
-    mand = np.take_along_axis(mand, order, axis=1)
-    base = np.where(mand > 0, mand * cost, 0.0).sum(axis=1)
-    need = total - mand.sum(axis=1)
-    safe = np.where(np.isfinite(tau_lb), tau_lb, 0.0)
-
-    # every grid point of every row at once: rows repeated G times
-    n, g_n = cost.shape[0], GRID_STEPS
-    grid = safe[:, None] * 1.01 ** np.arange(1, g_n + 1)[None, :]  # τ_{j+1}, j = 0..G-1
-    rep = np.repeat(np.arange(n), g_n)
-    with np.errstate(invalid="ignore"):
-        cap = np.maximum(_capacity(grid.ravel(), slope[rep], lim[rep], mand[rep]) - mand[rep], 0.0)
-    g_next = (base[rep] + _fill(cost[rep], cap, need[rep])).reshape(n, g_n)
-    steps = w * (grid / 1.01) + g_next
-    tail = w * safe * 1.01 ** g_n + base + _fill(cost, np.maximum(lim - mand, 0.0), need)
-    best = np.minimum(steps.min(axis=1) if g_n else tail, tail)
-    return np.where(np.isfinite(tau_lb) & (need >= -1e-9), best, np.inf)
-
-
-PRICE_GRID = 40
-"""Points of the grid over the open offers' share in :func:`_per_price_ub`."""
-
-
-def _per_price_ub(m: int, total: int, seqs: float, rate_c: FloatArray, price_c: FloatArray, fixed: FloatArray,
-                  r_open: float, e_open: float) -> FloatArray:
-    """Upper bound of tokens/s per unit of price of any pipeline completing a node.
-
-    The step is at least ``(m - 1) L / R + c`` (``R = Σ 1/a`` over the stages, the layer rate: the bottleneck
-    is at least ``L / R``; ``c = fixed``: every layer once at the cheapest per-layer time, the optimizer step
-    and the sends), so tokens/s ≤ ``seqs · m · R / ((m - 1) L + c R)`` (``seqs = r mb seq``).
-    The open offers add a rate ``x ∈ [0, r_open]`` at a price of at least ``x / e_open``; on each step
-    ``[x_j, x_{j+1}]`` of a grid the ratio is at most its numerator at ``x_{j+1}`` over its denominator at
-    ``x_j`` (both grow with ``x``)."""
-    xs = np.r_[0.0, r_open * np.geomspace(1e-4, 1.0, PRICE_GRID)] if r_open > 0 else np.zeros(1)
-    lo, hi = xs[:-1] if xs.size > 1 else xs, xs[1:] if xs.size > 1 else xs
-    rc, pc, c = rate_c[:, None], price_c[:, None], fixed[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        add_price = lo[None, :] / e_open if e_open > 0 else np.where(lo[None, :] > 0, np.inf, 0.0)
-        num = seqs * m * (rc + hi[None, :])
-        den = ((m - 1.0) * total + c * (rc + lo[None, :])) * (pc + add_price)
-        ratio = np.where(den > 0, num / den, np.inf)
-        ratio = np.where(np.isnan(ratio), np.inf, ratio)
-        out = ratio.max(axis=1)
-        # nothing chosen yet: every stage comes from the open offers, rate per price at most e_open
-        empty = (rate_c <= 0) & (price_c <= 0)
-        out = np.where(empty, seqs * m * e_open / ((m - 1.0) * total) if m > 1 else np.inf, out)
-    return np.asarray(out, dtype=np.float64)
 
 
 class _Search:
@@ -460,13 +383,34 @@ class _Search:
         return Pipeline(setting, r, mb, tuple(blocks), tuple(int(x) for x in layers), step, price, power, hours,
                         total, value)
 
+    def _per_price_tables(self, m: int, mb: int, taus: FloatArray, steps: FloatArray, cap: pipebound.Tables,
+                          n_fixed: int, stages: FloatArray, p2p: FloatArray, opt: FloatArray, price: FloatArray,
+                          open_kinds: IntArray, a: FloatArray, ratio_tab: FloatArray) -> FloatArray:
+        """Tokens/s per unit of price at most, from the memory-aware capacities (the first ``n_fixed``
+        columns of ``cap`` are the blocks chosen; the open offers' kinds add capacity at no more than
+        ``ratio_tab`` layers per unit of price; :func:`.pipebound.price_step_lb`)."""
+        n, g1 = taus.shape
+        rep = np.repeat(np.arange(n), g1)
+        have = cap(taus.ravel(), rep)[:, :n_fixed].sum(axis=1).reshape(n, g1)
+        if open_kinds.size:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                q = np.floor(taus[:, :, None] / a[open_kinds][None, None, :] + 1e-9)
+            q = np.clip(np.nan_to_num(q, nan=0.0, posinf=self.total), 0, self.total).astype(np.int64)
+            ratio = ratio_tab[open_kinds[None, None, :], q].max(axis=2)
+        else:
+            ratio = np.zeros((n, g1))
+        hop = np.maximum(mb * self.hop_s_per_sequence, p2p)
+        extra = 2.0 * (m + np.maximum(stages, 2.0) - 1.0) * hop + opt
+        ps = pipebound.price_step_lb(taus, steps, extra, price, have, self.total, ratio)
+        with np.errstate(divide="ignore"):
+            return np.asarray(np.where(ps > 0, self.ctx.batch * self.ctx.seq_len / ps, np.inf))
+
     # ---- the walk over offers ----------------------------------------------------------------------------
     def family(self, r: int, mb: int, setting: int, kinds: _Kinds) -> None:
         m = self.ctx.batch // (r * mb)
         offers = [int(o) for o in np.unique(kinds.offer)]
         # per open offer: its best layer rate (stages per unit τ) and most layers, over its kinds
         rate = {o: float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers}
-        reach = {o: float((kinds.kmax * kinds.cap)[kinds.offer == o].max()) for o in offers}
         amin_open = {o: float(kinds.a[kinds.offer == o].min()) for o in offers}
         # tokens/s per unit of price: the step is at least m L / Σ(1/a) over the stages, so tokens/s is at
         # most K Σ(1/a) with K = r mb seq / L, and a stage of kind (o, t) costs r t price_o
@@ -475,8 +419,26 @@ class _Search:
         with np.errstate(divide="ignore"):
             eff = {o: float((1.0 / (kinds.a * r * kinds.tp * self.price[o]))[kinds.offer == o].max()) for o in offers}
         max_stages = min(self.total, self.ctx.job.search.max_pipeline_stages or self.total)
+        # the most promising offer is decided first (any order is exact; this one prunes soonest): per unit
+        # of price for the money objectives, by layer rate otherwise
+        money = self.ctx.job.objective in ("cost-performance", "cost")
+        offers.sort(key=lambda o: -(eff[o] if money else rate[o]))
 
-        # a chosen block: (offer, tp, stages, per-layer time, layers per stage at most, p2p, optimizer step)
+        tab = _tables(kinds, self.total)
+        kinds_of = {o: np.flatnonzero(kinds.offer == o) for o in offers}
+        # an open offer holds at most what its best block holds at the level of its fastest kind
+        open_tab = {o: tab[kinds_of[o], kinds.kmax[kinds_of[o]], :].max(axis=0) for o in offers}
+        zero = np.zeros(self.total + 1)
+        # layers per unit of price of each kind's best block, per level q (the money objectives' bound)
+        ks = np.arange(1, tab.shape[1], dtype=np.float64)
+        kind_price = r * kinds.tp * self.price[kinds.offer]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_unit = tab[:, 1:, :] / (kind_price[:, None, None] * ks[None, :, None])
+        per_unit = np.where(np.isnan(per_unit), np.inf, per_unit)
+        per_unit = np.where((ks[None, :] <= kinds.kmax[:, None])[:, :, None], per_unit, 0.0)
+        ratio_tab = per_unit.max(axis=1)  # (kinds, levels)
+
+        # a chosen block: (offer, tp, stages, per-layer time, kind index, p2p, optimizer step)
         def walk(level: int, chosen: list[tuple[int, int, int, float, int, float, float]], bound: float) -> None:
             accs = {self.accs[c[0]] for c in chosen}
             if level == len(offers):
@@ -487,26 +449,21 @@ class _Search:
             open_ = offers[level + 1:]
             used = sum(c[2] for c in chosen)
             # children: leave the offer out, or one of its (tp, k) blocks
-            kid_t, kid_k, kid_a, kid_cap, kid_j = [0], [0], [np.inf], [0], [0]
+            kid_t, kid_k, kid_a, kid_j = [0], [0], [np.inf], [0]
             if self.accs[o] not in accs:
-                sel = np.flatnonzero(kinds.offer == o)
-                for j in sel:
+                for j in kinds_of[o]:
                     for k in range(1, min(int(kinds.kmax[j]), max_stages - used) + 1):
                         kid_t.append(int(kinds.tp[j]))
                         kid_k.append(k)
                         kid_a.append(float(kinds.a[j]))
-                        kid_cap.append(int(kinds.cap[j]))
                         kid_j.append(int(j))
             kt, kk = np.array(kid_t), np.array(kid_k, dtype=np.float64)
-            ka, kc = np.array(kid_a), np.array(kid_cap, dtype=np.float64)
+            ka, kj = np.array(kid_a), np.array(kid_j)
             kp, ko = kinds.p2p[kid_j], kinds.opt[kid_j]
             nk = kt.size
             # columns: the chosen blocks, the child's block, the open offers' envelopes
             ch_k = np.array([float(c[2]) for c in chosen])
             ch_a = np.array([c[3] for c in chosen])
-            ch_cap = np.array([float(c[4]) for c in chosen])
-            op_r = np.array([rate[q] for q in open_])
-            op_c = np.array([reach[q] for q in open_])
             op_a = np.array([amin_open[q] for q in open_])
 
             def cols(fixed: FloatArray, child: FloatArray, rest: FloatArray) -> FloatArray:
@@ -515,14 +472,22 @@ class _Search:
                                   np.tile(rest, (nk, 1))])
 
             child_a = np.where(kk > 0, ka, 1.0)
-            slope = cols(ch_k / ch_a, np.where(kk > 0, kk / child_a, 0.0), op_r)
-            lim = cols(ch_k * ch_cap, kk * kc, op_c)
-            cost = cols(ch_a, np.where(kk > 0, ka, 0.0), op_a)
+            kid_tab = np.where((kk > 0)[:, None], tab[kj, kk.astype(np.int64), :], zero[None, :])
+            fixed_tab = np.stack([tab[c[4], c[2], :] for c in chosen] + [open_tab[q] for q in open_]) \
+                if chosen or open_ else np.zeros((0, self.total + 1))
+            nch = len(chosen)
+            tables = np.concatenate([np.broadcast_to(fixed_tab[None, :nch], (nk, nch, self.total + 1)),
+                                     kid_tab[:, None, :],
+                                     np.broadcast_to(fixed_tab[None, nch:], (nk, len(open_), self.total + 1))],
+                                    axis=1)
+            cost = cols(ch_a, child_a, op_a)
+            cap = pipebound.Tables(cost, tables)
             mand = cols(ch_k, kk, np.zeros(len(open_)))
-            tau = _tau_lb(slope, lim, self.total, mand)
+            tau = pipebound.tau_lb(cap, self.total)
             a_chosen = max([c[3] for c in chosen], default=0.0)
             tau = np.maximum(tau, np.where(kk > 0, np.maximum(a_chosen, ka), a_chosen))
-            core = _core_lb(m - 1.0, tau, cost, slope, lim, mand, self.total)
+            taus, steps = pipebound.core_grid(m - 1.0, tau, cost, cap, mand, self.total)
+            core = steps.min(axis=1)
             price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
             power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
             price = price0 + np.where(kk > 0, r * kt * kk * self.price[o], 0.0)
@@ -534,7 +499,12 @@ class _Search:
             e_open = max([eff[q] for q in open_], default=0.0)
             fixed = self.total * a_least + opt + 2.0 * (m + np.maximum(used + kk, 2.0) - 1.0) * np.maximum(
                 mb * self.hop_s_per_sequence, p2p)
-            per_price = _per_price_ub(m, self.total, k_rate * self.total, rate_c, price, fixed, r_open, e_open)
+            per_price = pipebound.per_price_ub(m, self.total, k_rate * self.total, rate_c, price, fixed, r_open, e_open)
+            if money:
+                per_price = np.minimum(per_price, self._per_price_tables(
+                    m, mb, taus, steps, cap, len(chosen) + 1, used + kk, p2p, opt, price,
+                    np.concatenate([kinds_of[q] for q in open_]) if open_ else np.zeros(0, dtype=np.int64),
+                    kinds.a, ratio_tab))
             b = self.bound(m, mb, core, used + kk, p2p, opt, price, power, per_price)
             self.stats.pipeline_nodes += nk
             self.nodes += nk
@@ -544,7 +514,7 @@ class _Search:
                 if self.full():
                     self.gap_bound = max(self.gap_bound, float(b[i]))
                     return
-                nxt = chosen if kk[i] == 0 else [*chosen, (o, int(kt[i]), int(kk[i]), float(ka[i]), int(kc[i]),
+                nxt = chosen if kk[i] == 0 else [*chosen, (o, int(kt[i]), int(kk[i]), float(ka[i]), int(kj[i]),
                                                            float(kp[i]), float(ko[i]))]
                 walk(level + 1, nxt, float(b[i]))
 
@@ -578,11 +548,12 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
                 # the family's bound: every offer at its best block
                 offers = np.unique(kinds.offer)
                 sl = np.array([[float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers]])
-                li = np.array([[float((kinds.kmax * kinds.cap)[kinds.offer == o].max()) for o in offers]])
-                tau = _tau_lb(sl, li, total, np.zeros_like(sl))
+                li = np.array([[float(_reach(kinds)[kinds.offer == o].max()) for o in offers]])
+                env = pipebound.Envelope(sl, li, np.zeros_like(sl))
+                tau = pipebound.tau_lb(env, total)
                 cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
                 m = ctx.batch // (r * mb)
-                core = _core_lb(m - 1.0, tau, cost, sl, li, np.zeros_like(sl), total)
+                core = pipebound.core_lb(m - 1.0, tau, cost, env, np.zeros_like(sl), total)
                 with np.errstate(divide="ignore"):
                     per_price = r * mb * ctx.seq_len / total * float(
                         (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())

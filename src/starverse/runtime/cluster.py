@@ -2,8 +2,11 @@
 
 ``accelerate`` takes the provider's devices (the local machine when ``pool`` is None) and asks the planner
 (:func:`starverse.planner.plan_for_devices`) for the best plan on exactly those devices, restricted to what
-this runtime executes (:data:`RUNTIME_CAPS`: data parallelism across device kinds, batch split by the
-planner's speed model). Only when the planner fails (unknown device, nothing fits) does it fall back to one
+this runtime executes (:func:`executable_caps`: data parallelism across device kinds with the batch split by
+the planner's speed model, pipelines, TP inside a node, ZeRO 0-3, recompute, offload on accelerators; plain
+data parallelism for ``recovery="in-place"``). The planner's plans are filtered by the runtime's own checks
+(:func:`check_runnable`) and, among plans estimated within 5 % of the best, the simplest wins (ZeRO-0 over
+ZeRO-1, TP 1 over TP 2, no recompute, no offload). Only when the planner fails (unknown device, nothing fits) does it fall back to one
 data-parallel group per device kind, with the planner's one-line reason in ``cluster.notes``. An explicit
 ``plan=`` always wins. When the requested model cannot be trained on these devices (training state does not
 fit, or CPU ranks that would take hours per step), ``cluster.model_config`` is an honest scaled-down copy of
@@ -63,6 +66,9 @@ class Cluster:
     """Relative speed of each rank for the initial shares (empty: from the plan / catalog)."""
     pretrained_model: Any = None
     """The ``transformers`` model given as ``model_id`` (trained with its weights; ``build_model`` returns it)."""
+    catalog: Any = None
+    """The accelerator figures the plan was made with, the re-plan's too (None: the bundled catalog with the
+    probe's measured figures)."""
 
     @property
     def world_size(self) -> int:
@@ -170,6 +176,73 @@ def order_ranks_like_plan(plan: Plan, ranks: list[RankSpec]) -> tuple[RankSpec, 
     return tuple(out)
 
 
+def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipelines: bool = True,
+                    blocks: bool = True) -> Any:
+    """What this runtime executes on ``ranks`` (a :class:`~starverse.planner.devices.RuntimeCaps`): everything
+    (``EXECUTABLE``) but offload on CPU ranks (their memory is the host's: nothing to offload to) and ZeRO when
+    the ranks are of several kinds (FSDP2 shards over one device kind). ``recovery="in-place"``: data-parallel
+    replicas of one rank each, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is searched).
+    ``pipelines=False``: one stage per group (a model that cannot be cut); ``blocks=False``: a model without an
+    ``nn.ModuleList`` of blocks, so no FSDP2 unit (ZeRO ≤ 1) and nothing to recompute."""
+    import dataclasses
+
+    from starverse.planner.devices import EXECUTABLE
+
+    caps = EXECUTABLE
+    if recovery == "in-place":
+        caps = dataclasses.replace(caps, max_tp=1, max_pipeline_stages=1, zero_stage=0, offload="none")
+    if any(r.device == "cpu" for r in ranks):
+        caps = dataclasses.replace(caps, offload="none")
+    if len({r.device_kind for r in ranks}) > 1:
+        caps = dataclasses.replace(caps, zero_stage=0, offload="none")
+    if not pipelines:
+        caps = dataclasses.replace(caps, max_pipeline_stages=1)
+    if not blocks:
+        caps = dataclasses.replace(caps, max_zero_stage=min(caps.max_zero_stage, 1), recompute="none")
+    return caps
+
+
+def has_blocks(model: Any) -> bool:
+    """True when ``model`` has an ``nn.ModuleList`` of blocks (the unit of FSDP2 sharding and of recompute)."""
+    from starverse.runtime.parallel.blocks import decoder_blocks
+
+    try:
+        decoder_blocks(model)
+    except ConfigError:
+        return False
+    return True
+
+
+def check_runnable(plan: Plan, ranks: Sequence[RankSpec], model_config: dict[str, Any] | None = None,
+                   source: str = "the planner's plan", rebalance_every: int = 0) -> None:
+    """Raise a StarverseError unless this runtime runs ``plan`` on ``ranks``: :func:`check_plan_fits_ranks`, the
+    in-stage parallelism checks ``Trainer.fit`` applies (ZeRO over one device kind and one group, LoRA x TP
+    inside pipelines, ...; with equal shares, as accelerate's plans start, and the Trainer's ``rebalance_every``),
+    the training mode on these devices (QLoRA needs CUDA), and TP against the model (a family with a split table,
+    heads and MLP width divisible)."""
+    from starverse.runtime.lora import check_mode
+    from starverse.runtime.parallel.parallelize import check_parallel_plan
+    from starverse.runtime.parallel.pipeline_parallel import check_pipeline_parallel
+
+    check_plan_fits_ranks(plan, list(ranks), source)
+    ordered = order_ranks_like_plan(plan, list(ranks))
+    if PipelineLayout.from_plan(plan).is_pipelined:
+        check_pipeline_parallel(plan, rebalance_every, [1], None, source)
+    else:
+        check_parallel_plan(plan, [r.device_kind for r in ordered], rebalance_every)
+    check_mode(plan.train.mode, [r.device for r in ordered], source)
+    tp = max(s.tp for g in plan.groups for s in g.stages)
+    if tp > 1 and model_config is not None:
+        from starverse.runtime.modeling import _to_pretrained
+        from starverse.runtime.parallel.tensor import TensorParallelError, check_tensor_parallel
+
+        config = _to_pretrained({k: v for k, v in model_config.items() if k != WEIGHTS_KEY})
+        if not getattr(config, "base_model_tp_plan", None):
+            raise TensorParallelError(f"{source}: tp {tp}: the {config.model_type} family declares no column/row "
+                                      "split (transformers' base_model_tp_plan). To fix: tp: 1.")
+        check_tensor_parallel(config, tp)
+
+
 def local_plan(
     ranks: list[RankSpec] | tuple[RankSpec, ...], model: str, num_layers: int, seq_len: int, global_batch: int,
     precision: str = "bf16",
@@ -210,6 +283,8 @@ def accelerate(
     mode: str = "full",
     lora_rank: int = 16,
     ranks: Sequence[RankSpec] | None = None,
+    recovery: str = "restart",
+    catalog: Any = None,
 ) -> Cluster:
     """Choose devices, plan and model for a training job (see the module docstring).
 
@@ -220,6 +295,8 @@ def accelerate(
     Plan or plan file, checked against the devices. ``pool``: None = the local provider (the only one
     implemented). ``max_params``: cap on the model size built here (default: what fits; on CPU ranks
     also at most 20M parameters). ``ranks``: the devices to run on (a Ray cluster's); None: this machine's.
+    ``recovery``: the ``Trainer``'s; ``"in-place"`` plans plain data parallelism (what in-place recovery runs).
+    ``catalog``: the accelerator figures the planner uses (None: the bundled catalog with the probe's figures).
     """
     from starverse.runtime.devices import local_ranks
 
@@ -252,7 +329,8 @@ def accelerate(
         plan_model = str(model_id) if named else str(_save_config(plan_cfg))
         precision = "fp32" if all(r.device == "cpu" for r in ordered) else "bf16"
         train = {"seq_len": seq_len, "global_batch": gb, "precision": precision, "mode": mode, "lora_rank": lora_rank}
-        planned = _planner_plan(plan_cfg, plan_model, ordered, policy, max_budget, train, notes)
+        planned = _planner_plan(plan_cfg, plan_model, ordered, policy, max_budget, train, notes,
+                                caps=executable_caps(ordered, recovery), catalog=catalog)
         if planned is not None:
             the_plan, estimate = planned
             ordered = order_ranks_like_plan(the_plan, list(ordered))
@@ -266,7 +344,7 @@ def accelerate(
     cluster = Cluster(
         plan=the_plan, ranks=ordered, model_config=hf_cfg, model_id=_model_name(model_ref), scaled=scaled,
         notes=tuple(notes), policy=policy, estimate=estimate,
-        pretrained_model=model_ref if isinstance(model_ref, torch.nn.Module) else None,
+        pretrained_model=model_ref if isinstance(model_ref, torch.nn.Module) else None, catalog=catalog,
     )
     for line in cluster.summary_lines():
         log.info("%s", line)
@@ -366,25 +444,20 @@ def _choose_model(
 
 def _planner_plan(
     model_cfg: dict[str, Any], plan_model: str, ranks: tuple[RankSpec, ...], policy: str, max_budget: float | None,
-    train: dict[str, Any], notes: list[str],
+    train: dict[str, Any], notes: list[str], *, caps: Any = None, catalog: Any = None,
 ) -> tuple[Plan, Any] | None:
     """The planner's best plan on exactly these devices within what this runtime executes, and its estimate;
     None (with the planner's one-line reason in ``notes``) when the planner fails.
 
     ``model_cfg`` is the config really trained (a scaled copy when scaled); ``plan_model`` names it in the
     plan (a saved config.json for a copy), so ``starverse estimate`` on the plan gives the same numbers.
+    ``caps``: what the runtime executes here (None: :func:`executable_caps` of ``ranks``); the planner's
+    plans are filtered by :func:`check_runnable`.
     """
-    from starverse.planner import RUNTIME_CAPS, plan_for_devices
-
-    devices = dict(Counter(r.device_kind for r in ranks))
     try:
-        result = plan_for_devices(
-            model_cfg, devices, policy=policy, max_budget_per_hour=max_budget, model_name=plan_model,
-            train=train,
-            runtime_caps=RUNTIME_CAPS, top=1,
-        )
+        result = plan_on_ranks(model_cfg, plan_model, ranks, policy, train, caps if caps is not None
+                               else executable_caps(ranks), max_budget=max_budget, catalog=catalog)
         best = result.best
-        check_plan_fits_ranks(best.plan, list(ranks), "the planner's plan")
     except StarverseError as e:  # unknown device, nothing fits, ...: the per-kind plan, and why
         reason = " ".join(str(e).split())
         log.info("planner not used: %s", reason)
@@ -397,7 +470,28 @@ def _planner_plan(
         f"{est.step_time_s:.4g} s, {best.tokens_per_s:,.0f} tokens/s, bottleneck {est.bottleneck}"
     )
     notes.extend(f"planner: {n}" for n in result.notes)
+    if best.plan.train.zero_stage >= 2:
+        notes.append(f"plan: ZeRO-{best.plan.train.zero_stage} runs the ranks in lockstep: train with "
+                     "Trainer(rebalance_every=0)")
     return best.plan, est
+
+
+def plan_on_ranks(model_cfg: dict[str, Any] | str, plan_model: str, ranks: Sequence[RankSpec], policy: str,
+                  train: dict[str, Any], caps: Any, *, max_budget: float | None = None, catalog: Any = None,
+                  rebalance_every: int = 0) -> Any:
+    """The planner's ranked plans (``PlanResult``) on exactly these ranks within ``caps``, the runnable ones
+    only (:func:`check_runnable`), the simplest within 5 % of the best first; CPU ranks priced with their
+    thread count. Raises the planner's StarverseError."""
+    from starverse.planner import plan_for_devices
+
+    num_cpu = sum(1 for r in ranks if r.device_kind == "cpu")
+    cpu_threads = [r.num_threads or max(1, (os.cpu_count() or 1) // num_cpu) for r in ranks if r.device_kind == "cpu"]
+    cfg = model_cfg if isinstance(model_cfg, dict) else None
+    return plan_for_devices(
+        model_cfg, dict(Counter(r.device_kind for r in ranks)), policy=policy, max_budget_per_hour=max_budget,
+        model_name=plan_model, train=train, runtime_caps=caps, top=5, catalog=catalog,
+        runnable=lambda plan: check_runnable(plan, ranks, cfg, rebalance_every=rebalance_every), cpu_threads=min(cpu_threads) if cpu_threads else None,
+    )
 
 
 def estimate_or_none(plan: Plan) -> Any:

@@ -76,6 +76,14 @@ EXTRA_BARRIER_PORT = "start_barrier_port"
 """``RankEnv.extra`` key: the launcher's store port where the initial replicas meet before the first quorum."""
 EXTRA_JOINER = "joiner"
 """``RankEnv.extra`` key: True for a replica started after the job began (it heals from a peer)."""
+EXTRA_SPARE = "spare"
+"""``RankEnv.extra`` key: True for a warm spare: a process that imports, loads the model, then waits (outside
+the quorum) on the launcher's store for the rank it replaces (:func:`wait_for_activation`)."""
+SPARE_KEY = "activate/"
+"""Store key prefix the launcher sets to activate a spare: ``activate/<slot>`` = the rank it becomes."""
+JOINED_KEY = "joined/"
+"""Store key a replacement sets once it committed its first step (``joined/<rank>``): the launcher starts the
+next warm spare then, not while the replacement is joining (its start-up would slow the join on a busy host)."""
 
 
 def quiet_torchft() -> None:
@@ -250,19 +258,22 @@ class ReplicaTrainer:
     last_quorum: Quorum | None = None
     """The quorum of the last step attempted."""
     joiner: bool = False
-    failed_at: float | None = None
-    ready_at: float = 0.0
-    """When this replica's torchft manager was up (process started, imports done, model built)."""
-    """When this replica's last attempt at a step failed (None: the last one committed)."""
     """Started after the job began (a replacement): it must receive the live state from a peer."""
+    failed_at: float | None = None
+    """When this replica's last attempt at a step failed (None: the last one committed)."""
+    ready_at: float = 0.0
+    """When this replica's torchft manager was up (process started or spare activated, model built)."""
 
     @classmethod
-    def build(cls, env: RankEnv, job: FitJob) -> ReplicaTrainer:
-        """Create this replica's model, optimizer, schedule and data (no collectives)."""
+    def build(cls, env: RankEnv, job: FitJob, model: torch.nn.Module | None = None) -> ReplicaTrainer:
+        """Create this replica's model (``model``: already loaded on the CPU, a warm spare's), optimizer,
+        schedule and data (no collectives)."""
         device = torch.device(env.spec.device)
         torch.manual_seed(job.seed)
         np.random.seed(job.seed)
-        model = torch.load(job.model_path, map_location="cpu", weights_only=False).to(device)
+        if model is None:
+            model = load_model(job)
+        model = model.to(device)
         model.train()
         optimizer, scheduler, data, sampler = training_parts(model, job)
         ctx = TrainContext(
@@ -452,9 +463,14 @@ class ReplicaTrainer:
         if not self.shares_history:
             self.shares_history = [(self.ctx.step, tuple(self.ctx.shares))]
         t_loop = time.perf_counter()
+        announce = self.joiner
         while self.ctx.step < self.job.max_steps:
             try:
-                if self.try_step(sync) and self.ctx.stop_reason is not None:
+                committed = self.try_step(sync)
+                if committed and announce:
+                    announce = False
+                    announce_joined(self.env)
+                if committed and self.ctx.stop_reason is not None:
                     break
             except _NothingToJoin:
                 log.warning("replica %d: started as a replacement but no other replica is left; leaving",
@@ -497,15 +513,64 @@ def start_barrier(env: RankEnv) -> None:
         time.sleep(0.02)
 
 
+def _launcher_store(env: RankEnv) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(LOOPBACK, int(env.extra[EXTRA_BARRIER_PORT]), is_master=False,
+                         timeout=timedelta(seconds=env.collective_timeout_s))
+
+
+def announce_joined(env: RankEnv) -> None:
+    """A replacement tells the launcher it trained its first step (``joined/<rank>``)."""
+    if env.extra.get(EXTRA_BARRIER_PORT) is not None:
+        _launcher_store(env).set(f"{JOINED_KEY}{env.rank}", "1")
+
+
+def load_model(job: FitJob) -> torch.nn.Module:
+    """The job's initial model, on the CPU."""
+    model: torch.nn.Module = torch.load(job.model_path, map_location="cpu", weights_only=False)
+    return model
+
+
+def wait_for_activation(env: RankEnv, job: FitJob, poll_s: float = 0.005) -> tuple[RankEnv, torch.nn.Module]:
+    """A warm spare: do what a replacement's start costs (imports, the model loaded) now, then wait outside the
+    quorum until the launcher sets ``activate/<slot>`` on its store; returns the env of the rank it replaces.
+
+    torchft's own spares (``WorldSizeMode.FIXED_WITH_SPARES``) are *hot*: in every quorum, healed every step,
+    contributing zero gradients, so their device is in use (and billed) the whole run. This one is *warm*: it
+    holds no Manager and no device work until activated, then joins like any replacement (healed at a step
+    boundary from a peer), so its lease starts at activation."""
+    quiet_torchft()
+    from torchft import Manager, ProcessGroupGloo  # noqa: F401  (imported now: part of the start-up paid early)
+    from torchft.checkpointing.pg_transport import PGTransport  # noqa: F401
+
+    model = load_model(job)
+    store = _launcher_store(env)
+    key = f"{SPARE_KEY}{env.rank}"
+    while not store.check([key]):
+        time.sleep(poll_s)
+    rank = int(store.get(key))
+    active = RankEnv(spec=env.ranks[rank], ranks=env.ranks, collective_timeout_s=env.collective_timeout_s,
+                     extra={**env.extra, EXTRA_SPARE: False, EXTRA_JOINER: True})
+    os.environ.update({"RANK": str(rank), "STARVERSE_DEVICE_KIND": active.spec.device_kind, **dict(active.spec.env)})
+    if active.spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(active.spec.device))
+    return active, model
+
+
 def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
-    """The launched function for ``recovery: in-place``: build the replica, join the quorum, run the loop."""
+    """The launched function for ``recovery: in-place``: build the replica, join the quorum, run the loop (a warm
+    spare first waits for its activation)."""
     lighthouse = env.extra.get(EXTRA_LIGHTHOUSE)
     if not lighthouse:
         raise ConfigError("recovery: in-place needs a launcher with a torchft Lighthouse "
                           "(starverse.elastic.inplace.InplaceLauncher).")
+    model = None
+    if env.extra.get(EXTRA_SPARE):
+        env, model = wait_for_activation(env, job)
     if env.extra.get(EXTRA_JOINER):
         os.environ["STARVERSE_JOINER"] = "1"
-    trainer = ReplicaTrainer.build(env, job)
+    trainer = ReplicaTrainer.build(env, job, model)
     trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
     sync = TorchftSync(f"replica{env.rank:04d}", str(lighthouse), env.collective_timeout_s,
                        trainer.live_state, trainer.load_live_state)

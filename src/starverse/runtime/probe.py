@@ -282,6 +282,9 @@ def probe_model(plan: Any, spec: Any, accelerator: str, device: str = "cpu", *, 
     if not settings:
         raise ConfigError(f"probe: the plan has no stage on '{accelerator}' (this machine's device kind); "
                           "probe with a plan that uses it")
+    if plan.train.precision not in _DTYPES:
+        raise ConfigError(f"probe: train.precision '{plan.train.precision}' is not measured; probe with one of "
+                          f"{', '.join(_DTYPES)}")
     cfg = hf_config_dict(spec)
     dev = torch.device(device)
     entries = [profile_entry(cfg, mb, plan.train.seq_len, tp, plan.train.precision, dev, repeats)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from starverse.errors import ConfigError
+from starverse.errors import ConfigError, DistributedError
 from starverse.plan import Plan
 from starverse.runtime.callbacks import Callback
 from starverse.runtime.data import (
@@ -370,6 +370,8 @@ def inplace_supported(plan: Plan) -> bool:
 def _fill_lost(results: list[Any]) -> list[RankResult]:
     """An in-place run's results with each rank lost for good (``None``) reported as having trained nothing."""
     done = [r for r in results if r is not None]
+    if not done:  # every replica lost (a launcher that does not raise it itself): the supervisor restarts
+        raise DistributedError("every replica of the in-place run was lost; nothing holds the live state")
     return [r if r is not None else dataclasses.replace(done[0], tokens=0, compute_s=0.0, share=0) for r in results]
 
 
