@@ -151,8 +151,10 @@ class PreparedJob:
                 "recovery on Ray, a Ray pool included, is not built). To fix: set devices.launcher: local (and a pool "
                 "file, not a Ray pool), or recovery: restart.")
         if not inplace_supported(self.cluster.plan):
-            log.warning("recovery: in-place needs one rank per data-parallel replica; this plan (%s) uses "
-                        "checkpoint-restart", self.cluster.plan.groups)
+            log.warning("recovery: in-place recovers data-parallel replicas of one rank each; in-place recovery of a "
+                        "pipelined or sharded replica is not built, so this plan (%s) runs with checkpoint-restart",
+                        ", ".join(f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}"
+                                  for g in self.cluster.plan.groups))
         launcher = InplaceLauncher(replace_after_s=job.replace_after_s)
         billing = self.callbacks.billing
         if billing is not None and billing.ledger_path is not None:
