@@ -1,6 +1,10 @@
 """Twenty tenants at once against a real ``starverse serve``: they submit concurrently, their jobs run side
 by side, and while and after they run each tenant's jobs list, bills (by job and by day) and balance show
-its own job only, to the tick."""
+its own job only, to the tick.
+
+Twenty is issue 12's number, kept. What the test costs is mostly process start-ups (each job is a runner process
+and its rank process, each importing torch: ~4 s of CPU apiece), not its 2 training steps; status is asked only of
+the jobs still active, so the polling takes no CPU from them."""
 
 from __future__ import annotations
 
