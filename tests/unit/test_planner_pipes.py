@@ -96,17 +96,32 @@ def brute_force(job, pool, catalog, spec) -> float:
                                 for split in itertools.product(range(1, total + 1), repeat=p):
                                     if sum(split) != total:
                                         continue
-                                    v = _value(ctx, catalog, spec, subset, tp, ks, r, mb, si, split)
-                                    best = max(best, v)
+                                    for sched in schedules(split, b // (r * mb)):
+                                        v = _value(ctx, catalog, spec, subset, tp, ks, r, mb, si, split, sched)
+                                        best = max(best, v)
     return best
 
 
-def _value(ctx, catalog, spec, subset, tp, ks, r, mb, si, split) -> float:
+def schedules(split, m) -> list[tuple[str, int]]:
+    """Every schedule the runtime runs for this split and micro-batch count: 1F1B, GPipe, and interleaved
+    1F1B with ``v`` chunks per device where ``v`` divides every stage's layers and the micro-batches are a
+    multiple of the stages (torch's ScheduleInterleaved1F1B)."""
+    out = [("1f1b", 1), ("gpipe", 1)]
+    if INTERLEAVED and m % len(split) == 0:
+        out += [("interleaved", v) for v in range(2, min(split) + 1) if all(x % v == 0 for x in split)]
+    return out
+
+
+INTERLEAVED = False
+
+
+def _value(ctx, catalog, spec, subset, tp, ks, r, mb, si, split, sched) -> float:
     offers = ctx.pool.offers
     accs = [offers[o].accelerator for o, k in zip(subset, ks, strict=True) for _ in range(k)]
     tps = [t for t, k in zip(tp, ks, strict=True) for _ in range(k)]
     names = [offers[o].name for o in subset]
-    plan = Plan(model=ctx.job.model, train=train_spec(ctx.job, ctx.mode, ctx.settings[si], any(t > 1 for t in tps)),
+    train = train_spec(ctx.job, ctx.mode, ctx.settings[si], any(t > 1 for t in tps))
+    plan = Plan(model=ctx.job.model, train=train.model_copy(update={"schedule": sched[0], "virtual_stages": sched[1]}),
                 groups=[Group(replicas=r, micro_batch=mb, stages=stage_runs(accs, tps, list(split)))],
                 network=network_for(ctx.pool, names), pricing=pricing_for(ctx.pool, names))
     est = estimate(plan, catalog, spec)
