@@ -107,12 +107,10 @@ def schedules(split, m) -> list[tuple[str, int]]:
     1F1B with ``v`` chunks per device where ``v`` divides every stage's layers and the micro-batches are a
     multiple of the stages (torch's ScheduleInterleaved1F1B)."""
     out = [("1f1b", 1), ("gpipe", 1)]
-    if INTERLEAVED and m % len(split) == 0:
+    if m % len(split) == 0:
         out += [("interleaved", v) for v in range(2, min(split) + 1) if all(x % v == 0 for x in split)]
     return out
 
-
-INTERLEAVED = False
 
 
 def _value(ctx, catalog, spec, subset, tp, ks, r, mb, si, split, sched) -> float:
@@ -201,3 +199,33 @@ def test_claim_names_the_cap_when_the_pipeline_bound_does_not_close(catalog, mon
     claim = optimality_claim(cut)
     assert not cut.stats.pipelines_proven and claim.startswith("NOT proven optimal")
     assert "caps of the heterogeneous-pipeline search" in claim and "bound gap" in claim
+
+
+def test_interleaved_options_follow_the_runtime():
+    """Interleaved 1F1B only where torch's ScheduleInterleaved1F1B runs it: micro-batches a multiple of the
+    stages, every stage a multiple of v layers; the bounds' v is the largest of any deeper pipeline's."""
+    from starverse.planner.pipekinds import interleave_options, interleave_vmax
+
+    assert interleave_options(8, 4, 2) == [2, 4]
+    assert interleave_options(8, 4, 4) == [2]
+    assert interleave_options(8, 3, 2) == [] and interleave_options(8, 4, 1) == []
+    assert interleave_options(12, 6, 2) == [2, 3, 4, 6]
+    assert interleave_vmax(8, 4, 3) == 2  # 3 stages do not divide 4 micro-batches: 4 stages, v ≤ 2
+    assert interleave_vmax(8, 1, 2) == 1 and interleave_vmax(8, 4, 5) == 1
+
+
+def test_interleaved_pipeline_is_written_as_the_runtime_runs_it(catalog):
+    """Where interleaving wins (the brute force agrees above), the plan says so and satisfies the runtime."""
+    job_d, pool_d = random_case(0)
+    job, pool = job_from_dict(job_d), pool_from_dict(pool_d, catalog)
+    spec = load_model(job.model)
+    job_r, _ = resolve_objective(job, pool)
+    ctx = _context(job_r, pool, catalog, spec, job.train.mode)
+    found = pipe_search(ctx, -math.inf, SearchStats())
+    assert found is not None and found.schedule == "interleaved" and found.virtual_stages >= 2
+    plan = pipeline_plan(ctx, found)
+    assert plan.train.schedule == "interleaved" and plan.train.virtual_stages == found.virtual_stages
+    stages = plan.groups[0].expanded_stages()
+    assert all(s.layers % found.virtual_stages == 0 for s in stages)
+    assert (ctx.batch // (found.replicas * found.micro_batch)) % len(stages) == 0
+    assert estimate(plan, catalog, spec).step_time_s == pytest.approx(found.step_time_s, rel=1e-9)

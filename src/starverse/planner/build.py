@@ -74,15 +74,17 @@ def pricing_for(pool: Pool, offer_names: Sequence[str]) -> Pricing | None:
     return Pricing(currency=pool.currency, price_per_hour=prices) if prices else None
 
 
-def train_spec(job: Job, mode: str, setting: space.Setting, sequence_parallel: bool) -> TrainSpec:
-    """The plan's ``train:`` section."""
+def train_spec(job: Job, mode: str, setting: space.Setting, sequence_parallel: bool, schedule: str = "1f1b",
+               virtual_stages: int = 1) -> TrainSpec:
+    """The plan's ``train:`` section (``schedule``: 1f1b, or interleaved with ``virtual_stages`` chunks)."""
     t = job.train
     return TrainSpec(
         seq_len=t.seq_len, global_batch=t.global_batch, precision=t.precision, mode=mode,  # type: ignore[arg-type]
         lora_rank=t.lora_rank,
         zero_stage=setting.zero_stage, recompute=space.RECOMPUTE_NAMES[setting.recompute],  # type: ignore[arg-type]
         offload=space.OFFLOAD_NAMES[setting.offload],  # type: ignore[arg-type]
-        schedule="1f1b", sequence_parallel=sequence_parallel, tokens=t.tokens, steps=t.steps,
+        schedule=schedule, virtual_stages=virtual_stages,  # type: ignore[arg-type]
+        sequence_parallel=sequence_parallel, tokens=t.tokens, steps=t.steps,
     )
 
 

@@ -155,6 +155,18 @@ def core_grid(w: float, tau_lb_: FloatArray, cost: FloatArray, cap: Capacity, ma
     return np.concatenate([grid, np.full((n, 1), np.inf)], axis=1), out
 
 
+def core_grid_schedules(m: int, vmax: int, tau_lb_: FloatArray, cost: FloatArray, cap: Capacity,
+                        mand: FloatArray, total: int) -> tuple[FloatArray, FloatArray]:
+    """:func:`core_grid` for the least pipeline core of every schedule searched: 1F1B's ``(m - 1) max S + Σ S``
+    and interleaved 1F1B's ``m max S + (Σ S - max S) / v = ((m v - 1) max S + Σ S) / v``. The latter is
+    linear in ``1 / v``, so over ``v ∈ [1, vmax]`` it is least at an end: the bound is the lesser of the two
+    ends per interval (both grids are the same: they depend only on ``tau_lb_``)."""
+    taus, steps = core_grid(m - 1.0, tau_lb_, cost, cap, mand, total)
+    if vmax > 1:
+        steps = np.minimum(steps, core_grid(m * vmax - 1.0, tau_lb_, cost, cap, mand, total)[1] / vmax)
+    return taus, steps
+
+
 def core_lb(w: float, tau_lb_: FloatArray, cost: FloatArray, cap: Capacity, mand: FloatArray,
             total: int) -> FloatArray:
     """Lower bound of ``w · max S + Σ S`` per row (the least of :func:`core_grid`'s; the bubble of a deep
@@ -184,7 +196,7 @@ PRICE_GRID = 40
 
 
 def per_price_ub(m: int, total: int, seqs: float, rate_c: FloatArray, price_c: FloatArray, fixed: FloatArray,
-                  r_open: float, e_open: float) -> FloatArray:
+                 r_open: float, e_open: float, w: float | None = None) -> FloatArray:
     """Upper bound of tokens/s per unit of price of any pipeline completing a node.
 
     The step is at least ``(m - 1) L / R + c`` (``R = Σ 1/a`` over the stages, the layer rate: the bottleneck
@@ -192,18 +204,20 @@ def per_price_ub(m: int, total: int, seqs: float, rate_c: FloatArray, price_c: F
     and the sends), so tokens/s ≤ ``seqs · m · R / ((m - 1) L + c R)`` (``seqs = r mb seq``).
     The open offers add a rate ``x ∈ [0, r_open]`` at a price of at least ``x / e_open``; on each step
     ``[x_j, x_{j+1}]`` of a grid the ratio is at most its numerator at ``x_{j+1}`` over its denominator at
-    ``x_j`` (both grow with ``x``)."""
+    ``x_j`` (both grow with ``x``). ``w`` (``m - 1`` unless given) replaces ``m - 1`` as the weight of the
+    bottleneck: interleaved 1F1B with ``v`` chunks has ``m - 1 / v`` (and ``fixed`` counts ``Σ S / v``)."""
+    w = m - 1.0 if w is None else w
     xs = np.r_[0.0, r_open * np.geomspace(1e-4, 1.0, PRICE_GRID)] if r_open > 0 else np.zeros(1)
     lo, hi = xs[:-1] if xs.size > 1 else xs, xs[1:] if xs.size > 1 else xs
     rc, pc, c = rate_c[:, None], price_c[:, None], fixed[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         add_price = lo[None, :] / e_open if e_open > 0 else np.where(lo[None, :] > 0, np.inf, 0.0)
         num = seqs * m * (rc + hi[None, :])
-        den = ((m - 1.0) * total + c * (rc + lo[None, :])) * (pc + add_price)
+        den = (w * total + c * (rc + lo[None, :])) * (pc + add_price)
         ratio = np.where(den > 0, num / den, np.inf)
         ratio = np.where(np.isnan(ratio), np.inf, ratio)
         out = ratio.max(axis=1)
         # nothing chosen yet: every stage comes from the open offers, rate per price at most e_open
         empty = (rate_c <= 0) & (price_c <= 0)
-        out = np.where(empty, seqs * m * e_open / ((m - 1.0) * total) if m > 1 else np.inf, out)
+        out = np.where(empty, seqs * m * e_open / (w * total) if w > 0 else np.inf, out)
     return np.asarray(out, dtype=np.float64)

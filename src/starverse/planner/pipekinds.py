@@ -36,6 +36,10 @@ class Pipeline:
     hours: float
     total_cost: float
     value: float
+    schedule: str = "1f1b"
+    """1f1b or interleaved."""
+    virtual_stages: int = 1
+    """Model chunks per device (interleaved)."""
 
     def devices(self) -> dict[int, int]:
         """Devices per offer index."""
@@ -69,6 +73,23 @@ def stage_rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, fi
         flash_attention=np.ones(n, dtype=bool) if d.flash_attention is None else d.flash_attention[offer],
         attention_tflops=None if d.attention_tflops is None else d.attention_tflops[offer],
     )
+
+
+def interleave_options(total: int, m: int, p: int) -> list[int]:
+    """The chunk counts ``v ≥ 2`` of the interleaved 1F1B schedule a ``p``-stage pipeline of ``total`` layers
+    and ``m`` micro-batches can run: ``m`` a multiple of ``p`` (torch's ScheduleInterleaved1F1B) and ``v``
+    dividing ``total`` with at least ``v`` layers per stage (the search gives every stage a multiple of
+    ``v``; other splits are not searched)."""
+    if p < 2 or m % p:
+        return []
+    return [v for v in range(2, total // p + 1) if total % v == 0]
+
+
+def interleave_vmax(total: int, m: int, pmin: int) -> int:
+    """The largest ``v`` of :func:`interleave_options` over pipelines of at least ``pmin`` stages (1 if
+    none): the bounds take the smallest bubble any searched schedule gives."""
+    deep = [p for p in range(max(pmin, 2), min(m, total) + 1) if m % p == 0]
+    return max([1, *interleave_options(total, m, deep[0])]) if deep else 1
 
 
 def model_numbers_1f1b(ctx: Any) -> ModelNumbers:

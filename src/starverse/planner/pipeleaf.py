@@ -6,6 +6,7 @@ terms ``costmodel.estimate`` charges the written plan (a test holds them equal).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,13 @@ from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.stage import ModelNumbers, stage_costs
 from starverse.planner import hostmem, pipesplit
 from starverse.planner.build import NOMINAL_TOKENS
-from starverse.planner.pipekinds import Pipeline, model_numbers_1f1b, spot_factor_of, stage_rows
+from starverse.planner.pipekinds import (
+    Pipeline,
+    interleave_options,
+    model_numbers_1f1b,
+    spot_factor_of,
+    stage_rows,
+)
 from starverse.planner.policy import billed_hours, score, within
 from starverse.planner.result import SearchStats
 
@@ -64,25 +71,33 @@ class LeafEvaluator:
         rows = stage_rows(ctx, offer[pos], tp[pos].astype(np.float64), lay, pos == 0, pos == p - 1,
                      pos.astype(np.float64), float(p), r, mb, m, setting, sp)
         mn = model_numbers_1f1b(ctx)
-        c = stage_costs(mn, rows)
-        fits = (c["memory_gb"] <= c["capacity_gb"]).reshape(p, lmax)
-        st = ctx.settings[setting]
-        if st.offload >= 1:
-            fits &= self._host_fits(offer, tp, pos, lay, p, r, setting, blocks).reshape(p, lmax)
-        s = np.where(fits, c["stage_mb"].reshape(p, lmax), np.inf)
-        o = c["optimizer_s"].reshape(p, lmax)
-        d = c["dp_exposed_s"].reshape(p, lmax)
-        p2p = c["p2p"].reshape(p, lmax)[:, 0].copy()
-        tied = c["tied_s"].reshape(p, lmax)[:, 0].copy()
-        self._cross_node(mn, offer, tp, mb, p2p, tied)
-        const = float(tied.max() + 2.0 * (m + p - 1.0) * p2p.max()) if p > 1 else 0.0
         limit = self._step_limit(r, blocks)
         if limit <= 0:
             return None
-        step, layers = pipesplit.best_split(s, o, d, total, float(m), const, incumbent=limit)
-        if layers is None:
+        host_ok = self._host_fits(offer, tp, pos, lay, p, r, setting, blocks).reshape(p, lmax) \
+            if ctx.settings[setting].offload >= 1 else True
+        best: tuple[float, IntArray, int] | None = None
+        for v in [1, *interleave_options(total, m, p)]:
+            mn_v = mn if v == 1 else replace(mn, schedule="interleaved", virtual_stages=float(v))
+            c = stage_costs(mn_v, rows)
+            fits = (c["memory_gb"] <= c["capacity_gb"]).reshape(p, lmax) & host_ok
+            s = np.where(fits, c["stage_mb"].reshape(p, lmax), np.inf)
+            o = c["optimizer_s"].reshape(p, lmax)
+            d = c["dp_exposed_s"].reshape(p, lmax)
+            p2p = c["p2p"].reshape(p, lmax)[:, 0].copy()
+            tied = c["tied_s"].reshape(p, lmax)[:, 0].copy()
+            self._cross_node(mn, offer, tp, mb, p2p, tied)
+            const = float(tied.max() + 2.0 * (m + p - 1.0) * v * p2p.max()) if p > 1 else 0.0
+            # interleaved: every stage holds a multiple of v layers; in units of v layers the step
+            # m S_max + (Σ S - S_max) / v is (m v - 1) max(S / v) + Σ (S / v), the 1F1B form
+            cols = np.arange(v - 1, v * (total // v - p + 1), v)
+            step, units = pipesplit.best_split(s[:, cols] / v, o[:, cols], d[:, cols], total // v, float(m * v),
+                                               const, incumbent=limit if best is None else min(limit, best[0]))
+            if units is not None:
+                best = (step, units * v, v)
+        if best is None:
             return None
-        return self._value(r, mb, setting, blocks, layers, step)
+        return self._value(r, mb, setting, blocks, best[1], best[0], best[2])
 
     def _terms(self, r: int, blocks: list[tuple[int, int, int]]) -> tuple[dict[int, int], float, float, float]:
         """Devices per offer, spot factor, price and power of a pipeline's devices."""
@@ -153,7 +168,7 @@ class LeafEvaluator:
             tied[-1] = max(tied[-1], t)
 
     def _value(self, r: int, mb: int, setting: int, blocks: list[tuple[int, int, int]], layers: IntArray,
-               step: float) -> Pipeline | None:
+               step: float, v: int) -> Pipeline | None:
         ctx = self.ctx
         offers = ctx.pool.offers
         n, factor, price, power = self._terms(r, blocks)
@@ -168,4 +183,4 @@ class LeafEvaluator:
         value = float(score(ctx.job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
                             np.asarray(hours)))
         return Pipeline(setting, r, mb, tuple(blocks), tuple(int(x) for x in layers), step, price, power, hours,
-                        total, value)
+                        total, value, "interleaved" if v > 1 else "1f1b", v)

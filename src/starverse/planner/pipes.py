@@ -2,7 +2,9 @@
 
 The space (every point of it is either evaluated exactly or cut by a proven bound):
 
-- one pipeline, ``r`` data-parallel replicas, micro-batch ``mb`` (``r · mb`` divides the batch), 1F1B;
+- one pipeline, ``r`` data-parallel replicas, micro-batch ``mb`` (``r · mb`` divides the batch), 1F1B or
+  interleaved 1F1B with ``v`` chunks where the runtime runs it (:func:`.pipekinds.interleave_options`; the
+  bounds take the smallest bubble any of them gives);
 - its stages form *blocks*, one per offer used (at most one offer per accelerator kind, at least two kinds):
   block ``b`` has ``k_b`` stages of TP ``t_b`` (``r · t_b · k_b`` devices of the offer), in any order;
 - any integer split of the layers over the stages (each within its memory: :mod:`.pipesplit`);
@@ -37,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.planner import pipebound, space
-from starverse.planner.pipekinds import Kinds, Pipeline, capacity_tables, family_kinds, reach
+from starverse.planner.pipekinds import Kinds, Pipeline, capacity_tables, family_kinds, interleave_vmax, reach
 from starverse.planner.pipeleaf import LeafEvaluator
 from starverse.planner.policy import paid_cost, score, within
 from starverse.planner.result import SearchStats
@@ -197,7 +199,9 @@ class _Search(LeafEvaluator):
             tau = pipebound.tau_lb(cap, self.total)
             a_chosen = max([c[3] for c in chosen], default=0.0)
             tau = np.maximum(tau, np.where(on, np.maximum(a_chosen, ka), a_chosen))
-            taus, steps = pipebound.core_grid(m - 1.0, tau, cost, cap, mand, self.total)
+            # the smallest bubble of any schedule the leaves may take (at least max(used + klo, 2) stages)
+            vmax = interleave_vmax(self.total, m, used + int(klo.min()))
+            taus, steps = pipebound.core_grid_schedules(m, vmax, tau, cost, cap, mand, self.total)
             core = steps.min(axis=1)
             price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
             power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
@@ -212,10 +216,12 @@ class _Search(LeafEvaluator):
             rate_c = sum(c[2] / c[3] for c in chosen) + np.where(on, kmost / child_a, 0.0)
             r_open = float(sum(rate[q] for q in open_))
             e_open = max([eff[q] for q in open_], default=0.0)
-            fixed = self.total * a_least + opt + 2.0 * (m + np.maximum(used + kk, 2.0) - 1.0) * np.maximum(
+            rest = opt + 2.0 * (m + np.maximum(used + kk, 2.0) - 1.0) * np.maximum(
                 mb * self.hop_s_per_sequence, p2p)
-            per_price = pipebound.per_price_ub(m, self.total, k_rate * self.total, rate_c, price, fixed, r_open,
-                                               e_open)
+            # 1F1B and interleaved with vmax chunks: the bound is linear in 1 / v, so the ends cover every v
+            per_price = np.maximum.reduce([pipebound.per_price_ub(
+                m, self.total, k_rate * self.total, rate_c, price, self.total * a_least / v + rest, r_open, e_open,
+                m - 1.0 / v) for v in {1, vmax}])
             if money:
                 per_price = np.minimum(per_price, self._per_pricecapacity_tables(
                     m, mb, taus, steps, cap, len(chosen) + 1, used + kk, p2p, opt, price,
@@ -300,7 +306,8 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
                 tau = pipebound.tau_lb(env, total)
                 cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
                 m = ctx.batch // (r * mb)
-                core = pipebound.core_lb(m - 1.0, tau, cost, env, np.zeros_like(sl), total)
+                vmax = interleave_vmax(total, m, 2)
+                core = pipebound.core_grid_schedules(m, vmax, tau, cost, env, np.zeros_like(sl), total)[1].min(axis=1)
                 with np.errstate(divide="ignore"):
                     per_price = r * mb * ctx.seq_len / total * float(
                         (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())

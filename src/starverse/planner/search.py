@@ -557,7 +557,8 @@ def pipeline_plan(ctx: _Ctx, pipe: pipes.Pipeline) -> Plan:
     names = [offers[o].name for o, _, _ in pipe.blocks]
     return Plan(
         model=ctx.job.model,
-        train=train_spec(ctx.job, ctx.mode, ctx.settings[pipe.setting], any(t > 1 for t in tps)),
+        train=train_spec(ctx.job, ctx.mode, ctx.settings[pipe.setting], any(t > 1 for t in tps), pipe.schedule,
+                         pipe.virtual_stages),
         groups=[Group(replicas=pipe.replicas, micro_batch=pipe.micro_batch,
                       stages=stage_runs(accs, tps, list(pipe.layers)))],
         network=network_for(ctx.pool, names), pricing=pricing_for(ctx.pool, names),
