@@ -96,19 +96,19 @@ def brute_force(job, pool, catalog, spec) -> float:
                                 for split in itertools.product(range(1, total + 1), repeat=p):
                                     if sum(split) != total:
                                         continue
-                                    for sched in schedules(split, b // (r * mb)):
+                                    for sched in schedules(split, b // (r * mb), job.search.max_virtual_stages):
                                         v = _value(ctx, catalog, spec, subset, tp, ks, r, mb, si, split, sched)
                                         best = max(best, v)
     return best
 
 
-def schedules(split, m) -> list[tuple[str, int]]:
+def schedules(split, m, most) -> list[tuple[str, int]]:
     """Every schedule the runtime runs for this split and micro-batch count: 1F1B, GPipe, and interleaved
     1F1B with ``v`` chunks per device where ``v`` divides every stage's layers and the micro-batches are a
-    multiple of the stages (torch's ScheduleInterleaved1F1B)."""
+    multiple of the stages (torch's ScheduleInterleaved1F1B), up to ``most`` chunks."""
     out = [("1f1b", 1), ("gpipe", 1)]
     if m % len(split) == 0:
-        out += [("interleaved", v) for v in range(2, min(split) + 1) if all(x % v == 0 for x in split)]
+        out += [("interleaved", v) for v in range(2, min(min(split), most) + 1) if all(x % v == 0 for x in split)]
     return out
 
 
@@ -206,12 +206,13 @@ def test_interleaved_options_follow_the_runtime():
     stages, every stage a multiple of v layers; the bounds' v is the largest of any deeper pipeline's."""
     from starverse.planner.pipekinds import interleave_options, interleave_vmax
 
-    assert interleave_options(8, 4, 2) == [2, 4]
-    assert interleave_options(8, 4, 4) == [2]
-    assert interleave_options(8, 3, 2) == [] and interleave_options(8, 4, 1) == []
-    assert interleave_options(12, 6, 2) == [2, 3, 4, 6]
-    assert interleave_vmax(8, 4, 3) == 2  # 3 stages do not divide 4 micro-batches: 4 stages, v ≤ 2
-    assert interleave_vmax(8, 1, 2) == 1 and interleave_vmax(8, 4, 5) == 1
+    assert interleave_options(8, 4, 2, 64) == [2, 4]
+    assert interleave_options(8, 4, 4, 64) == [2]
+    assert interleave_options(8, 3, 2, 64) == [] and interleave_options(8, 4, 1, 64) == []
+    assert interleave_options(12, 6, 2, 64) == [2, 3, 4, 6] and interleave_options(12, 6, 2, 3) == [2, 3]
+    assert interleave_options(8, 4, 2, 1) == []  # search.max_virtual_stages: 1 turns interleaving off
+    assert interleave_vmax(8, 4, 3, 64) == 2  # 3 stages do not divide 4 micro-batches: 4 stages, v ≤ 2
+    assert interleave_vmax(8, 1, 2, 64) == 1 and interleave_vmax(8, 4, 5, 64) == 1
 
 
 def test_interleaved_pipeline_is_written_as_the_runtime_runs_it(catalog):
@@ -229,3 +230,8 @@ def test_interleaved_pipeline_is_written_as_the_runtime_runs_it(catalog):
     assert all(s.layers % found.virtual_stages == 0 for s in stages)
     assert (ctx.batch // (found.replicas * found.micro_batch)) % len(stages) == 0
     assert estimate(plan, catalog, spec).step_time_s == pytest.approx(found.step_time_s, rel=1e-9)
+    # search.max_virtual_stages: 1 turns interleaving off: 1F1B, and no better than with it
+    job_1 = job_from_dict({**job_d, "search": {"max_virtual_stages": 1}})
+    job_1r, _ = resolve_objective(job_1, pool)
+    plain = pipe_search(_context(job_1r, pool, catalog, spec, job.train.mode), -math.inf, SearchStats())
+    assert plain is not None and plain.schedule == "1f1b" and plain.value < found.value

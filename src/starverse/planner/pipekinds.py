@@ -75,21 +75,21 @@ def stage_rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, fi
     )
 
 
-def interleave_options(total: int, m: int, p: int) -> list[int]:
+def interleave_options(total: int, m: int, p: int, most: int) -> list[int]:
     """The chunk counts ``v ≥ 2`` of the interleaved 1F1B schedule a ``p``-stage pipeline of ``total`` layers
     and ``m`` micro-batches can run: ``m`` a multiple of ``p`` (torch's ScheduleInterleaved1F1B) and ``v``
     dividing ``total`` with at least ``v`` layers per stage (the search gives every stage a multiple of
-    ``v``; other splits are not searched)."""
+    ``v``; other splits are not searched), ``v ≤ most`` (``search.max_virtual_stages``)."""
     if p < 2 or m % p:
         return []
-    return [v for v in range(2, total // p + 1) if total % v == 0]
+    return [v for v in range(2, min(total // p, most) + 1) if total % v == 0]
 
 
-def interleave_vmax(total: int, m: int, pmin: int) -> int:
+def interleave_vmax(total: int, m: int, pmin: int, most: int) -> int:
     """The largest ``v`` of :func:`interleave_options` over pipelines of at least ``pmin`` stages (1 if
     none): the bounds take the smallest bubble any searched schedule gives."""
     deep = [p for p in range(max(pmin, 2), min(m, total) + 1) if m % p == 0]
-    return max([1, *interleave_options(total, m, deep[0])]) if deep else 1
+    return max([1, *interleave_options(total, m, deep[0], most)]) if deep else 1
 
 
 def model_numbers_1f1b(ctx: Any) -> ModelNumbers:

@@ -77,7 +77,7 @@ class LeafEvaluator:
         host_ok = self._host_fits(offer, tp, pos, lay, p, r, setting, blocks).reshape(p, lmax) \
             if ctx.settings[setting].offload >= 1 else True
         best: tuple[float, IntArray, int] | None = None
-        for v in [1, *interleave_options(total, m, p)]:
+        for v in [1, *interleave_options(total, m, p, ctx.job.search.max_virtual_stages)]:
             mn_v = mn if v == 1 else replace(mn, schedule="interleaved", virtual_stages=float(v))
             c = stage_costs(mn_v, rows)
             fits = (c["memory_gb"] <= c["capacity_gb"]).reshape(p, lmax) & host_ok

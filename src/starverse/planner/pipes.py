@@ -200,7 +200,7 @@ class _Search(LeafEvaluator):
             a_chosen = max([c[3] for c in chosen], default=0.0)
             tau = np.maximum(tau, np.where(on, np.maximum(a_chosen, ka), a_chosen))
             # the smallest bubble of any schedule the leaves may take (at least max(used + klo, 2) stages)
-            vmax = interleave_vmax(self.total, m, used + int(klo.min()))
+            vmax = interleave_vmax(self.total, m, used + int(klo.min()), self.ctx.job.search.max_virtual_stages)
             taus, steps = pipebound.core_grid_schedules(m, vmax, tau, cost, cap, mand, self.total)
             core = steps.min(axis=1)
             price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
@@ -306,7 +306,7 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
                 tau = pipebound.tau_lb(env, total)
                 cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
                 m = ctx.batch // (r * mb)
-                vmax = interleave_vmax(total, m, 2)
+                vmax = interleave_vmax(total, m, 2, so.max_virtual_stages)
                 core = pipebound.core_grid_schedules(m, vmax, tau, cost, env, np.zeros_like(sl), total)[1].min(axis=1)
                 with np.errstate(divide="ignore"):
                     per_price = r * mb * ctx.seq_len / total * float(
