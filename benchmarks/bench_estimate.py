@@ -118,12 +118,16 @@ ROUNDS = 3
 """A B B A rounds of the profile check (profile, steps, steps, profile)."""
 PROBE_REPEATS = 5
 STEPS = 5
+CLOCK = time.process_time
+"""The clock of the profile check, for the profile and the steps alike: CPU time of this process (one torch
+thread), which the other jobs on a shared machine do not stretch as they do the wall clock."""
 """Measured steps per plan and visit (their median)."""
 
 
 def _measured_step_s(cfg: dict, micro_batch: int, num_micro: int, steps: int = 8) -> float:
-    """Median of ``steps`` real training steps (forward, backward per micro-batch, AdamW) on one CPU rank (the
-    profile's times are medians too: a shared machine's noise then biases neither side)."""
+    """Median of ``steps`` real training steps (forward, backward per micro-batch, AdamW) on one CPU rank, in
+    this process's CPU time (:data:`CLOCK`, as the profile: others' load on the shared machine stretches the
+    wall clock of both sides by different amounts, not their CPU time)."""
     import torch
 
     from starverse.runtime.modeling import build_model
@@ -134,13 +138,13 @@ def _measured_step_s(cfg: dict, micro_batch: int, num_micro: int, steps: int = 8
     ids = torch.randint(0, int(cfg["vocab_size"]), (micro_batch, SEQ_LEN), generator=torch.Generator().manual_seed(0))
     times = []
     for i in range(steps + 1):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for _ in range(num_micro):
             model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i:  # the first step allocates the optimizer state
-            times.append(time.perf_counter() - t0)
+            times.append(CLOCK() - t0)
     return float(np.median(times))
 
 
@@ -174,12 +178,12 @@ def profile_accuracy(catalog: object) -> dict[str, float]:
         out: dict[str, float] = {}
         per_round: dict[int, list[tuple[float, float, float]]] = {mb: [] for mb, _ in DEMO_PLANS}
         for r in range(ROUNDS):
-            profs = [write_json(probe_model(both, spec, "cpu", "cpu", repeats=PROBE_REPEATS),
+            profs = [write_json(probe_model(both, spec, "cpu", "cpu", repeats=PROBE_REPEATS, clock=CLOCK),
                                 Path(tmp) / f"cpu-profile-{r}a.json")]
             steps = {mb: [_measured_step_s(dict(spec.hf_config), mb, m, STEPS)] for mb, m in DEMO_PLANS}
             for mb, m in reversed(DEMO_PLANS):
                 steps[mb].append(_measured_step_s(dict(spec.hf_config), mb, m, STEPS))
-            profs.append(write_json(probe_model(both, spec, "cpu", "cpu", repeats=PROBE_REPEATS),
+            profs.append(write_json(probe_model(both, spec, "cpu", "cpu", repeats=PROBE_REPEATS, clock=CLOCK),
                                     Path(tmp) / f"cpu-profile-{r}b.json"))
             for mb, m in DEMO_PLANS:
                 est = float(np.mean([estimate(demo_plan(mb, m, {"cpu": str(f)}), catalog, spec).step_time_s

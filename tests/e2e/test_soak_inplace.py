@@ -8,7 +8,8 @@ fires on a survivor while a replacement has not joined yet (exactly one replica 
 comes right after a "full" kill: two replicas missing at once may rejoin together, never leaving exactly one
 missing). A kill waits until the last recorded step postdates the previous one. While a replica is
 missing, steps are slowed (``WaitForReplicas``) so replacements join; once every kill fired and every replica is
-back, the leader asks the run to stop. Checked as the restart soak (``test_soak.py``): the run finishes in one
+back, the leader asks the run to stop. Replacements are warm spares when one is ready (the first one always is),
+else fresh processes. Checked as the restart soak (``test_soak.py``): the run finishes in one
 attempt with every kill a loss and every loss a join, committed checkpoints load, the ledger checks (lost leases
 ended at the loss), and the final weights equal an uninterrupted run's of as many steps (``assert_close``).
 """
@@ -48,6 +49,7 @@ NUM_KILLS = 5
 NUM_REPLICAS = 3
 MAX_STEPS = 2000  # a bound only: the run stops once every kill fired and every replica is back
 KILLS_DIR = "soak-inplace"
+REPLACE_AFTER_S = 1.0
 
 
 @dataclass
@@ -145,7 +147,9 @@ def test_soak_local_launcher_inplace(tmp_path):
     wiring = build_callbacks(job, mtbf_s=3600.0, prices=job_prices(job, ["cpu"] * NUM_REPLICAS))
     kills = Path(job.run_dir) / KILLS_DIR
     events = _arm(kills, seed)
-    launcher = InplaceLauncher(replace_after_s=0.0)
+    # replacements are the launcher's warm spares when one is ready (else fresh processes); 1 s after a loss, so
+    # that at least one step runs with that replica missing (a "joining" kill needs one)
+    launcher = InplaceLauncher(replace_after_s=REPLACE_AFTER_S)
     billing = wiring.billing
     assert billing is not None and billing.ledger_path is not None
     cluster = _cluster(NUM_REPLICAS)
@@ -174,6 +178,7 @@ def test_soak_local_launcher_inplace(tmp_path):
     assert [a.outcome for a in result.attempts] == ["completed"], (why, result.attempts)
     assert not any(kills.glob("kill-*.json")), (why, "a kill never fired", sorted(kills.iterdir()))
     assert len(launcher.losses) == NUM_KILLS and len(launcher.joins) == NUM_KILLS, (why, launcher.losses)
+    assert launcher.joins[0].warm, (why, launcher.joins)  # the first replacement: the spare started with the job
     full = [ev["rank"] for ev in events if ev["kind"] == "full"]
     lost = [loss.error.rank for loss in launcher.losses]
     assert [r for r, ev in zip(lost, events, strict=True) if ev["kind"] == "full"] == full, (why, lost, events)

@@ -146,3 +146,22 @@ def test_batch_path_uses_a_profile_as_the_scalar_estimate_does(tmp_path: Path) -
     # again as in the scalar estimate
     est3 = estimate(load_plan(write_case(tmp_path, doc, layers=4, mb=3, m=2)), CAT)
     assert measured.step_time_s[1] == pytest.approx(est3.step_time_s, rel=1e-9)
+
+
+def test_probe_times_with_the_clock_it_is_given() -> None:
+    """A check on a shared CPU times the profile and the steps with one clock (``bench_estimate``: process CPU
+    time); the probe uses the clock it is passed for every measurement."""
+    import torch
+
+    from starverse.runtime.modeling import hf_config_dict
+    from starverse.runtime.probe import optimizer_s_per_param, profile_entry
+
+    ticks = iter(range(10**6))
+
+    def clock() -> float:  # one second per reading: every measured interval is exactly 1 s
+        return float(next(ticks))
+
+    e = profile_entry(hf_config_dict(load_model(TINY)), 1, 16, 1, "fp32", torch.device("cpu"), repeats=2, clock=clock)
+    assert (e["layer_forward_s"], e["layer_backward_s"]) == (1e-6, 1e-6)  # depth 3 takes as long as depth 1
+    assert e["head_forward_s"] == pytest.approx(1.0, abs=1e-5) and e["head_backward_s"] == pytest.approx(1.0, abs=1e-5)
+    assert optimizer_s_per_param(torch.device("cpu"), num_params=4096, repeats=2, clock=clock) == pytest.approx(1 / 4096)

@@ -109,6 +109,7 @@ class PreparedJob:
             model_id=job.model, plan=job.plan, num_cpu_ranks=job.devices.cpu_ranks, use_gpus=job.devices.use_gpus,
             seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=max_params,
             mode=job.train.mode, lora_rank=job.train.lora_rank, ranks=ray_pool.ranks() if ray_pool else None,
+            recovery=job.recovery, rebalance_every=job.train.rebalance_every,
         )
         check_seq_len(job.train.seq_len, self.cluster.model_config, job.model, source)
         check_mode(job.train.mode, [r.device for r in self.cluster.ranks], source)
@@ -150,8 +151,10 @@ class PreparedJob:
                 "recovery on Ray, a Ray pool included, is not built). To fix: set devices.launcher: local (and a pool "
                 "file, not a Ray pool), or recovery: restart.")
         if not inplace_supported(self.cluster.plan):
-            log.warning("recovery: in-place needs one rank per data-parallel replica; this plan (%s) uses "
-                        "checkpoint-restart", self.cluster.plan.groups)
+            log.warning("recovery: in-place recovers data-parallel replicas of one rank each; in-place recovery of a "
+                        "pipelined or sharded replica is not built, so this plan (%s) runs with checkpoint-restart",
+                        ", ".join(f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}"
+                                  for g in self.cluster.plan.groups))
         launcher = InplaceLauncher(replace_after_s=job.replace_after_s)
         billing = self.callbacks.billing
         if billing is not None and billing.ledger_path is not None:

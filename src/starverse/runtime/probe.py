@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -206,7 +207,7 @@ def _shard_config(cfg: dict[str, Any], layers: int, tp: int, seq_len: int) -> di
 
 
 def _fwd_bwd_s(cfg: dict[str, Any], micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device,
-               repeats: int) -> tuple[float, float]:
+               repeats: int, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """Forward and backward time (median of ``repeats``) of one training micro-batch of the model ``cfg`` (loss included)."""
     from starverse.runtime.modeling import build_model
 
@@ -219,13 +220,13 @@ def _fwd_bwd_s(cfg: dict[str, Any], micro_batch: int, seq_len: int, dtype: torch
     bwd: list[float] = []
     for i in range(repeats + 2):  # two warm-up iterations
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = model(input_ids=ids, labels=ids).loss
         _sync(device)
-        t1 = time.perf_counter()
+        t1 = clock()
         loss.backward()
         _sync(device)
-        t2 = time.perf_counter()
+        t2 = clock()
         model.zero_grad(set_to_none=True)
         if i >= 2:
             fwd.append(t1 - t0)
@@ -235,14 +236,15 @@ def _fwd_bwd_s(cfg: dict[str, Any], micro_batch: int, seq_len: int, dtype: torch
 
 
 def profile_entry(cfg: dict[str, Any], micro_batch: int, seq_len: int, tp: int, precision: str,
-                  device: torch.device, repeats: int = 5, depths: tuple[int, int] = (1, 3)) -> dict[str, Any]:
+                  device: torch.device, repeats: int = 5, depths: tuple[int, int] = (1, 3),
+                  clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Measure one profile entry: the model built at two depths; the difference per added layer is one
     layer's time, what remains at the shallow depth is the embedding, head and loss."""
     lo, hi = depths
     f_lo, b_lo = _fwd_bwd_s(_shard_config(cfg, lo, tp, seq_len), micro_batch, seq_len, _DTYPES[precision], device,
-                            repeats)
+                            repeats, clock)
     f_hi, b_hi = _fwd_bwd_s(_shard_config(cfg, hi, tp, seq_len), micro_batch, seq_len, _DTYPES[precision], device,
-                            repeats)
+                            repeats, clock)
     # timing noise can make a difference negative on tiny layers; a measured time is never below 1 us
     layer_f = max((f_hi - f_lo) / (hi - lo), 1e-6)
     layer_b = max((b_hi - b_lo) / (hi - lo), 1e-6)
@@ -251,7 +253,8 @@ def profile_entry(cfg: dict[str, Any], micro_batch: int, seq_len: int, tp: int, 
             "head_forward_s": max(f_lo - lo * layer_f, 1e-6), "head_backward_s": max(b_lo - lo * layer_b, 1e-6)}
 
 
-def optimizer_s_per_param(device: torch.device, num_params: int = 4_000_000, repeats: int = 5) -> float:
+def optimizer_s_per_param(device: torch.device, num_params: int = 4_000_000, repeats: int = 5,
+                          clock: Callable[[], float] = time.perf_counter) -> float:
     """Median AdamW step over ``num_params`` fp32 parameters with gradients, per parameter."""
     params = [torch.nn.Parameter(torch.randn(num_params // 4, device=device)) for _ in range(4)]
     for p in params:
@@ -260,19 +263,22 @@ def optimizer_s_per_param(device: torch.device, num_params: int = 4_000_000, rep
     times = []
     for i in range(repeats + 1):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         opt.step()
         _sync(device)
         if i:  # the first step allocates the moments
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return float(torch.tensor(times).median()) / num_params
 
 
 def probe_model(plan: Any, spec: Any, accelerator: str, device: str = "cpu", *, repeats: int = 5,
-                links_gb_per_s: dict[str, float] | None = None) -> dict[str, Any]:
+                links_gb_per_s: dict[str, float] | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """The profile document (format: :mod:`starverse.costmodel.profile`) of ``spec`` on this device kind,
     with one entry per (micro-batch, sequence length, TP) of the plan's stages on ``accelerator`` (a stage
-    without a fixed micro-batch is measured at 1)."""
+    without a fixed micro-batch is measured at 1). ``clock`` times every measurement: the wall clock by default;
+    a check on a shared CPU may pass ``time.process_time`` (CPU time of this process, which other processes'
+    load does not stretch) when it times the steps it compares with the same clock."""
     from starverse.costmodel.profile import PROFILE_FORMAT, PROFILE_VERSION, shape_key
     from starverse.costmodel.shapes import ModelShape
     from starverse.runtime.modeling import hf_config_dict
@@ -287,12 +293,12 @@ def probe_model(plan: Any, spec: Any, accelerator: str, device: str = "cpu", *, 
                           f"{', '.join(_DTYPES)}")
     cfg = hf_config_dict(spec)
     dev = torch.device(device)
-    entries = [profile_entry(cfg, mb, plan.train.seq_len, tp, plan.train.precision, dev, repeats)
+    entries = [profile_entry(cfg, mb, plan.train.seq_len, tp, plan.train.precision, dev, repeats, clock=clock)
                for mb, tp in settings]
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "accelerator": accelerator,
             "host": socket.gethostname(), "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "model": shape_key(ModelShape.from_spec(spec)), "entries": entries,
-            "links_gb_per_s": dict(links_gb_per_s or {}), "optimizer_s_per_param": optimizer_s_per_param(dev)}
+            "links_gb_per_s": dict(links_gb_per_s or {}), "optimizer_s_per_param": optimizer_s_per_param(dev, clock=clock)}
 
 
 def write_json(doc: dict[str, Any], path: str | Path) -> Path:
