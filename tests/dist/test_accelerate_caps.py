@@ -133,7 +133,10 @@ def test_a_replan_after_a_loss_may_change_layout_and_resumes_from_the_checkpoint
                 groups=[Group(replicas=3, micro_batch=2, stages=[Stage(accelerator="cpu", layers=2)])])
     ranks = tuple(RankSpec(i, "cpu", "cpu", 1) for i in range(3))
     cluster = Cluster(plan=plan, ranks=ranks, model_config=dict(SMALL), catalog=tight)
-    ref = Trainer(cluster, run_dir=tmp_path / "ref", **OPTS).fit(BlockLM(), _data(), **FIT)
+    # the reference: one rank, the same global batch (the trajectory does not depend on the layout)
+    one = Cluster(plan=plan.model_copy(update={"groups": [plan.groups[0].model_copy(update={"replicas": 1})]}),
+                  ranks=ranks[:1], model_config=dict(SMALL))
+    ref = Trainer(one, run_dir=tmp_path / "ref", **OPTS).fit(BlockLM(), _data(), **FIT)
     sup = Supervisor(
         cluster, tmp_path / "run", checkpoint=CheckpointCallback(interval_steps=2), preemption=PreemptionCallback(),
         callbacks=lambda attempt: [KillAfterCommit(rank=2, step=3, committed=2)] if attempt == 1 else [],

@@ -31,17 +31,21 @@ SMALL = {
 TRAIN = {"seq_len": 16, "global_batch": GLOBAL_BATCH, "precision": "fp32"}
 
 
-def _planned_cluster(kinds: list[str], train: dict, device: str = "cpu") -> Cluster:
+MID = {**SMALL, "hidden_size": 1024, "intermediate_size": 2752, "num_attention_heads": 8, "num_key_value_heads": 8}
+"""Layers large enough that GPUs are not launch-bound (the cost model then tells an A100 from a 4090)."""
+
+
+def _planned_cluster(kinds: list[str], train: dict, device: str = "cpu", model: dict = SMALL) -> Cluster:
     """A cluster as ``accelerate`` builds it: the planner's plan for these devices, ranks in plan order."""
     counts: dict[str, int] = {}
     for k in kinds:
         counts[k] = counts.get(k, 0) + 1
-    best = plan_for_devices(SMALL, counts, train=train, model_name="small-llama").best
+    best = plan_for_devices(model, counts, train=train, model_name="small-llama").best
     ranks = []
     for g in best.plan.groups:
         ranks.extend(RankSpec(len(ranks), g.stages[0].accelerator, device, 1) for _ in range(g.num_devices))
     check_plan_fits_ranks(best.plan, ranks)
-    return Cluster(plan=best.plan, ranks=tuple(ranks), model_config=dict(SMALL), estimate=best.estimate)
+    return Cluster(plan=best.plan, ranks=tuple(ranks), model_config=dict(model), estimate=best.estimate)
 
 
 @pytest.mark.slow
@@ -90,12 +94,12 @@ def test_replan_falls_back_per_kind_when_the_batch_does_not_split(caplog):
 
 
 def test_replan_of_mixed_kinds_splits_the_batch_by_speed_and_orders_ranks_like_the_plan():
-    train = {"seq_len": 512, "global_batch": 16, "precision": "bf16"}
-    cluster = _planned_cluster(["rtx-4090", "rtx-4090", "a100-80gb-sxm"], train, device="cuda:0")
+    train = {"seq_len": 512, "global_batch": 64, "precision": "bf16"}
+    cluster = _planned_cluster(["rtx-4090", "rtx-4090", "a100-80gb-sxm"], train, device="cuda:0", model=MID)
     lost = next(r for r in cluster.ranks if r.device_kind == "rtx-4090")
     survivors = [r for r in cluster.ranks if r is not lost]
     new = replan_with_planner(cluster, survivors, [lost])
-    expected = plan_for_devices(SMALL, {"rtx-4090": 1, "a100-80gb-sxm": 1}, train={**train, "mode": "full"},
+    expected = plan_for_devices(MID, {"rtx-4090": 1, "a100-80gb-sxm": 1}, train={**train, "mode": "full"},
                                 model_name="small-llama", runtime_caps=executable_caps(survivors)).best
     assert new.plan == expected.plan and expected.kind == "hetero-dp"
     check_plan_fits_ranks(new.plan, new.ranks)
@@ -103,4 +107,4 @@ def test_replan_of_mixed_kinds_splits_the_batch_by_speed_and_orders_ranks_like_t
     shares = dict(zip([r.device_kind for r in new.ranks], new.rank_weights(), strict=True))
     assert shares["a100-80gb-sxm"] > shares["rtx-4090"]  # the faster device takes more of the same batch
     assert sum(g.batch_share for g in new.plan.groups) == pytest.approx(1.0)
-    assert new.plan.train.global_batch == 16
+    assert new.plan.train.global_batch == 64

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import pytest
 import yaml
@@ -235,4 +234,3 @@ def test_the_database_schema_comes_from_the_migrations(service: Service) -> None
     finally:
         db.dispose()
     assert {"alembic_version", "tenants", "tokens", "jobs", "job_events", "job_samples", "balance_entries"} <= tables
-    time.sleep(0)  # keep `time` used for readers adding waits here (none needed)

@@ -23,8 +23,8 @@ from starverse.plan import Group, Plan
 from starverse.planner import job_from_dict, pool_from_dict, space
 from starverse.planner.build import network_for, pricing_for, rank_plan, train_spec
 from starverse.planner.hetero import stage_runs
+from starverse.planner.pipekinds import spot_factor_of
 from starverse.planner.pipes import search as pipe_search
-from starverse.planner.pipes import spot_factor_of
 from starverse.planner.pipesplit import best_split, step_of
 from starverse.planner.policy import billed_hours, score, within
 from starverse.planner.result import SearchStats

@@ -109,6 +109,7 @@ class PreparedJob:
             model_id=job.model, plan=job.plan, num_cpu_ranks=job.devices.cpu_ranks, use_gpus=job.devices.use_gpus,
             seq_len=job.train.seq_len, global_batch=job.train.global_batch, max_params=max_params,
             mode=job.train.mode, lora_rank=job.train.lora_rank, ranks=ray_pool.ranks() if ray_pool else None,
+            recovery=job.recovery, rebalance_every=job.train.rebalance_every,
         )
         check_seq_len(job.train.seq_len, self.cluster.model_config, job.model, source)
         check_mode(job.train.mode, [r.device for r in self.cluster.ranks], source)

@@ -8,8 +8,9 @@ execute the plan can run: :data:`EXECUTABLE` is what ``starverse.runtime`` execu
 offload, pipelines; ``accelerate()`` narrows it per cluster), :data:`RUNTIME_CAPS` the plain subset (data
 parallelism and pipelines, TP 1, no ZeRO / recompute / offload).
 
-Where the caps leave TP, ZeRO, recompute or offload open, the space is searched once per setting (the search
-keeps one plan per device set, so its ``top`` list never shows two settings of the same devices), and
+Where the caps leave TP, ZeRO, recompute or offload open, the space is searched whole, then once per setting
+simpler than the best plan's (the search keeps one plan per device set, so its ``top`` list never shows two
+settings of the same devices; every setting when the runtime refuses the best plan), and
 ``plan_for_devices`` ranks the settings' best plans itself: plans the runtime refuses (``runnable``) are left
 out, and among plans whose objective is within :data:`TIE_TOLERANCE` of the best the simplest setting wins
 (:func:`simplicity`: no offload, TP 1, no recompute, the lowest ZeRO stage), so a setting the cost model prices
@@ -126,6 +127,21 @@ def simplicity(plan: Any) -> tuple[int, int, int, int]:
     return (_OFFLOAD.get(t.offload, 3), int(tp > 1), _RECOMPUTE.get(t.recompute, 3), int(t.zero_stage))
 
 
+def _setting_key(caps: RuntimeCaps) -> tuple[int, int, int, int]:
+    """:func:`simplicity` of the simplest plan a fixed setting can give (TP open may still give TP 1)."""
+    return (_OFFLOAD.get(caps.offload or "none", 3), 0, _RECOMPUTE.get(caps.recompute or "none", 3),
+            int(caps.zero_stage or 0))
+
+
+def _runs(plan: Any, runnable: Callable[[Any], None] | None) -> bool:
+    try:
+        if runnable is not None:
+            runnable(plan)
+    except StarverseError:
+        return False
+    return True
+
+
 def pick_simplest(result: PlanResult, runnable: Callable[[Any], None] | None = None,
                   tolerance: float = TIE_TOLERANCE) -> PlanResult:
     """``result`` with the plans ``runnable`` refuses (raises a StarverseError) left out and the simplest plan
@@ -240,20 +256,22 @@ def plan_for_devices(
     try:
         if runtime_caps is None or (runnable is None and not caps.open_settings):
             return search(job_for(caps), pool, catalog, top, spec=spec)
-        found: dict[str, Any] = {}
-        result = None
+        # the widest search first: its best plan bounds the settings worth searching one by one (only the
+        # simpler ones can win a tie), unless the runtime refuses it (then every setting is searched)
+        widest = search(job_for(caps), pool, catalog, top, spec=spec)
+        found: dict[str, Any] = {f"{rp.layout()} {rp.mode}": rp for rp in widest.plans}
+        bound = simplicity(widest.best.plan) if _runs(widest.best.plan, runnable) else None
         for c in caps.settings():
+            if bound is not None and _setting_key(c) >= bound:
+                continue
             try:
                 r = search(job_for(c), pool, catalog, top, spec=spec)
             except InfeasiblePlanError:
                 continue
-            result = result or r
             for rp in r.plans:
                 found.setdefault(f"{rp.layout()} {rp.mode}", rp)
-        if result is None:  # nothing fits any setting: the error of the widest search says why
-            return search(job_for(caps), pool, catalog, top, spec=spec)
         ranked = sorted(found.values(), key=lambda rp: -rp.objective_value)
-        picked = pick_simplest(dataclasses.replace(result, plans=tuple(ranked)), runnable)
+        picked = pick_simplest(dataclasses.replace(widest, plans=tuple(ranked)), runnable)
         return dataclasses.replace(picked, plans=picked.plans[:max(top, 1)])
     except InfeasiblePlanError as e:
         limits = caps.describe()

@@ -54,7 +54,7 @@ class Tables:
     """Capacities from per-level tables: column ``c`` of row ``r`` holds ``tab[r, c, q]`` layers when each of
     its stages may take ``q = ⌊τ / a[r, c]⌋`` layers (``q`` saturates at the table's end). For a block of
     ``k`` stages of one kind, ``tab[q] = Σ_{j ≤ k} min(q, cap_j)`` with ``cap_j`` its memory cap at the
-    ``j``-th least number of micro-batches in flight (``pipes._kinds``)."""
+    ``j``-th least number of micro-batches in flight (``pipekinds.family_kinds``)."""
 
     a: FloatArray
     tab: FloatArray
@@ -63,9 +63,8 @@ class Tables:
     def __call__(self, tau: FloatArray, rows: IntArray) -> FloatArray:
         """Capacity of the columns of ``rows`` under ``tau``."""
         n_cols, n_q = self.tab.shape[1], self.tab.shape[2]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            q = np.floor(tau[:, None] / self.a[rows] + 1e-9)
-        q = np.clip(np.nan_to_num(q, nan=0.0, posinf=n_q - 1.0), 0, n_q - 1).astype(np.int64)
+        # (``a`` is finite and positive: an empty column has a zero table)
+        q = np.minimum(tau[:, None] / self.a[rows] + 1e-9, n_q - 1.0).astype(np.int64)
         flat = (rows[:, None] * n_cols + np.arange(n_cols)[None, :]) * n_q + q
         return np.asarray(self.tab.reshape(-1)[flat], dtype=np.float64)
 
@@ -82,6 +81,10 @@ class Tables:
 Capacity = Envelope | Tables
 
 
+BISECTIONS = 16
+"""Halvings of the bracket in :func:`tau_lb` (its lower end is returned: fewer only loosen the bound)."""
+
+
 def tau_lb(cap: Capacity, total: int) -> FloatArray:
     """Least ``τ`` with ``Σ_j capacity_j(τ) ≥ total`` per row (inf if never).
 
@@ -94,7 +97,7 @@ def tau_lb(cap: Capacity, total: int) -> FloatArray:
         return out
     hi = cap.tau_hi()[ok]
     lo = np.zeros_like(hi)
-    for _ in range(30):
+    for _ in range(BISECTIONS):
         mid = (lo + hi) / 2
         enough = cap(mid, ok).sum(axis=1) >= total
         hi = np.where(enough, mid, hi)

@@ -34,7 +34,7 @@ from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross
 from starverse.costmodel.constants import BYTES_PER_VALUE, NETWORK_EFFICIENCY
 from starverse.costmodel.profile import check_profile_fits
 from starverse.plan import Group, Plan
-from starverse.planner import combine, hostmem, pipes, space
+from starverse.planner import combine, hostmem, pipekinds, pipes, space
 from starverse.planner.build import (
     NOMINAL_TOKENS,
     checkpoint_bytes,
@@ -174,7 +174,7 @@ def _host_fits(ctx: _Ctx, opts: space.Options) -> npt.NDArray[np.bool_]:
 
 
 def _spot_factor(ctx: _Ctx, lam: FloatArray, nodes: FloatArray) -> FloatArray:
-    return pipes.spot_factor_of(ctx, lam, nodes)
+    return pipekinds.spot_factor_of(ctx, lam, nodes)
 
 
 def _sync_s(ctx: _Ctx, num_groups: int, min_pp: int, gbps: float | None = None) -> float:

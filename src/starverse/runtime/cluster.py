@@ -285,6 +285,7 @@ def accelerate(
     ranks: Sequence[RankSpec] | None = None,
     recovery: str = "restart",
     catalog: Any = None,
+    rebalance_every: int | None = None,
 ) -> Cluster:
     """Choose devices, plan and model for a training job (see the module docstring).
 
@@ -297,6 +298,8 @@ def accelerate(
     also at most 20M parameters). ``ranks``: the devices to run on (a Ray cluster's); None: this machine's.
     ``recovery``: the ``Trainer``'s; ``"in-place"`` plans plain data parallelism (what in-place recovery runs).
     ``catalog``: the accelerator figures the planner uses (None: the bundled catalog with the probe's figures).
+    ``rebalance_every``: the ``Trainer``'s, when known: a plan that needs 0 (ZeRO-2/3 run the ranks in lockstep)
+    is then left out unless it is 0 (None: kept, with a note).
     """
     from starverse.runtime.devices import local_ranks
 
@@ -330,7 +333,8 @@ def accelerate(
         precision = "fp32" if all(r.device == "cpu" for r in ordered) else "bf16"
         train = {"seq_len": seq_len, "global_batch": gb, "precision": precision, "mode": mode, "lora_rank": lora_rank}
         planned = _planner_plan(plan_cfg, plan_model, ordered, policy, max_budget, train, notes,
-                                caps=executable_caps(ordered, recovery), catalog=catalog)
+                                caps=executable_caps(ordered, recovery), catalog=catalog,
+                                rebalance_every=rebalance_every or 0)
         if planned is not None:
             the_plan, estimate = planned
             ordered = order_ranks_like_plan(the_plan, list(ordered))
@@ -444,7 +448,7 @@ def _choose_model(
 
 def _planner_plan(
     model_cfg: dict[str, Any], plan_model: str, ranks: tuple[RankSpec, ...], policy: str, max_budget: float | None,
-    train: dict[str, Any], notes: list[str], *, caps: Any = None, catalog: Any = None,
+    train: dict[str, Any], notes: list[str], *, caps: Any = None, catalog: Any = None, rebalance_every: int = 0,
 ) -> tuple[Plan, Any] | None:
     """The planner's best plan on exactly these devices within what this runtime executes, and its estimate;
     None (with the planner's one-line reason in ``notes``) when the planner fails.
@@ -456,7 +460,8 @@ def _planner_plan(
     """
     try:
         result = plan_on_ranks(model_cfg, plan_model, ranks, policy, train, caps if caps is not None
-                               else executable_caps(ranks), max_budget=max_budget, catalog=catalog)
+                               else executable_caps(ranks), max_budget=max_budget, catalog=catalog,
+                               rebalance_every=rebalance_every)
         best = result.best
     except StarverseError as e:  # unknown device, nothing fits, ...: the per-kind plan, and why
         reason = " ".join(str(e).split())
@@ -490,7 +495,8 @@ def plan_on_ranks(model_cfg: dict[str, Any] | str, plan_model: str, ranks: Seque
     return plan_for_devices(
         model_cfg, dict(Counter(r.device_kind for r in ranks)), policy=policy, max_budget_per_hour=max_budget,
         model_name=plan_model, train=train, runtime_caps=caps, top=5, catalog=catalog,
-        runnable=lambda plan: check_runnable(plan, ranks, cfg, rebalance_every=rebalance_every), cpu_threads=min(cpu_threads) if cpu_threads else None,
+        runnable=lambda plan: check_runnable(plan, ranks, cfg, rebalance_every=rebalance_every),
+        cpu_threads=min(cpu_threads) if cpu_threads else None,
     )
 
 
