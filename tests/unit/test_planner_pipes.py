@@ -230,6 +230,9 @@ def test_interleaved_pipeline_is_written_as_the_runtime_runs_it(catalog):
     assert all(s.layers % found.virtual_stages == 0 for s in stages)
     assert (ctx.batch // (found.replicas * found.micro_batch)) % len(stages) == 0
     assert estimate(plan, catalog, spec).step_time_s == pytest.approx(found.step_time_s, rel=1e-9)
+    rp = rank_plan(job_r, pool, catalog, spec, plan, {pool.offers[o].name: c for o, c in found.devices().items()},
+                   "hetero-pipeline", False)
+    assert rp is not None and rp.layout().endswith(f"interleaved v{found.virtual_stages}")
     # search.max_virtual_stages: 1 turns interleaving off: 1F1B, and no better than with it
     job_1 = job_from_dict({**job_d, "search": {"max_virtual_stages": 1}})
     job_1r, _ = resolve_objective(job_1, pool)

@@ -63,7 +63,8 @@ class RankedPlan:
 
     def layout(self) -> str:
         """Compact layout, e.g. ``rtx-4090: 2×[tp4 pp2 40L] mb1 | ZeRO-1 rc:full``; a heterogeneous pipeline
-        lists its stage runs: ``1×[rtx-4090 tp8 19+19 → tpu-v5e tp2 6] mb1``."""
+        lists its stage runs: ``1×[rtx-4090 tp8 19+19 → tpu-v5e tp2 6] mb1``; the interleaved schedule is named
+        with its chunks per device (``interleaved v2``)."""
         parts = []
         for g in self.plan.groups:
             stages = g.expanded_stages()
@@ -83,6 +84,7 @@ class RankedPlan:
             parts.append(f"{g.replicas}×[{body}] mb{g.micro_batch}")
         t = self.plan.train
         tail = f"ZeRO-{t.zero_stage} rc:{t.recompute}" + (f" off:{t.offload}" if t.offload != "none" else "")
+        tail += f" interleaved v{t.virtual_stages}" if t.schedule == "interleaved" else ""
         return "; ".join(parts) + " | " + tail
 
 
