@@ -72,6 +72,10 @@ class TrainSpec(FrozenModel):
     pipeline engine with ``wall_clock_breakdown: true`` times each micro-step with ``torch.cuda.synchronize``):
     the host's kernel-launch time per layer is then not hidden behind the device's work
     (``constants.HOST_OVERHEAD_PER_LAYER_S``)."""
+    tp_comm_overlap: bool = False
+    """TP collectives run in chunks overlapped with the layer's GEMMs (Transformer Engine userbuffers:
+    Megatron's ``--tp-comm-overlap``, NeMo's ``ub_tp_comm_overlap``; needs sequence parallelism): only the
+    part longer than the GEMMs is exposed (``costmodel.stage``)."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient all-reduce overlaps the last micro-batch's backward (PyTorch DDP, Megatron,
     FSDP). False: it runs after the last backward, exposed (DeepSpeed's pipeline engine: its schedule issues

@@ -29,15 +29,19 @@ def one_process(tmp_path_factory):
     return res, _evals(run)
 
 
-@pytest.mark.parametrize("case", ["two-groups", "zero-replicas", "interleaved"])
+@pytest.mark.parametrize("case", ["two-groups", "zero-replicas", "interleaved", "tp-sp"])
 def test_eval_through_pipelines_equals_one_process(tmp_path, one_process, case):
     """Two groups whose pipelines split the layers 1:3 and 3:1 over two device kinds (4 held-out sequences
     each), two replicas of one group whose stages are sharded together (ZeRO-2: the replicas' forwards
-    gather in step), or one interleaved pipeline (two chunks per rank)."""
+    gather in step), one interleaved pipeline (two chunks per rank), or TP 2 with sequence parallel inside the
+    stages (each TP rank's pipeline runs the held-out sequences; the last stage's TP rank 0 counts them)."""
     ref, ref_evals = one_process
     if case == "two-groups":
         plan = _plan([Group(stages=_stages((1, 3), ("cpu", "cpu-b"))), Group(stages=_stages((3, 1), ("cpu-b", "cpu")))])
         kinds = ["cpu", "cpu-b", "cpu-b", "cpu"]
+    elif case == "tp-sp":
+        plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b"), tp=2))], sequence_parallel=True)
+        kinds = ["cpu", "cpu", "cpu-b", "cpu-b"]
     elif case == "interleaved":
         plan = _plan([Group(stages=_stages((2, 2), ("cpu", "cpu-b")))], "interleaved", 2)
         kinds = ["cpu", "cpu-b"]

@@ -99,6 +99,7 @@ def _uniform(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, **kw: o
         ("a100-80gb-sxm", 8, 1, 16, 1, 4, {"zero_stage": 3, "recompute": "full"}),
         ("h100-80gb-sxm", 4, 4, 2, 1, 8, {"schedule": "interleaved", "virtual_stages": 5, "recompute": "selective"}),
         ("v100-32gb-sxm", 8, 8, 1, 2, 8, {"schedule": "gpipe", "recompute": "selective", "precision": "fp16"}),
+        ("h100-80gb-sxm", 4, 2, 2, 1, 8, {"precision": "fp8", "recompute": "full"}),  # attention in bf16
     ],
 )
 def test_scalar_and_batch_agree(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, kw: dict) -> None:
@@ -411,6 +412,42 @@ def test_fp8_uses_its_own_peak_and_efficiency() -> None:
     t_bf16 = estimate_batch(shape, TrainShape(seq_len=4096), bf16, cand).step_time_s[0]
     t_fp8 = estimate_batch(shape, TrainShape(seq_len=4096, precision="fp8"), fp8, cand).step_time_s[0]
     assert 1.2 < t_bf16 / t_fp8 < 2.0  # faster, but far from the 2x of the peaks
+
+
+def test_fp8_runs_attention_at_the_bf16_rate() -> None:
+    # Transformer Engine casts the linear layers' GEMMs to FP8, attention stays bf16 (fp8_dpa off): the
+    # attention core's rate is the bf16 one, so FP8's gain shrinks as attention grows with the sequence
+    from starverse.costmodel.constants import attention_tflops, gemm_efficiency, peak_tflops
+
+    h100 = CAT.accelerator("h100-80gb-sxm")
+    assert attention_tflops(h100, "fp8") == pytest.approx(peak_tflops(h100, "bf16") * gemm_efficiency(h100, "bf16"))
+    assert attention_tflops(h100, "bf16") == pytest.approx(peak_tflops(h100, "bf16") * gemm_efficiency(h100, "bf16"))
+    shape = ModelShape.from_spec(load_model("llama-2-7b"))
+    cand = Candidates.make(accelerator=0, tp=1, pp=1, replicas=8, micro_batch=1, num_micro_batches=1,
+                           zero_stage=1, recompute=2)
+    speedup = {}
+    for seq in (4096, 65536):
+        t = {pr: estimate_batch(shape, TrainShape(seq_len=seq, precision=pr),
+                                DeviceTable.from_catalog(CAT, ["h100-80gb-sxm"], pr), cand).step_time_s[0]
+             for pr in ("bf16", "fp8")}
+        speedup[seq] = t["bf16"] / t["fp8"]
+    assert 1.0 < speedup[65536] < 1.2 < 1.3 < speedup[4096]  # 1.15 and 1.39 here
+
+
+def test_tp_comm_overlap_hides_tp_collectives_behind_the_gemms() -> None:
+    # Transformer Engine userbuffers (NeMo's ub_tp_comm_overlap): TP collectives overlap the linear layers'
+    # GEMMs; only the SM share they occupy (and any excess over the GEMMs) stays on the step
+    def run(overlap: bool) -> object:
+        p = plan([{"replicas": 1, "micro_batch": 1, "stages": [{"accelerator": "h100-80gb-sxm", "tp": 8,
+                                                                "layers": 80}]}],
+                 global_batch=8, sequence_parallel=True, recompute="selective", tp_comm_overlap=overlap)
+        return estimate(p, CAT)
+
+    exposed, hidden = run(False), run(True)
+    t_ex, t_hid = exposed.groups[0].breakdown["tp_comm"], hidden.groups[0].breakdown["tp_comm"]
+    assert t_hid == pytest.approx(0.20 * t_ex, rel=0.05)  # OVERLAP_SM_FRACTION of it: the GEMMs are longer
+    assert hidden.step_time_s < exposed.step_time_s
+    assert hidden.step_time_s == pytest.approx(exposed.step_time_s - 0.8 * t_ex, rel=0.02)
 
 
 def test_pipeline_across_accelerator_types_sends_over_the_cross_link() -> None:

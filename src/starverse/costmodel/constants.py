@@ -29,18 +29,19 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.7689
+SUSTAINED_FRACTION = 0.795
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.7689 makes the mean over sources of each source's mean tokens/s error
+FITTED (``costmodel.fit.FITTED``): 0.795 makes the mean over sources of each source's mean tokens/s error
 zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
-2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry); until issue 9 Sailor's fp32 runs were in
-this fit too (0.74). Leave-one-source-out refits 0.75-0.79, i.e. it is not specific to one software stack
+2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry, NeMo FP8 on H100, fms-fsdp); until issue 9
+Sailor's fp32 runs were in this fit too (0.74), and it was 0.769 before the NeMo and fms-fsdp sources.
+Leave-one-source-out refits 0.78-0.81, i.e. it is not specific to one software stack
 (``scripts/loso.py``; held-out figures in docs/costmodel.md). For comparison, Bekman quotes ~150-180
-TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training reached; 0.77 x MAMF is
+TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training reached; 0.8 x MAMF is
 the matmul-only part of that."""
 
 GEMM_EFFICIENCY_FP8: dict[str, float] = {
@@ -62,13 +63,13 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.4385
+PRE_AMPERE_EFFICIENCY = 0.4258
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
 :data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs
 that use such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, fp16); leave-one-source-out refits
-0.42-0.47. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
+0.41-0.45. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
 time and made large matmuls too slow (AMP's LM head reaches ~35 % of the T4 peak). Physically: the T4's
 65 TFLOP/s fp16 peak is a 70 W part's boost figure it does not sustain, Turing GeForce/Titan peaks are
 boost-clock figures, and 2020-era kernels reach less of the tensor cores than today's. A measured profile (``starverse probe``) replaces it for the cards a
@@ -207,7 +208,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.4686
+PCIE_COLLECTIVE_FRACTION = 0.4651
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
@@ -323,3 +324,19 @@ def gemm_efficiency(acc: Any, precision: str = "bf16") -> float:
     if precision == "fp8" and getattr(acc, "fp8_tflops", None) is not None:
         mamf = GEMM_EFFICIENCY_FP8.get(acc.id, mamf * FP8_VS_BF16_EFFICIENCY)
     return mamf * SUSTAINED_FRACTION
+
+
+ATTENTION_PRECISION: dict[str, str] = {"fp8": "bf16"}
+"""Precision the attention core (QK^T, softmax, PV) runs in, by training precision, where it differs:
+FP8 training with Transformer Engine casts the linear layers' GEMMs to FP8 and runs attention in bf16
+(cuDNN / FlashAttention fused kernels in bf16; TE's FP8 attention, ``DelayedScaling(fp8_dpa=True)``, is off
+by default — Transformer Engine docs, ``transformer_engine.common.recipe.DelayedScaling``; NeMo enables it
+only with ``fp8_dot_product_attention``, off in its recipes). So at long sequences, where attention
+dominates, FP8 training runs at the bf16 rate."""
+
+
+def attention_tflops(acc: Any, precision: str) -> float:
+    """Sustained TFLOP/s of large matmuls at the precision the attention core runs in
+    (:data:`ATTENTION_PRECISION`): the bf16 peak x bf16 efficiency under fp8 training, else the GEMMs'."""
+    p = ATTENTION_PRECISION.get(precision, precision)
+    return peak_tflops(acc, p) * gemm_efficiency(acc, p)

@@ -68,6 +68,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         virtual_stages=float(train.virtual_stages),
         sync_micro_steps=train.sync_micro_steps,
         overlap_grad_reduce=train.overlap_grad_reduce,
+        tp_comm_overlap=train.tp_comm_overlap,
     )
 
 
@@ -205,6 +206,7 @@ def _rows_for(
         offload=cand.offload.astype(f),
         sequence_parallel=cand.sequence_parallel,
         pipeline_devices=tp * pp,
+        attention_tflops=None if devices.attention_tflops is None else devices.attention_tflops[k],
         flash_attention=(np.ones(n, dtype=np.bool_) if devices.flash_attention is None
                          else devices.flash_attention[k]),
         host_collectives=None if devices.host_collectives is None else devices.host_collectives[k],

@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from starverse.costmodel.constants import (
     LINK_EFFICIENCY,
+    attention_tflops,
     gemm_efficiency,
     has_flash_attention,
     host_collectives,
@@ -148,6 +149,8 @@ class TrainShape:
     """The framework synchronises the device per micro-step (``TrainSpec.sync_micro_steps``)."""
     overlap_grad_reduce: bool = True
     """The gradient all-reduce overlaps the last backward (``TrainSpec.overlap_grad_reduce``)."""
+    tp_comm_overlap: bool = False
+    """TP collectives overlapped with the GEMMs (``TrainSpec.tp_comm_overlap``)."""
 
     @classmethod
     def from_train(cls, train: TrainSpec) -> TrainShape:
@@ -163,6 +166,7 @@ class TrainShape:
             grad_reduce_fp32=train.grad_reduce_fp32,
             sync_micro_steps=train.sync_micro_steps,
             overlap_grad_reduce=train.overlap_grad_reduce,
+            tp_comm_overlap=train.tp_comm_overlap,
         )
 
 
@@ -195,6 +199,8 @@ class DeviceTable:
     """Board power (W)."""
     price_per_hour: FloatArray
     """Price per device-hour (NaN = unknown)."""
+    attention_tflops: FloatArray | None = None
+    """Sustained TFLOP/s of the attention core (``constants.attention_tflops``); None = peak x efficiency."""
     flash_attention: BoolArray | None = None
     """Has a fused attention kernel (used by ``TrainShape.attention == "auto"``); None = all do."""
     host_collectives: BoolArray | None = None
@@ -244,6 +250,7 @@ class DeviceTable:
             inter_node_gbps=np.array(nic, dtype=np.float64),
             tdp_w=np.array([a.tdp_w for a in accelerators], dtype=np.float64),
             price_per_hour=np.array([np.nan if p is None else p for p in price], dtype=np.float64),
+            attention_tflops=np.array([attention_tflops(a, precision) for a in accelerators], dtype=np.float64),
             flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
             host_collectives=np.array([host_collectives(a) for a in accelerators], dtype=np.bool_),
             profiles=profs,

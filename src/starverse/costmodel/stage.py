@@ -81,6 +81,9 @@ class StageRows:
     """Measured forward + backward of embedding, LM head and loss per micro-batch; NaN = analytic."""
     measured_optimizer_s_per_param: FloatArray | None = None
     """Measured Adam step time per parameter held (``costmodel.profile``); NaN = analytic."""
+    attention_tflops: FloatArray | None = None
+    """Sustained TFLOP/s of the attention core's matmuls (``constants.attention_tflops``: bf16 under fp8
+    training); None = ``peak_tflops x gemm_efficiency`` (attention at the GEMMs' precision)."""
     host_collectives: BoolArray | None = None
     """Ranks are host processes talking over gloo (``constants.host_collectives``: the ``cpu`` stack), whose
     collectives cost ``comm.collective_latency_s`` per call; None = none are."""
@@ -134,6 +137,7 @@ class ModelNumbers:
     virtual_stages: float
     sync_micro_steps: bool = False
     overlap_grad_reduce: bool = True
+    tp_comm_overlap: bool = False
 
     def layer_matmul_flops_per_token(self) -> float:
         """Forward matmul FLOPs per token of one layer, exact (causal attention over the sequence)."""
@@ -197,8 +201,9 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # fused causal attention: 2 matmuls of T x s x d per head, lower triangle only; backward recomputes
     # the scores (FlashAttention): 2.5x the forward matmul work
     attn_flops = 4.0 * tokens * (s + 1.0) / 2.0 * mn.q_dim / t
-    attn_eff = rows.gemm_efficiency * mn.head_dim / (mn.head_dim + C.ATTENTION_HEAD_DIM_HALF)
-    a = attn_flops / (rows.peak_tflops * 1e12 * attn_eff)
+    attn_rate = (rows.peak_tflops * rows.gemm_efficiency if rows.attention_tflops is None
+                 else rows.attention_tflops)
+    a = attn_flops / (attn_rate * 1e12 * mn.head_dim / (mn.head_dim + C.ATTENTION_HEAD_DIM_HALF))
     # host-side launch time of the layer's kernels (forward, backward, recomputed forward), exposed where
     # the framework synchronises the device per micro-step; counted with the matmuls (a measured profile
     # below includes it)
@@ -243,6 +248,12 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus, 1.0, collective_latency_s(rows.host_collectives, True))
     latency = collective_latency_s(rows.host_collectives)
     tp_layer = ar * (4.0 + 2.0 * rc_full)
+    if mn.tp_comm_overlap:
+        # TP all-gathers / reduce-scatters split into chunks pipelined with the linear layers' GEMMs
+        # (Transformer Engine userbuffers; Wang et al. ASPLOS'23 "Overlap communication with dependent
+        # computation via decomposition"): exposed only where longer than those GEMMs; while overlapped
+        # it still occupies SMs (OVERLAP_SM_FRACTION of its duration, as the overlapped DP collectives)
+        tp_layer = np.maximum(tp_layer - g * (1.0 + bwd_gemm + rc_full), 0.0) + C.OVERLAP_SM_FRACTION * tp_layer
 
     if not mn.sync_micro_steps:
         # asynchronous launches: the device waits for the host where a layer's work is shorter than the

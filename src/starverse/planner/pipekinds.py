@@ -67,6 +67,7 @@ def stage_rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, fi
         recompute=full(st.recompute), offload=full(st.offload), sequence_parallel=np.full(n, sp),
         pipeline_devices=full(1.0),
         flash_attention=np.ones(n, dtype=bool) if d.flash_attention is None else d.flash_attention[offer],
+        attention_tflops=None if d.attention_tflops is None else d.attention_tflops[offer],
     )
 
 
