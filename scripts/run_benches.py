@@ -48,9 +48,10 @@ def run_one(path: Path, timeout_s: float) -> dict[str, Any]:
     args = [sys.executable, str(path)] + (["--save"] if name == "bench_plan" else [])
     try:
         proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False)
-        out, rc = proc.stdout, proc.returncode
+        out, err, rc = proc.stdout, proc.stderr or "", proc.returncode
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         rc = None
     figures = last_json_object(out)
     record: dict[str, Any] = {
@@ -61,6 +62,8 @@ def run_one(path: Path, timeout_s: float) -> dict[str, Any]:
     }
     if figures is None:
         record["error"] = "timed out" if rc is None else f"printed no JSON object (exit {rc})"
+    if rc != 0 and err.strip():
+        record["stderr_tail"] = err.strip()[-2000:]  # why it failed, kept with the record
     return record
 
 

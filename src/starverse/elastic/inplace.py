@@ -15,8 +15,9 @@ Lighthouse. Unlike the local launcher it does not fail fast on a lost replica:
   default) the replacement is a *warm spare*: one process per device kind started with the job, which has
   imported torch and torchft and loaded the model and waits, outside the quorum, on the launcher's store;
   "started" then means activated (``activate/<slot>`` set), so the process start-up is not on the join's path.
-  The launcher starts a new spare of that kind at each activation. Without a live spare the replacement is a
-  fresh process (*cold*, :attr:`Join.warm` False);
+  The launcher starts the next spare of that kind once the activated one committed its first step (before, its
+  start-up would slow the join on a busy host). Without a live spare the replacement is a fresh process
+  (*cold*, :attr:`Join.warm` False);
 - the job fails, with a typed error as the local launcher's, when a replica raises (a code error), when
   every replica is lost (the supervisor then restarts from the last checkpoint) or past ``timeout_s``.
 
