@@ -13,9 +13,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(args, tmp_path, timeout=600, **kw):
+def _run(args, tmp_path, timeout=600, extra_env=None, **kw):
     env = {**os.environ, "STARVERSE_CACHE": str(tmp_path / "cache"), "MASTER_ADDR": "127.0.0.1",
-           "COLUMNS": "200", "HOME": str(tmp_path)}
+           "COLUMNS": "200", "HOME": str(tmp_path), **(extra_env or {})}
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path, **kw)
 
 
@@ -77,7 +77,9 @@ def test_unguarded_user_script_runs_the_brief_code_once(tmp_path):
 
 
 def test_demo_bad_batch_is_one_line_and_exit_2(tmp_path):
+    # datasheet figures (STARVERSE_PROFILE=""): a fresh HOME would first probe the machine (~10 s of CPU), which
+    # is the first test's subject, not this one's
     out = _run([sys.executable, "-m", "starverse.cli", "demo", "--batch", "0", "--steps", "1", "--corpus-mb", "0.05",
-                "--run-dir", str(tmp_path / "run")], tmp_path)
+                "--run-dir", str(tmp_path / "run")], tmp_path, extra_env={"STARVERSE_PROFILE": ""})
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "error: per_device_batch_size must be > 0 (got 0)."

@@ -208,7 +208,9 @@ def test_demo_prints_the_bill_and_where_the_files_are_and_never_reuses_a_run_dir
                                         "price_per_hour: 3.6}\n")
     args = [*CLI, "demo", "--steps", "4", "--checkpoint-every", "2", "--corpus-mb", "0.05", "--pool", "pool.yaml",
             "--run-dir", "run"]
-    out = subprocess.run(args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    # datasheet figures (STARVERSE_PROFILE=""): the probe of a fresh HOME (~10 s of CPU) is test_demo.py's subject
+    env = {**_env(tmp_path), "STARVERSE_PROFILE": ""}
+    out = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "run"
     text = out.stdout
@@ -229,7 +231,7 @@ def test_demo_prints_the_bill_and_where_the_files_are_and_never_reuses_a_run_dir
                             capture_output=True, text=True, timeout=60)
     assert [c["step"] for c in json.loads(listed.stdout)["checkpoints"]] == [2, 4]
 
-    again = subprocess.run(args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    again = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and again.stderr == (
         f"error: {run}: already holds the checkpoints of an earlier run; the demo trains from scratch. To fix: "
         "pass another --run-dir, or omit it (each demo then gets its own runs/demo/<UTC time>).\n")
