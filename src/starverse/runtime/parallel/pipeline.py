@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from starverse.errors import ConfigError
 from starverse.runtime.launch import native_backend
@@ -38,9 +37,6 @@ from starverse.runtime.steps import masked_cross_entropy, shifted_cross_entropy
 def _summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """A held-out micro-batch's next-token loss summed over its labelled tokens (the evaluation's loss)."""
     return masked_cross_entropy(logits, labels, 1)
-
-
-_SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
 
 def micro_batch_count_error(schedule: str, num_stages: int, n: int) -> str | None:
@@ -80,30 +76,6 @@ class PipelineTimes:
     def bubble(self) -> float:
         """Fraction of the step this rank waited (the pipeline bubble and transfers, as this rank saw it)."""
         return max(0.0, 1.0 - self.busy_s / self.step_s) if self.step_s > 0 else 0.0
-
-
-class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that times each forward and backward of a micro-batch and reports it."""
-
-    def __init__(self, *args: Any, times: Callable[[], PipelineTimes], on_compute: Callable[[float], None],
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._times = times
-        self._on_compute = on_compute
-
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = super().forward_one_chunk(*args, **kwargs)
-        self._on_compute(time.perf_counter() - t0)  # inside the timed span: a slowed rank is slow here
-        self._times().forward_s.append(time.perf_counter() - t0)
-        return out
-
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = super().backward_one_chunk(*args, **kwargs)
-        self._on_compute(time.perf_counter() - t0)
-        self._times().backward_s.append(time.perf_counter() - t0)
-        return out
 
 
 def pipeline_groups(layout: PipelineLayout, rank_kinds: Sequence[str], rank_devices: Sequence[str]) -> dict[int, Any]:
@@ -240,16 +212,21 @@ class PipelineRunner:
         why = micro_batch_count_error(self.schedule_name, self.num_stages, n_micro)
         if why is not None:
             raise ConfigError(f"train.schedule: {why}. To fix: raise the global batch or lower the micro-batch size.")
+        # torch.distributed.pipelining (with torch._dynamo) costs a second of start-up: only pipelines pay it
+        from torch.distributed.pipelining import PipelineStage
+
+        from starverse.runtime.parallel.pipeline_stage import SCHEDULES, TimedStage
+
         group_rank = dist.get_rank(self.group)
         num = self.num_stages * len(self.chunks)
         stages = [
             PipelineStage(ch, group_rank + i * self.num_stages, num, self.comm_device, group=self.group)
             if evaluation else
-            _TimedStage(ch, group_rank + i * self.num_stages, num, self.comm_device,
+            TimedStage(ch, group_rank + i * self.num_stages, num, self.comm_device,
                         group=self.group, times=lambda: self.times, on_compute=lambda dt: self.on_compute(dt))
             for i, ch in enumerate(self.chunks)
         ]
-        cls = _SCHEDULES[self.schedule_name]
+        cls = SCHEDULES[self.schedule_name]
         loss = _summed_loss if evaluation else self._loss
         if self.schedule_name == "interleaved":
             return cls(stages, n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
