@@ -39,7 +39,7 @@ from typing import Any
 from starverse.errors import ConfigError, LostRankError
 from starverse.providers.failures import code_error, lost_heartbeat, lost_process, overrun, user_error
 from starverse.providers.local import _main_reimport_guard, _rank_entry, _stop_all, signal_processes
-from starverse.runtime.ft import (
+from starverse.runtime.ft_group import (
     EXTRA_BARRIER_PORT,
     EXTRA_JOINER,
     EXTRA_LIGHTHOUSE,

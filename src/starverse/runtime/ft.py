@@ -28,11 +28,8 @@ Callbacks (checkpoint, progress, billing, metrics) run on the *leader* only: the
 0 (replica ids sort by index, so the lowest surviving replica), seeing ``rank 0`` of ``world_size 1`` and no
 group; leadership moves to the next replica when the leader dies (its callbacks' ``on_fit_start`` runs then).
 
-Loopback only: torchft 0.2.0's ``Manager`` hard-codes its ``ManagerServer`` bind to ``[::]:PORT`` and its
-default ``HTTPTransport`` serves on every interface. :func:`loopback_manager_server` replaces the
-``ManagerServer`` class torchft's manager module uses by one that binds and advertises ``127.0.0.1``
-(:func:`patch_manager_bind`), and the state transfer uses ``PGTransport``; nothing of a replica listens
-beyond 127.0.0.1 (``tests/e2e`` lists the job's sockets).
+The torchft wiring (``Manager``, loopback bind, :class:`TorchftSync`) is in :mod:`starverse.runtime.ft_group`;
+the start barrier, warm spares and the joined signal in :mod:`starverse.runtime.ft_join`.
 
 This module imports only torch, torchft and the runtime (never elastic, providers or jobs): the launcher
 (``starverse.elastic.inplace.InplaceLauncher``) provides the Lighthouse and the start barrier.
@@ -46,11 +43,10 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,8 +55,18 @@ from starverse.errors import ConfigError, TrainingDivergedError
 from starverse.runtime.callbacks import CallbackList, TrainContext
 from starverse.runtime.data import PackedDataset
 from starverse.runtime.export import FINAL_WEIGHTS
+from starverse.runtime.ft_group import (
+    EXTRA_JOINER,
+    EXTRA_LIGHTHOUSE,
+    EXTRA_SPARE,
+    Quorum,
+    ReplicaSync,
+    TorchftSync,
+    loopback_manager_server,
+)
+from starverse.runtime.ft_join import announce_joined, load_model, start_barrier, wait_for_activation
 from starverse.runtime.hetero_dp import balanced_shares
-from starverse.runtime.launch import LOOPBACK, RankEnv, store_server
+from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.rank_loop import FitJob, RankResult, training_parts
 from starverse.runtime.steps import autocast_dtype, batch_loss
@@ -69,129 +75,6 @@ log = logging.getLogger(__name__)
 
 INPLACE_LOG = "inplace.jsonl"
 """Run-directory file of membership changes and redone steps (one JSON object a line, written by the leader)."""
-
-EXTRA_LIGHTHOUSE = "lighthouse"
-"""``RankEnv.extra`` key: the Lighthouse address (``http://127.0.0.1:PORT``)."""
-EXTRA_BARRIER_PORT = "start_barrier_port"
-"""``RankEnv.extra`` key: the launcher's store port where the initial replicas meet before the first quorum."""
-EXTRA_JOINER = "joiner"
-"""``RankEnv.extra`` key: True for a replica started after the job began (it heals from a peer)."""
-EXTRA_SPARE = "spare"
-"""``RankEnv.extra`` key: True for a warm spare: a process that imports, loads the model, then waits (outside
-the quorum) on the launcher's store for the rank it replaces (:func:`wait_for_activation`)."""
-SPARE_KEY = "activate/"
-"""Store key prefix the launcher sets to activate a spare: ``activate/<slot>`` = the rank it becomes."""
-JOINED_KEY = "joined/"
-"""Store key a replacement sets once it committed its first step (``joined/<rank>``): the launcher starts the
-next warm spare then, not while the replacement is joining (its start-up would slow the join on a busy host)."""
-
-
-def quiet_torchft() -> None:
-    """torchft's Rust side logs every quorum at INFO to stderr; WARNING and up unless ``$RUST_LOG`` says else
-    (read once, when torchft is first imported in a process)."""
-    os.environ.setdefault("RUST_LOG", "warn")
-    # a flight-recorder warning every quorum, a traceback for every peer lost (logged here once, as a warning)
-    logging.getLogger("torchft.manager").setLevel(logging.CRITICAL)
-
-
-def loopback_manager_server(**kwargs: Any) -> Any:
-    """torchft's ``ManagerServer``, bound to and advertised on 127.0.0.1 instead of ``[::]`` / the hostname."""
-    from torchft._torchft import ManagerServer
-
-    port = str(kwargs.pop("bind")).rsplit(":", 1)[1]
-    kwargs["hostname"] = LOOPBACK
-    return ManagerServer(bind=f"{LOOPBACK}:{port}", **kwargs)
-
-
-def patch_manager_bind() -> None:
-    """Make ``torchft.manager.Manager`` start its ``ManagerServer`` on 127.0.0.1 (torchft 0.2.0 has no option).
-
-    ``Manager.__init__`` calls the module-level name ``ManagerServer(replica_id=..., bind="[::]:PORT", ...)``
-    with keyword arguments only; that name is replaced in this (rank) process by :func:`loopback_manager_server`.
-    """
-    import torchft.manager as tm
-
-    tm.ManagerServer = loopback_manager_server  # type: ignore[assignment,misc]
-
-
-@dataclass(frozen=True)
-class Quorum:
-    """This step's membership as one replica sees it."""
-
-    rank: int
-    """This replica's position among the participants (0: the leader)."""
-    size: int
-    """Number of participants."""
-
-
-class ReplicaSync(Protocol):
-    """What the in-place loop needs from a fault-tolerant group (:class:`TorchftSync` on torchft)."""
-
-    def start_step(self) -> Quorum:
-        """Agree on this step's participants (a late replica is healed here)."""
-        ...
-
-    def allreduce_sum(self, t: torch.Tensor) -> bool:
-        """Sum ``t`` over the participants in place; False if it failed (then :meth:`commit` says False too)."""
-        ...
-
-    def commit(self) -> bool:
-        """True if every participant finished the step (apply it); False: redo it."""
-        ...
-
-    def shutdown(self) -> None:
-        """Leave the group."""
-        ...
-
-
-class TorchftSync:
-    """:class:`ReplicaSync` on a torchft ``Manager`` (replica group of size 1) and a reconfigurable gloo group."""
-
-    def __init__(self, replica_id: str, lighthouse: str, timeout_s: float,
-                 state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None]):
-        quiet_torchft()
-        from torchft import Manager, ProcessGroupGloo
-        from torchft.checkpointing.pg_transport import PGTransport
-
-        patch_manager_bind()
-        timeout = timedelta(seconds=timeout_s)
-        self._store = store_server(LOOPBACK, 1, timeout_s)  # this replica group's own store (loopback)
-        pg = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-            rank=0, world_size=1, store_addr=LOOPBACK, store_port=self._store.port, lighthouse_addr=lighthouse,
-            replica_id=replica_id, hostname=LOOPBACK, init_sync=False,
-            checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
-        )
-
-    def start_step(self) -> Quorum:
-        """See :class:`ReplicaSync`."""
-        m = self.manager
-        m.start_quorum()  # synchronous: a late replica is healed before this returns
-        rank = m.participating_rank()
-        if rank is None:
-            raise ConfigError("torchft put this replica outside the quorum (spare replicas are not used).")
-        return Quorum(rank=rank, size=m.num_participants())
-
-    def allreduce_sum(self, t: torch.Tensor) -> bool:
-        """See :class:`ReplicaSync`."""
-        from torch.distributed import ReduceOp
-
-        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
-        return self.manager.errored() is None
-
-    def commit(self) -> bool:
-        """See :class:`ReplicaSync`."""
-        return bool(self.manager.should_commit())
-
-    def current_step(self) -> int:
-        """Steps committed (torchft's count; healed with the state)."""
-        return int(self.manager.current_step())
-
-    def shutdown(self) -> None:
-        """See :class:`ReplicaSync`."""
-        self.manager.shutdown(wait=False)
 
 
 def replica_shares(num_micro: int, roster: Sequence[tuple[int, float]], previous: Sequence[int] | None,
@@ -496,67 +379,6 @@ class ReplicaTrainer:
         )
 
 
-def start_barrier(env: RankEnv) -> None:
-    """Initial replicas wait for each other before the first quorum (so it holds all of them); a joiner does not."""
-    port = env.extra.get(EXTRA_BARRIER_PORT)
-    if port is None or env.extra.get(EXTRA_JOINER):
-        return
-    import torch.distributed as dist
-
-    store = dist.TCPStore(LOOPBACK, int(port), is_master=False, timeout=timedelta(seconds=env.collective_timeout_s))
-    store.add("ready", 1)
-    deadline = time.monotonic() + env.collective_timeout_s
-    while store.add("ready", 0) < env.world_size:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"replica {env.rank}: the other replicas did not start within "
-                               f"{env.collective_timeout_s:.0f} s")
-        time.sleep(0.02)
-
-
-def _launcher_store(env: RankEnv) -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore(LOOPBACK, int(env.extra[EXTRA_BARRIER_PORT]), is_master=False,
-                         timeout=timedelta(seconds=env.collective_timeout_s))
-
-
-def announce_joined(env: RankEnv) -> None:
-    """A replacement tells the launcher it trained its first step (``joined/<rank>``)."""
-    if env.extra.get(EXTRA_BARRIER_PORT) is not None:
-        _launcher_store(env).set(f"{JOINED_KEY}{env.rank}", "1")
-
-
-def load_model(job: FitJob) -> torch.nn.Module:
-    """The job's initial model, on the CPU."""
-    model: torch.nn.Module = torch.load(job.model_path, map_location="cpu", weights_only=False)
-    return model
-
-
-def wait_for_activation(env: RankEnv, job: FitJob, poll_s: float = 0.005) -> tuple[RankEnv, torch.nn.Module]:
-    """A warm spare: do what a replacement's start costs (imports, the model loaded) now, then wait outside the
-    quorum until the launcher sets ``activate/<slot>`` on its store; returns the env of the rank it replaces.
-
-    torchft's own spares (``WorldSizeMode.FIXED_WITH_SPARES``) are *hot*: in every quorum, healed every step,
-    contributing zero gradients, so their device is in use (and billed) the whole run. This one is *warm*: it
-    holds no Manager and no device work until activated, then joins like any replacement (healed at a step
-    boundary from a peer), so its lease starts at activation."""
-    quiet_torchft()
-    from torchft import Manager, ProcessGroupGloo  # noqa: F401  (imported now: part of the start-up paid early)
-    from torchft.checkpointing.pg_transport import PGTransport  # noqa: F401
-
-    model = load_model(job)
-    store = _launcher_store(env)
-    key = f"{SPARE_KEY}{env.rank}"
-    while not store.check([key]):
-        time.sleep(poll_s)
-    rank = int(store.get(key))
-    active = RankEnv(spec=env.ranks[rank], ranks=env.ranks, collective_timeout_s=env.collective_timeout_s,
-                     extra={**env.extra, EXTRA_SPARE: False, EXTRA_JOINER: True})
-    os.environ.update({"RANK": str(rank), "STARVERSE_DEVICE_KIND": active.spec.device_kind, **dict(active.spec.env)})
-    if active.spec.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(active.spec.device))
-    return active, model
-
 
 def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     """The launched function for ``recovery: in-place``: build the replica, join the quorum, run the loop (a warm
@@ -581,3 +403,7 @@ def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     finally:
         sync.shutdown()
 
+
+__all__ = [  # what the tests and benchmarks import from here (EXTRA_JOINER, loopback_manager_server: ft_group)
+    "EXTRA_JOINER", "INPLACE_LOG", "ReplicaTrainer", "loopback_manager_server", "replica_shares", "train_replica",
+]

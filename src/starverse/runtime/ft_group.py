@@ -1,0 +1,151 @@
+"""The torchft side of in-place recovery: each replica's ``Manager`` and reconfigurable gloo group, on loopback.
+
+:class:`TorchftSync` is the :class:`ReplicaSync` the replica loop (:mod:`starverse.runtime.ft`) steps with: the
+quorum of a step (a late replica is healed there), the summing all-reduce and the commit vote.
+
+Loopback only: torchft 0.2.0's ``Manager`` hard-codes its ``ManagerServer`` bind to ``[::]:PORT`` and its
+default ``HTTPTransport`` serves on every interface. :func:`loopback_manager_server` replaces the
+``ManagerServer`` class torchft's manager module uses by one that binds and advertises ``127.0.0.1``
+(:func:`patch_manager_bind`), and the state transfer uses ``PGTransport``; nothing of a replica listens
+beyond 127.0.0.1 (``tests/e2e`` lists the job's sockets).
+
+Also the ``RankEnv.extra`` keys and store keys the launcher (``starverse.elastic.inplace``) and the replicas share.
+This module imports only torch, torchft and the runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from starverse.errors import ConfigError
+from starverse.runtime.launch import LOOPBACK, store_server
+
+EXTRA_LIGHTHOUSE = "lighthouse"
+"""``RankEnv.extra`` key: the Lighthouse address (``http://127.0.0.1:PORT``)."""
+EXTRA_BARRIER_PORT = "start_barrier_port"
+"""``RankEnv.extra`` key: the launcher's store port where the initial replicas meet before the first quorum."""
+EXTRA_JOINER = "joiner"
+"""``RankEnv.extra`` key: True for a replica started after the job began (it heals from a peer)."""
+EXTRA_SPARE = "spare"
+"""``RankEnv.extra`` key: True for a warm spare: a process that imports, loads the model, then waits (outside
+the quorum) on the launcher's store for the rank it replaces (:func:`.ft_join.wait_for_activation`)."""
+SPARE_KEY = "activate/"
+"""Store key prefix the launcher sets to activate a spare: ``activate/<slot>`` = the rank it becomes."""
+JOINED_KEY = "joined/"
+"""Store key a replacement sets once it committed its first step (``joined/<rank>``): the launcher starts the
+next warm spare then, not while the replacement is joining (its start-up would slow the join on a busy host)."""
+
+
+def quiet_torchft() -> None:
+    """torchft's Rust side logs every quorum at INFO to stderr; WARNING and up unless ``$RUST_LOG`` says else
+    (read once, when torchft is first imported in a process)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    # a flight-recorder warning every quorum, a traceback for every peer lost (logged here once, as a warning)
+    logging.getLogger("torchft.manager").setLevel(logging.CRITICAL)
+
+
+def loopback_manager_server(**kwargs: Any) -> Any:
+    """torchft's ``ManagerServer``, bound to and advertised on 127.0.0.1 instead of ``[::]`` / the hostname."""
+    from torchft._torchft import ManagerServer
+
+    port = str(kwargs.pop("bind")).rsplit(":", 1)[1]
+    kwargs["hostname"] = LOOPBACK
+    return ManagerServer(bind=f"{LOOPBACK}:{port}", **kwargs)
+
+
+def patch_manager_bind() -> None:
+    """Make ``torchft.manager.Manager`` start its ``ManagerServer`` on 127.0.0.1 (torchft 0.2.0 has no option).
+
+    ``Manager.__init__`` calls the module-level name ``ManagerServer(replica_id=..., bind="[::]:PORT", ...)``
+    with keyword arguments only; that name is replaced in this (rank) process by :func:`loopback_manager_server`.
+    """
+    import torchft.manager as tm
+
+    tm.ManagerServer = loopback_manager_server  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """This step's membership as one replica sees it."""
+
+    rank: int
+    """This replica's position among the participants (0: the leader)."""
+    size: int
+    """Number of participants."""
+
+
+class ReplicaSync(Protocol):
+    """What the in-place loop needs from a fault-tolerant group (:class:`TorchftSync` on torchft)."""
+
+    def start_step(self) -> Quorum:
+        """Agree on this step's participants (a late replica is healed here)."""
+        ...
+
+    def allreduce_sum(self, t: torch.Tensor) -> bool:
+        """Sum ``t`` over the participants in place; False if it failed (then :meth:`commit` says False too)."""
+        ...
+
+    def commit(self) -> bool:
+        """True if every participant finished the step (apply it); False: redo it."""
+        ...
+
+    def shutdown(self) -> None:
+        """Leave the group."""
+        ...
+
+
+class TorchftSync:
+    """:class:`ReplicaSync` on a torchft ``Manager`` (replica group of size 1) and a reconfigurable gloo group."""
+
+    def __init__(self, replica_id: str, lighthouse: str, timeout_s: float,
+                 state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None]):
+        quiet_torchft()
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        patch_manager_bind()
+        timeout = timedelta(seconds=timeout_s)
+        self._store = store_server(LOOPBACK, 1, timeout_s)  # this replica group's own store (loopback)
+        pg = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            rank=0, world_size=1, store_addr=LOOPBACK, store_port=self._store.port, lighthouse_addr=lighthouse,
+            replica_id=replica_id, hostname=LOOPBACK, init_sync=False,
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
+        )
+
+    def start_step(self) -> Quorum:
+        """See :class:`ReplicaSync`."""
+        m = self.manager
+        m.start_quorum()  # synchronous: a late replica is healed before this returns
+        rank = m.participating_rank()
+        if rank is None:
+            raise ConfigError("torchft put this replica outside the quorum (spare replicas are not used).")
+        return Quorum(rank=rank, size=m.num_participants())
+
+    def allreduce_sum(self, t: torch.Tensor) -> bool:
+        """See :class:`ReplicaSync`."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        return self.manager.errored() is None
+
+    def commit(self) -> bool:
+        """See :class:`ReplicaSync`."""
+        return bool(self.manager.should_commit())
+
+    def current_step(self) -> int:
+        """Steps committed (torchft's count; healed with the state)."""
+        return int(self.manager.current_step())
+
+    def shutdown(self) -> None:
+        """See :class:`ReplicaSync`."""
+        self.manager.shutdown(wait=False)
