@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -76,10 +78,18 @@ def test_unguarded_user_script_runs_the_brief_code_once(tmp_path):
     assert "STEPS 3 TOKENS 1536" in out.stdout  # 3 steps x 16 sequences x 32 tokens
 
 
-def test_demo_bad_batch_is_one_line_and_exit_2(tmp_path):
-    # datasheet figures (STARVERSE_PROFILE=""): a fresh HOME would first probe the machine (~10 s of CPU), which
-    # is the first test's subject, not this one's
-    out = _run([sys.executable, "-m", "starverse.cli", "demo", "--batch", "0", "--steps", "1", "--corpus-mb", "0.05",
-                "--run-dir", str(tmp_path / "run")], tmp_path, extra_env={"STARVERSE_PROFILE": ""})
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == "error: per_device_batch_size must be > 0 (got 0)."
+@pytest.mark.parametrize(("args", "line"), [
+    (("--batch", "0"), "error: --batch: must be at least 1 (got 0). To fix: pass --batch 1 or more"),
+    (("--global-batch", "16", "--batch", "3"),
+     "error: --global-batch 16 is not a multiple of --batch 3. To fix: choose a --batch that divides --global-batch"),
+])
+def test_demo_bad_arguments_are_refused_before_the_probe(tmp_path, args, line):
+    """A fresh HOME has no profile of this machine, so a demo that got as far as planning would probe it first
+    (``probe: ...`` on stdout, ``<run dir>/profile.json``): bad options are refused before, as one line, exit 2."""
+    run = tmp_path / "run"
+    out = _run([sys.executable, "-m", "starverse.cli", "demo", *args, "--steps", "1", "--corpus-mb", "0.05",
+                "--run-dir", str(run)], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [line]
+    assert "probe" not in out.stdout
+    assert not run.exists()  # neither the run dir nor its probe profile was written

@@ -181,6 +181,20 @@ def _demo_corpus(run_dir: Path, max_bytes: int) -> Path:
     return out
 
 
+def _check_demo_args(counts: dict[str, int], corpus_mb: float, batch: int, global_batch: int) -> None:
+    """Refuse bad demo options before anything runs (the machine probe takes seconds): one line naming the option."""
+    from starverse.errors import ConfigError
+
+    for name, value in counts.items():
+        if value < 1:
+            raise ConfigError(f"{name}: must be at least 1 (got {value}). To fix: pass {name} 1 or more")
+    if corpus_mb <= 0:
+        raise ConfigError(f"--corpus-mb: must be > 0 (got {corpus_mb}). To fix: pass a positive size, e.g. 0.3")
+    if global_batch % batch:
+        raise ConfigError(f"--global-batch {global_batch} is not a multiple of --batch {batch}. "
+                          "To fix: choose a --batch that divides --global-batch")
+
+
 def demo(
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 200,
     ranks: Annotated[int, typer.Option("--ranks", help="CPU ranks (when there is no GPU).")] = 2,
@@ -214,6 +228,8 @@ def demo(
     from starverse.metrics.callbacks import ENDPOINT_FILE, BillingCallback, MetricsCallback
     from starverse.runtime.trainer import Trainer
 
+    _check_demo_args({"--steps": steps, "--ranks": ranks, "--seq-len": seq_len, "--batch": batch,
+                      "--global-batch": global_batch, "--max-params": max_params}, corpus_mb, batch, global_batch)
     console = Console(highlight=False, soft_wrap=True)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_dir = (run_dir or Path("runs") / "demo" / stamp).resolve()
