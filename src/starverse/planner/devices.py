@@ -133,13 +133,14 @@ def _setting_key(caps: RuntimeCaps) -> tuple[int, int, int, int]:
             int(caps.zero_stage or 0))
 
 
-def _runs(plan: Any, runnable: Callable[[Any], None] | None) -> bool:
+def _refusal(plan: Any, runnable: Callable[[Any], None] | None) -> str | None:
+    """Why ``runnable`` refuses ``plan`` (its StarverseError in one line); None when it runs (or no check)."""
     try:
         if runnable is not None:
             runnable(plan)
-    except StarverseError:
-        return False
-    return True
+    except StarverseError as e:
+        return " ".join(str(e).split())
+    return None
 
 
 def pick_simplest(result: PlanResult, runnable: Callable[[Any], None] | None = None,
@@ -149,13 +150,11 @@ def pick_simplest(result: PlanResult, runnable: Callable[[Any], None] | None = N
     left, naming why each was refused."""
     kept, refused = [], []
     for rp in result.plans:
-        try:
-            if runnable is not None:
-                runnable(rp.plan)
-        except StarverseError as e:
-            refused.append(f"{rp.layout()}: {' '.join(str(e).split())}")
-            continue
-        kept.append(rp)
+        why = _refusal(rp.plan, runnable)
+        if why is not None:
+            refused.append(f"{rp.layout()}: {why}")
+        else:
+            kept.append(rp)
     if not kept:
         raise InfeasiblePlanError("the runtime runs none of the planner's plans on these devices:", refused)
     best = max(rp.objective_value for rp in kept)
@@ -260,7 +259,7 @@ def plan_for_devices(
         # simpler ones can win a tie), unless the runtime refuses it (then every setting is searched)
         widest = search(job_for(caps), pool, catalog, top, spec=spec)
         found: dict[str, Any] = {f"{rp.layout()} {rp.mode}": rp for rp in widest.plans}
-        bound = simplicity(widest.best.plan) if _runs(widest.best.plan, runnable) else None
+        bound = simplicity(widest.best.plan) if _refusal(widest.best.plan, runnable) is None else None
         for c in caps.settings():
             if bound is not None and _setting_key(c) >= bound:
                 continue
