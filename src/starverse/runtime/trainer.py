@@ -275,9 +275,11 @@ class Trainer:
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
         if layout.is_pipelined:
-            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model, seq_len=seq_len)
+            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model, seq_len=seq_len,
+                                    rank_devices=[r.device for r in ranks])
         else:
-            check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
+            check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model,
+                                [r.device for r in ranks])
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
