@@ -128,7 +128,7 @@ class RankParts:
             full.train()
             pipeline = PipelineRunner.build(
                 full, layout, env.rank, device, job.plan.train.schedule, job.micro_batch / job.global_batch,
-                pipeline_groups(layout, kinds, devices), job.weights_folder,
+                pipeline_groups(layout, kinds, devices), job.weights_folder, job.loss_fn,
             )
             in_stage = pipeline_parallel_config(job.plan)
             if not in_stage.is_plain:  # the same on every rank: all build the stage meshes together
