@@ -176,7 +176,7 @@ class InplaceLauncher:
                 if self.replace_after_s is not None and self.warm_spares and not multi:
                     for kind in dict.fromkeys(r.device_kind for r in ranks):
                         run.start_spare(kind)
-            log.info("in-place launch: %d replicas, lighthouse %s", len(ranks), lighthouse.address)
+            log.info("in-place launch: %d replicas over %d ranks, lighthouse %s", len(members), len(ranks), lighthouse.address)
             run.watch(timeout_s)
         finally:
             _stop_all(run.procs, grace_s if run.failed else 0.0)
