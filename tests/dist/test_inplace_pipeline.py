@@ -16,10 +16,11 @@ import torch
 from test_pipeline import GB, MB, SEQ, _blocks, _plan, _reference, _state
 
 from helpers import ramp_tokens
+from starverse.checkpoint.callback import CheckpointCallback
 from starverse.elastic.inplace import InplaceLauncher
 from starverse.errors import LossCause
 from starverse.plan import Group, Stage
-from starverse.runtime.cluster import Cluster
+from starverse.runtime.cluster import Cluster, local_plan
 from starverse.runtime.ft import INPLACE_LOG
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.trainer import Trainer, inplace_refusal
@@ -46,9 +47,13 @@ def _fit(tmp_path, launcher, callbacks):
     state = _state(torch.nn.Sequential(*model))
     assert any((state[k] - initial[k]).abs().max() > 1e-3 for k in state)  # it trained
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
+    _assert_close(state, ref_state)
+    return res, ref_state
+
+
+def _assert_close(state, ref_state):
     for name, value in state.items():  # fp32, gradients summed in another order than one batch: as test_pipeline
         torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=5e-5, msg=name)
-    return res
 
 
 def test_pipelined_plans_run_in_place():
@@ -59,7 +64,7 @@ def test_pipelined_plans_run_in_place():
 
 def test_a_lost_stage_rank_loses_its_replica_and_the_other_replica_finishes_exact(tmp_path):
     launcher = InplaceLauncher()
-    res = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=3)])  # rank 3: replica 1, stage 1
+    res, _ = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=3)])  # rank 3: replica 1, stage 1
     assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(3, LossCause.SIGNAL), (2, LossCause.REPLICA)]
     assert res.steps == STEPS
     sizes = [len(s) for _, s in res.shares_history]
@@ -73,7 +78,7 @@ def test_a_replacement_replica_joins_stage_by_stage_with_the_live_state(tmp_path
     """Replica 0 (the leader) loses its first stage (rank 0); its replacement (ranks 0 and 1, new processes)
     heals from replica 1 and trains the rest of the run."""
     launcher = InplaceLauncher(replace_after_s=0.0)
-    res = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=0, step=2),
+    res, _ = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=0, step=2),
                                     WaitForReplicas(replicas=2, after_step=2, pause_s=0.5)])
     assert [x.error.rank for x in launcher.losses] == [0, 1]
     assert [(j.rank, j.warm) for j in launcher.joins] == [(0, False), (1, False)]
@@ -82,3 +87,21 @@ def test_a_replacement_replica_joins_stage_by_stage_with_the_live_state(tmp_path
     assert res.ranks[0].tokens > 0 and res.ranks[1].tokens > 0  # the replacement's ranks trained
     events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
     assert [e["replica"] for e in events if e["event"] == "healed"] == [0], events  # once, from its first stage
+
+
+def test_the_leader_replicas_checkpoint_after_a_takeover_resumes_exact(tmp_path):
+    """Replica 0 (the leader) loses its last stage; replica 1 takes over the callbacks and writes the final
+    checkpoint from its two stages (a 2-rank DCP checkpoint); one plain rank resumes it with the weights of
+    single-process training."""
+    ckpt = tmp_path / "ckpt"
+    _, ref_state = _fit(tmp_path / "pp", InplaceLauncher(), [
+        KillReplicaMidStep(replica=1, step=3), CheckpointCallback(ckpt, interval_steps=100, async_save=False)])
+    model = _blocks()
+    ranks = (RankSpec(0, "cpu", "cpu", num_threads=1),)
+    trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
+                      run_dir=tmp_path / "dp", callbacks=[CheckpointCallback(tmp_path / "dp" / "ckpt", final_save=False)],
+                      timeout_s=120, progress=False, tensorboard=False)
+    res = trainer.fit(model, dataset=ramp_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
+                      global_batch=GB, resume_from=ckpt)
+    assert res.steps == STEPS  # resumed at the last step: nothing left to train
+    _assert_close(_state(torch.nn.Sequential(*model)), ref_state)
