@@ -62,40 +62,21 @@ def test_pipelined_plans_run_in_place():
     assert inplace_refusal(interleaved) == "interleaved virtual stages"
 
 
-def test_a_lost_stage_rank_loses_its_replica_and_the_other_replica_finishes_exact(tmp_path):
-    launcher = InplaceLauncher()
-    res, _ = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=3)])  # rank 3: replica 1, stage 1
-    assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(3, LossCause.SIGNAL), (2, LossCause.REPLICA)]
+def test_a_lost_stage_rank_loses_its_replica_the_other_takes_over_exact_and_its_checkpoint_resumes(tmp_path):
+    """Replica 0 (the leader) loses its last stage mid-step: the launcher stops its first stage, replica 1 takes
+    the whole global batch and the callbacks, and writes the final checkpoint from its two stages (a 2-rank DCP
+    checkpoint); one plain rank resumes it with the weights of single-process training."""
+    launcher, run_dir, ckpt = InplaceLauncher(), tmp_path / "pp", tmp_path / "ckpt"
+    res, ref_state = _fit(run_dir, launcher, [KillReplicaMidStep(replica=1, step=3),  # rank 1: replica 0, stage 1
+                                              CheckpointCallback(ckpt, interval_steps=100, async_save=False)])
+    assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(1, LossCause.SIGNAL), (0, LossCause.REPLICA)]
     assert res.steps == STEPS
     sizes = [len(s) for _, s in res.shares_history]
-    assert sizes[0] == 2 and sizes[-1] == 1, res.shares_history  # the survivor took the whole global batch
-    assert res.shares_history[-1][1] == (GB // MB,)
-    events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
-    assert [e["lost"] for e in events if e["event"] == "members"] == [[1]], events
+    assert sizes[0] == 2 and sizes[-1] == 1, res.shares_history
+    assert res.shares_history[-1][1] == (GB // MB,)  # the survivor took the whole global batch
+    events = [json.loads(line) for line in (run_dir / INPLACE_LOG).read_text().splitlines()]
+    assert [e["lost"] for e in events if e["event"] == "members"] == [[0]], events
 
-
-def test_a_replacement_replica_joins_stage_by_stage_with_the_live_state(tmp_path):
-    """Replica 0 (the leader) loses its first stage (rank 0); its replacement (ranks 0 and 1, new processes)
-    heals from replica 1 and trains the rest of the run."""
-    launcher = InplaceLauncher(replace_after_s=0.0)
-    res, _ = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=0, step=2),
-                                    WaitForReplicas(replicas=2, after_step=2, pause_s=0.5)])
-    assert [x.error.rank for x in launcher.losses] == [0, 1]
-    assert [(j.rank, j.warm) for j in launcher.joins] == [(0, False), (1, False)]
-    sizes = [len(s) for _, s in res.shares_history]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, res.shares_history
-    assert res.ranks[0].tokens > 0 and res.ranks[1].tokens > 0  # the replacement's ranks trained
-    events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
-    assert [e["replica"] for e in events if e["event"] == "healed"] == [0], events  # once, from its first stage
-
-
-def test_the_leader_replicas_checkpoint_after_a_takeover_resumes_exact(tmp_path):
-    """Replica 0 (the leader) loses its last stage; replica 1 takes over the callbacks and writes the final
-    checkpoint from its two stages (a 2-rank DCP checkpoint); one plain rank resumes it with the weights of
-    single-process training."""
-    ckpt = tmp_path / "ckpt"
-    _, ref_state = _fit(tmp_path / "pp", InplaceLauncher(), [
-        KillReplicaMidStep(replica=1, step=3), CheckpointCallback(ckpt, interval_steps=100, async_save=False)])
     model = _blocks()
     ranks = (RankSpec(0, "cpu", "cpu", num_threads=1),)
     trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
@@ -105,3 +86,18 @@ def test_the_leader_replicas_checkpoint_after_a_takeover_resumes_exact(tmp_path)
                       global_batch=GB, resume_from=ckpt)
     assert res.steps == STEPS  # resumed at the last step: nothing left to train
     _assert_close(_state(torch.nn.Sequential(*model)), ref_state)
+
+
+def test_a_replacement_replica_joins_stage_by_stage_with_the_live_state(tmp_path):
+    """Replica 1 loses its last stage (rank 3); its replacement (ranks 2 and 3, new processes) heals from replica 0
+    stage by stage and trains the rest of the run; the math stays exact (checked in ``_fit``)."""
+    launcher = InplaceLauncher(replace_after_s=0.0)
+    res, _ = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=2),
+                                       WaitForReplicas(replicas=2, after_step=2, pause_s=0.5)])
+    assert [x.error.rank for x in launcher.losses] == [3, 2]
+    assert [(j.rank, j.warm) for j in launcher.joins] == [(2, False), (3, False)]
+    sizes = [len(s) for _, s in res.shares_history]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, res.shares_history
+    assert res.ranks[2].tokens > 0 and res.ranks[3].tokens > 0  # the replacement's ranks trained
+    events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
+    assert [e["replica"] for e in events if e["event"] == "healed"] == [1], events  # once, from its first stage
