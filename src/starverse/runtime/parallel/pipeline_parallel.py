@@ -31,7 +31,7 @@ hold the same stage.
 Refused with one line each (:func:`check_pipeline_parallel`): different ``tp`` per stage, sequence parallel with
 a ``seq_len`` the TP ranks do not divide, ZeRO-2/3 or offload over several groups whose pipelines split the
 layers differently (or whose stages' replicas are of several device types): FSDP2's sharded gradient cannot be
-summed with a differently cut one (the planner never proposes it: ``planner.policy.layout_ok``), ZeRO-3 with
+summed with a differently cut one (the planner never proposes it: ``planner.policy.runtime_layout_rule``), ZeRO-3 with
 uneven or rebalanced shares.
 """
 
