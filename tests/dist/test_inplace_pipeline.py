@@ -76,6 +76,9 @@ def test_a_lost_stage_rank_loses_its_replica_the_other_takes_over_exact_and_its_
     assert res.shares_history[-1][1] == (GB // MB,)  # the survivor took the whole global batch
     events = [json.loads(line) for line in (run_dir / INPLACE_LOG).read_text().splitlines()]
     assert [e["lost"] for e in events if e["event"] == "members"] == [[0]], events
+    survivors = [s for s in res.pipeline.stages if s.replica == 1]  # the pipeline report: the survivor's stages
+    assert [s.rank for s in survivors] == [2, 3]
+    assert all(s.time_per_micro_batch_s > 0 and s.state_bytes > 0 for s in survivors), survivors
 
     model = _blocks()
     ranks = (RankSpec(0, "cpu", "cpu", num_threads=1),)
