@@ -34,7 +34,7 @@ PUBLISHED_A100_H100 = ("korthikanti2022", "megatron", "megatron2021", "mpt")
 
 
 def test_every_published_case_is_estimated_and_only_the_known_misses_are_refused(results: list[CaseResult]) -> None:
-    assert len(results) == len([p for p in CASES.rglob("*.yaml") if "models" not in p.parts]) == 173
+    assert len(results) == len([p for p in CASES.rglob("*.yaml") if "models" not in p.parts]) == 179
     assert all(r.predicted is not None and r.measured is not None for r in results)
     failed = {r.name for r in results if not r.ok}
     assert failed == KNOWN_REFUSED
@@ -48,7 +48,8 @@ def test_rank_correlation_target(results: list[CaseResult]) -> None:
     # gradient-reduce terms; 16 x T4 meets it now (0.97), V100 + T4 does not (0.74: open miss)
     by = by_source(results)
     meets = {src for src, s in by.items() if s["n"] >= MIN_CONFIGS_FOR_SPEARMAN and s["spearman"] >= 0.8}
-    assert meets == {"korthikanti2022", "megatron2021", "mpt", "sailor", "amp_t4", "sailor_gh200"}
+    # nemolong: NeMo's LLAMA2-7B 4K-1M runs, 6 of them with context parallelism (groups[].cp)
+    assert meets == {"korthikanti2022", "megatron2021", "mpt", "sailor", "amp_t4", "sailor_gh200", "nemolong"}
     assert by["amp_mixed"]["spearman"] >= 0.7
 
 
