@@ -28,7 +28,7 @@ from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
 from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.lora import check_mode
-from starverse.runtime.trainer import FitResult, inplace_supported
+from starverse.runtime.trainer import FitResult, inplace_refusal
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +150,12 @@ class PreparedJob:
                 f"{where(source, ('recovery',))}: recovery: in-place runs with devices.launcher: local only (in-place "
                 "recovery on Ray, a Ray pool included, is not built). To fix: set devices.launcher: local (and a pool "
                 "file, not a Ray pool), or recovery: restart.")
-        if not inplace_supported(self.cluster.plan):
-            log.warning("recovery: in-place recovers data-parallel replicas of one rank each; in-place recovery of a "
-                        "pipelined or sharded replica is not built, so this plan (%s) runs with checkpoint-restart",
-                        ", ".join(f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}"
-                                  for g in self.cluster.plan.groups))
+        refusal = inplace_refusal(self.cluster.plan)
+        if refusal is not None:
+            log.warning("recovery: in-place recovers replicas of one rank or one pipeline each; this plan (%s) has %s, "
+                        "so it runs with checkpoint-restart", ", ".join(
+                            f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}"
+                            for g in self.cluster.plan.groups), refusal)
         launcher = InplaceLauncher(replace_after_s=job.replace_after_s)
         billing = self.callbacks.billing
         if billing is not None and billing.ledger_path is not None:
