@@ -163,3 +163,20 @@ def test_sailor_pure_data_parallel_runs_fit_on_the_clusters_11_gb_cards(results:
         r = run_case(tmp_path / f"{name}.yaml", CAT)
         assert not r.fits and "does not fit" in (r.reason or "")
         (tmp_path / "models").unlink()
+
+
+def test_a_device_wide_memory_figure_is_compared_with_the_whole_need() -> None:
+    """Sailor's GH200 ``max_mem`` is the device's used memory (NVML: context, NCCL, allocator reserve); the
+    others are PyTorch's allocated peak, compared with the need minus the fixed reserve."""
+    from dataclasses import replace
+
+    from starverse.costmodel import estimate
+    from starverse.costmodel.constants import RESERVED_GB
+    from starverse.costmodel.validate import load_case, score_case
+
+    case = load_case(CASES / "sailor-clariden" / "sailor_gh200-opt350m-n1-pp1-dp1-mbs1-gbs32.yaml")
+    assert case.measured.peak_memory_scope == "device"
+    need = max(s.total_gb for g in estimate(case.plan, CAT, case.spec).groups for s in g.stages)
+    assert score_case(case, CAT).predicted_memory_gb == pytest.approx(need)
+    allocated = replace(case, measured=case.measured.model_copy(update={"peak_memory_scope": "allocated"}))
+    assert score_case(allocated, CAT).predicted_memory_gb == pytest.approx(need - RESERVED_GB)
