@@ -28,7 +28,7 @@ from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
 from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.lora import check_mode
-from starverse.runtime.trainer import FitResult, inplace_refusal
+from starverse.runtime.trainer import FitResult
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +150,7 @@ class PreparedJob:
                 f"{where(source, ('recovery',))}: recovery: in-place runs with devices.launcher: local only (in-place "
                 "recovery on Ray, a Ray pool included, is not built). To fix: set devices.launcher: local (and a pool "
                 "file, not a Ray pool), or recovery: restart.")
-        refusal = inplace_refusal(self.cluster.plan)
-        if refusal is not None:
-            log.warning("recovery: in-place recovers replicas of one rank or one pipeline each; this plan (%s) has %s, "
-                        "so it runs with checkpoint-restart", ", ".join(
-                            f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}"
-                            for g in self.cluster.plan.groups), refusal)
+        # a plan in-place recovery does not run falls back to checkpoint-restart with one line (Trainer.fit)
         launcher = InplaceLauncher(replace_after_s=job.replace_after_s)
         billing = self.callbacks.billing
         if billing is not None and billing.ledger_path is not None:

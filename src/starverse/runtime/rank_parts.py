@@ -219,12 +219,7 @@ class RankParts:
     def state_bytes(self) -> int:
         """Bytes of parameters, gradients (as many as parameters) and optimizer state held by this rank (its
         shards under tensor parallel and ZeRO)."""
-        params = sum(local(p).numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        opt = sum(
-            local(t).numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
-        )
-        return 2 * params + opt
+        return state_bytes(self.model, self.optimizer)
 
     def peak_activation_bytes(self) -> int:
         """Peak device memory above the training state (CUDA's allocator; 0 on devices without a counter)."""
@@ -247,6 +242,17 @@ class RankParts:
             return
         if mine is not None:
             write_final(self.job, mine)
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``model``'s trainable parameters, as many for their gradients, and ``optimizer``'s state (the
+    local shards of DTensors)."""
+    params = sum(local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    opt = sum(
+        local(t).numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    return 2 * params + opt
 
 
 def gather_pipeline_weights(mine: dict[str, torch.Tensor], job: FitJob, world: int,

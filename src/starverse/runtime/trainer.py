@@ -345,7 +345,7 @@ class Trainer:
             resume_from=Path(resume_from).resolve() if resume_from is not None else None,
             peaks_tflops=tuple(_peak_tflops(r.device_kind, prec, r.device) for r in ranks),
             flops_per_token=flops_per_token(model, seq_len),
-            recovery=self.recovery if inplace_supported(plan) else "restart",
+            recovery=_recovery_for(self.recovery, plan),
         )
         log.info(
             "fit: %d ranks, global batch %d = %d micro-batches of %d, shares %s, %d steps, seq_len %d",
@@ -366,6 +366,18 @@ class Trainer:
             est = cluster.estimate if cluster.estimate is not None else estimate_or_none(plan)
             report = pipeline_report(layout, results, [r.device_kind for r in ranks], est)
         return _summarise(results, job, ranks, report)
+
+
+def _recovery_for(recovery: str, plan: Plan) -> str:
+    """``recovery``, or ``restart`` with one logged line when in-place recovery does not run ``plan``."""
+    refusal = inplace_refusal(plan) if recovery == "in-place" else None
+    if refusal is None:
+        return recovery
+    log.warning("recovery: in-place recovers replicas of one rank or one pipeline each; this plan (%s) has %s, so it "
+                "runs with checkpoint-restart", ", ".join(
+                    f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}" for g in plan.groups),
+                refusal)
+    return "restart"
 
 
 RECOVERY_MODES = ("restart", "in-place")
