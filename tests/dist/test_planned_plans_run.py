@@ -44,5 +44,5 @@ def test_plans_of_mixed_gpu_pools_pass_the_runtime_check():
             checked += 1
     assert checked >= 10
     # the rule bit (the cases would catch a planner that ignores it), and its note names it
-    assert any("pipeline stages with different tp" in n for n in notes), notes
-    assert any("over groups whose pipelines split the layers differently" in n for n in notes), notes
+    assert any("pipeline stages of different tp" in n for n in notes), notes
+    assert any("offload over groups whose pipelines split the layers differently" in n for n in notes), notes
