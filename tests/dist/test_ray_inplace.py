@@ -1,0 +1,181 @@
+"""In-place recovery on multi-node Ray (issue 11 items 2-3): replicas are Ray actors on the raylets of a one-machine
+``ray.cluster_utils.Cluster`` (127.0.0.1); the node of one replica is removed mid-training. The survivor goes on
+without a restart (no lost step; the lost share redistributed; the same math as one process); a replacement actor
+started on a free node that has the resource joins with the live state; through a job file, the ledger ends the lost lease at the
+loss and ``bill --check`` passes. One Ray cluster for the module (its start is most of the time)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import CLI, SEQ, TINY, TinyLM, ramp_tokens, reference_training
+from starverse.errors import LossCause
+from starverse.runtime.callbacks import Callback, TrainContext
+from starverse.runtime.cluster import Cluster, local_plan
+from starverse.runtime.data import PackedDataset
+from starverse.runtime.ft import INPLACE_LOG
+from starverse.runtime.launch import RankSpec
+from starverse.runtime.steps import batch_loss
+from starverse.runtime.trainer import Trainer
+from starverse.testing import WaitForReplicas
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster as RayCluster  # noqa: E402  (needs ray)
+
+from starverse.providers.ray import RayLauncher, _loopback_only  # noqa: E402
+from starverse.providers.ray_inplace import RayInplaceLauncher  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+KIND = "cpu-x"
+"""The device kind of the replicas, and the custom resource its nodes carry (``--resources '{"cpu-x": 1}'``)."""
+MB, GB, STEPS, LOSE_AT = 2, 8, 8, 3
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head without CPUs and three 1-CPU raylets carrying ``KIND``, all on 127.0.0.1 (two replicas, one free node
+    for a replacement; each test removes one node)."""
+    with _loopback_only(ray):
+        rc = RayCluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+        for _ in range(3):
+            rc.add_node(num_cpus=1, resources={KIND: 1}, node_ip_address="127.0.0.1")
+        ray.init(address=rc.address, logging_level="WARNING")
+        try:
+            yield rc
+        finally:
+            ray.shutdown()
+            rc.shutdown()
+
+
+HOLD = "hold"
+"""Run-directory file the leader creates after step LOSE_AT and waits on until the test removed it."""
+
+
+@dataclass
+class HoldAt(Callback):
+    """The leader (rank 0) holds after step ``step`` until the test has removed a node (a tiny model's steps take
+    milliseconds: without it the run could end before the node is gone)."""
+
+    step: int
+
+    def on_step_end(self, ctx: TrainContext) -> None:
+        """Create the hold file after ``step``; wait until it is gone (at most 120 s)."""
+        if ctx.step != self.step:
+            return
+        flag = Path(ctx.run_dir) / HOLD
+        flag.write_text("")
+        deadline = time.monotonic() + 120
+        while flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _lose_node_of_rank_1(rc: Any, run_dir: Path, launcher: RayInplaceLauncher, out: dict[str, Any]) -> None:
+    """Once the leader holds after step LOSE_AT: remove the node running rank 1, let the leader go on. (Ray adds
+    nodes only from the main thread: the room for a replacement is the fixture's third node.)"""
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        node_id = launcher.nodes().get(1)
+        if (run_dir / HOLD).exists() and node_id is not None:
+            [node] = [n for n in rc.worker_nodes if n.node_id == node_id]
+            out["removed_at"] = time.time()
+            rc.remove_node(node)
+            (run_dir / HOLD).unlink()
+            return
+        time.sleep(0.05)
+
+
+def _watch(rc: Any, run_dir: Path, launcher: RayInplaceLauncher) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=_lose_node_of_rank_1, args=(rc, run_dir, launcher, out), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_removed_node_costs_no_restart_and_a_replacement_joins_with_the_same_math(cluster, tmp_path):
+    ranks = tuple(RankSpec(r, KIND, "cpu", num_threads=1) for r in range(2))
+    launcher = RayInplaceLauncher(replace_after_s=0.0, ray=RayLauncher(kind_resources={KIND: KIND},
+                                                                       placement_timeout_s=120))
+    torch.manual_seed(0)
+    model = TinyLM()
+    initial = copy.deepcopy(model)
+    trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
+                      callbacks=[HoldAt(LOSE_AT), WaitForReplicas(replicas=2, after_step=LOSE_AT, pause_s=0.5)],
+                      run_dir=tmp_path, lr=2e-2, warmup_steps=2, grad_clip=0.5, timeout_s=400, collective_timeout_s=60,
+                      recovery="in-place", launcher=launcher, progress=False, tensorboard=False)
+    killer, seen = _watch(cluster, tmp_path, launcher)
+    res = trainer.fit(model, dataset=ramp_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
+                      global_batch=GB)
+    killer.join(timeout=5)
+    assert "removed_at" in seen
+    [loss] = launcher.losses  # typed: the actor's death, on its node
+    assert (loss.error.rank, loss.error.cause, loss.error.node) == (1, LossCause.ACTOR_DIED, "127.0.0.1")
+    assert [(j.rank, j.device_kind, j.warm) for j in launcher.joins] == [(1, KIND, False)]
+    # two replicas, then the survivor alone with the whole global batch, then two again (the replacement joined)
+    sizes = [len(s) for _, s in res.shares_history]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, res.shares_history
+    assert [s for _, s in res.shares_history if len(s) == 1] and all(
+        sum(s) == GB // MB for _, s in res.shares_history)
+    assert res.steps == STEPS and res.ranks[1].tokens > 0  # the replacement trained
+    events = [json.loads(x) for x in (tmp_path / INPLACE_LOG).read_text().splitlines()]
+    assert any(e["event"] == "healed" and e["replica"] == 1 for e in events), events
+    tokens = np.concatenate([t.numpy() for t in ramp_tokens()]).astype(np.int32)
+    ref_losses, ref_state = reference_training(initial, trainer, PackedDataset(tokens, SEQ), STEPS, GB, batch_loss)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], msg=name)
+
+
+def test_a_job_file_on_ray_survives_a_removed_node_and_bills_the_lost_lease_to_the_loss(cluster, tmp_path,
+                                                                                         monkeypatch):
+    from starverse.jobs import prepare_job
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STARVERSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("STARVERSE_PROFILE", "")
+    monkeypatch.delenv("STARVERSE_CATALOG", raising=False)
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    (tmp_path / "corpus.txt").write_text(Path(os.__file__).read_text()[:40000])
+    job = tmp_path / "job.yaml"
+    job.write_text("model: tiny.json\ndataset: corpus.txt\nrun_dir: run\n"
+                   "train: {steps: 12, seq_len: 32, global_batch: 8, micro_batch: 2, rebalance_every: 0}\n"
+                   "devices: {cpu_ranks: 2, launcher: ray}\ncheckpoint: {interval_steps: 5, keep_last: 2}\n"
+                   "recovery: in-place\n")
+    prepared = prepare_job(job, resume_from=None)
+    sup = prepared.supervisor
+    launcher, base = sup.launcher, sup.callbacks
+    sup.callbacks = lambda n: [*(base(n) if callable(base) else base), HoldAt(LOSE_AT)]
+    assert isinstance(launcher, RayInplaceLauncher)
+    killer, seen = _watch(cluster, tmp_path / "run", launcher)
+    res = prepared.run()
+    killer.join(timeout=5)
+    assert "removed_at" in seen
+    assert res.final_step == 12 and res.lost_steps == 0
+    [attempt] = res.attempts  # no restart
+    assert attempt.outcome == "completed" and attempt.replicas_lost == (1,), attempt
+    bill = res.bill
+    assert bill is not None
+    leases = bill.as_dict()["leases"]
+    lost = [le for le in leases if le["device"].endswith("/rank1")]
+    others = [le for le in leases if le not in lost]
+    assert len(lost) == 1 and len(others) == 1 and bill.as_dict()["open_leases"] == 0
+    assert lost[0]["seconds"] < others[0]["seconds"]  # its lease ended at the loss
+    kinds = [e["kind"] for e in bill.as_dict()["events"]]
+    assert kinds.count("preemption") == 1 and kinds.count("resume") == 1, kinds
+    env = {**os.environ, "STARVERSE_CACHE": str(tmp_path / "cache"), "STARVERSE_PROFILE": ""}
+    check = subprocess.run([*CLI, "bill", "run", "--check"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
