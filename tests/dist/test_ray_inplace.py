@@ -12,7 +12,6 @@ import os
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,13 @@ import torch
 
 from helpers import CLI, SEQ, TINY, TinyLM, ramp_tokens, reference_training
 from starverse.errors import LossCause
-from starverse.runtime.callbacks import Callback, TrainContext
 from starverse.runtime.cluster import Cluster, local_plan
 from starverse.runtime.data import PackedDataset
 from starverse.runtime.ft import INPLACE_LOG
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.steps import batch_loss
 from starverse.runtime.trainer import Trainer
-from starverse.testing import WaitForReplicas
+from starverse.testing import HOLD_FILE, HoldAfterStep, WaitForReplicas
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402  (needs ray)
@@ -61,39 +59,17 @@ def cluster():
             rc.shutdown()
 
 
-HOLD = "hold"
-"""Run-directory file the leader creates after step LOSE_AT and waits on until the test removed it."""
-
-
-@dataclass
-class HoldAt(Callback):
-    """The leader (rank 0) holds after step ``step`` until the test has removed a node (a tiny model's steps take
-    milliseconds: without it the run could end before the node is gone)."""
-
-    step: int
-
-    def on_step_end(self, ctx: TrainContext) -> None:
-        """Create the hold file after ``step``; wait until it is gone (at most 120 s)."""
-        if ctx.step != self.step:
-            return
-        flag = Path(ctx.run_dir) / HOLD
-        flag.write_text("")
-        deadline = time.monotonic() + 120
-        while flag.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
 def _lose_node_of_rank_1(rc: Any, run_dir: Path, launcher: RayInplaceLauncher, out: dict[str, Any]) -> None:
     """Once the leader holds after step LOSE_AT: remove the node running rank 1, let the leader go on. (Ray adds
     nodes only from the main thread: the room for a replacement is the fixture's third node.)"""
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
         node_id = launcher.nodes().get(1)
-        if (run_dir / HOLD).exists() and node_id is not None:
+        if (run_dir / HOLD_FILE).exists() and node_id is not None:
             [node] = [n for n in rc.worker_nodes if n.node_id == node_id]
             out["removed_at"] = time.time()
             rc.remove_node(node)
-            (run_dir / HOLD).unlink()
+            (run_dir / HOLD_FILE).unlink()
             return
         time.sleep(0.05)
 
@@ -113,7 +89,7 @@ def test_a_removed_node_costs_no_restart_and_a_replacement_joins_with_the_same_m
     model = TinyLM()
     initial = copy.deepcopy(model)
     trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
-                      callbacks=[HoldAt(LOSE_AT), WaitForReplicas(replicas=2, after_step=LOSE_AT, pause_s=0.5)],
+                      callbacks=[HoldAfterStep(LOSE_AT), WaitForReplicas(replicas=2, after_step=LOSE_AT, pause_s=0.5)],
                       run_dir=tmp_path, lr=2e-2, warmup_steps=2, grad_clip=0.5, timeout_s=400, collective_timeout_s=60,
                       recovery="in-place", launcher=launcher, progress=False, tensorboard=False)
     killer, seen = _watch(cluster, tmp_path, launcher)
@@ -157,7 +133,7 @@ def test_a_job_file_on_ray_survives_a_removed_node_and_bills_the_lost_lease_to_t
     prepared = prepare_job(job, resume_from=None)
     sup = prepared.supervisor
     launcher, base = sup.launcher, sup.callbacks
-    sup.callbacks = lambda n: [*(base(n) if callable(base) else base), HoldAt(LOSE_AT)]
+    sup.callbacks = lambda n: [*(base(n) if callable(base) else base), HoldAfterStep(LOSE_AT)]
     assert isinstance(launcher, RayInplaceLauncher)
     killer, seen = _watch(cluster, tmp_path / "run", launcher)
     res = prepared.run()
