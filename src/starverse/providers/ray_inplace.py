@@ -16,7 +16,9 @@ world; survivors finish the step in flight with the lost replica's share redistr
   on that type, never on a message;
 - with ``replace_after_s``, the replacement is a new actor for the same bundle of the placement group: Ray
   re-reserves a lost node's bundles on a node that has the resources (a free one, or a node added back), and the
-  actor starts there when it can; it joins at a step boundary with a peer's live state. Warm spares are not built
+  actor starts there when it can; it joins at a step boundary with a peer's live state. It counts as a
+  :class:`~starverse.elastic.inplace.Join` (``on_join``: its lease opens) once its actor runs on a node, not while
+  it waits for one; one that never got a node is no join (the rank stays lost for good). Warm spares are not built
   on Ray (``warm_spares`` must stay False): the join pays the actor's start, imports and model load.
 
 Not built: a hung actor (alive, not stepping) is only caught by the job's timeout (the local launcher's heartbeat
@@ -143,6 +145,9 @@ class _RayRun:
     values: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, RankError] = field(default_factory=dict)
     pending: list[tuple[float, RankSpec]] = field(default_factory=list)
+    """(when, rank) of replacements to start."""
+    joining: set[int] = field(default_factory=set)
+    """Ranks of replacement actors started but not yet placed on a node (no Join, no lease yet)."""
     done_at: float | None = None
 
     def place(self, wait_s: float) -> None:
@@ -177,6 +182,9 @@ class _RayRun:
             except Exception:  # the actor died before it could tell: its run ref reports the loss
                 continue
             self.located[rank] = (str(node), int(pid), str(node_ip))
+            if rank in self.joining:  # a replacement runs now, on a node: its lease starts here
+                self.joining.discard(rank)
+                self.joined(self.ranks[rank])
         self.launcher.ray._procs = [(n, p) for n, p, _ in self.located.values()]
         self.launcher._live = {rank: pid for rank, (_, pid, _) in self.located.items()}
         self.launcher._nodes = {rank: node for rank, (node, _, _) in self.located.items()}
@@ -208,6 +216,7 @@ class _RayRun:
         launcher = self.launcher
         node = self.located.pop(rank, ("", 0, None))[2]
         self.where.pop(rank, None)
+        self.joining.discard(rank)  # a replacement lost before it got a node: it never joined
         lost: LostRankError = lost_actor(self.ranks[rank], detail, node=node, survived=True)
         loss = Loss(lost, time.time())
         launcher.losses.append(loss)
@@ -224,18 +233,22 @@ class _RayRun:
         return any(v is not None for v in self.values.values())
 
     def replace_due(self, now: float) -> None:
-        """Start the replacements whose time came."""
-        launcher = self.launcher
+        """Start the replacements whose time came (each is a :class:`Join` once its actor runs on a node)."""
         for due, spec in list(self.pending):
             if now < due:
                 continue
             self.pending.remove((due, spec))
-            join = Join(spec.rank, spec.device_kind, time.time(), warm=False)
             self.start(spec, joiner=True)
-            launcher.joins.append(join)
-            if launcher.on_join is not None:
-                launcher.on_join(join, spec)
+            self.joining.add(spec.rank)
             log.info("in-place: started a replacement actor for rank %d", spec.rank)
+
+    def joined(self, spec: RankSpec) -> None:
+        """A replacement's actor was placed and runs: record the :class:`Join` and open its lease (``on_join``)."""
+        launcher = self.launcher
+        join = Join(spec.rank, spec.device_kind, time.time(), warm=False)
+        launcher.joins.append(join)
+        if launcher.on_join is not None:
+            launcher.on_join(join, spec)
 
     def watch(self, timeout_s: float) -> None:
         """Until every live replica reported (and no replacement is pending), absorbing losses."""
