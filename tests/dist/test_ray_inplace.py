@@ -1,7 +1,7 @@
 """In-place recovery on multi-node Ray (issue 11 items 2-3): replicas are Ray actors on the raylets of a one-machine
 ``ray.cluster_utils.Cluster`` (127.0.0.1); the node of one replica is removed mid-training. The survivor goes on
 without a restart (no lost step; the lost share redistributed; the same math as one process); a replacement actor
-started on a free node that has the resource joins with the live state; through a job file, the ledger ends the lost lease at the
+started on a node added back joins with the live state; through a job file, the ledger ends the lost lease at the
 loss and ``bill --check`` passes. One Ray cluster for the module (its start is most of the time)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,12 @@ MB, GB, STEPS, LOSE_AT = 2, 8, 8, 3
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head without CPUs and three 1-CPU raylets carrying ``KIND``, all on 127.0.0.1 (two replicas, one free node
-    for a replacement; each test removes one node)."""
+    """A head without CPUs and two 1-CPU raylets carrying ``KIND``, all on 127.0.0.1."""
     with _loopback_only(ray):
         rc = RayCluster(initialize_head=True, head_node_args={
             "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False})
-        for _ in range(3):
-            rc.add_node(num_cpus=1, resources={KIND: 1}, node_ip_address="127.0.0.1")
+        for _ in range(2):
+            _add_node(rc)
         ray.init(address=rc.address, logging_level="WARNING")
         try:
             yield rc
@@ -59,29 +59,48 @@ def cluster():
             rc.shutdown()
 
 
-def _lose_node_of_rank_1(rc: Any, run_dir: Path, launcher: RayInplaceLauncher, out: dict[str, Any]) -> None:
-    """Once the leader holds after step LOSE_AT: remove the node running rank 1, let the leader go on. (Ray adds
-    nodes only from the main thread: the room for a replacement is the fixture's third node.)"""
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline:
-        node_id = launcher.nodes().get(1)
-        if (run_dir / HOLD_FILE).exists() and node_id is not None:
-            [node] = [n for n in rc.worker_nodes if n.node_id == node_id]
-            out["removed_at"] = time.time()
-            rc.remove_node(node)
-            (run_dir / HOLD_FILE).unlink()
-            return
-        time.sleep(0.05)
+def _add_node(rc: Any) -> None:
+    rc.add_node(num_cpus=1, resources={KIND: 1}, node_ip_address="127.0.0.1")
 
 
-def _watch(rc: Any, run_dir: Path, launcher: RayInplaceLauncher) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-    t = threading.Thread(target=_lose_node_of_rank_1, args=(rc, run_dir, launcher, out), daemon=True)
+def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run the training in a thread: Ray adds nodes only from the main thread, which does the removing and adding."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
     t.start()
-    return t, out
+    return t, box
 
 
-def test_a_removed_node_costs_no_restart_and_a_replacement_joins_with_the_same_math(cluster, tmp_path):
+def _lose_node_of_rank_1(rc: Any, run_dir: Path, launcher: RayInplaceLauncher, training: threading.Thread, *,
+                         add_back: bool) -> None:
+    """Once the leader holds after step LOSE_AT: remove the node running rank 1, let the leader go on (without it),
+    then, with ``add_back``, add a node with the resource (room for a replacement)."""
+    deadline = time.monotonic() + 400
+    while not ((run_dir / HOLD_FILE).exists() and 1 in launcher.nodes()):
+        assert training.is_alive() and time.monotonic() < deadline, "training ended before step LOSE_AT"
+        time.sleep(0.05)
+    [node] = [n for n in rc.worker_nodes if n.node_id == launcher.nodes()[1]]
+    rc.remove_node(node)
+    (run_dir / HOLD_FILE).unlink()
+    if add_back:
+        _add_node(rc)
+
+
+def _result(training: threading.Thread, box: dict[str, Any]) -> Any:
+    training.join(timeout=500)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def test_a_removed_node_costs_no_restart_and_a_replacement_joins_on_a_node_added_back(cluster, tmp_path):
     ranks = tuple(RankSpec(r, KIND, "cpu", num_threads=1) for r in range(2))
     launcher = RayInplaceLauncher(replace_after_s=0.0, ray=RayLauncher(kind_resources={KIND: KIND},
                                                                        placement_timeout_s=120))
@@ -89,14 +108,13 @@ def test_a_removed_node_costs_no_restart_and_a_replacement_joins_with_the_same_m
     model = TinyLM()
     initial = copy.deepcopy(model)
     trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
-                      callbacks=[HoldAfterStep(LOSE_AT), WaitForReplicas(replicas=2, after_step=LOSE_AT, pause_s=0.5)],
+                      callbacks=[HoldAfterStep(LOSE_AT), WaitForReplicas(replicas=2, after_step=LOSE_AT, pause_s=1.0)],
                       run_dir=tmp_path, lr=2e-2, warmup_steps=2, grad_clip=0.5, timeout_s=400, collective_timeout_s=60,
                       recovery="in-place", launcher=launcher, progress=False, tensorboard=False)
-    killer, seen = _watch(cluster, tmp_path, launcher)
-    res = trainer.fit(model, dataset=ramp_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
-                      global_batch=GB)
-    killer.join(timeout=5)
-    assert "removed_at" in seen
+    training, box = _in_thread(lambda: trainer.fit(model, dataset=ramp_tokens(), per_device_batch_size=MB,
+                                                   max_steps=STEPS, seq_len=SEQ, global_batch=GB))
+    _lose_node_of_rank_1(cluster, tmp_path, launcher, training, add_back=True)
+    res = _result(training, box)
     [loss] = launcher.losses  # typed: the actor's death, on its node
     assert (loss.error.rank, loss.error.cause, loss.error.node) == (1, LossCause.ACTOR_DIED, "127.0.0.1")
     assert [(j.rank, j.device_kind, j.warm) for j in launcher.joins] == [(1, KIND, False)]
@@ -135,10 +153,9 @@ def test_a_job_file_on_ray_survives_a_removed_node_and_bills_the_lost_lease_to_t
     launcher, base = sup.launcher, sup.callbacks
     sup.callbacks = lambda n: [*(base(n) if callable(base) else base), HoldAfterStep(LOSE_AT)]
     assert isinstance(launcher, RayInplaceLauncher)
-    killer, seen = _watch(cluster, tmp_path / "run", launcher)
-    res = prepared.run()
-    killer.join(timeout=5)
-    assert "removed_at" in seen
+    training, box = _in_thread(prepared.run)
+    _lose_node_of_rank_1(cluster, tmp_path / "run", launcher, training, add_back=False)
+    res = _result(training, box)
     assert res.final_step == 12 and res.lost_steps == 0
     [attempt] = res.attempts  # no restart
     assert attempt.outcome == "completed" and attempt.replicas_lost == (1,), attempt
