@@ -71,6 +71,7 @@ def brute_force(job, pool, catalog, spec) -> float:
     if not rows:
         return -math.inf  # nothing in the space (e.g. every device must be used and cannot be)
     opt = np.array(options)
+    all_opts = space.Options(opt[:, 0], opt[:, 1], opt[:, 2], opt[:, 3], opt[:, 4], opt[:, 5])
     idx = np.array([r[0] for r in rows])
     ks = np.array([r[1] for r in rows])
     o = opt[idx]
@@ -113,7 +114,7 @@ def brute_force(job, pool, catalog, spec) -> float:
                             t_best = min(t_best, max(times[i][s] for i, s in zip(members, shares, strict=True)))
                     if not math.isfinite(t_best):
                         continue
-                    step = t_best + _sync_s(ctx, g, min(int(opt[i, 2]) for i in members))
+                    step = t_best + _sync_s(ctx, g, min(int(opt[i, 2]) for i in members), None, all_opts, members)
                     lam = sum(k * of.interruptions_per_hour for k, of in zip(n, offers, strict=True))
                     nodes = sum(math.ceil(k / of.devices_per_node) for k, of in zip(n, offers, strict=True))
                     f = float(_spot_factor(ctx, np.asarray(lam, float), np.asarray(nodes, float)))

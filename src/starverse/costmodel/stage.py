@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.costmodel import constants as C
-from starverse.costmodel.comm import collective_latency_s, group_bus_gb_per_s, ring_allreduce_s
+from starverse.costmodel.comm import collective_latency_s, dp_ring_bus, group_bus_gb_per_s, ring_allreduce_s
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -291,10 +291,8 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
 
     # data-parallel collectives; DP neighbours sit next to each other after the TP ranks on a node
-    n = rows.replicas
-    members = np.minimum(n, np.maximum(np.floor(rows.devices_per_node / t), 1.0))
-    dp_bus = group_bus_gb_per_s(n, members, rows.intra_node_gb_per_s, rows.devices_per_node,
-                                rows.inter_node_gbps)
+    dp_bus, dp_share = dp_ring_bus(rows.replicas, t, rows.intra_node_gb_per_s, rows.devices_per_node,
+                                   rows.inter_node_gbps)
 
     # pipeline point-to-point: activations of one micro-batch (split over TP ranks: scatter/gather)
     # ranks in Megatron/DeepSpeed order (TP fastest, then data parallel, then pipeline): stage i of all
@@ -326,6 +324,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         "rc_full": rc_full,
         "bw": bw,
         "dp_bus": dp_bus,
+        "dp_share": dp_share,
         "p2p": p2p,
         "tied_s": tied_s,
         "capacity_gb": capacity,
@@ -451,6 +450,8 @@ def stage_totals(
         "tied_s": la * lc["tied_s"],
         "optimizer_s": optimizer_s,
         "dp_exposed_s": dp_exposed,
+        "dp_bus": lc["dp_bus"],
+        "dp_share": lc["dp_share"],
         "weights_gb": weights / 1e9,
         "grads_gb": grads / 1e9,
         "optimizer_gb": optimizer / 1e9,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from starverse.costmodel import constants as C
-from starverse.costmodel.batch import cross_group_sync_s
+from starverse.costmodel.batch import joint_sync_s
 from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.group import PART_NAMES, combine, model_numbers
 from starverse.costmodel.pricing import cheapest_price_per_hour
@@ -482,11 +482,11 @@ def estimate(plan: Plan, catalog: Any = None, spec: Any = None) -> Estimate:
             schedule=ev.schedule, virtual_stages=ev.virtual_stages,
             step_time_s=float(ev.out["step_time_s"][b]), breakdown=parts, stages=stages, fits=fits))
 
-    slowest = max(groups, key=lambda x: x.step_time_s)
+    extra = _cross_group_s(plan, catalog, mn, evals) if len(groups) > 1 else np.zeros(1)
+    slowest_i = int(np.argmax([g.step_time_s + float(x) for g, x in zip(groups, extra, strict=True)]))
+    slowest = groups[slowest_i]
     breakdown = dict(slowest.breakdown)
-    sync = 0.0
-    if len(groups) > 1:
-        sync = float(_cross_group_s(plan, catalog, mn))
+    sync = float(extra[slowest_i])
     breakdown["cross_group_sync"] = sync
     step = slowest.step_time_s + sync
     tokens_per_s = plan.train.global_batch * plan.train.seq_len / step
@@ -548,19 +548,23 @@ def _hardware_flops_per_token(mn: Any, plan: Plan) -> float:
     return float(mn.model_flops_per_token() + extra)
 
 
-def _cross_group_s(plan: Plan, catalog: Any, mn: Any) -> float:
-    """Gradient all-reduce between groups: each pipeline stage syncs its slice in parallel, in one ring
-    between the groups; the ring runs at the slowest link between two groups' kinds (:func:`node_link_gbps`)."""
+def _cross_group_s(plan: Plan, catalog: Any, mn: Any, evals: list[_GroupEval]) -> np.ndarray:
+    """Per group, the extra time of the gradient all-reduce between groups
+    (:func:`~starverse.costmodel.batch.joint_sync_s`, as the planner charges it): each pipeline stage syncs its slice in parallel, in one ring over every group's replicas;
+    between groups the ring runs at the slowest link between two groups' kinds (:func:`node_link_gbps`),
+    inside a group at its slowest stage's own ring bus."""
     kinds = [{st.accelerator for st in g.stages} for g in plan.groups]
     gbps = min(node_link_gbps(plan, catalog, a, b)
                for i, ka in enumerate(kinds) for kb in kinds[i + 1:] for a in ka for b in kb)
     stages_min = min(g.num_stages for g in plan.groups)
     trainable = (mn.num_layers * (mn.params_per_layer if mn.mode == "full" else mn.adapter_params_per_layer)
                  + (mn.embedding_params + mn.lm_head_params if mn.mode == "full" else 0.0))
-    per_stage = trainable * mn.grad_bytes_per_value / stages_min
-    # one ring position per group, as the planner's search counts it (planner/search.py ``_sync_s``);
-    # a group of several replicas has more nodes on the ring, which this under-counts (docs/costmodel.md)
-    return float(cross_group_sync_s(per_stage, len(plan.groups), gbps * C.NETWORK_EFFICIENCY))
+    # one ring per TP rank: each reduces its 1/tp shard of the stage's gradients
+    tp = max(st.tp for g in plan.groups for st in g.stages)
+    per_ring = trainable * mn.grad_bytes_per_value / stages_min / tp
+    bus = [float(np.min(ev.costs["dp_bus"][:, ev.best])) for ev in evals]
+    share = [float(np.min(ev.costs["dp_share"][:, ev.best])) for ev in evals]
+    return joint_sync_s(per_ring, [g.replicas for g in plan.groups], bus, share, gbps)
 
 
 def _cost_per_hour(plan: Plan, catalog: Any, warnings: list[str]) -> tuple[float | None, str]:

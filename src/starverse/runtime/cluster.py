@@ -180,8 +180,10 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
                     blocks: bool = True) -> Any:
     """What this runtime executes on ``ranks`` (a :class:`~starverse.planner.devices.RuntimeCaps`): everything
     (``EXECUTABLE``) but offload on CPU ranks (their memory is the host's: nothing to offload to) and ZeRO when
-    the ranks are of several kinds (FSDP2 shards over one device kind). ``recovery="in-place"``: data-parallel
-    replicas of one rank each, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is searched).
+    the ranks are of several kinds (FSDP2 shards over one device kind). ``recovery="in-place"``: replicas of one
+    rank or one pipeline each, TP 1, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is
+    searched; a pipelined plan it cannot run — interleaved, groups cut differently — falls back to restart with
+    one line: ``trainer.inplace_refusal``).
     ``pipelines=False``: one stage per group (a model that cannot be cut); ``blocks=False``: a model without an
     ``nn.ModuleList`` of blocks, so no FSDP2 unit (ZeRO ≤ 1) and nothing to recompute."""
     import dataclasses
@@ -190,7 +192,7 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
 
     caps = EXECUTABLE
     if recovery == "in-place":
-        caps = dataclasses.replace(caps, max_tp=1, max_pipeline_stages=1, zero_stage=0, offload="none")
+        caps = dataclasses.replace(caps, max_tp=1, zero_stage=0, offload="none")
     if any(r.device == "cpu" for r in ranks):
         caps = dataclasses.replace(caps, offload="none")
     if len({r.device_kind for r in ranks}) > 1:
@@ -296,7 +298,8 @@ def accelerate(
     Plan or plan file, checked against the devices. ``pool``: None = the local provider (the only one
     implemented). ``max_params``: cap on the model size built here (default: what fits; on CPU ranks
     also at most 20M parameters). ``ranks``: the devices to run on (a Ray cluster's); None: this machine's.
-    ``recovery``: the ``Trainer``'s; ``"in-place"`` plans plain data parallelism (what in-place recovery runs).
+    ``recovery``: the ``Trainer``'s; ``"in-place"`` plans data parallelism over replicas of one rank or one
+    pipeline (what in-place recovery runs).
     ``catalog``: the accelerator figures the planner uses (None: the bundled catalog with the probe's figures).
     ``rebalance_every``: the ``Trainer``'s, when known: a plan that needs 0 (ZeRO-2/3 run the ranks in lockstep)
     is then left out unless it is 0 (None: kept, with a note).

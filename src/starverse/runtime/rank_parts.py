@@ -233,27 +233,41 @@ class RankParts:
         names), so the file is the whole model's state dict.
         """
         state = full_tensors(trainable_state_dict(self.model))
-        mine = {k: v.detach().cpu() for k, v in state.items()}
+        mine: dict[str, torch.Tensor] | None = {k: v.detach().cpu() for k, v in state.items()}
         if self.pipeline is not None:
-            parts: list[Any] = [None] * self.env.world_size if self.rank == 0 else []
-            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.mesh.host_group)
-            if self.rank != 0:
-                return
-            full = torch.load(self.job.model_path, map_location="cpu", weights_only=False)
-            if self.job.weights_folder is not None:  # a skeleton: the untrained tensors (frozen base) from the files
-                load_chunk_weights(full, {n: n for n, _ in full.named_parameters()}, self.job.weights_folder)
-            named = dict(full.named_parameters())
-            with torch.no_grad():
-                for part in parts:
-                    for k, v in part.items():
-                        named[k].copy_(v)
-            mine = {k: v.detach().cpu() for k, v in trainable_state_dict(full).items()}
+            mine = gather_pipeline_weights(mine or {}, self.job, self.env.world_size, self.mesh.host_group)
         elif self.rank != 0:
             return
-        final = self.job.run_dir / FINAL_WEIGHTS
-        tmp = final.with_suffix(".tmp")
-        torch.save(mine, tmp)
-        tmp.replace(final)
+        if mine is not None:
+            write_final(self.job, mine)
+
+
+def gather_pipeline_weights(mine: dict[str, torch.Tensor], job: FitJob, world: int,
+                            group: Any) -> dict[str, torch.Tensor] | None:
+    """The whole model's trained weights, from every pipeline rank's part (``mine``: unsplit names, CPU), on rank 0
+    of ``group`` (a collective over ``group``; None elsewhere): the parts written into a copy of the initial model."""
+    rank = dist.get_rank(group)
+    parts: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine, parts if rank == 0 else None, dst=dist.get_global_rank(group, 0), group=group)
+    if rank != 0:
+        return None
+    full = torch.load(job.model_path, map_location="cpu", weights_only=False)
+    if job.weights_folder is not None:  # a skeleton: the untrained tensors (frozen base) from the files
+        load_chunk_weights(full, {n: n for n, _ in full.named_parameters()}, job.weights_folder)
+    named = dict(full.named_parameters())
+    with torch.no_grad():
+        for part in parts:
+            for k, v in part.items():
+                named[k].copy_(v)
+    return {k: v.detach().cpu() for k, v in trainable_state_dict(full).items()}
+
+
+def write_final(job: FitJob, state: dict[str, torch.Tensor]) -> None:
+    """Write the trained weights ``fit`` loads into the user's model (atomically: a temporary file renamed)."""
+    final = Path(job.run_dir) / FINAL_WEIGHTS
+    tmp = final.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(final)
 
 
 def training_parts(

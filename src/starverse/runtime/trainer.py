@@ -342,6 +342,8 @@ class Trainer:
             "fit: %d ranks, global batch %d = %d micro-batches of %d, shares %s, %d steps, seq_len %d",
             world, gb, num_micro, per_device_batch_size, init_shares, max_steps, seq_len,
         )
+        if job.recovery == "in-place" and layout.is_pipelined:
+            ranks = tag_replicas(ranks, layout)
         results = launch(
             train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
             launcher=self.launcher,
@@ -362,9 +364,30 @@ RECOVERY_MODES = ("restart", "in-place")
 
 
 def inplace_supported(plan: Plan) -> bool:
-    """True if in-place recovery can run ``plan``: every replica one rank holding the whole model."""
+    """True if in-place recovery can run ``plan`` (see :func:`inplace_refusal`)."""
+    return inplace_refusal(plan) is None
+
+
+def inplace_refusal(plan: Plan) -> str | None:
+    """Why in-place recovery cannot run ``plan`` (None: it can): every replica one rank holding the whole model,
+    or one pipeline (a stage per rank, no TP, every replica cut alike, GPipe or 1F1B); no ZeRO, no offload."""
     t = plan.train
-    return all(g.devices_per_replica == 1 for g in plan.groups) and not t.zero_stage and t.offload == "none"
+    if t.zero_stage or t.offload != "none":
+        return f"ZeRO-{t.zero_stage} / offload {t.offload} (sharded replicas are not built)"
+    if all(g.devices_per_replica == 1 for g in plan.groups):
+        return None
+    from starverse.runtime.ft_pipe import pipeline_replica_error
+
+    layout = PipelineLayout.from_plan(plan)
+    return pipeline_replica_error(layout) if layout.is_pipelined else "replicas of several ranks without a pipeline"
+
+
+def tag_replicas(ranks: list[RankSpec], layout: PipelineLayout) -> list[RankSpec]:
+    """The ranks of an in-place pipelined run, each told its replica (the launcher starts, loses and replaces a
+    replica's ranks together: ``REPLICA_ENV``)."""
+    from starverse.runtime.ft_group import REPLICA_ENV
+
+    return [dataclasses.replace(r, env=(*r.env, (REPLICA_ENV, str(layout.places[r.rank].replica)))) for r in ranks]
 
 
 def _fill_lost(results: list[Any]) -> list[RankResult]:

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 from starverse.errors import ConfigError
 from starverse.plan import Plan
+from starverse.runtime.parallel.dtensor import is_dtensor
 from starverse.runtime.parallel.fsdp import ZeroModel, apply_zero
 from starverse.runtime.parallel.recompute import apply_recompute
 from starverse.runtime.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tp_layout
+
+if TYPE_CHECKING:  # FSDP2 imports DTensor (~1 s): a plain data-parallel rank needs neither
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class ParallelModel:
         """
         if (self.zero is not None and self.zero.fsdp) or self.mesh is None or self.mesh["dp"].size() == 1:
             return
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad
                  for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
@@ -240,15 +243,15 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
     squares = []
     for g in grads:
         n = torch.linalg.vector_norm(g)
-        squares.append((n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2)
+        squares.append((n.full_tensor() if is_dtensor(n) else n).float() ** 2)
     total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else coef.to(g.device).item())
+            g.mul_(coef.to(g.device) if not is_dtensor(g) else coef.to(g.device).item())
     return total
 
 
 def full_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with every DTensor gathered whole (a collective: every rank of its mesh must call it)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    return {k: v.full_tensor() if is_dtensor(v) else v for k, v in state.items()}
