@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 # loopback interface. It is only set for a session this module starts, never for a cluster it joins.
 _RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
-_ROOT_CAUSE_WAIT_S = 3.0
+ROOT_CAUSE_WAIT_S = 3.0
 """After the first failure, how long to wait for the rank that caused it to report (peers fail first on a
 closed connection, the dead rank's actor is declared dead by Ray a moment later)."""
 
@@ -524,7 +524,7 @@ def _get_before(ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: floa
 def _collect(
     ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: float, timeout_s: float
 ) -> tuple[dict[int, Any], dict[int, RankError], dict[int, str]]:
-    """Wait for every rank; stop waiting shortly after the first failure (see ``_ROOT_CAUSE_WAIT_S``)."""
+    """Wait for every rank; stop waiting shortly after the first failure (see ``ROOT_CAUSE_WAIT_S``)."""
     from ray.exceptions import RayActorError, RayTaskError
 
     values: dict[int, Any] = {}
@@ -553,7 +553,7 @@ def _collect(
         now = time.monotonic()
         if (errors or dead) and failed_at is None:
             failed_at = now
-        if failed_at is not None and now - failed_at > _ROOT_CAUSE_WAIT_S:
+        if failed_at is not None and now - failed_at > ROOT_CAUSE_WAIT_S:
             break
         if now > deadline:
             raise overrun(timeout_s, len(values), len(refs))

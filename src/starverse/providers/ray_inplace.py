@@ -11,7 +11,10 @@ world; survivors finish the step in flight with the lost replica's share redistr
 - each replica is one Ray actor (:class:`starverse.providers.ray._RankActor`), its bundle of a placement group
   reserved like :class:`~starverse.providers.ray.RayLauncher`'s (CPUs, a GPU for a CUDA rank, a sliver of the
   node resource named after its device kind with ``kind_resources``);
-- a replica is lost when Ray reports its actor dead (``RayActorError``: the process was killed, or its node
+- a replica of several ranks (a pipeline's stages, ``REPLICA_ENV``) is several actors meeting on a store of their
+  own in the driver; losing one stage's actor loses the replica: the launcher kills its other actors (each a
+  ``LostRankError`` with cause ``replica``) and replaces all of them together;
+- a rank is lost when Ray reports its actor dead (``RayActorError``: the process was killed, or its node
   left the cluster): a :class:`~starverse.errors.LostRankError` with cause ``actor death`` and the node, decided
   on that type, never on a message;
 - with ``replace_after_s``, the replacement is a new actor for the same bundle of the placement group: Ray
@@ -30,16 +33,25 @@ reach them; in-place recovery across hosts is not built.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from starverse.elastic.inplace import InplaceLauncher, Join, Lighthouse, Loss
-from starverse.errors import ConfigError, LostRankError
+from starverse.elastic.inplace import (
+    InplaceLauncher,
+    Join,
+    Lighthouse,
+    Loss,
+    replica_members,
+    stopped_with_replica,
+)
+from starverse.errors import ConfigError, LossCause, LostRankError
 from starverse.providers.failures import code_error, lost_actor, overrun, user_error
 from starverse.providers.ray import (
+    ROOT_CAUSE_WAIT_S,
     RayLauncher,
     actor_options,
     actor_spec,
@@ -51,7 +63,7 @@ from starverse.providers.ray import (
     ray_session,
     release,
 )
-from starverse.runtime.ft_group import EXTRA_BARRIER_PORT, EXTRA_JOINER, EXTRA_LIGHTHOUSE
+from starverse.runtime.ft_group import EXTRA_BARRIER_PORT, EXTRA_JOINER, EXTRA_LIGHTHOUSE, EXTRA_REPLICA_STORE
 from starverse.runtime.launch import LOOPBACK, RankEnv, RankError, RankSpec, ordered_ranks, store_server
 
 log = logging.getLogger(__name__)
@@ -107,12 +119,14 @@ class RayInplaceLauncher(InplaceLauncher):
                                     join_timeout_ms=int(collective_timeout_s * 1000))
             barrier = store_server(LOOPBACK, len(ranks) + 1, collective_timeout_s)
             run = _RayRun(self, ray, ranks, fn, args, collective_timeout_s,
-                          {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port})
+                          {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port},
+                          replica_members(ranks))
             try:
                 run.place(min(self.ray.placement_timeout_s, timeout_s))
-                for spec in ranks:
-                    run.start(spec, joiner=False)
-                log.info("in-place launch on Ray: %d replica actors, lighthouse %s", len(ranks), lighthouse.address)
+                for replica in run.members:
+                    run.start_replica(replica, joiner=False)
+                log.info("in-place launch on Ray: %d replicas over %d actors, lighthouse %s", len(run.members),
+                         len(ranks), lighthouse.address)
                 run.watch(timeout_s)
             finally:
                 run.stop()
@@ -131,13 +145,19 @@ class _RayRun:
     args: tuple[Any, ...]
     collective_timeout_s: float
     extra: dict[str, Any]
+    members: dict[int, tuple[int, ...]]
+    """Replica -> its ranks (several: a pipeline's stages, started, lost and replaced together)."""
     pg: Any = None
     actor_cls: Any = None
     bundles: list[dict[str, float]] = field(default_factory=list)
     actors: list[Any] = field(default_factory=list)
     """Every actor started (killed at the end)."""
     running: dict[Any, int] = field(default_factory=dict)
-    """The ``run_replica`` result ref of each live replica -> its rank."""
+    """The ``run_replica`` result ref of each live rank -> its rank."""
+    actor_of: dict[int, Any] = field(default_factory=dict)
+    """Rank -> its current actor."""
+    replica_stores: dict[int, Any] = field(default_factory=dict)
+    """Replica of several ranks -> the store its current actors meet on (a replacement replica gets a new one)."""
     where: dict[int, Any] = field(default_factory=dict)
     """Rank -> the ref of its actor's ``(node id, pid)`` and the ref of its node IP."""
     located: dict[int, tuple[str, int, str]] = field(default_factory=dict)
@@ -156,15 +176,33 @@ class _RayRun:
         self.pg = place_ranks(self.ray, self.bundles, wait_s)
         self.actor_cls = rank_actor_class(self.ray)
 
-    def start(self, spec: RankSpec, *, joiner: bool) -> None:
+    def start_replica(self, replica: int, *, joiner: bool) -> None:
+        """Start the actor of every rank of ``replica`` (several: with a new store of their own, in the driver)."""
+        ranks = self.members[replica]
+        extra: dict[str, Any] = {}
+        if len(ranks) > 1:
+            store = store_server(LOOPBACK, len(ranks), self.collective_timeout_s)
+            self.replica_stores[replica] = store
+            extra[EXTRA_REPLICA_STORE] = store.port
+        for rank in ranks:
+            self.start(self.ranks[rank], joiner=joiner, extra=extra)
+            if joiner:
+                self.joining.add(rank)
+
+    def replica_of(self, rank: int) -> int:
+        """The replica ``rank`` belongs to."""
+        return next(r for r, ranks in self.members.items() if rank in ranks)
+
+    def start(self, spec: RankSpec, *, joiner: bool, extra: dict[str, Any]) -> None:
         """Start the actor of ``spec`` in its bundle (a replacement waits there until Ray re-reserved it)."""
         import sys
 
         actor = self.actor_cls.options(**actor_options(self.pg, spec.rank, self.bundles[spec.rank])).remote(
             list(sys.path))
         self.actors.append(actor)
+        self.actor_of[spec.rank] = actor
         env = RankEnv(spec=actor_spec(spec), ranks=tuple(self.ranks), collective_timeout_s=self.collective_timeout_s,
-                      extra={**self.extra, EXTRA_JOINER: joiner, "launcher": "ray"})
+                      extra={**self.extra, **extra, EXTRA_JOINER: joiner, "launcher": "ray"})
         # an actor runs its calls one at a time, in order: ask where it runs before the replica's long call
         self.where[spec.rank] = (actor.where.remote(), actor.node_ip.remote())
         self.running[actor.run_replica.remote(self.fn, env, self.args)] = spec.rank
@@ -211,21 +249,44 @@ class _RayRun:
             else:
                 self.errors[rank] = payload
 
-    def lose(self, rank: int, detail: str) -> None:
-        """Record the loss of ``rank``'s actor; schedule its replacement."""
-        launcher = self.launcher
-        node = self.located.pop(rank, ("", 0, None))[2]
+    def forget(self, rank: int) -> str | None:
+        """Drop what is known of ``rank``'s actor; its node IP if it was known."""
         self.where.pop(rank, None)
         self.joining.discard(rank)  # a replacement lost before it got a node: it never joined
+        return self.located.pop(rank, ("", 0, None))[2]
+
+    def lose(self, rank: int, detail: str) -> None:
+        """Record the loss of ``rank``'s actor (and stop the other ranks of its replica); schedule a replacement."""
+        launcher = self.launcher
+        node = self.forget(rank)
         lost: LostRankError = lost_actor(self.ranks[rank], detail, node=node, survived=True)
-        loss = Loss(lost, time.time())
-        launcher.losses.append(loss)
-        log.warning("in-place: rank %d (%s) lost (actor death on node %s); the other replicas go on", rank,
-                    lost.device_kind, node)
-        if launcher.on_loss is not None:
-            launcher.on_loss(loss)
+        for err in [lost, *self.stop_partners(lost)]:
+            loss = Loss(err, time.time())
+            launcher.losses.append(loss)
+            log.warning("in-place: rank %d (%s) lost (%s, node %s); the other replicas go on", err.rank,
+                        err.device_kind, err.cause.value, node)
+            if launcher.on_loss is not None:
+                launcher.on_loss(loss)
         if launcher.replace_after_s is not None and not self.finished:
-            self.pending.append((time.monotonic() + launcher.replace_after_s, self.ranks[rank]))
+            first = self.members[self.replica_of(rank)][0]
+            self.pending.append((time.monotonic() + launcher.replace_after_s, self.ranks[first]))
+
+    def stop_partners(self, lost: LostRankError) -> list[LostRankError]:
+        """Kill the other live ranks of the lost rank's replica (a pipeline does not train without a stage); their
+        errors (a collective that lost its peer) are consequences, not code errors."""
+        out = []
+        for rank in self.members[self.replica_of(lost.rank)]:
+            refs = [ref for ref, r in self.running.items() if r == rank]
+            if rank == lost.rank or not (refs or rank in self.errors):
+                continue
+            for ref in refs:
+                del self.running[ref]
+            with contextlib.suppress(Exception):  # already gone
+                self.ray.kill(self.actor_of[rank], no_restart=True)
+            self.errors.pop(rank, None)
+            self.forget(rank)
+            out.append(stopped_with_replica(self.ranks[rank], lost))
+        return out
 
     @property
     def finished(self) -> bool:
@@ -238,9 +299,10 @@ class _RayRun:
             if now < due:
                 continue
             self.pending.remove((due, spec))
-            self.start(spec, joiner=True)
-            self.joining.add(spec.rank)
-            log.info("in-place: started a replacement actor for rank %d", spec.rank)
+            replica = self.replica_of(spec.rank)
+            self.start_replica(replica, joiner=True)
+            log.info("in-place: started replacement actors for replica %d (ranks %s)", replica,
+                     list(self.members[replica]))
 
     def joined(self, spec: RankSpec) -> None:
         """A replacement's actor was placed and runs: record the :class:`Join` and open its lease (``on_join``)."""
@@ -258,13 +320,16 @@ class _RayRun:
             self.locate()
             now = time.monotonic()
             if self.errors:
-                time.sleep(0.5)  # let a root cause report too
-                self.collect(0.0)
+                # a stage's partners fail on the lost connection before Ray declares its actor dead: wait for that
+                until = time.monotonic() + ROOT_CAUSE_WAIT_S
+                while self.errors and time.monotonic() < until:
+                    self.collect(0.1)
+            if self.errors:
                 user = user_error(self.errors)
                 raise user if user is not None else code_error(self.ranks, self.errors)
             if not self.running and not self.finished:
                 # every replica lost (a replacement that found no one returns None): nobody holds the live state
-                raise self.launcher.losses[-1].error
+                raise next(x.error for x in reversed(self.launcher.losses) if x.error.cause != LossCause.REPLICA)
             if self.finished:
                 self.pending.clear()  # the survivors finished: no one to join
                 self.finish_joiners(now)
