@@ -181,9 +181,9 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
     """What this runtime executes on ``ranks`` (a :class:`~starverse.planner.devices.RuntimeCaps`): everything
     (``EXECUTABLE``) but offload on CPU ranks (their memory is the host's: nothing to offload to) and ZeRO when
     the ranks are of several kinds (FSDP2 shards over one device kind). ``recovery="in-place"``: replicas of one
-    rank or one pipeline each, TP 1, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is
-    searched; a pipelined plan it cannot run — interleaved, groups cut differently — falls back to restart with
-    one line: ``trainer.inplace_refusal``).
+    rank, or of one pipeline when the ranks are of one kind, TP 1, ZeRO-0, no offload (what torchft's in-place
+    recovery runs; recompute is searched; a given plan it cannot run — interleaved, groups cut differently —
+    falls back to restart with one line: ``trainer.inplace_refusal``).
     ``pipelines=False``: one stage per group (a model that cannot be cut); ``blocks=False``: a model without an
     ``nn.ModuleList`` of blocks, so no FSDP2 unit (ZeRO ≤ 1) and nothing to recompute."""
     import dataclasses
@@ -192,7 +192,11 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
 
     caps = EXECUTABLE
     if recovery == "in-place":
-        caps = dataclasses.replace(caps, max_tp=1, zero_stage=0, offload="none")
+        # pipelines only over one device kind: the planner cuts groups of several kinds differently and interleaves
+        # pipelines across kinds, which in-place recovery refuses (a joiner heals stage by stage from a peer)
+        one_kind = len({r.device_kind for r in ranks}) == 1
+        caps = dataclasses.replace(caps, max_tp=1, zero_stage=0, offload="none",
+                                   max_pipeline_stages=caps.max_pipeline_stages if one_kind else 1)
     if any(r.device == "cpu" for r in ranks):
         caps = dataclasses.replace(caps, offload="none")
     if len({r.device_kind for r in ranks}) > 1:
