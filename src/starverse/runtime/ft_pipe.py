@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from starverse.errors import ConfigError
 from starverse.runtime.callbacks import CallbackList, TrainContext
+from starverse.runtime.eval_pipeline import PipelineScorer
 from starverse.runtime.ft import ReplicaTrainer
 from starverse.runtime.ft_group import (
     EXTRA_JOINER,
@@ -118,6 +119,8 @@ class PipelineReplicaTrainer(ReplicaTrainer):
             max_steps=job.max_steps, shares=list(job.shares),
         )
         ctx.metrics.micro_batch = job.micro_batch
+        # held-out sequences go through the pipeline; only the leader replica runs the callbacks: it scores them all
+        ctx.held_out_scorer = PipelineScorer(pipeline, 0, 1, job.micro_batch, pipeline.has_last)
         callbacks = CallbackList(job.callbacks)
         resume(ctx, callbacks, job.resume_from, device)
         pipeline.on_compute = lambda dt: callbacks.on_micro_batch_end(ctx, dt)
