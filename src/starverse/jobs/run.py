@@ -27,7 +27,7 @@ from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
 from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.lora import check_mode
-from starverse.runtime.trainer import FitResult, inplace_refusal
+from starverse.runtime.trainer import FitResult
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +145,7 @@ class PreparedJob:
         pool: ``launcher`` is then ``"ray"`` or the pool's RayLauncher), its lost and joining leases billed (see
         :class:`~starverse.jobs.ledger.InplaceAccounting`)."""
         job = self.job
-        refusal = inplace_refusal(self.cluster.plan)
-        if refusal is not None:
-            log.warning("recovery: in-place recovers replicas of one rank or one pipeline each; this plan (%s) has %s, "
-                        "so it runs with checkpoint-restart", ", ".join(
-                            f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}"
-                            for g in self.cluster.plan.groups), refusal)
+        # a plan in-place recovery does not run falls back to checkpoint-restart with one line (Trainer.fit)
         if launcher == "local":
             launcher = InplaceLauncher(replace_after_s=job.replace_after_s)
         else:
