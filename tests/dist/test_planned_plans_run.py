@@ -67,3 +67,19 @@ def test_the_rule_mirrors_the_runtime_refusals():
     assert "different tp" in rule([[(8, 2, "nccl"), (8, 1, "nccl")]])
     assert "several data-parallel groups" in rule([[(16, 2, "nccl")], [(16, 2, "nccl")]])
     assert rule([[(8, 2, "nccl"), (8, 2, "xla")]], zero=1, offload=True) is None  # one group: per-stage meshes
+
+
+def test_the_rule_keeps_qlora_where_the_runtime_runs_it():
+    """QLoRA (bitsandbytes' 4-bit base) runs on CUDA, one stage per group, TP 1, ZeRO 0-1 without offload."""
+    from starverse.planner.policy import Layout, runtime_layout_rule
+
+    def rule(groups, zero=0, offload=False, mode="qlora"):
+        return runtime_layout_rule(Layout(tuple(tuple(g) for g in groups), zero, offload, mode))
+
+    one = [(16, 1, "nccl")]
+    assert rule([one, one], zero=1) is None
+    assert "without CUDA" in rule([one, [(16, 1, "xla")]])
+    assert "pipeline stages" in rule([[(8, 1, "nccl"), (8, 1, "nccl")]])
+    assert "tensor parallelism" in rule([[(16, 2, "nccl")]])
+    assert "ZeRO-2/3 or offload" in rule([one], zero=1, offload=True)
+    assert rule([[(8, 1, "nccl"), (8, 1, "xla")]], mode="lora") is None  # LoRA runs in pipelines over kinds

@@ -144,7 +144,7 @@ def _layout(ctx, catalog, offers, rows, setting: int) -> Layout:
         backend = catalog.accelerator(of.accelerator).backend
         groups.append(tuple((base + (k < extra), int(tp), backend) for k in range(int(pp))))
     st = ctx.settings[setting]
-    return Layout(tuple(groups), st.zero_stage, st.offload > 0)
+    return Layout(tuple(groups), st.zero_stage, st.offload > 0, ctx.mode)
 
 
 def random_case(seed: int, max_kinds: int = 3, batches: tuple[int, ...] = (6, 8, 12)):

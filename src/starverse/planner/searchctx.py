@@ -174,7 +174,7 @@ def combo_layout(ctx: SearchContext, opts: space.Options, setting: int, members:
                                                                           int(ctx.spec.num_layers))
                             for _ in range(s.repeat)))
     st = ctx.settings[setting]
-    return Layout(tuple(groups), st.zero_stage, st.offload > 0)
+    return Layout(tuple(groups), st.zero_stage, st.offload > 0, ctx.mode)
 
 
 def evaluate_combo(ctx: SearchContext, opts: space.Options, tables: FloatArray, power: FloatArray, setting: int,
