@@ -223,6 +223,9 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         value_scale = bv / 2.0
         score_bytes = C.EAGER_SCORE_BYTES * value_scale + (
             (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.dropout else 0.0)
+        if bv >= 4.0:
+            # fp32 scores: the fused softmax kernel is fp16/bf16 only; the torch path scales and masks apart
+            score_bytes = score_bytes + C.EAGER_UNFUSED_SOFTMAX_BYTES
         softmax = rows.micro_batch * heads * s * s / mn.cp * score_bytes / bw
         gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + rc_full) + a_e * (1.0 + 2.0 + rc_any) + host, gemm_layer)
         attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any), attn_elem)
