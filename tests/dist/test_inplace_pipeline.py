@@ -23,7 +23,7 @@ from starverse.plan import Group, Stage
 from starverse.runtime.cluster import Cluster, local_plan
 from starverse.runtime.ft import INPLACE_LOG
 from starverse.runtime.launch import RankSpec
-from starverse.runtime.trainer import Trainer, inplace_refusal
+from starverse.runtime.trainer import Trainer, _recovery_for, inplace_refusal
 from starverse.testing import KillReplicaMidStep, WaitForReplicas
 
 pytest.importorskip("torchft", reason="recovery: in-place needs torchft (the train extra)")
@@ -56,10 +56,18 @@ def _assert_close(state, ref_state):
         torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=5e-5, msg=name)
 
 
-def test_pipelined_plans_run_in_place():
-    assert inplace_refusal(PLAN) is None
+def test_pipelined_plans_run_in_place_and_the_rest_falls_back_to_restart_with_one_line(caplog):
+    assert inplace_refusal(PLAN) is None and _recovery_for("in-place", PLAN) == "in-place"
     interleaved = _plan(PLAN.groups, "interleaved", 2)
     assert inplace_refusal(interleaved) == "interleaved virtual stages"
+    cut_apart = _plan([Group(stages=[Stage(accelerator="cpu", layers=1), Stage(accelerator="cpu", layers=3)]),
+                       Group(stages=[Stage(accelerator="cpu", layers=3), Stage(accelerator="cpu", layers=1)])])
+    assert inplace_refusal(cut_apart) == "replicas whose pipelines cut the layers differently"
+    with caplog.at_level("WARNING", logger="starverse.runtime.trainer"):
+        assert _recovery_for("in-place", interleaved) == "restart"
+    assert [r.getMessage() for r in caplog.records if "checkpoint-restart" in r.getMessage()] == [
+        "recovery: in-place recovers replicas of one rank or one pipeline each; this plan (2 replica(s) of 2 cpu) has "
+        "interleaved virtual stages, so it runs with checkpoint-restart"]
 
 
 def test_a_lost_stage_rank_loses_its_replica_the_other_takes_over_exact_and_its_checkpoint_resumes(tmp_path):
@@ -76,6 +84,9 @@ def test_a_lost_stage_rank_loses_its_replica_the_other_takes_over_exact_and_its_
     assert res.shares_history[-1][1] == (GB // MB,)  # the survivor took the whole global batch
     events = [json.loads(line) for line in (run_dir / INPLACE_LOG).read_text().splitlines()]
     assert [e["lost"] for e in events if e["event"] == "members"] == [[0]], events
+    survivors = [s for s in res.pipeline.stages if s.replica == 1]  # the pipeline report: the survivor's stages
+    assert [s.rank for s in survivors] == [2, 3]
+    assert all(s.time_per_micro_batch_s > 0 and s.state_bytes > 0 for s in survivors), survivors
 
     model = _blocks()
     ranks = (RankSpec(0, "cpu", "cpu", num_threads=1),)

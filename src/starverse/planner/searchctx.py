@@ -32,7 +32,7 @@ from starverse.planner.build import (
     trainable_params,
 )
 from starverse.planner.job import Job
-from starverse.planner.policy import Limits, billed_hours, score, within
+from starverse.planner.policy import Layout, Limits, billed_hours, note_layout_refusal, score, within
 from starverse.planner.pool import Pool
 
 FloatArray = npt.NDArray[np.float64]
@@ -163,9 +163,24 @@ def sync_s(ctx: SearchContext, num_groups: int, min_pp: int, gbps: float | None 
                               bus.tolist(), share.tolist(), link).max())
 
 
+def combo_layout(ctx: SearchContext, opts: space.Options, setting: int, members: Sequence[int]) -> Layout:
+    """The shape of a combination's plan (its groups' even splits, tp, backends) for the runtime layout rule."""
+    groups = []
+    for i in members:
+        acc = ctx.pool.offers[int(opts.offer[i])].accelerator
+        backend = ctx.catalog.accelerator(acc).backend
+        tp = int(opts.tp[i])
+        groups.append(tuple((s.layers, tp, backend) for s in stages_even(acc, tp, int(opts.pp[i]),
+                                                                          int(ctx.spec.num_layers))
+                            for _ in range(s.repeat)))
+    st = ctx.settings[setting]
+    return Layout(tuple(groups), st.zero_stage, st.offload > 0)
+
+
 def evaluate_combo(ctx: SearchContext, opts: space.Options, tables: FloatArray, power: FloatArray, setting: int,
-              members: Sequence[int]) -> Combo | None:
-    """Exact value of one combination (None if no integer split exists or a constraint fails)."""
+              members: Sequence[int], layout_refused: dict[str, int] | None = None) -> Combo | None:
+    """Exact value of one combination (None if no integer split exists or a constraint fails; ``layout_refused``
+    counts those the runtime layout rule leaves out)."""
     t_star, shares = combine.best_split([tables[i] for i in members], ctx.batch)
     if not math.isfinite(t_star):
         return None
@@ -186,7 +201,9 @@ def evaluate_combo(ctx: SearchContext, opts: space.Options, tables: FloatArray, 
     hours = tokens / tps_eff / 3600.0
     total = float(sum(k * o.price_per_hour * billed_hours(np.asarray(hours), o.billing_granularity_s)
                       for k, o in zip(n, offers, strict=True)))
-    if not within(ctx.limits, price, pw, hours, total):
+    layout = combo_layout(ctx, opts, setting, members)
+    if not within(ctx.limits, price, pw, hours, total, layout):
+        note_layout_refusal(layout_refused if layout_refused is not None else {}, layout)
         return None
     value = float(score(ctx.job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
                         np.asarray(hours)))

@@ -22,8 +22,9 @@ Callbacks run on every rank of the leader replica, which sees itself as a one-re
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +40,7 @@ from starverse.runtime.ft_group import (
     EXTRA_LIGHTHOUSE,
     EXTRA_REPLICA_STORE,
     Quorum,
+    ReplicaSync,
     TorchftSync,
 )
 from starverse.runtime.ft_join import start_barrier
@@ -53,7 +55,13 @@ from starverse.runtime.parallel.pipeline import (
 )
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 from starverse.runtime.rank_job import FitJob, RankResult
-from starverse.runtime.rank_parts import gather_pipeline_weights, resume, training_parts, write_final
+from starverse.runtime.rank_parts import (
+    gather_pipeline_weights,
+    resume,
+    state_bytes,
+    training_parts,
+    write_final,
+)
 
 
 def pipeline_replica_error(layout: PipelineLayout) -> str | None:
@@ -82,6 +90,8 @@ class PipelineReplicaTrainer(ReplicaTrainer):
     """This rank's stage in its replica."""
     group_size: int = 1
     """Stages of the replica."""
+    pipeline_times: list[tuple[float, float]] = field(default_factory=list)
+    """``(schedule wall time, compute time)`` of this rank's pipeline, per step attempted."""
 
     @classmethod
     def build_stage(cls, env: RankEnv, job: FitJob) -> PipelineReplicaTrainer:
@@ -138,8 +148,22 @@ class PipelineReplicaTrainer(ReplicaTrainer):
         assert self.pipeline is not None
         rows = np.concatenate(list(micro_batches))
         y = self.data.batch_labels(rows)
-        return self.pipeline.step(torch.from_numpy(self.data.batch(rows)), len(micro_batches),
+        part = self.pipeline.step(torch.from_numpy(self.data.batch(rows)), len(micro_batches),
                                   None if y is None else torch.from_numpy(y), num_targets)
+        self.pipeline_times.append((self.pipeline.times.step_s, self.pipeline.times.busy_s))
+        return part
+
+    def run(self, sync: ReplicaSync) -> RankResult | None:
+        """The replica loop; the result carries this stage's figures for the run's pipeline report."""
+        result = super().run(sync)
+        if result is None or self.pipeline is None or not self.pipeline_times:
+            return result
+        times = self.pipeline_times[1:] or self.pipeline_times  # the first: shape inference, warm-up
+        return dataclasses.replace(
+            result, pipeline_step_s=sum(t for t, _ in times) / len(times),
+            pipeline_busy_s=sum(b for _, b in times) / len(times),
+            num_chunk_runs=len(self.pipeline.chunks) * result.share, state_bytes=state_bytes(self.model, self.optimizer),
+            loaded_tensors=sum(c.loaded_tensors for c in self.pipeline.chunks))
 
     def replica_sum(self) -> None:
         """Sum the gradient of a parameter two stages hold (a tied head)."""

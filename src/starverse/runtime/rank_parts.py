@@ -26,7 +26,12 @@ from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.mesh import MixedMesh
 from starverse.runtime.parallel.fsdp import ZeroModel
-from starverse.runtime.parallel.parallelize import ParallelModel, full_tensors, parallelize_for_plan
+from starverse.runtime.parallel.parallelize import (
+    ParallelModel,
+    full_tensors,
+    lockstep_micro_batches,
+    parallelize_for_plan,
+)
 from starverse.runtime.parallel.pipeline import (
     PipelineRunner,
     UnsplitSignature,
@@ -123,7 +128,7 @@ class RankParts:
             full.train()
             pipeline = PipelineRunner.build(
                 full, layout, env.rank, device, job.plan.train.schedule, job.micro_batch / job.global_batch,
-                pipeline_groups(layout, kinds, devices), job.weights_folder,
+                pipeline_groups(layout, kinds, devices), job.weights_folder, job.loss_fn,
             )
             in_stage = pipeline_parallel_config(job.plan)
             if not in_stage.is_plain:  # the same on every rank: all build the stage meshes together
@@ -197,6 +202,8 @@ class RankParts:
         mb = self.job.micro_batch
         shares = self.ctx.shares
         start = sum(shares[: self.replica]) * mb
+        if isinstance(self.grads, ParallelModel) and self.grads.lockstep:  # ZeRO-2/3: equal counts, uneven sizes
+            return lockstep_micro_batches(batch_idx[start : start + shares[self.replica] * mb], shares)
         return [batch_idx[start + k * mb : start + (k + 1) * mb] for k in range(shares[self.replica])]
 
     def pipeline_figures(self) -> dict[str, Any]:
@@ -212,12 +219,7 @@ class RankParts:
     def state_bytes(self) -> int:
         """Bytes of parameters, gradients (as many as parameters) and optimizer state held by this rank (its
         shards under tensor parallel and ZeRO)."""
-        params = sum(local(p).numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        opt = sum(
-            local(t).numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
-        )
-        return 2 * params + opt
+        return state_bytes(self.model, self.optimizer)
 
     def peak_activation_bytes(self) -> int:
         """Peak device memory above the training state (CUDA's allocator; 0 on devices without a counter)."""
@@ -240,6 +242,17 @@ class RankParts:
             return
         if mine is not None:
             write_final(self.job, mine)
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``model``'s trainable parameters, as many for their gradients, and ``optimizer``'s state (the
+    local shards of DTensors)."""
+    params = sum(local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    opt = sum(
+        local(t).numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    return 2 * params + opt
 
 
 def gather_pipeline_weights(mine: dict[str, torch.Tensor], job: FitJob, world: int,

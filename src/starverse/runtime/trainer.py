@@ -39,7 +39,11 @@ from starverse.runtime.hetero_dp import proportional_shares
 from starverse.runtime.launch import Launcher, RankSpec, launch, resolve_launcher
 from starverse.runtime.lora import apply_mode
 from starverse.runtime.parallel.parallelize import check_parallel_plan
-from starverse.runtime.parallel.pipeline import micro_batch_count_error, min_micro_batches
+from starverse.runtime.parallel.pipeline import (
+    check_pipeline_loss_fn,
+    micro_batch_count_error,
+    min_micro_batches,
+)
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 from starverse.runtime.parallel.pipeline_parallel import check_pipeline_parallel
 from starverse.runtime.parallel.pipeline_report import PipelineReport, pipeline_report
@@ -275,9 +279,11 @@ class Trainer:
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
         if layout.is_pipelined:
-            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model, seq_len=seq_len)
+            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model, seq_len=seq_len,
+                                    rank_devices=[r.device for r in ranks])
         else:
-            check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
+            check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model,
+                                [r.device for r in ranks])
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
@@ -317,6 +323,9 @@ class Trainer:
         tokens_path = run_dir / "data" / "tokens.npy"
         np.save(tokens_path, packed.tokens)
         labels_path = _save_array(run_dir / "data" / "labels.npy", packed.labels)
+        if loss_fn is not None and labels_path is not None:
+            raise ConfigError("loss_fn= cannot be combined with masked labels (chat data: the loss is over the "
+                              "labelled tokens). To fix: drop loss_fn, or train on plain text.")
         record_model(run_dir, model, tokenizer=hf_tok.tok if isinstance(hf_tok, HFTokenizer) else None,
                      bpe_file=corpus.tokenizer[4:] if corpus.tokenizer.startswith("bpe:") else None,
                      lora=lora, mode=plan.train.mode)
@@ -336,7 +345,7 @@ class Trainer:
             resume_from=Path(resume_from).resolve() if resume_from is not None else None,
             peaks_tflops=tuple(_peak_tflops(r.device_kind, prec, r.device) for r in ranks),
             flops_per_token=flops_per_token(model, seq_len),
-            recovery=self.recovery if inplace_supported(plan) else "restart",
+            recovery=_recovery_for(self.recovery, plan),
         )
         log.info(
             "fit: %d ranks, global batch %d = %d micro-batches of %d, shares %s, %d steps, seq_len %d",
@@ -357,6 +366,18 @@ class Trainer:
             est = cluster.estimate if cluster.estimate is not None else estimate_or_none(plan)
             report = pipeline_report(layout, results, [r.device_kind for r in ranks], est)
         return _summarise(results, job, ranks, report)
+
+
+def _recovery_for(recovery: str, plan: Plan) -> str:
+    """``recovery``, or ``restart`` with one logged line when in-place recovery does not run ``plan``."""
+    refusal = inplace_refusal(plan) if recovery == "in-place" else None
+    if refusal is None:
+        return recovery
+    log.warning("recovery: in-place recovers replicas of one rank or one pipeline each; this plan (%s) has %s, so it "
+                "runs with checkpoint-restart", ", ".join(
+                    f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}" for g in plan.groups),
+                refusal)
+    return "restart"
 
 
 RECOVERY_MODES = ("restart", "in-place")
@@ -421,10 +442,7 @@ def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> N
     """What this runtime does not run yet, refused rather than silently run as something else."""
     # tensor parallelism: checked by parallel.parallelize.check_parallel_plan (with the shares)
     if layout.is_pipelined and loss_fn is not None:
-        raise ConfigError(
-            "loss_fn= cannot be used with pipeline stages (the last stage scores logits with next-token "
-            "cross-entropy). To fix: drop loss_fn, or use one stage per group."
-        )
+        check_pipeline_loss_fn(loss_fn)  # the last stage calls loss_fn(logits, labels)
     if layout.is_pipelined and plan.train.mode == "qlora":
         raise ConfigError(
             "the cluster's plan: train.mode: qlora is not run with pipeline stages yet (a stage is a copy of the "

@@ -17,7 +17,10 @@ zero 1       no FSDP: parameters and gradients stay whole on every rank (summed 
              rank holds whole parameters and gradients, between steps the parameters sharded (the
              parameters are then counted once whole and once as a shard: 1.5 P for two ranks).
 zero 2       ``fully_shard(reshard_after_forward=False)``: parameters gathered once per micro-batch and
-             kept through its backward; gradients reduce-scattered after every micro-batch (1/N kept).
+             kept through its backward; gradients reduce-scattered after every micro-batch (1/N kept). Every
+             rank runs as many micro-batches (of uneven sizes when shares differ:
+             ``parallelize.lockstep_micro_batches``), so the collectives pair up over the mesh, which may span
+             data-parallel groups of several device kinds of one device type.
 zero 3       ``fully_shard(reshard_after_forward=True)``: each block's parameters are gathered for its
              forward, freed, gathered again for its backward (FSDP2 prefetches the next block).
 ===========  ===========================================================================================
