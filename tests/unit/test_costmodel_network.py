@@ -156,3 +156,21 @@ def test_fp32_eager_attention_pays_the_unfused_softmax_passes(monkeypatch: pytes
     monkeypatch.setattr(C, "EAGER_UNFUSED_SOFTMAX_BYTES", 0.0)
     assert estimate(case.plan, CAT, case.spec).breakdown["memory"] < 0.85 * with_passes
     assert estimate(bf16, CAT, case.spec).breakdown["memory"] == pytest.approx(bf16_with, rel=1e-12)
+
+
+def test_overlapped_interleaved_sends_expose_only_the_fill_and_drain() -> None:
+    """NeMo 2.0 overlaps an interleaved pipeline's sends with the next chunk (``train.overlap_p2p_comm``)."""
+    from pathlib import Path
+
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(Path(__file__).resolve().parents[2] / "data" / "validation" / "nemo-h100"
+                     / "nemo2412-llama2-70b-g64.yaml")
+    assert case.plan.train.overlap_p2p_comm and case.plan.train.schedule == "interleaved"
+    plain = case.plan.model_copy(update={"train": case.plan.train.model_copy(update={"overlap_p2p_comm": False})})
+    over, exposed = estimate(case.plan, CAT, case.spec), estimate(plain, CAT, case.spec)
+    g = exposed.groups[0]
+    pp, v, m = 4, g.virtual_stages, g.num_micro_batches
+    per_send = exposed.breakdown["pp_comm"] / (2 * (m + pp - 1) * v)
+    assert over.breakdown["pp_comm"] == pytest.approx(2 * (pp - 1) * per_send, rel=1e-9)
+    assert over.step_time_s < exposed.step_time_s

@@ -138,6 +138,7 @@ class ModelNumbers:
     sync_micro_steps: bool = False
     overlap_grad_reduce: bool = True
     tp_comm_overlap: bool = False
+    overlap_p2p_comm: bool = False
     cp: float = 1.0
     """Context-parallel degree: each rank holds ``seq_len / cp`` tokens of every sequence (``Group.cp``)."""
 
@@ -494,15 +495,20 @@ def pipeline_step(
     m: FloatArray,
     virtual_stages: float,
     schedule: str,
+    overlap_p2p: bool = False,
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
     """(steady-state time, bubble, p2p time) of one step of a pipeline.
 
     ``stage_mb`` is the slowest stage's time per micro-batch (forward + backward), ``sum_stage_mb`` the sum
     over all stages. 1F1B/GPipe: m micro-batches at the slowest stage's pace plus the fill/drain through
-    the other stages; interleaved divides the fill/drain by v and multiplies the p2p count by v.
+    the other stages; interleaved divides the fill/drain by v and multiplies the p2p count by v. With
+    ``overlap_p2p`` (interleaved only, Megatron-Core's ``overlap_p2p_comm``) a chunk's sends run while the next
+    chunk computes: only the fill and drain chains, 2(p-1) sends, are exposed.
     """
     v = virtual_stages if schedule == "interleaved" else 1.0
     steady = m * stage_mb
     bubble = (sum_stage_mb - stage_mb) / v
     hops = np.where(pp > 1, 2.0 * (m + pp - 1.0) * v, 0.0)
+    if overlap_p2p and schedule == "interleaved":
+        hops = np.where(pp > 1, 2.0 * (pp - 1.0), 0.0)
     return steady, bubble, hops * p2p
