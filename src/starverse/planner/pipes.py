@@ -330,7 +330,8 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
     tps = [[t for t in space.tp_degrees(ctx.spec, o.devices_per_node, max(c, 0))
             if so.max_tp is None or t <= so.max_tp] for o, c in zip(pool.offers, caps, strict=True)]
     mbs = [job.train.micro_batch] if job.train.micro_batch else [x for x in space.MICRO_BATCHES if x <= ctx.batch]
-    sets = [i for i, st in enumerate(ctx.settings) if st.zero_stage <= 1]
+    # (the chunk count is searched per pipeline: :func:`.pipekinds.interleave_options`)
+    sets = [i for i, st in enumerate(ctx.settings) if st.zero_stage <= 1 and st.virtual_stages == 1]
     max_stages = min(total, so.max_pipeline_stages or total)
     s = _Search(ctx, incumbent, stats)
     fams: list[tuple[float, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = []
