@@ -2,7 +2,8 @@
 prints ONE JSON object: the same figures ``bench_recovery.py`` reports under the same names (see
 ``benchmarks/_inplace.py``): ``inplace_recovery_s``, ``inplace_lost_steps``, ``join_s`` (warm spare activated ->
 its first trained step), ``join_cold_s`` (fresh process spawned -> its first trained step),
-``inplace_vs_restart_goodput``.
+``inplace_vs_restart_goodput``; with pipelined replicas (2 x 2 stages): ``inplace_pp_recovery_s``,
+``inplace_pp_vs_dp_recovery``, ``inplace_pp_lost_steps``, ``inplace_pp_join_s``.
 """
 
 from __future__ import annotations

@@ -9,10 +9,16 @@
 - ``lost_steps_hard`` (<= one interval) and ``lost_steps_notice`` (0): steps computed twice.
 - ``async_block_ratio``: time training is blocked by an asynchronous save / time of a synchronous save of
   the same ~100M-parameter model and AdamW state. Target <= 0.10.
-- ``ray_node_loss_recovery_s``: on a 3-node ``ray.cluster_utils.Cluster`` on 127.0.0.1 (head + two 1-CPU
-  raylets, one rank each), the node of rank 1 removed once checkpoint KILL_STEP - KILL_STEP % INTERVAL is
-  committed -> first completed step after the supervisor re-planned on the remaining node. Target <= 20 s;
+- ``ray_node_loss_recovery_s``: on a ``ray.cluster_utils.Cluster`` on 127.0.0.1 (head + 1-CPU raylets, one rank
+  each; two left after the in-place run below), the node of a rank removed once checkpoint
+  KILL_STEP - KILL_STEP % INTERVAL is committed -> first completed step after the supervisor re-planned on the remaining node. Target <= 20 s;
   also as a ratio of that Ray job's cold start (``ray_node_loss_vs_cold_start``). Skipped without Ray.
+- ``ray_inplace_recovery_s``: on the same cluster (a third raylet added), the demo job with ``recovery: in-place``
+  on 2 replica actors (:class:`~starverse.providers.ray_inplace.RayInplaceLauncher`); the leader holds after step
+  KILL_STEP while the node of rank 1 is removed -> the leader completes the next step without it (detection by
+  Ray and torchft's Lighthouse, the new quorum, the step with the whole global batch). No restart
+  (``ray_inplace_attempts``), ``ray_inplace_lost_steps`` 0; ``ray_inplace_vs_restart``: its ratio to
+  ``ray_node_loss_recovery_s``.
 - in-place recovery on torchft (``inplace_recovery_s``, ``inplace_lost_steps``, ``join_s``,
   ``inplace_vs_restart_goodput``): see ``benchmarks/_inplace.py``; ``restart_recovery_s`` is ``recovery_s``.
 - ``save_vs_disk_ratio``: synchronous save throughput (bytes / time to a committed checkpoint, fsync,
@@ -230,65 +236,83 @@ def bench_recovery(tmp: Path, sig: int) -> dict[str, float]:
     }
 
 
-def bench_ray_node_loss(tmp: Path) -> dict[str, float] | None:
-    """The demo job on 2 Ray ranks on two raylets of a one-machine cluster; rank 1's node removed at KILL_STEP."""
-    try:
-        import ray
-        from ray.cluster_utils import Cluster as RayCluster
-    except ImportError:
-        return None
-    import threading
-
+def _ray_demo(tmp: Path, name: str):
+    """The demo job's cluster (2 CPU ranks), data and model factory, and its run directory."""
     import numpy as np
 
     import starverse
-    from starverse.checkpoint import CheckpointCallback
-    from starverse.elastic.supervisor import Supervisor, replan_local
-    from starverse.providers.ray import RayLauncher, _loopback_only
 
-    run_dir = tmp / "run-ray-node"
     cluster = starverse.accelerate(num_cpu_ranks=2, seq_len=64, global_batch=8)
     vocab = int(cluster.model_config["vocab_size"])
     rng = np.random.default_rng(0)
     data = [rng.integers(0, vocab, 4000).tolist() for _ in range(4)]
-    committed = run_dir / "checkpoints" / f"step-{KILL_STEP - KILL_STEP % INTERVAL}"
 
     def factory(c):
         with c.mixed_mesh():
             return starverse.build_model(c.model_config)
 
+    return cluster, data, factory, tmp / name
+
+
+def bench_ray_node_loss(tmp: Path) -> dict[str, float] | None:
+    """On one one-machine Ray cluster (head + three 1-CPU raylets): first the demo job in place on 2 replica actors,
+    the node of rank 1 removed after step KILL_STEP; then the demo job on 2 Ray ranks with checkpoint-restart, rank
+    1's node removed at KILL_STEP (once the checkpoint before it is committed)."""
+    try:
+        import ray
+        from ray.cluster_utils import Cluster as RayCluster
+    except ImportError:
+        return None
+
+    from starverse.providers.ray import _loopback_only
+
     with _loopback_only(ray):
         rc = RayCluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1",
                                                               "include_dashboard": False})
-        nodes = [rc.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
+        for _ in range(3):
+            rc.add_node(num_cpus=1, node_ip_address="127.0.0.1")
         ray.init(address=rc.address, logging_level="WARNING")
-        removed: dict[str, float] = {}
-
-        def remove() -> None:
-            stamps = run_dir / "stamps.jsonl"
-            while True:
-                lines = stamps.read_text().splitlines() if stamps.is_file() else []
-                steps = [json.loads(x)["step"] for x in lines if json.loads(x)["event"] == "step"]
-                if steps and max(steps) >= KILL_STEP and committed.is_dir():
-                    removed["time"] = time.time()
-                    rc.remove_node(nodes[1])
-                    return
-                time.sleep(0.02)
-
         try:
-            sup = Supervisor(
-                cluster, run_dir, checkpoint=CheckpointCallback(interval_steps=INTERVAL),
-                callbacks=lambda n: [Stamps(n)],
-                trainer_options={"rebalance_every": 0, "collective_timeout_s": 120.0,
-                                 "launcher": RayLauncher(placement_timeout_s=120)},
-                replan=replan_local,
-            )
-            threading.Thread(target=remove, daemon=True).start()
-            t_start = time.time()
-            out = sup.run(factory, data, resume_from=None, per_device_batch_size=2, max_steps=STEPS, seq_len=64)
+            inplace = _ray_inplace(tmp, rc)
+            restart = _ray_restart(tmp, rc)
         finally:
             ray.shutdown()
             rc.shutdown()
+    return {**restart, **inplace}
+
+
+def _ray_restart(tmp: Path, rc) -> dict[str, float]:
+    import threading
+
+    from starverse.checkpoint import CheckpointCallback
+    from starverse.elastic.supervisor import Supervisor, replan_local
+    from starverse.providers.ray import RayLauncher
+
+    cluster, data, factory, run_dir = _ray_demo(tmp, "run-ray-node")
+    committed = run_dir / "checkpoints" / f"step-{KILL_STEP - KILL_STEP % INTERVAL}"
+    removed: dict[str, float] = {}
+
+    def remove() -> None:
+        stamps = run_dir / "stamps.jsonl"
+        while True:
+            lines = stamps.read_text().splitlines() if stamps.is_file() else []
+            steps = [json.loads(x)["step"] for x in lines if json.loads(x)["event"] == "step"]
+            if steps and max(steps) >= KILL_STEP and committed.is_dir():
+                removed["time"] = time.time()
+                rc.remove_node(next(iter(rc.worker_nodes)))  # one rank's node (each of the two holds one)
+                return
+            time.sleep(0.02)
+
+    sup = Supervisor(
+        cluster, run_dir, checkpoint=CheckpointCallback(interval_steps=INTERVAL),
+        callbacks=lambda n: [Stamps(n)],
+        trainer_options={"rebalance_every": 0, "collective_timeout_s": 120.0,
+                         "launcher": RayLauncher(placement_timeout_s=120)},
+        replan=replan_local,
+    )
+    threading.Thread(target=remove, daemon=True).start()
+    t_start = time.time()
+    out = sup.run(factory, data, resume_from=None, per_device_batch_size=2, max_steps=STEPS, seq_len=64)
     stamps = [json.loads(line) for line in (run_dir / "stamps.jsonl").read_text().splitlines()]
     last = out.attempts[-1].number
     first1 = next(s for s in stamps if s["attempt"] == 1 and s["event"] == "step")
@@ -298,6 +322,48 @@ def bench_ray_node_loss(tmp: Path) -> dict[str, float] | None:
         "ray_cold_start_s": first1["time"] - t_start,
         "ray_attempts": [a.outcome for a in out.attempts],
         "ray_lost_steps": out.lost_steps,
+    }
+
+
+def _ray_inplace(tmp: Path, rc) -> dict[str, float]:
+    """The demo job in place (torchft replicas as Ray actors): the leader holds after step KILL_STEP while the node
+    of rank 1 is removed; recovery = removal -> the leader's next step, trained without rank 1."""
+    import threading
+
+    from starverse.checkpoint import CheckpointCallback
+    from starverse.elastic.supervisor import Supervisor, replan_local
+    from starverse.providers.ray import RayLauncher
+    from starverse.providers.ray_inplace import RayInplaceLauncher
+    from starverse.testing import HOLD_FILE, HoldAfterStep
+
+    cluster, data, factory, run_dir = _ray_demo(tmp, "run-ray-inplace")
+    launcher = RayInplaceLauncher(ray=RayLauncher(placement_timeout_s=120))
+    removed: dict[str, float] = {}
+
+    def remove() -> None:
+        while not ((run_dir / HOLD_FILE).exists() and 1 in launcher.nodes()):
+            time.sleep(0.02)
+        [node] = [n for n in rc.worker_nodes if n.node_id == launcher.nodes()[1]]
+        removed["time"] = time.time()
+        rc.remove_node(node)
+        (run_dir / HOLD_FILE).unlink()
+
+    sup = Supervisor(
+        cluster, run_dir, checkpoint=CheckpointCallback(interval_steps=INTERVAL),
+        callbacks=lambda n: [Stamps(n), HoldAfterStep(KILL_STEP)],
+        trainer_options={"rebalance_every": 0, "collective_timeout_s": 120.0, "launcher": launcher,
+                         "recovery": "in-place"},
+        replan=replan_local,
+    )
+    threading.Thread(target=remove, daemon=True).start()
+    out = sup.run(factory, data, resume_from=None, per_device_batch_size=2, max_steps=KILL_STEP + 3, seq_len=64)
+    stamps = [json.loads(line) for line in (run_dir / "stamps.jsonl").read_text().splitlines()]
+    after = next(s for s in stamps if s["event"] == "step" and s["step"] == KILL_STEP + 1)
+    return {
+        "ray_inplace_recovery_s": after["time"] - removed["time"],
+        "ray_inplace_attempts": [a.outcome for a in out.attempts],
+        "ray_inplace_lost_steps": out.lost_steps,
+        "ray_inplace_replicas_lost": [x.error.rank for x in launcher.losses],
     }
 
 
@@ -342,6 +408,11 @@ def main() -> None:
             "ray_node_loss_vs_cold_start": round(node["ray_node_loss_recovery_s"] / node["ray_cold_start_s"], 3),
             "ray_attempts": node["ray_attempts"],
             "ray_lost_steps": node["ray_lost_steps"],
+            "ray_inplace_recovery_s": round(node["ray_inplace_recovery_s"], 2),
+            "ray_inplace_vs_restart": round(node["ray_inplace_recovery_s"] / node["ray_node_loss_recovery_s"], 3),
+            "ray_inplace_attempts": node["ray_inplace_attempts"],
+            "ray_inplace_lost_steps": node["ray_inplace_lost_steps"],
+            "ray_inplace_replicas_lost": node["ray_inplace_replicas_lost"],
         })
     out["restart_recovery_s"] = out["recovery_s"]
     out.update(inplace)

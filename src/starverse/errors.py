@@ -84,6 +84,9 @@ class LossCause(StrEnum):
     """It stopped answering heartbeats (a hung process or an unreachable node)."""
     ACTOR_DIED = "actor death"
     """Its Ray actor died (killed, out of memory, or its node left the cluster)."""
+    REPLICA = "replica lost"
+    """In-place recovery: another rank of its replica (a pipeline's stage) was lost, so the launcher stopped it
+    (its device is sound; the replica cannot train without the lost stage)."""
 
 
 class RankFailedError(DistributedError):

@@ -110,6 +110,10 @@ class Group(FrozenModel):
     """Share of ``global_batch`` over all replicas of this group; omitted = proportional to speed."""
     stages: list[Stage] = Field(min_length=1)
     """Pipeline stages in order; their ``layers`` (times ``repeat``) sum to the model's layer count."""
+    cp: int = Field(default=1, gt=0, le=MAX_COUNT)
+    """Context-parallel degree (Megatron CP: every sequence split over ``cp`` ranks, ring attention). For
+    estimates of published long-sequence runs only: the runtime refuses ``cp > 1`` and the planner does not
+    search it (docs/costmodel.md)."""
 
     def expanded_stages(self) -> list[Stage]:
         """Stages with ``repeat`` unrolled."""
@@ -122,8 +126,8 @@ class Group(FrozenModel):
 
     @property
     def devices_per_replica(self) -> int:
-        """Devices in one pipeline replica."""
-        return sum(s.tp * s.repeat for s in self.stages)
+        """Devices in one pipeline replica (times its context-parallel degree)."""
+        return self.cp * sum(s.tp * s.repeat for s in self.stages)
 
     @property
     def num_devices(self) -> int:

@@ -10,6 +10,7 @@ import os
 import signal as _signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from starverse.runtime.callbacks import Callback, TrainContext
 
@@ -92,3 +93,29 @@ class WaitForReplicas(Callback):
         """Pause while the last step had fewer participants than wanted."""
         if ctx.step >= self.after_step and len(ctx.metrics.shares) < self.replicas:
             time.sleep(self.pause_s)
+
+
+HOLD_FILE = "hold"
+"""Run-directory file :class:`HoldAfterStep` creates and waits on."""
+
+
+@dataclass
+class HoldAfterStep(Callback):
+    """Hold the run after step ``step`` until someone removes ``run_dir/hold`` (the file appears when the hold
+    starts): a test or benchmark does something from outside at a known step (remove a Ray node) although a tiny
+    model's steps take milliseconds. Runs where ``on_step_end`` runs (rank 0; an in-place run's leader)."""
+
+    step: int
+    """Hold after this step."""
+    max_hold_s: float = 120.0
+    """Go on after this long even if the file is still there."""
+
+    def on_step_end(self, ctx: TrainContext) -> None:
+        """Create the hold file after ``step``; wait until it is gone."""
+        if ctx.step != self.step:
+            return
+        flag = Path(ctx.run_dir) / HOLD_FILE
+        flag.write_text("")
+        deadline = time.monotonic() + self.max_hold_s
+        while flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)

@@ -157,8 +157,8 @@ def test_pipeline_refuses_in_stage_settings_it_cannot_run(tmp_path):
                                           r"between the stages' 2 TP ranks"):
         _fit(tmp_path / "b", model, sp, two, seq_len=15)
     groups = [Group(stages=_stages((1, 3), ("cpu", "cpu"))), Group(stages=_stages((3, 1), ("cpu", "cpu")))]
-    with pytest.raises(ConfigError, match=r"zero_stage: 2 \(offload: none\) with pipeline stages and 2 groups is "
-                                          r"not run: FSDP2 reduce-scatters"):
+    with pytest.raises(ConfigError, match=r"zero_stage: 2 \(offload: none\) with pipeline stages over 2 groups whose "
+                                          r"pipelines split the layers differently is not run: FSDP2 reduce-scatters"):
         _fit(tmp_path / "c", model, _plan_with(groups, zero_stage=2), two)
     z3 = _plan_with([Group(replicas=2, stages=_stages((1, 3), ("cpu", "cpu")))], zero_stage=3)
     with pytest.raises(ConfigError, match=r"zero_stage: 3 gathers each block per micro-batch"):

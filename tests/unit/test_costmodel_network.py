@@ -103,3 +103,38 @@ def test_bad_network_input_is_one_clear_error(network: dict, message: str) -> No
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("/", "/")):
         parse(Plan, {"model": "llama-2-7b", "train": {"seq_len": 2048, "global_batch": 8},
                      "groups": [{"stages": [{"accelerator": "t4", "layers": 32}]}], "network": network}, "plan.yaml")
+
+
+def test_data_parallel_groups_reduce_in_one_ring_not_an_in_group_plus_a_cross_group_ring() -> None:
+    """12 V100 replicas over 3 nodes + 4 T4 replicas, 10 Gbit/s (AMP's mixed cluster): DeepSpeed reduces
+    the gradients in one 16-rank ring; the step pays that ring, not the 12-rank ring plus a 2-rank one."""
+    from starverse.costmodel.batch import joint_sync_s
+    from starverse.costmodel.comm import ring_allreduce_s
+
+    nic = 10 / 8 * NETWORK_EFFICIENCY
+    s = 1.4e9
+    extra = joint_sync_s(s, [12, 4], [nic, 20.0], [1.0, 1.0], 10.0)
+    count = -(-s // 25e6)
+    joint = float(ring_allreduce_s(s, 16, nic, count))
+    assert extra[0] == pytest.approx(joint - float(ring_allreduce_s(s, 12, nic, count)), rel=1e-9)
+    assert extra[1] == pytest.approx(joint - float(ring_allreduce_s(s, 4, 20.0, count)), rel=1e-9)
+    # the old sum charged the whole 2-rank ring on top of the 12-rank one
+    assert extra[0] < 0.2 * float(ring_allreduce_s(s, 2, nic, count))
+    # one replica per group on the full link: the ring of the groups
+    assert joint_sync_s(s, [1, 1, 1], [float("inf")] * 3, [1.0] * 3, 10.0) == pytest.approx(
+        float(ring_allreduce_s(s, 3, nic, count)), rel=1e-9)
+
+    from pathlib import Path
+
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(Path(__file__).resolve().parents[2] / "data" / "validation" / "amp-aws" / "mixed"
+                     / "amp_mixed-mp1-dp16-pp1-mbs1.yaml")
+    est = estimate(case.plan, CAT, case.spec)
+    v100, t4 = est.groups
+    # the V100 group already pays a 12-rank ring over its 10 Gbit/s NICs: far less than the old 2-rank ring
+    # of the whole gradient on top; the T4 group (one node) now waits for the 16-rank ring
+    grads = 4.0 * case.spec.num_params
+    old = v100.step_time_s + float(ring_allreduce_s(grads, 2, nic, -(-grads // 25e6)))
+    assert max(v100.step_time_s, t4.step_time_s) < est.step_time_s < old - 0.5
+    assert est.step_time_s == pytest.approx(t4.step_time_s + est.breakdown["cross_group_sync"], rel=1e-9)

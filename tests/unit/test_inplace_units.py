@@ -34,6 +34,23 @@ def test_shares_kept_while_members_stay_and_the_whole_batch_redistributed_when_t
     assert sum(after_loss) == 12 and after_loss[0] > after_loss[1]  # the faster replica takes more
     joined = replica_shares(12, [(0, 0.1), (1, 0.0), (2, 0.1)], [6, 6], [0, 2])  # an unmeasured joiner
     assert joined == [4, 4, 4]
+    # a pipelined replica's schedule needs a share of at least its stages (1F1B), even when it is slow
+    assert replica_shares(8, [(0, 0.1), (1, 5.0)], None, None, min_share=2) == [6, 2]
+
+
+def test_the_launcher_groups_a_pipelines_ranks_and_stops_them_as_one_replica():
+    from starverse.elastic.inplace import replica_members, stopped_with_replica
+    from starverse.errors import LossCause
+    from starverse.providers.failures import lost_process
+    from starverse.runtime.ft_group import REPLICA_ENV
+    from starverse.runtime.launch import RankSpec
+
+    plain = [RankSpec(r, "cpu") for r in range(3)]
+    assert replica_members(plain) == {0: (0,), 1: (1,), 2: (2,)}
+    piped = [RankSpec(r, "cpu", env=((REPLICA_ENV, str(r // 2)),)) for r in range(4)]
+    assert replica_members(piped) == {0: (0, 1), 1: (2, 3)}
+    partner = stopped_with_replica(piped[2], lost_process(piped[3], -9))
+    assert (partner.rank, partner.cause) == (2, LossCause.REPLICA) and "rank 3" in str(partner)
 
 
 def _job(tmp_path, extra: str):

@@ -21,7 +21,7 @@ from starverse.costmodel.batch import estimate_batch
 from starverse.models import load_model
 from starverse.planner import hostmem, job_from_dict, pool_from_dict, space
 from starverse.planner.combine import best_split
-from starverse.planner.policy import billed_hours, score
+from starverse.planner.policy import Layout, billed_hours, runtime_layout_rule, score
 from starverse.planner.search import (
     NOMINAL_TOKENS,
     _context,
@@ -76,6 +76,7 @@ def brute_force(job, pool, catalog, spec) -> float:
     if not rows:
         return -math.inf  # nothing in the space (e.g. every device must be used and cannot be)
     opt = np.array(options)
+    all_opts = space.Options(opt[:, 0], opt[:, 1], opt[:, 2], opt[:, 3], opt[:, 4], opt[:, 5])
     idx = np.array([r[0] for r in rows])
     ks = np.array([r[1] for r in rows])
     o = opt[idx]
@@ -109,6 +110,8 @@ def brute_force(job, pool, catalog, spec) -> float:
                 lists = [by_offer_setting.get((x, si), []) for x in subset]
                 for members in itertools.product(*lists):
                     offers = [pool.offers[int(opt[i, 0])] for i in members]
+                    if runtime_layout_rule(_layout(ctx, catalog, offers, [opt[i] for i in members], si)):
+                        continue  # a plan the runtime does not run (the planner's runtime layout rule)
                     n = [int(opt[i, 1] * opt[i, 2] * opt[i, 3]) for i in members]
                     price = sum(k * of.price_per_hour for k, of in zip(n, offers, strict=True))
                     pw = sum(power[i] for i in members)
@@ -122,7 +125,7 @@ def brute_force(job, pool, catalog, spec) -> float:
                             t_best = min(t_best, max(times[i][s] for i, s in zip(members, shares, strict=True)))
                     if not math.isfinite(t_best):
                         continue
-                    step = t_best + _sync_s(ctx, g, min(int(opt[i, 2]) for i in members))
+                    step = t_best + _sync_s(ctx, g, min(int(opt[i, 2]) for i in members), None, all_opts, members)
                     lam = sum(k * of.interruptions_per_hour for k, of in zip(n, offers, strict=True))
                     nodes = sum(math.ceil(k / of.devices_per_node) for k, of in zip(n, offers, strict=True))
                     f = float(_spot_factor(ctx, np.asarray(lam, float), np.asarray(nodes, float)))
@@ -140,6 +143,17 @@ def brute_force(job, pool, catalog, spec) -> float:
                                     np.asarray(hours)))
                     best = max(best, v)
     return best
+
+
+def _layout(ctx, catalog, offers, rows, setting: int) -> Layout:
+    """A combination's plan shape: each group's even split, tp and collective backend."""
+    groups = []
+    for of, (_, tp, pp, *_rest) in zip(offers, rows, strict=True):
+        base, extra = divmod(ctx.spec.num_layers, int(pp))
+        backend = catalog.accelerator(of.accelerator).backend
+        groups.append(tuple((base + (k < extra), int(tp), backend) for k in range(int(pp))))
+    st = ctx.settings[setting]
+    return Layout(tuple(groups), st.zero_stage, st.offload > 0)
 
 
 def random_case(seed: int, max_kinds: int = 3, batches: tuple[int, ...] = (6, 8, 12)):

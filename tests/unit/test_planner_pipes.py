@@ -81,6 +81,8 @@ def brute_force(job, pool, catalog, spec) -> float:
             tps = [[t for t in range(1, offers[o].count + 1) if spec.num_heads % t == 0
                     and spec.num_kv_heads % t == 0 and t <= offers[o].devices_per_node] for o in subset]
             for tp in itertools.product(*tps):
+                if len(set(tp)) > 1:
+                    continue  # the runtime layout rule (planner.policy): one tp in every pipeline stage
                 for ks in itertools.product(*[range(1, total + 1)] * n):
                     p = sum(ks)
                     if p > total:

@@ -227,12 +227,16 @@ def test_train_context_state_round_trip_restores_rng_and_shares():
 
 
 def test_import_starverse_does_not_import_torch_and_loads_the_api_lazily():
+    """Also: what a plain data-parallel rank imports to start (the launcher's entry, the rank loop, the in-place
+    replica) leaves DTensor and FSDP2 out (about a second per process); the modules that shard import them."""
     code = (
         "import sys, starverse; starverse.__version__; print('torch' in sys.modules); "
-        "from starverse.runtime.trainer import Trainer; print(starverse.Trainer is Trainer)"
+        "from starverse.runtime.trainer import Trainer; print(starverse.Trainer is Trainer); "
+        "import starverse.providers.local, starverse.runtime.rank_loop, starverse.runtime.ft; "
+        "print([m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "True"]
+    assert out.stdout.split() == ["False", "True", "[]"]
     import starverse
 
     with pytest.raises(AttributeError, match="module 'starverse' has no attribute 'Trainr'"):

@@ -7,10 +7,11 @@ Two tables, two source ids (the case file name up to its first ``-``):
 ``nemolong``: NeMo "Long Sequence Performance", LLAMA2-7B FP8 on DGX-H100, container NeMo 24.03.01
 (NVIDIA/NeMo ``docs/source/performance/performance_long_sequence.md``; the same table on
 https://docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/performance_long_sequence.html).
-Only the rows whose layout is stated *and* that run without context parallelism: the table gives TP, PP,
-DP only for its with-CP runs, and at 4K, 8K and 16K those use CP = 1 with the same TFLOPS/GPU as the
-without-CP column (speedup 1.00), so those three runs are plain TP x PP x DP runs. The 32K-1M rows need
-CP > 1 (not modelled by the cost model) or a layout the table does not give: left out. The table gives
+The with-CP column, whose layout (TP, PP, DP, CP) is stated: at 4K, 8K and 16K those runs use CP = 1 with
+the same TFLOPS/GPU as the without-CP column (speedup 1.00), plain TP x PP x DP runs; the 32K-1M rows run
+context parallelism (CP 2-32, ``groups[0].cp``; sequence 32K-1M tokens on 32-1024 GPUs). The without-CP column
+of the 32K-1M rows is left out (its layout is not given). Models: ``llama-2-7b-16k.json`` up to 16K,
+``llama-2-7b-1m.json`` (the same shape, ``max_position_embeddings`` 1M) beyond. The table gives
 model TFLOP/s per GPU; tokens/s = TFLOP/s x GPUs / FLOPs per token with NeMo's own ``llama2`` formula
 (``nemo/utils/flops_formulas.py``: L h^2 (12 + 12 g/a + 18 f/h + 12 s/h + 6 V/(L h)) per token, the
 version without the causal halving) — the formula that reproduces the 24.12 performance table's own pair
@@ -55,8 +56,10 @@ def nemo_llama2_flops_per_token(m: dict[str, int], s: int) -> float:
     return L * h * h * (12 + 12 * m["g"] / m["a"] + 18 * m["f"] / h + 12 * s / h + 6 * m["V"] / (L * h))
 
 
-# (seq K, GPUs, TFLOPS/GPU, TP, PP, DP) — rows with CP = 1 of the long-sequence table
-LONG = [(4, 4, 768, 1, 1, 4), (8, 8, 730, 1, 2, 4), (16, 16, 660, 2, 1, 8)]
+# (seq K, GPUs, TFLOPS/GPU, TP, PP, DP, CP) — the with-CP column of the long-sequence table
+LONG = [(4, 4, 768, 1, 1, 4, 1), (8, 8, 730, 1, 2, 4, 1), (16, 16, 660, 2, 1, 8, 1),
+        (32, 32, 610, 2, 1, 8, 2), (64, 64, 574, 4, 1, 8, 2), (128, 128, 555, 4, 1, 8, 4),
+        (256, 256, 549, 4, 1, 8, 8), (512, 512, 549, 8, 1, 4, 16), (1024, 1024, 536, 8, 1, 4, 32)]
 # (name, model file, GPUs, GBS, MBS, seq, TP, PP, VP, layers, tokens/s/GPU)
 SUMMARY = [
     ("gpt3-175b-g128", "models/gpt-175b-v51200.json", 128, 256, 1, 2048, 4, 8, 6, 96, 716),
@@ -76,16 +79,20 @@ def stages(tp: int, pp: int, layers: int) -> str:
 def main() -> None:
     """Write every case file into this folder."""
     here = Path(__file__).resolve().parent
-    for k, gpus, tflops, tp, pp, dp in LONG:
+    for k, gpus, tflops, tp, pp, dp, cp in LONG:
         s = 1024 * k
         tok = tflops * 1e12 * gpus / nemo_llama2_flops_per_token(LLAMA2_7B, s)
-        text = (f"model: models/llama-2-7b-16k.json\n"
+        model = "llama-2-7b-16k" if k <= 16 else "llama-2-7b-1m"
+        how = ("without CP = with CP (TP {tp}, PP {pp}, DP {dp}, CP 1, speedup 1.00)" if cp == 1
+               else "with CP (TP {tp}, PP {pp}, DP {dp}, CP {cp})").format(tp=tp, pp=pp, dp=dp, cp=cp)
+        text = (f"model: models/{model}.json\n"
                 f"train: {{seq_len: {s}, global_batch: 128, precision: fp8, mode: full, zero_stage: 1}}\n"
-                f"groups:\n- replicas: {dp}\n  stages:\n{stages(tp, pp, 32)}{NET}"
+                f"groups:\n- replicas: {dp}\n" + (f"  cp: {cp}\n" if cp > 1 else "") + f"  stages:\n"
+                f"{stages(tp, pp, 32)}{NET}"
                 f"measured: {{tokens_per_s: {tok:.1f}}}\n"
-                f"source: '{LONG_URL}: SeqLen {k}K, {gpus} GPUs, {tflops} TFLOPS/GPU without CP = with CP "
-                f"(TP {tp}, PP {pp}, DP {dp}, CP 1, speedup 1.00); tokens/s from NeMo llama2 FLOPs per token "
-                f"(flops_formulas.py); global batch not stated (128 assumed, see make_cases.py)'\n")
+                f"source: '{LONG_URL}: SeqLen {k}K, {gpus} GPUs, {tflops} TFLOPS/GPU {how}; tokens/s from NeMo "
+                f"llama2 FLOPs per token (flops_formulas.py); global batch not stated (128 assumed, see "
+                f"make_cases.py)'\n")
         (here / f"nemolong-llama2-7b-s{k}k-g{gpus}.yaml").write_text(text)
     for name, model, gpus, gbs, mbs, s, tp, pp, vp, layers, tps in SUMMARY:
         sched = f", schedule: interleaved, virtual_stages: {vp}" if vp > 1 else ""

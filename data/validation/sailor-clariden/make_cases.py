@@ -7,7 +7,10 @@ Usage, from this folder (SAILOR = a checkout of https://github.com/eth-easl/sail
 Each ``plan_config_*.json`` there is one measured Megatron-DeepSpeed run of Sailor (Strati et al., SOSP'25)
 on CSCS Clariden/Alps nodes of 4 x GH200 (an H100 with 96 GB HBM3, the 4 GPUs of a node joined by NVLink;
 4 x 200 Gbit/s Slingshot NICs per node): ``real`` is the measured seconds per iteration, ``max_mem`` the
-logged peak memory per GPU (bytes / 1e9). Sailor counts the embedding and the LM head as layers:
+logged memory per GPU (bytes / 1e9): the ``TOTAL`` of the last line of each rank's memory log
+(``ae_scripts/clariden_scripts/process_results.py``), which Sailor's ``deepspeed/pipe_engine.py`` writes after
+every pipeline instruction from ``get_total_used_mem`` — the device's used memory (CUDA context, NCCL
+buffers, the caching allocator's reserve), hence ``peak_memory_scope: device``. Sailor counts the embedding and the LM head as layers:
 a stage's transformer layers are its count minus one on the first and on the last stage
 (OPT-350M: 26 = 24 + 2, GPT-Neo-2.7B: 34 = 32 + 2). Every run uses TP 4 inside one node
 (``tmp_per_stage``), one replica per node per stage. Training: ``ae_scripts/clariden_scripts/run_opt.slurm``
@@ -53,7 +56,7 @@ def case_yaml(model: str, rel: str, plan: dict) -> tuple[str, str]:
             f"network:\n  usable_memory_gb: {{{ACC}: 96}}\n  devices_per_node: {{{ACC}: 4}}\n"
             f"  inter_node_gbps: {{{ACC}: 800}}\n"
             f"measured: {{tokens_per_s: {gbs * SEQ / secs:.2f}, step_time_s: {secs}, "
-            f"peak_memory_gb: {plan['max_mem'] / 1e9:.2f}}}\n"
+            f"peak_memory_gb: {plan['max_mem'] / 1e9:.2f}, peak_memory_scope: device}}\n"
             f"source: 'Sailor (Strati et al., SOSP''25) CSCS Clariden, 4 x GH200 per node, eth-easl/sailor {rel}: "
             f"layers_per_stage {counts} (Sailor layers incl. embedding and head -> transformer layers {layers}), "
             f"tp {tp}, dp {dp}, mbs {mbs}, gbs {gbs}, {plan['N']} nodes; measured {secs} s/iter, max_mem "

@@ -16,15 +16,19 @@ Contract (the planner codes against this; keep names stable, add fields freely):
   functions (``costmodel.stage`` and ``costmodel.group``), so for a one-group plan with an even layer split both agree to
   floating-point rounding (tested).
 * Heterogeneous data parallelism (several groups of different accelerators) is composed by the caller:
-  each group's ``step_time_s`` for its own batch share, the plan's step time is the slowest group plus
-  :func:`cross_group_sync_s` (the gradient all-reduce between groups over ``cross_group_gbps``).
+  each group's ``step_time_s`` for its own batch share, the plan's step time is the largest group time plus
+  that group's :func:`joint_sync_s` (what the one gradient ring over every group's replicas costs beyond the
+  group's own ring, which its ``step_time_s`` already holds).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from starverse.costmodel.comm import ring_allreduce_s
+from starverse.costmodel.constants import GRADIENT_BUCKET_BYTES, NETWORK_EFFICIENCY
 from starverse.costmodel.group import evaluate_uniform
 from starverse.costmodel.shapes import (
     BOTTLENECKS,
@@ -50,6 +54,7 @@ __all__ = [
     "TrainShape",
     "cross_group_sync_s",
     "estimate_batch",
+    "joint_sync_s",
     "uses_dropout",
 ]
 
@@ -85,3 +90,30 @@ def cross_group_sync_s(param_bytes: FloatArray | float, num_groups: int, cross_g
     """
     n = max(int(num_groups), 1)
     return ring_allreduce_s(np.asarray(param_bytes, dtype=np.float64), n, cross_group_gbps / 8.0)
+
+
+def joint_sync_s(stage_bytes: float, replicas: Sequence[float], bus_gb_per_s: Sequence[float],
+                 share: Sequence[float], cross_group_gbps: float) -> FloatArray:
+    """Per group: extra step time of the data-parallel gradient all-reduce when several groups replicate
+    the same stages; the step is the largest ``group step time + extra``.
+
+    DeepSpeed and Megatron reduce a stage's gradients in ONE process group over all its data-parallel ranks,
+    whatever accelerator they sit on (NCCL ring; AMP's own cost model charges the same: a ring of all ``dp``
+    ranks at the slowest link on it, ``dp_cost`` in DachengLi1/AMP src/cost_het_cluster.py). So every group
+    waits for ``ring(sum replicas)`` at the slowest edge of that ring: each group's own ring bus
+    (``bus_gb_per_s``, :func:`~starverse.costmodel.comm.dp_ring_bus`) and the link between groups
+    (``cross_group_gbps`` per node at the network efficiency, of which a ring gets its NIC ``share``),
+    instead of its own ring over ``replicas[g]`` ranks that its step time already holds: the extra is the
+    joint ring minus that own ring. With one replica per group and full share it is the ring of
+    ``len(replicas)`` ranks over the link. ``stage_bytes``: gradient bytes one ring reduces (one stage's
+    shard of one TP rank; stages and TP ranks sync in parallel). Zeros for a single group."""
+    r = np.asarray(replicas, dtype=np.float64)
+    if r.shape[0] <= 1:
+        return np.zeros(r.shape, dtype=np.float64)
+    own_bus = np.asarray(bus_gb_per_s, dtype=np.float64)
+    cross = cross_group_gbps / 8.0 * NETWORK_EFFICIENCY * np.asarray(share, dtype=np.float64)
+    ring_bus = float(min(own_bus.min(), cross.min()))
+    count = max(np.ceil(stage_bytes / GRADIENT_BUCKET_BYTES), 1.0)
+    joint = ring_allreduce_s(stage_bytes, float(r.sum()), ring_bus, count)
+    own = ring_allreduce_s(stage_bytes, r, own_bus, count)
+    return np.asarray(np.maximum(joint - own, 0.0), dtype=np.float64)

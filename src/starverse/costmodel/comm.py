@@ -62,6 +62,19 @@ def group_bus_gb_per_s(
     return np.asarray(np.where(n <= g, intra_or_inter, cross), dtype=np.float64)
 
 
+def dp_ring_bus(replicas: Any, tp: Any, intra_gb_per_s: Any, devices_per_node: Any,
+                inter_node_gbps: Any) -> tuple[FloatArray, FloatArray]:
+    """Bus bandwidth of a data-parallel ring over ``replicas`` ranks of TP degree ``tp`` and the share of the
+    node's NIC that ring gets (``members / devices_per_node``: the other TP ranks' and stages' rings on the
+    node cross its NIC at the same time). DP neighbours sit next to each other after the TP ranks on a node
+    (Megatron/DeepSpeed rank order), so ``members = min(replicas, devices_per_node // tp)``."""
+    dpn = np.maximum(np.asarray(devices_per_node, dtype=np.float64), 1.0)
+    members = np.minimum(np.asarray(replicas, dtype=np.float64),
+                         np.maximum(np.floor(dpn / np.asarray(tp, dtype=np.float64)), 1.0))
+    bus = group_bus_gb_per_s(replicas, members, intra_gb_per_s, dpn, inter_node_gbps)
+    return bus, np.asarray(np.minimum(members, dpn) / dpn, dtype=np.float64)
+
+
 def collective_latency_s(host_collectives: Any, dtensor: bool = False) -> Any:
     """Latency of one step of a collective (``ring_allreduce_s``'s ``latency_s``) per row: NCCL's
     :data:`~starverse.costmodel.constants.COLLECTIVE_LATENCY_S`, or for rows of CPU ranks (``host_collectives``

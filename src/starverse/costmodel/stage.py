@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.costmodel import constants as C
-from starverse.costmodel.comm import collective_latency_s, group_bus_gb_per_s, ring_allreduce_s
+from starverse.costmodel.comm import collective_latency_s, dp_ring_bus, group_bus_gb_per_s, ring_allreduce_s
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -138,6 +138,8 @@ class ModelNumbers:
     sync_micro_steps: bool = False
     overlap_grad_reduce: bool = True
     tp_comm_overlap: bool = False
+    cp: float = 1.0
+    """Context-parallel degree: each rank holds ``seq_len / cp`` tokens of every sequence (``Group.cp``)."""
 
     def layer_matmul_flops_per_token(self) -> float:
         """Forward matmul FLOPs per token of one layer, exact (causal attention over the sequence)."""
@@ -174,7 +176,8 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     micro-batch, per device (the batch path computes these once per candidate)."""
     bv = mn.bytes_per_value
     t = rows.tp
-    tokens = rows.micro_batch * mn.seq_len
+    # context parallelism: a rank holds 1/cp of each sequence's tokens; its queries attend to all s keys
+    tokens = rows.micro_batch * mn.seq_len / mn.cp
     s = mn.seq_len
     h = mn.h
     full_mode = mn.mode == "full"
@@ -215,12 +218,12 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         # materialised s x s scores per head: two batched matmuls over the full square (masked after),
         # backward 2x; scores, softmax and dropout make passes over memory (C.EAGER_SCORE_BYTES)
         ss = _f(s)
-        a_e = gemm_time_s(ss, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
+        a_e = gemm_time_s(ss / mn.cp, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
         # the constants count 16-bit scores; fp32 training moves each score value in 4 bytes
         value_scale = bv / 2.0
         score_bytes = C.EAGER_SCORE_BYTES * value_scale + (
             (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.dropout else 0.0)
-        softmax = rows.micro_batch * heads * s * s * score_bytes / bw
+        softmax = rows.micro_batch * heads * s * s / mn.cp * score_bytes / bw
         gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + rc_full) + a_e * (1.0 + 2.0 + rc_any) + host, gemm_layer)
         attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any), attn_elem)
 
@@ -254,6 +257,20 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         # computation via decomposition"): exposed only where longer than those GEMMs; while overlapped
         # it still occupies SMs (OVERLAP_SM_FRACTION of its duration, as the overlapped DP collectives)
         tp_layer = np.maximum(tp_layer - g * (1.0 + bwd_gemm + rc_full), 0.0) + C.OVERLAP_SM_FRACTION * tp_layer
+    if mn.cp > 1.0:
+        # ring attention (Megatron context parallelism; Liu et al. 2023, "Ring Attention with Blockwise
+        # Transformers"): cp - 1 steps pass each rank's K and V chunk around the CP ring forward, K, V and
+        # their gradients backward (3x the forward volume), each step overlapped with the attention of the
+        # chunk before: exposed only where longer, and occupying SMs while overlapped. CP ranks follow the TP
+        # ranks (Megatron rank order tp-cp-dp-pp): the ring stays on the node's links while tp x cp fits a
+        # node, else every TP rank's ring crosses the node's NIC at once
+        kv = 3.0 * (mn.cp - 1.0) * tokens * 2.0 * mn.kv_dim / t * bv
+        on_node = t * mn.cp <= rows.devices_per_node
+        link = np.where(on_node & (rows.intra_node_gb_per_s > 0), rows.intra_node_gb_per_s * C.LINK_EFFICIENCY,
+                        rows.inter_node_gbps * (C.NETWORK_EFFICIENCY / 8.0) / t)
+        kv_s = kv / (link * 1e9) + 3.0 * (mn.cp - 1.0) * C.COLLECTIVE_LATENCY_S
+        attn_s = a * (1.0 + 2.5 + rc_any)
+        tp_layer = tp_layer + np.maximum(kv_s - attn_s, 0.0) + C.OVERLAP_SM_FRACTION * np.minimum(kv_s, attn_s)
 
     if not mn.sync_micro_steps:
         # asynchronous launches: the device waits for the host where a layer's work is shorter than the
@@ -286,15 +303,13 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         # 16 bit (bv each for the two values in fp32); selective recompute drops exactly these
         per_score = bv + (1.0 + bv if mn.dropout else 0.0)
         layer_act = layer_act + np.where(eager & (rows.recompute < 1),
-                                         rows.micro_batch * heads * s * s * per_score, 0.0)
+                                         rows.micro_batch * heads * s * s / mn.cp * per_score, 0.0)
     layer_input = tokens * (h * bv) / tp_rep
     stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
 
     # data-parallel collectives; DP neighbours sit next to each other after the TP ranks on a node
-    n = rows.replicas
-    members = np.minimum(n, np.maximum(np.floor(rows.devices_per_node / t), 1.0))
-    dp_bus = group_bus_gb_per_s(n, members, rows.intra_node_gb_per_s, rows.devices_per_node,
-                                rows.inter_node_gbps)
+    dp_bus, dp_share = dp_ring_bus(rows.replicas, t, rows.intra_node_gb_per_s, rows.devices_per_node,
+                                   rows.inter_node_gbps)
 
     # pipeline point-to-point: activations of one micro-batch (split over TP ranks: scatter/gather)
     # ranks in Megatron/DeepSpeed order (TP fastest, then data parallel, then pipeline): stage i of all
@@ -326,6 +341,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         "rc_full": rc_full,
         "bw": bw,
         "dp_bus": dp_bus,
+        "dp_share": dp_share,
         "p2p": p2p,
         "tied_s": tied_s,
         "capacity_gb": capacity,
@@ -451,6 +467,8 @@ def stage_totals(
         "tied_s": la * lc["tied_s"],
         "optimizer_s": optimizer_s,
         "dp_exposed_s": dp_exposed,
+        "dp_bus": lc["dp_bus"],
+        "dp_share": lc["dp_share"],
         "weights_gb": weights / 1e9,
         "grads_gb": grads / 1e9,
         "optimizer_gb": optimizer / 1e9,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from starverse.costmodel import constants as C
-from starverse.costmodel.batch import cross_group_sync_s
+from starverse.costmodel.batch import joint_sync_s
 from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.group import PART_NAMES, combine, model_numbers
 from starverse.costmodel.pricing import cheapest_price_per_hour
@@ -261,7 +261,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         last=np.repeat((np.arange(pp) == pp - 1)[:, None], k, axis=1),
         stage_index=col([float(i) for i in range(pp)]),
         pp=full(pp),
-        replicas=full(g.replicas),
+        replicas=full(g.replicas * g.cp),  # gradients are reduced over data x context parallel ranks
         micro_batch=np.repeat(micro_batches[None, :].astype(np.float64), pp, axis=0),
         num_micro_batches=np.repeat(m[None, :].astype(np.float64), pp, axis=0),
         zero_stage=full(tr.zero_stage),
@@ -358,7 +358,7 @@ def _eval_group(plan: Plan, gi: int, g: Group, catalog: Any, mn: Any, sequences:
     best_eval: _GroupEval | None = None
     best_key: tuple[float, float] = (np.inf, np.inf)
     for schedule, v in _schedule_options(plan, g):
-        mn_s = replace(mn, schedule=schedule, virtual_stages=float(v))
+        mn_s = replace(mn, schedule=schedule, virtual_stages=float(v), cp=float(g.cp))
         costs = stage_costs(mn_s, rows)
         _cross_node_costs(plan, g, catalog, mn_s, mbs, costs)
         per_stage = [{key: val[i] for key, val in costs.items()} for i in range(pp)]
@@ -482,11 +482,11 @@ def estimate(plan: Plan, catalog: Any = None, spec: Any = None) -> Estimate:
             schedule=ev.schedule, virtual_stages=ev.virtual_stages,
             step_time_s=float(ev.out["step_time_s"][b]), breakdown=parts, stages=stages, fits=fits))
 
-    slowest = max(groups, key=lambda x: x.step_time_s)
+    extra = _cross_group_s(plan, catalog, mn, evals) if len(groups) > 1 else np.zeros(1)
+    slowest_i = int(np.argmax([g.step_time_s + float(x) for g, x in zip(groups, extra, strict=True)]))
+    slowest = groups[slowest_i]
     breakdown = dict(slowest.breakdown)
-    sync = 0.0
-    if len(groups) > 1:
-        sync = float(_cross_group_s(plan, catalog, mn))
+    sync = float(extra[slowest_i])
     breakdown["cross_group_sync"] = sync
     step = slowest.step_time_s + sync
     tokens_per_s = plan.train.global_batch * plan.train.seq_len / step
@@ -496,8 +496,8 @@ def estimate(plan: Plan, catalog: Any = None, spec: Any = None) -> Estimate:
     for g in plan.groups:
         for st in g.stages:
             acc = catalog.accelerator(st.accelerator)
-            peak_sum += g.replicas * st.tp * st.repeat * C.peak_tflops(acc, plan.train.precision)
-            power_w += g.replicas * st.tp * st.repeat * acc.tdp_w
+            peak_sum += g.replicas * g.cp * st.tp * st.repeat * C.peak_tflops(acc, plan.train.precision)
+            power_w += g.replicas * g.cp * st.tp * st.repeat * acc.tdp_w
     flops_per_token = mn.model_flops_per_token()
     model_tflops = flops_per_token * tokens_per_s / 1e12
     hw_tflops = _hardware_flops_per_token(mn, plan) * tokens_per_s / 1e12
@@ -548,19 +548,24 @@ def _hardware_flops_per_token(mn: Any, plan: Plan) -> float:
     return float(mn.model_flops_per_token() + extra)
 
 
-def _cross_group_s(plan: Plan, catalog: Any, mn: Any) -> float:
-    """Gradient all-reduce between groups: each pipeline stage syncs its slice in parallel, in one ring
-    between the groups; the ring runs at the slowest link between two groups' kinds (:func:`node_link_gbps`)."""
+def _cross_group_s(plan: Plan, catalog: Any, mn: Any, evals: list[_GroupEval]) -> np.ndarray:
+    """Per group, the extra time of the gradient all-reduce between groups
+    (:func:`~starverse.costmodel.batch.joint_sync_s`, as the planner charges it): each pipeline stage syncs
+    its slice in parallel, each TP rank its shard, in one ring over every group's data- and
+    context-parallel replicas; between groups the ring runs at the slowest link between two groups' kinds (:func:`node_link_gbps`),
+    inside a group at its slowest stage's own ring bus."""
     kinds = [{st.accelerator for st in g.stages} for g in plan.groups]
     gbps = min(node_link_gbps(plan, catalog, a, b)
                for i, ka in enumerate(kinds) for kb in kinds[i + 1:] for a in ka for b in kb)
     stages_min = min(g.num_stages for g in plan.groups)
     trainable = (mn.num_layers * (mn.params_per_layer if mn.mode == "full" else mn.adapter_params_per_layer)
                  + (mn.embedding_params + mn.lm_head_params if mn.mode == "full" else 0.0))
-    per_stage = trainable * mn.grad_bytes_per_value / stages_min
-    # one ring position per group, as the planner's search counts it (planner/search.py ``_sync_s``);
-    # a group of several replicas has more nodes on the ring, which this under-counts (docs/costmodel.md)
-    return float(cross_group_sync_s(per_stage, len(plan.groups), gbps * C.NETWORK_EFFICIENCY))
+    # one ring per TP rank: each reduces its 1/tp shard of the stage's gradients
+    tp = max(st.tp for g in plan.groups for st in g.stages)
+    per_ring = trainable * mn.grad_bytes_per_value / stages_min / tp
+    bus = [float(np.min(ev.costs["dp_bus"][:, ev.best])) for ev in evals]
+    share = [float(np.min(ev.costs["dp_share"][:, ev.best])) for ev in evals]
+    return joint_sync_s(per_ring, [g.replicas * g.cp for g in plan.groups], bus, share, gbps)
 
 
 def _cost_per_hour(plan: Plan, catalog: Any, warnings: list[str]) -> tuple[float | None, str]:
@@ -568,7 +573,7 @@ def _cost_per_hour(plan: Plan, catalog: Any, warnings: list[str]) -> tuple[float
     currency = "USD"
     total = 0.0
     for acc_id in plan.accelerators():
-        count = sum(g.replicas * st.tp * st.repeat for g in plan.groups for st in g.stages
+        count = sum(g.replicas * g.cp * st.tp * st.repeat for g in plan.groups for st in g.stages
                     if st.accelerator == acc_id)
         price: float | None = None
         if plan.pricing is not None and acc_id in plan.pricing.price_per_hour:

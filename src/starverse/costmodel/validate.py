@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -28,6 +28,10 @@ class Measured(FrozenModel):
     peak_memory_gb: float | None = Field(default=None, gt=0)
     """Peak memory the framework allocated on the worst device (GB = 1e9 bytes; what
     ``torch.cuda.max_memory_allocated`` reports, without the CUDA context)."""
+    peak_memory_scope: Literal["allocated", "device"] = "allocated"
+    """What ``peak_memory_gb`` counts: ``allocated`` (PyTorch's allocated peak: compared with the estimate's
+    need minus the fixed reserve ``RESERVED_GB``) or ``device`` (the device's used memory, e.g. NVML: CUDA
+    context, NCCL buffers and the allocator's reserve included: compared with the whole need)."""
     out_of_memory: bool = False
     """The run failed for lack of device memory (the estimate must then say it does not fit)."""
 
@@ -150,7 +154,9 @@ def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
         return CaseResult(case.name, case.path, None, measured, False,
                           reason=f"{where(case.path, getattr(e, 'loc', None))}: {e}",
                           source=case.source)
-    peak = max(s.total_gb for g in est.groups for s in g.stages) - RESERVED_GB
+    peak = max(s.total_gb for g in est.groups for s in g.stages)
+    if case.measured.peak_memory_scope == "allocated":
+        peak -= RESERVED_GB
     oom = case.measured.out_of_memory
     result = CaseResult(case.name, case.path, est.tokens_per_s, measured, est.fits, source=case.source,
                         predicted_memory_gb=peak, measured_memory_gb=case.measured.peak_memory_gb,

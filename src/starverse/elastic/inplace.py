@@ -36,15 +36,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from starverse.errors import ConfigError, LostRankError
+from starverse.errors import ConfigError, LossCause, LostRankError
 from starverse.providers.failures import code_error, lost_heartbeat, lost_process, overrun, user_error
 from starverse.providers.local import _main_reimport_guard, _rank_entry, _stop_all, signal_processes
 from starverse.runtime.ft_group import (
     EXTRA_BARRIER_PORT,
     EXTRA_JOINER,
     EXTRA_LIGHTHOUSE,
+    EXTRA_REPLICA_STORE,
     EXTRA_SPARE,
     JOINED_KEY,
+    REPLICA_ENV,
     SPARE_KEY,
     quiet_torchft,
 )
@@ -158,20 +160,23 @@ class InplaceLauncher:
         """Run ``fn(rank_env, *args)`` per replica; results in rank order (None: lost for good)."""
         ranks = ordered_ranks(ranks)
         self.losses, self.joins, self.spares = [], [], []
+        members = replica_members(ranks)
         # a healthy replica late to a step is waited for (as a collective would): only a silent one is dropped
         lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms,
                                 join_timeout_ms=int(collective_timeout_s * 1000))
         barrier = store_server(LOOPBACK, len(ranks) + 1, collective_timeout_s)
         run = _Run(self, ranks, fn, args, collective_timeout_s, mp.get_context("spawn"),
-                   {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port}, barrier)
+                   {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port}, barrier, members)
+        multi = any(len(m) > 1 for m in members.values())
         try:
             with _main_reimport_guard():
-                for spec in ranks:
-                    run.start(spec, joiner=False)
-                if self.replace_after_s is not None and self.warm_spares:
+                for replica in members:
+                    run.start_replica(replica, joiner=False)
+                # warm spares stand in for one rank: a replica of several ranks is replaced by new processes
+                if self.replace_after_s is not None and self.warm_spares and not multi:
                     for kind in dict.fromkeys(r.device_kind for r in ranks):
                         run.start_spare(kind)
-            log.info("in-place launch: %d replicas, lighthouse %s", len(ranks), lighthouse.address)
+            log.info("in-place launch: %d replicas over %d ranks, lighthouse %s", len(members), len(ranks), lighthouse.address)
             run.watch(timeout_s)
         finally:
             _stop_all(run.procs, grace_s if run.failed else 0.0)
@@ -179,6 +184,23 @@ class InplaceLauncher:
             self._procs, self._live = [], {}
             lighthouse.shutdown()
         return [run.values.get(r.rank) for r in ranks]
+
+
+def replica_members(ranks: Sequence[RankSpec]) -> dict[int, tuple[int, ...]]:
+    """Replica -> its ranks, in rank order, from each rank's ``REPLICA_ENV`` (absent: a replica of its own)."""
+    out: dict[int, list[int]] = {}
+    for spec in ranks:
+        out.setdefault(int(dict(spec.env).get(REPLICA_ENV, spec.rank)), []).append(spec.rank)
+    return {r: tuple(v) for r, v in sorted(out.items())}
+
+
+def stopped_with_replica(spec: RankSpec, lost: LostRankError) -> LostRankError:
+    """A rank the launcher stopped because another rank of its replica was lost."""
+    return LostRankError(
+        f"rank {spec.rank} ({spec.device_kind}, {spec.device}) was stopped: rank {lost.rank} of its replica was lost "
+        f"({lost.cause.value}) and a replica does not train without one of its stages. The other replicas go on.",
+        rank=spec.rank, device_kind=spec.device_kind, device=spec.device, cause=LossCause.REPLICA,
+    )
 
 
 @dataclass
@@ -194,6 +216,8 @@ class _Run:
     extra: dict[str, Any]
     store: Any
     """The launcher's store (start barrier, spare activation)."""
+    members: dict[int, tuple[int, ...]]
+    """Replica -> its ranks (several: a pipeline's stages, started, lost and replaced together)."""
     procs: list[Any] = field(default_factory=list)
     spares: dict[str, tuple[int, Any]] = field(default_factory=dict)
     """Device kind -> (slot, process) of the warm spare waiting for that kind."""
@@ -207,6 +231,10 @@ class _Run:
     values: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, RankError] = field(default_factory=dict)
     pending: list[tuple[float, RankSpec]] = field(default_factory=list)
+    """Replacements due: (when, the first rank of the replica to start again)."""
+    replica_stores: dict[int, Any] = field(default_factory=dict)
+    """Replica of several ranks -> the store of its current processes (their world and torchft Manager meet
+    there; a replacement replica gets a new one)."""
     failed: bool = False
     done_at: float | None = None
 
@@ -230,9 +258,38 @@ class _Run:
         self.procs.append(p)
         return p
 
-    def start(self, spec: RankSpec, *, joiner: bool) -> None:
+    def start(self, spec: RankSpec, *, joiner: bool, extra: dict[str, Any] | None = None) -> None:
         self.beat_slot.pop(spec.rank, None)
-        self.live[spec.rank] = self.spawn(spec, {EXTRA_JOINER: joiner}, f"starverse-replica-rank{spec.rank}")
+        self.live[spec.rank] = self.spawn(spec, {EXTRA_JOINER: joiner, **(extra or {})},
+                                          f"starverse-replica-rank{spec.rank}")
+
+    def replica_of(self, rank: int) -> int:
+        """The replica ``rank`` belongs to."""
+        return next(r for r, ranks in self.members.items() if rank in ranks)
+
+    def start_replica(self, replica: int, *, joiner: bool) -> None:
+        """Start every rank of ``replica`` (several: with a new store of their own)."""
+        ranks = self.members[replica]
+        if len(ranks) == 1:
+            self.start(self.ranks[ranks[0]], joiner=joiner)
+            return
+        store = store_server(LOOPBACK, len(ranks), self.collective_timeout_s)
+        self.replica_stores[replica] = store
+        for rank in ranks:
+            self.start(self.ranks[rank], joiner=joiner, extra={EXTRA_REPLICA_STORE: store.port})
+
+    def stop_partners(self, lost: LostRankError) -> list[LostRankError]:
+        """Stop the other ranks of the lost rank's replica (their errors are consequences, not code errors)."""
+        out = []
+        for rank in self.members[self.replica_of(lost.rank)]:
+            p = self.live.pop(rank, None)
+            if rank == lost.rank or p is None:
+                continue
+            if p.exitcode is None:
+                p.kill()
+            self.errors.pop(rank, None)
+            out.append(stopped_with_replica(self.ranks[rank], lost))
+        return out
 
     def start_spare(self, kind: str) -> None:
         """A warm spare for ``kind`` (it runs as the first rank of that kind until activated as the lost one)."""
@@ -250,7 +307,7 @@ class _Run:
         a fresh process if there is none. True: it was a warm spare."""
         slot, p = self.spares.pop(spec.device_kind, (-1, None))
         if p is None or p.exitcode is not None:
-            self.start(spec, joiner=True)
+            self.start_replica(self.replica_of(spec.rank), joiner=True)
             return False
         self.store.delete_key(f"{JOINED_KEY}{spec.rank}")
         self.store.set(f"{SPARE_KEY}{slot}", str(spec.rank))
@@ -308,6 +365,8 @@ class _Run:
         """Record the replicas lost since the last look (the job goes on); their ranks."""
         launcher, gone = self.launcher, set[int]()
         for rank, p in list(self.live.items()):
+            if rank not in self.live:  # stopped with its replica in this pass
+                continue
             last = self.beats[self.beat_slot.get(rank, rank)]
             lost: LostRankError | None = None
             if p.exitcode is not None:
@@ -320,16 +379,17 @@ class _Run:
                 lost = lost_heartbeat(self.ranks[rank], now - last)
             if lost is None:
                 continue
-            self.live.pop(rank)
-            gone.add(rank)
-            loss = Loss(lost, time.time())
-            launcher.losses.append(loss)
-            log.warning("in-place: rank %d (%s) lost (%s%s); the other replicas go on", rank, lost.device_kind,
-                        lost.cause.value, f", signal {lost.signal}" if lost.signal is not None else "")
-            if launcher.on_loss is not None:
-                launcher.on_loss(loss)
+            for err in [lost, *self.stop_partners(lost)]:
+                gone.add(err.rank)
+                loss = Loss(err, time.time())
+                launcher.losses.append(loss)
+                log.warning("in-place: rank %d (%s) lost (%s%s); the other replicas go on", err.rank, err.device_kind,
+                            err.cause.value, f", signal {err.signal}" if err.signal is not None else "")
+                if launcher.on_loss is not None:
+                    launcher.on_loss(loss)
             if launcher.replace_after_s is not None:
-                self.pending.append((now + launcher.replace_after_s, self.ranks[rank]))
+                first = self.members[self.replica_of(rank)][0]
+                self.pending.append((now + launcher.replace_after_s, self.ranks[first]))
         return gone
 
     def watch(self, timeout_s: float) -> None:
@@ -340,15 +400,17 @@ class _Run:
             self.drain(0.05)
             now = time.monotonic()
             if self.errors:
-                self.failed = True
                 time.sleep(0.5)  # let a root cause report too
+                self.refill_spares(self.absorb_losses(time.monotonic()))  # a lost stage's partners fail with it
+            if self.errors:
+                self.failed = True
                 user = user_error(self.errors)
                 raise user if user is not None else code_error(self.ranks, self.errors)
             self.refill_spares(self.absorb_losses(now))
             if not self.live and not self.finished:
                 # every replica lost (a replacement that found no one returns None): nobody holds the live state
                 self.failed = True
-                raise launcher.losses[-1].error
+                raise next(x.error for x in reversed(launcher.losses) if x.error.cause != LossCause.REPLICA)
             if self.finished:
                 self.pending.clear()  # the survivors finished: no one to join
                 self.finish_joiners(now)
@@ -358,12 +420,14 @@ class _Run:
                     at = time.time()
                     with _main_reimport_guard():
                         warm = self.replace_rank(replace(spec))
-                    join = Join(spec.rank, spec.device_kind, at, warm)
-                    launcher.joins.append(join)
-                    if launcher.on_join is not None:
-                        launcher.on_join(join, spec)
-                    log.info("in-place: started a replacement for rank %d (%s)", spec.rank,
-                             "warm spare" if warm else "new process")
+                    for rank in self.members[self.replica_of(spec.rank)]:  # every rank of the replica
+                        member = self.ranks[rank]
+                        join = Join(rank, member.device_kind, at, warm)
+                        launcher.joins.append(join)
+                        if launcher.on_join is not None:
+                            launcher.on_join(join, member)
+                        log.info("in-place: started a replacement for rank %d (%s)", rank,
+                                 "warm spare" if warm else "new process")
             if now > deadline:
                 self.failed = True
                 raise overrun(timeout_s, len(self.values), len(self.ranks))

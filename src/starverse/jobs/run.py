@@ -21,14 +21,13 @@ from starverse.config import where
 from starverse.elastic.inplace import InplaceLauncher
 from starverse.elastic.job import JobPrices, RayPoolSettings, TrainJob, job_mtbf, job_prices, load_job
 from starverse.elastic.supervisor import Attempt, SupervisedResult, Supervisor, read_progress
-from starverse.errors import ConfigError
 from starverse.jobs.ledger import InplaceAccounting, JobBill, check_ledger_job, job_bill
 from starverse.jobs.wiring import JobCallbacks, build_callbacks
 from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
 from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.lora import check_mode
-from starverse.runtime.trainer import FitResult, inplace_supported
+from starverse.runtime.trainer import FitResult
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class PreparedJob:
         launcher: Any = ray_pool.launcher() if ray_pool else job.devices.launcher
         self.inplace: InplaceAccounting | None = None
         if job.recovery == "in-place":
-            launcher = self._inplace_launcher(source)
+            launcher = self._inplace_launcher(launcher)
         self.supervisor = Supervisor(
             self.cluster, self.run_dir,
             checkpoint=self.callbacks.checkpoint, preemption=self.callbacks.preemption,
@@ -141,21 +140,20 @@ class PreparedJob:
         self.resume_from = resume_from
         self.resume_path = self.supervisor.resume_path(resume_from)  # checked before anything is launched
 
-    def _inplace_launcher(self, source: str) -> InplaceLauncher:
-        """``recovery: in-place``: the torchft launcher, its lost and joining leases billed (see
+    def _inplace_launcher(self, launcher: Any) -> InplaceLauncher:
+        """``recovery: in-place``: the torchft launcher (its Ray variant for ``devices.launcher: ray`` or a Ray
+        pool: ``launcher`` is then ``"ray"`` or the pool's RayLauncher), its lost and joining leases billed (see
         :class:`~starverse.jobs.ledger.InplaceAccounting`)."""
         job = self.job
-        if job.devices.launcher != "local" or isinstance(job.pool, RayPoolSettings):
-            raise ConfigError(
-                f"{where(source, ('recovery',))}: recovery: in-place runs with devices.launcher: local only (in-place "
-                "recovery on Ray, a Ray pool included, is not built). To fix: set devices.launcher: local (and a pool "
-                "file, not a Ray pool), or recovery: restart.")
-        if not inplace_supported(self.cluster.plan):
-            log.warning("recovery: in-place recovers data-parallel replicas of one rank each; in-place recovery of a "
-                        "pipelined or sharded replica is not built, so this plan (%s) runs with checkpoint-restart",
-                        ", ".join(f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}"
-                                  for g in self.cluster.plan.groups))
-        launcher = InplaceLauncher(replace_after_s=job.replace_after_s)
+        # a plan in-place recovery does not run falls back to checkpoint-restart with one line (Trainer.fit)
+        if launcher == "local":
+            launcher = InplaceLauncher(replace_after_s=job.replace_after_s)
+        else:
+            from starverse.providers.ray import RayLauncher
+            from starverse.providers.ray_inplace import RayInplaceLauncher
+
+            launcher = RayInplaceLauncher(replace_after_s=job.replace_after_s,
+                                          ray=launcher if isinstance(launcher, RayLauncher) else RayLauncher())
         billing = self.callbacks.billing
         if billing is not None and billing.ledger_path is not None:
             plan, prices = self.cluster.plan, billing.prices

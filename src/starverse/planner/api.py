@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from starverse.errors import ConfigError
+from starverse.errors import ConfigError, InfeasiblePlanError
 from starverse.planner.job import Job, Objective
 from starverse.planner.pool import Pool
 from starverse.planner.result import PlanResult, pareto_frontier
@@ -40,8 +40,14 @@ def search(job: Job, pool: Pool, catalog: Any = None, top: int = 5, spec: Any = 
                 f"full training of {job.model} cannot run on this pool within the constraints; the plans below "
                 "are fine-tuning ALTERNATIVES (LoRA/QLoRA), not full training"
             )
+    refused = "; ".join(f"{why} ({n} plans)" for why, n in sorted(stats.layout_refused.items()))
     if not ranked:
-        raise explain.infeasible(job, pool, catalog, spec)
+        err = explain.infeasible(job, pool, catalog, spec)
+        if refused:  # name the rule: plans that fit were left out because the runtime does not run them
+            err = InfeasiblePlanError(str(err), [f"left out by the {refused}"])
+        raise err
+    if refused:
+        notes.append(f"left out by the {refused}")
     for r in ranked:
         if r.kind == "hetero-pipeline" and r.hours is not None and r.total_cost is not None:
             stats.frontier_points.append((r.hours, r.total_cost, "hetero-pipeline"))

@@ -24,7 +24,7 @@ from starverse.planner.pipekinds import (
     spot_factor_of,
     stage_rows,
 )
-from starverse.planner.policy import billed_hours, score, within
+from starverse.planner.policy import Layout, billed_hours, note_layout_refusal, score, within
 from starverse.planner.result import SearchStats
 
 FloatArray = npt.NDArray[np.float64]
@@ -178,7 +178,13 @@ class LeafEvaluator:
         hours = self.tokens / tps_eff / 3600.0
         total = float(sum(k * self.price[o] * billed_hours(np.asarray(hours), offers[o].billing_granularity_s)
                           for o, k in n.items()))
-        if not bool(within(ctx.limits, price, power, hours, total)):
+        st = ctx.settings[setting]
+        backend = {o: ctx.catalog.accelerator(offers[o].accelerator).backend for o, _, _ in blocks}
+        stages = [(o, t) for o, t, k in blocks for _ in range(k)]
+        layout = Layout((tuple((int(n), t, backend[o]) for (o, t), n in zip(stages, layers, strict=True)),),
+                        st.zero_stage, st.offload > 0)
+        if not bool(within(ctx.limits, price, power, hours, total, layout)):
+            note_layout_refusal(self.stats.layout_refused, layout)
             return None
         value = float(score(ctx.job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
                             np.asarray(hours)))

@@ -87,16 +87,76 @@ class Limits:
     """Most the whole job may cost."""
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A plan's shape as :func:`runtime_layout_rule` reads it."""
+
+    groups: tuple[tuple[tuple[int, int, str], ...], ...]
+    """Per group, its pipeline stages in order as ``(layers, tp, collective backend)`` (``repeat`` unrolled)."""
+    zero_stage: int
+    """The plan's ZeRO stage."""
+    offload: bool
+    """Some state is offloaded to the host (FSDP2's offload policy)."""
+
+
+_TORCH_DEVICE = {"nccl": "cuda", "rccl": "cuda"}  # ROCm runs as torch's cuda device
+
+
+def runtime_layout_rule(layout: Layout) -> str | None:
+    """RUNTIME LAYOUT RULE: why ``starverse.runtime`` refuses a plan of this shape (None: it runs it); the planner
+    keeps such plans out through :func:`within`. It mirrors the runtime's checks (``runtime.parallel``:
+    ``check_pipeline_plan``, ``check_pipeline_parallel``, ``check_parallel_plan``, ``check_tensor_parallel_plan``):
+
+    - tensor parallelism inside pipeline stages needs one ``tp`` in every stage of every group; without
+      pipeline stages, TP runs in a plan of one group;
+    - ZeRO over several groups without pipeline stages shares one mesh: one torch device type (CUDA kinds
+      together, CPU ranks together);
+    - FSDP2 (ZeRO-2/3, or ZeRO-1 with offload) over several pipelined groups needs every group to split the
+      layers the same way, each stage's replicas of one device type (one mesh per stage spans the groups).
+    """
+    groups = layout.groups
+    pipelined = any(len(g) > 1 for g in groups)
+    tps = {t for g in groups for _, t, _ in g}
+    if pipelined and len(tps) > 1:
+        return f"runtime layout rule: pipeline stages with different tp {sorted(tps)} (the runtime needs one tp)"
+    if not pipelined and len(groups) > 1 and tps != {1}:
+        return "runtime layout rule: tensor parallelism over several data-parallel groups"
+    if len(groups) < 2 or layout.zero_stage == 0:
+        return None
+    types = [tuple(_TORCH_DEVICE.get(b, b) for _, _, b in g) for g in groups]
+    if not pipelined:
+        if len({t for g in types for t in g}) > 1:
+            return f"runtime layout rule: ZeRO-{layout.zero_stage} over groups of several device types"
+        return None
+    if layout.zero_stage >= 2 or layout.offload:
+        if len({tuple(n for n, _, _ in g) for g in groups}) > 1:
+            return (f"runtime layout rule: ZeRO-{layout.zero_stage}{' with offload' if layout.offload else ''} "
+                    "over groups whose pipelines split the layers differently")
+        if any(len(set(stage)) > 1 for stage in zip(*types, strict=True)):
+            return f"runtime layout rule: ZeRO-{layout.zero_stage} over stages of several device types"
+    return None
+
+
+def note_layout_refusal(refused: dict[str, int], layout: Layout) -> None:
+    """Count a plan :func:`within` left out by the runtime layout rule under its reason (for the explanation)."""
+    why = runtime_layout_rule(layout)
+    if why is not None:
+        refused[why] = refused.get(why, 0) + 1
+
+
 def within(limits: Limits, cost_per_hour: np.ndarray | float, power_kw: np.ndarray | float,
-           hours: np.ndarray | float, total_cost: np.ndarray | float) -> np.ndarray:
+           hours: np.ndarray | float, total_cost: np.ndarray | float, layout: Layout | None = None) -> np.ndarray:
     """True where a plan (or, given lower bounds, every plan a bound stands for) keeps every limit.
 
     The single place the constraints are checked: the search's bounds (with lower bounds of hours and
     cost), its exact evaluation, the single-group frontier and the scalar re-estimate all call it. Budget
     and power get a relative tolerance of 1e-9 (a plan that spends exactly the budget is within it).
+    ``layout``: the exact evaluation's plan shape, held to :func:`runtime_layout_rule` (what the runtime runs).
     """
     ok = np.ones(np.broadcast(np.asarray(cost_per_hour), np.asarray(power_kw), np.asarray(hours),
                               np.asarray(total_cost)).shape, dtype=bool)
+    if layout is not None and runtime_layout_rule(layout) is not None:
+        ok &= False
     if limits.budget_per_hour is not None:
         ok &= np.asarray(cost_per_hour) <= limits.budget_per_hour * (1 + 1e-9)
     if limits.max_power_kw is not None:

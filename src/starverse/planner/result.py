@@ -145,6 +145,8 @@ class SearchStats:
     allows pipelines)."""
     seconds: float = 0.0
     """Wall time of the search."""
+    layout_refused: dict[str, int] = field(default_factory=dict)
+    """Plans left out by the runtime layout rule (``policy.runtime_layout_rule``), by reason."""
     frontier_points: list[tuple[float, float, str]] = field(default_factory=list, repr=False, compare=False)
     """(hours, cost, label) of every plan evaluated exactly (the Pareto frontier is drawn from them)."""
 

@@ -80,7 +80,7 @@ def _branch_and_bound(ctx: SearchContext, opts: space.Options, tables: FloatArra
             stats.bound_gap = float(abs(bound[ci] - kth) / abs(kth)) if math.isfinite(kth) and kth else math.inf
             break
         m = [int(i) for i in members[ci] if i >= 0]
-        combo = evaluate_combo(ctx, opts, tables, power, int(sets[ci]), m)
+        combo = evaluate_combo(ctx, opts, tables, power, int(sets[ci]), m, stats.layout_refused)
         evaluated += 1
         if combo is None:
             continue

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, cross_group_sync_s
-from starverse.costmodel.constants import BYTES_PER_VALUE, NETWORK_EFFICIENCY
+from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, joint_sync_s
+from starverse.costmodel.comm import dp_ring_bus
+from starverse.costmodel.constants import BYTES_PER_VALUE
 from starverse.costmodel.profile import check_profile_fits
 from starverse.plan import Group, Plan
 from starverse.planner import combine, hostmem, pipekinds, pipes, space
@@ -31,7 +32,7 @@ from starverse.planner.build import (
     trainable_params,
 )
 from starverse.planner.job import Job
-from starverse.planner.policy import Limits, billed_hours, score, within
+from starverse.planner.policy import Layout, Limits, billed_hours, note_layout_refusal, score, within
 from starverse.planner.pool import Pool
 
 FloatArray = npt.NDArray[np.float64]
@@ -139,27 +140,55 @@ def spot_factor(ctx: SearchContext, lam: FloatArray, nodes: FloatArray) -> Float
     return pipekinds.spot_factor_of(ctx, lam, nodes)
 
 
-def sync_s(ctx: SearchContext, num_groups: int, min_pp: int, gbps: float | None = None) -> float:
-    """Cross-group gradient all-reduce, as the scalar cost model charges it: each pipeline stage syncs its
-    slice in parallel (the shallowest pipeline sets the slice), over the link between the groups' offers
-    (``gbps``: the slowest measured ``network.links`` among them, default ``cross_offer_gbps``) at the cost
-    model's network efficiency."""
+def sync_s(ctx: SearchContext, num_groups: int, min_pp: int, gbps: float | None = None,
+           opts: space.Options | None = None, members: Sequence[int] | None = None) -> float:
+    """Cross-group gradient all-reduce, as the scalar cost model charges it
+    (:func:`~starverse.costmodel.batch.joint_sync_s`): each pipeline stage (the shallowest pipeline sets the
+    slice) and TP rank syncs its shard in one ring over every member's replicas, over the link between the
+    groups' offers (``gbps``: the slowest measured ``network.links`` among them, default
+    ``cross_offer_gbps``); the largest per-member extra over the member's own ring. Without ``opts`` and
+    ``members``: one replica per group on the full link (the ring of ``num_groups`` ranks)."""
     if num_groups <= 1:
         return 0.0
     link = ctx.pool.cross_offer_gbps if gbps is None else gbps
-    return float(cross_group_sync_s(ctx.grad_bytes / max(min_pp, 1), num_groups, link * NETWORK_EFFICIENCY))
+    stage_bytes = ctx.grad_bytes / max(min_pp, 1)
+    if opts is None or members is None:
+        ones = [1.0] * num_groups
+        return float(joint_sync_s(stage_bytes, ones, [np.inf] * num_groups, ones, link).max())
+    idx = np.asarray(members, dtype=np.int64)
+    rows = opts.offer[idx]
+    dev = ctx.devices
+    bus, share = dp_ring_bus(opts.replicas[idx], opts.tp[idx], dev.intra_node_gb_per_s[rows],
+                             dev.devices_per_node[rows], dev.inter_node_gbps[rows])
+    return float(joint_sync_s(stage_bytes / float(opts.tp[idx].max()), opts.replicas[idx].tolist(),
+                              bus.tolist(), share.tolist(), link).max())
+
+
+def combo_layout(ctx: SearchContext, opts: space.Options, setting: int, members: Sequence[int]) -> Layout:
+    """The shape of a combination's plan (its groups' even splits, tp, backends) for the runtime layout rule."""
+    groups = []
+    for i in members:
+        acc = ctx.pool.offers[int(opts.offer[i])].accelerator
+        backend = ctx.catalog.accelerator(acc).backend
+        tp = int(opts.tp[i])
+        groups.append(tuple((s.layers, tp, backend) for s in stages_even(acc, tp, int(opts.pp[i]),
+                                                                          int(ctx.spec.num_layers))
+                            for _ in range(s.repeat)))
+    st = ctx.settings[setting]
+    return Layout(tuple(groups), st.zero_stage, st.offload > 0)
 
 
 def evaluate_combo(ctx: SearchContext, opts: space.Options, tables: FloatArray, power: FloatArray, setting: int,
-              members: Sequence[int]) -> Combo | None:
-    """Exact value of one combination (None if no integer split exists or a constraint fails)."""
+              members: Sequence[int], layout_refused: dict[str, int] | None = None) -> Combo | None:
+    """Exact value of one combination (None if no integer split exists or a constraint fails; ``layout_refused``
+    counts those the runtime layout rule leaves out)."""
     t_star, shares = combine.best_split([tables[i] for i in members], ctx.batch)
     if not math.isfinite(t_star):
         return None
     offers = [ctx.pool.offers[int(opts.offer[i])] for i in members]
     n = [int(opts.num_devices[i]) for i in members]
     step = t_star + sync_s(ctx, len(members), min(int(opts.pp[i]) for i in members),
-                            ctx.pool.slowest_link_gbps(o.name for o in offers))
+                            ctx.pool.slowest_link_gbps(o.name for o in offers), opts, members)
     lam = sum(k * o.interruptions_per_hour for k, o in zip(n, offers, strict=True))
     nodes = sum(math.ceil(k / o.devices_per_node) for k, o in zip(n, offers, strict=True))
     factor = float(spot_factor(ctx, np.asarray(lam, dtype=float), np.asarray(nodes, dtype=float)))
@@ -173,7 +202,9 @@ def evaluate_combo(ctx: SearchContext, opts: space.Options, tables: FloatArray, 
     hours = tokens / tps_eff / 3600.0
     total = float(sum(k * o.price_per_hour * billed_hours(np.asarray(hours), o.billing_granularity_s)
                       for k, o in zip(n, offers, strict=True)))
-    if not within(ctx.limits, price, pw, hours, total):
+    layout = combo_layout(ctx, opts, setting, members)
+    if not within(ctx.limits, price, pw, hours, total, layout):
+        note_layout_refusal(layout_refused if layout_refused is not None else {}, layout)
         return None
     value = float(score(ctx.job.objective, np.asarray(tps_eff), np.asarray(price), np.asarray(total),
                         np.asarray(hours)))

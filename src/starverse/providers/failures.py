@@ -53,11 +53,13 @@ def lost_heartbeat(spec: RankSpec, silent_s: float, *, node: str | None = None) 
     )
 
 
-def lost_actor(spec: RankSpec, detail: str, *, node: str | None = None) -> LostRankError:
-    """A rank whose Ray actor died without reporting a result (killed, out of memory, its node lost)."""
+def lost_actor(spec: RankSpec, detail: str, *, node: str | None = None, survived: bool = False) -> LostRankError:
+    """A rank whose Ray actor died without reporting a result (killed, out of memory, its node lost);
+    ``survived``: the other ranks went on (in-place recovery) instead of being stopped."""
+    others = "the other replicas went on without it" if survived else "the other ranks were stopped"
     return LostRankError(
         f"rank {spec.rank} ({spec.device_kind}, {spec.device}) died on node {node}: its Ray actor is gone without "
-        f"reporting a result ({detail}); the other ranks were stopped. To fix: check that rank's log (`ray logs`), "
+        f"reporting a result ({detail}); {others}. To fix: check that rank's log (`ray logs`), "
         "its memory (an out-of-memory kill ends the worker) and whether its node was lost.",
         rank=spec.rank, device_kind=spec.device_kind, device=spec.device, node=node, cause=LossCause.ACTOR_DIED,
     )

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -53,6 +52,7 @@ from starverse.runtime.launch import (
     join_world,
     ordered_ranks,
     rank_environ,
+    set_rank_device,
     store_server,
 )
 
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 # loopback interface. It is only set for a session this module starts, never for a cluster it joins.
 _RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
-_ROOT_CAUSE_WAIT_S = 3.0
+ROOT_CAUSE_WAIT_S = 3.0
 """After the first failure, how long to wait for the rank that caused it to report (peers fail first on a
 closed connection, the dead rank's actor is declared dead by Ray a moment later)."""
 
@@ -198,31 +198,41 @@ class RayLauncher:
         """
         ranks = ordered_ranks(ranks)
         ray = import_ray()
-        run = functools.partial(_run_job, ray, self, fn, ranks, timeout_s, args, collective_timeout_s, grace_s)
-        if ray.is_initialized():  # the caller's session: use it, leave it running
-            return run()
-        address = self.address or os.environ.get("RAY_ADDRESS") or None
-        if address is not None:
-            # A cluster on this machine's loopback (a local `ray start --head --node-ip-address=127.0.0.1`)
-            # must be joined as one: Ray would otherwise rewrite 127.0.0.1 to the outward address.
-            loopback = _is_loopback(address)
-            with _loopback_only(ray) if loopback else contextlib.nullcontext():
-                _join(ray, self, address)
-                try:
-                    return run()
-                finally:
-                    ray.shutdown()  # disconnects this driver; the cluster keeps running
-        with _loopback_only(ray):
-            # the session's daemons must not outlive this process, even when it is SIGKILLed
-            reaper = start_reaper()
+        with ray_session(ray, self, ranks):
+            return _run_job(ray, self, fn, ranks, timeout_s, args, collective_timeout_s, grace_s)
+
+
+@contextlib.contextmanager
+def ray_session(ray: Any, opts: RayLauncher, ranks: Sequence[RankSpec]) -> Iterator[None]:
+    """A Ray session for one job: the caller's if it already initialised one (left running), else the cluster at
+    ``opts.address`` / ``$RAY_ADDRESS`` (this driver disconnects after), else a private one on 127.0.0.1 (shut
+    down after)."""
+    if ray.is_initialized():  # the caller's session: use it, leave it running
+        yield
+        return
+    address = opts.address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        # A cluster on this machine's loopback (a local `ray start --head --node-ip-address=127.0.0.1`)
+        # must be joined as one: Ray would otherwise rewrite 127.0.0.1 to the outward address.
+        loopback = _is_loopback(address)
+        with _loopback_only(ray) if loopback else contextlib.nullcontext():
+            _join(ray, opts, address)
             try:
-                _start_private(ray, self, ranks)
-                try:
-                    return run()
-                finally:
-                    ray.shutdown()  # stops the private session's daemons and workers
+                yield
             finally:
-                stop_reaper(reaper)
+                ray.shutdown()  # disconnects this driver; the cluster keeps running
+        return
+    with _loopback_only(ray):
+        # the session's daemons must not outlive this process, even when it is SIGKILLed
+        reaper = start_reaper()
+        try:
+            _start_private(ray, opts, ranks)
+            try:
+                yield
+            finally:
+                ray.shutdown()  # stops the private session's daemons and workers
+        finally:
+            stop_reaper(reaper)
 
 
 def _is_loopback(address: str) -> bool:
@@ -327,6 +337,17 @@ class _RankActor:
             return ("error", error_report(e))
 
 
+    def run_replica(self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...]) -> tuple[str, Any]:
+        """Run ``fn`` without a ``torch.distributed`` world (an in-place replica forms its own torchft groups);
+        report as :meth:`run`."""
+        try:
+            rank_environ(env, LOOPBACK, 0)
+            set_rank_device(env)
+            return ("ok", fn(env, *args))
+        except BaseException as e:
+            return ("error", error_report(e))
+
+
 def _send_signal(pid: int, signum: int) -> int:
     """A Ray task on a rank's node: deliver ``signum`` to the rank's process; 1 if it was there."""
     try:
@@ -353,7 +374,7 @@ def _run_rank(fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], maste
 _PIN_AMOUNT = 0.001
 
 
-def _bundle(spec: RankSpec, opts: RayLauncher) -> dict[str, float]:
+def rank_bundle(spec: RankSpec, opts: RayLauncher) -> dict[str, float]:
     """What one rank reserves: CPUs, a GPU for a CUDA rank, a sliver of its kind's node resource if pinned."""
     bundle = {"CPU": opts.num_cpus_per_rank}
     if spec.device.startswith("cuda"):
@@ -364,7 +385,7 @@ def _bundle(spec: RankSpec, opts: RayLauncher) -> dict[str, float]:
     return bundle
 
 
-def _actor_spec(spec: RankSpec) -> RankSpec:
+def actor_spec(spec: RankSpec) -> RankSpec:
     """The spec as seen inside the actor: Ray shows a CUDA rank only its own GPU, as ``cuda:0``."""
     if spec.device.startswith("cuda"):
         return dataclasses.replace(spec, device="cuda:0")
@@ -381,42 +402,15 @@ def _run_job(
     collective_timeout_s: float,
     grace_s: float,
 ) -> list[Any]:
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     world = len(ranks)
     deadline = time.monotonic() + timeout_s
-    bundles = [_bundle(r, opts) for r in ranks]
-    # PACK: ranks of a job share nodes where they fit (fewer cross-node hops), spread when they must.
-    pg = placement_group(bundles, strategy="PACK")
+    bundles = [rank_bundle(r, opts) for r in ranks]
+    pg = place_ranks(ray, bundles, min(opts.placement_timeout_s, timeout_s))
     actors: list[Any] = []
     try:
-        ready, _ = ray.wait([pg.ready()], timeout=min(opts.placement_timeout_s, timeout_s))
-        if not ready:
-            need_cpu = sum(b["CPU"] for b in bundles)
-            need_gpu = sum(b.get("GPU", 0.0) for b in bundles)
-            have = ray.cluster_resources()
-            pinned = sorted({k for b in bundles for k in b if k not in ("CPU", "GPU")})
-            missing = [k for k in pinned if have.get(k, 0.0) <= 0]
-            lacking = f" No node has the resource(s) {missing} that kind_resources pins ranks to." if missing else ""
-            raise DistributedError(
-                f"the Ray cluster cannot place {world} ranks within {min(opts.placement_timeout_s, timeout_s):g} s: "
-                f"they need {need_cpu:g} CPUs and {need_gpu:g} GPUs, the cluster has "
-                f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs (some may be in use).{lacking} To fix: "
-                "add nodes (`ray start --address=...` on each), lower the number of ranks, lower "
-                "RayLauncher.num_cpus_per_rank, or correct RayLauncher.kind_resources."
-            )
-        actor_cls = ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)
+        actor_cls = rank_actor_class(ray)
         for i in range(world):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-            actors.append(
-                actor_cls.options(
-                    num_cpus=bundles[i]["CPU"],
-                    num_gpus=bundles[i].get("GPU", 0.0),
-                    resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
-                    scheduling_strategy=strategy,
-                ).remote(list(sys.path))
-            )
+            actors.append(actor_cls.options(**actor_options(pg, i, bundles[i])).remote(list(sys.path)))
         where = _get_before(ray, [a.where.remote() for a in actors], ranks, deadline, timeout_s, "start its actors")
         opts._procs = [(str(node), int(pid)) for node, pid in where]
         node_ips = _get_before(ray, [a.node_ip.remote() for a in actors], ranks, deadline, timeout_s,
@@ -431,25 +425,75 @@ def _run_job(
         for i, (spec, actor) in enumerate(zip(ranks, actors, strict=True)):
             local_rank = node_ips[:i].count(node_ips[i])
             env = RankEnv(
-                spec=_actor_spec(spec), ranks=tuple(ranks), collective_timeout_s=collective_timeout_s,
+                spec=actor_spec(spec), ranks=tuple(ranks), collective_timeout_s=collective_timeout_s,
                 extra={"launcher": "ray", "node_ip": node_ips[i], "local_rank": local_rank},
             )
             refs.append(actor.run.remote(fn, env, args, master_addr, port))
         values, errors, dead = _collect(ray, refs, ranks, deadline, timeout_s)
     finally:
         opts._procs = []
-        for a in actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception as e:  # already gone: nothing to stop
-                log.debug("ray.kill: %s", e)
-        try:
-            remove_placement_group(pg)
-        except Exception as e:
-            log.debug("remove_placement_group: %s", e)
+        release(ray, actors, pg)
     if len(values) < world:
         raise _failure(ranks, node_ips, values, errors, dead)
     return [values[r] for r in range(world)]
+
+
+def place_ranks(ray: Any, bundles: list[dict[str, float]], wait_s: float) -> Any:
+    """Reserve one bundle per rank (a placement group, PACK: ranks share nodes where they fit, spread when they
+    must); raise :class:`DistributedError` saying what the cluster lacks if it cannot within ``wait_s``."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(bundles, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=wait_s)
+    if ready:
+        return pg
+    with contextlib.suppress(Exception):
+        remove_placement_group(pg)
+    need_cpu = sum(b["CPU"] for b in bundles)
+    need_gpu = sum(b.get("GPU", 0.0) for b in bundles)
+    have = ray.cluster_resources()
+    pinned = sorted({k for b in bundles for k in b if k not in ("CPU", "GPU")})
+    missing = [k for k in pinned if have.get(k, 0.0) <= 0]
+    lacking = f" No node has the resource(s) {missing} that kind_resources pins ranks to." if missing else ""
+    raise DistributedError(
+        f"the Ray cluster cannot place {len(bundles)} ranks within {wait_s:g} s: "
+        f"they need {need_cpu:g} CPUs and {need_gpu:g} GPUs, the cluster has "
+        f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs (some may be in use).{lacking} To fix: "
+        "add nodes (`ray start --address=...` on each), lower the number of ranks, lower "
+        "RayLauncher.num_cpus_per_rank, or correct RayLauncher.kind_resources."
+    )
+
+
+def release(ray: Any, actors: Sequence[Any], pg: Any) -> None:
+    """Kill a job's actors (those already gone are skipped) and free its placement group."""
+    from ray.util.placement_group import remove_placement_group
+
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception as e:  # already gone: nothing to stop
+            log.debug("ray.kill: %s", e)
+    try:
+        remove_placement_group(pg)
+    except Exception as e:
+        log.debug("remove_placement_group: %s", e)
+
+
+def rank_actor_class(ray: Any) -> Any:
+    """The Ray actor class of a rank: never restarted by Ray (a lost rank is the launcher's to handle)."""
+    return ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)
+
+
+def actor_options(pg: Any, index: int, bundle: dict[str, float]) -> dict[str, Any]:
+    """``.options(...)`` of the actor of the rank whose reservation is ``pg``'s bundle ``index``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {
+        "num_cpus": bundle["CPU"],
+        "num_gpus": bundle.get("GPU", 0.0),
+        "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
+    }
 
 
 def _get_before(ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: float, timeout_s: float,
@@ -470,7 +514,7 @@ def _get_before(ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: floa
         except RayActorError as e:
             spec = ranks[rank]
             raise LostRankError(
-                f"rank {rank}'s Ray actor died before training started (while trying to {what}): {_first_line(e)}. "
+                f"rank {rank}'s Ray actor died before training started (while trying to {what}): {first_line(e)}. "
                 "To fix: check that starverse and torch import on its node (`ray logs`).",
                 rank=rank, device_kind=spec.device_kind, device=spec.device, cause=LossCause.ACTOR_DIED,
             ) from e
@@ -480,7 +524,7 @@ def _get_before(ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: floa
 def _collect(
     ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: float, timeout_s: float
 ) -> tuple[dict[int, Any], dict[int, RankError], dict[int, str]]:
-    """Wait for every rank; stop waiting shortly after the first failure (see ``_ROOT_CAUSE_WAIT_S``)."""
+    """Wait for every rank; stop waiting shortly after the first failure (see ``ROOT_CAUSE_WAIT_S``)."""
     from ray.exceptions import RayActorError, RayTaskError
 
     values: dict[int, Any] = {}
@@ -496,11 +540,11 @@ def _collect(
             try:
                 status, payload = ray.get(ref)
             except RayActorError as e:
-                dead[rank] = _first_line(e)
+                dead[rank] = first_line(e)
                 continue
             except RayTaskError as e:  # the actor method itself failed outside fn (e.g. unpickling args)
                 named = [m.group(0).strip() for m in _ERROR_LINE.finditer(str(e))]
-                errors[rank] = (named[-1] if named else _first_line(e), str(e), None)
+                errors[rank] = (named[-1] if named else first_line(e), str(e), None)
                 continue
             if status == "ok":
                 values[rank] = payload
@@ -509,7 +553,7 @@ def _collect(
         now = time.monotonic()
         if (errors or dead) and failed_at is None:
             failed_at = now
-        if failed_at is not None and now - failed_at > _ROOT_CAUSE_WAIT_S:
+        if failed_at is not None and now - failed_at > ROOT_CAUSE_WAIT_S:
             break
         if now > deadline:
             raise overrun(timeout_s, len(values), len(refs))
@@ -543,7 +587,7 @@ def _failure(
     return DistributedError("a rank ended without a result; the other ranks were stopped.")
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     """The first non-empty line of an error (Ray's messages run to many lines of advice)."""
     for line in str(e).splitlines():
         if line.strip():
@@ -561,7 +605,7 @@ def _root_cause(e: BaseException) -> str:
         named = [m.group(0) for m in _ERROR_LINE.finditer(str(err))]
         if named:
             return named[-1].strip()[:300]
-    return f"{type(chain[-1]).__name__}: {_first_line(chain[-1])}"
+    return f"{type(chain[-1]).__name__}: {first_line(chain[-1])}"
 
 
 _ERROR_LINE = re.compile(r"^\s*[\w.]+(?:Error|Exception): .+$", re.MULTILINE)

@@ -180,8 +180,13 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
                     blocks: bool = True) -> Any:
     """What this runtime executes on ``ranks`` (a :class:`~starverse.planner.devices.RuntimeCaps`): everything
     (``EXECUTABLE``) but offload on CPU ranks (their memory is the host's: nothing to offload to) and ZeRO when
-    the ranks are of several kinds (FSDP2 shards over one device kind). ``recovery="in-place"``: data-parallel
-    replicas of one rank each, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is searched).
+    the ranks are of several torch device types (one FSDP2 mesh has one; several kinds of one type share it:
+    gloo for CPU ranks, NCCL for CUDA kinds); ZeRO-2/3 or offload over groups whose pipelines split the layers
+    differently is kept out by the planner's rule (``planner.policy.runtime_layout_rule``) and
+    :func:`check_runnable`. ``recovery="in-place"``: replicas of one
+    rank or one pipeline each, TP 1, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is
+    searched; a pipelined plan it cannot run — interleaved, groups cut differently — falls back to restart with
+    one line: ``trainer.inplace_refusal``).
     ``pipelines=False``: one stage per group (a model that cannot be cut); ``blocks=False``: a model without an
     ``nn.ModuleList`` of blocks, so no FSDP2 unit (ZeRO ≤ 1) and nothing to recompute."""
     import dataclasses
@@ -190,10 +195,10 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
 
     caps = EXECUTABLE
     if recovery == "in-place":
-        caps = dataclasses.replace(caps, max_tp=1, max_pipeline_stages=1, zero_stage=0, offload="none")
+        caps = dataclasses.replace(caps, max_tp=1, zero_stage=0, offload="none")
     if any(r.device == "cpu" for r in ranks):
         caps = dataclasses.replace(caps, offload="none")
-    if len({r.device_kind for r in ranks}) > 1:
+    if len({r.device.split(":", 1)[0] for r in ranks}) > 1:
         caps = dataclasses.replace(caps, zero_stage=0, offload="none")
     if not pipelines:
         caps = dataclasses.replace(caps, max_pipeline_stages=1)
@@ -216,7 +221,7 @@ def has_blocks(model: Any) -> bool:
 def check_runnable(plan: Plan, ranks: Sequence[RankSpec], model_config: dict[str, Any] | None = None,
                    source: str = "the planner's plan", rebalance_every: int = 0) -> None:
     """Raise a StarverseError unless this runtime runs ``plan`` on ``ranks``: :func:`check_plan_fits_ranks`, the
-    in-stage parallelism checks ``Trainer.fit`` applies (ZeRO over one device kind and one group, LoRA x TP
+    in-stage parallelism checks ``Trainer.fit`` applies (ZeRO over one device type, over groups split alike, LoRA x TP
     inside pipelines, ...; with equal shares, as accelerate's plans start, and the Trainer's ``rebalance_every``),
     the training mode on these devices (QLoRA needs CUDA), and TP against the model (a family with a split table,
     heads and MLP width divisible)."""
@@ -227,9 +232,11 @@ def check_runnable(plan: Plan, ranks: Sequence[RankSpec], model_config: dict[str
     check_plan_fits_ranks(plan, list(ranks), source)
     ordered = order_ranks_like_plan(plan, list(ranks))
     if PipelineLayout.from_plan(plan).is_pipelined:
-        check_pipeline_parallel(plan, rebalance_every, [1], None, source)
+        check_pipeline_parallel(plan, rebalance_every, [1], None, source,
+                                rank_devices=[r.device for r in ordered])
     else:
-        check_parallel_plan(plan, [r.device_kind for r in ordered], rebalance_every)
+        check_parallel_plan(plan, [r.device_kind for r in ordered], rebalance_every,
+                            rank_devices=[r.device for r in ordered])
     check_mode(plan.train.mode, [r.device for r in ordered], source)
     tp = max(s.tp for g in plan.groups for s in g.stages)
     if tp > 1 and model_config is not None:
@@ -296,7 +303,8 @@ def accelerate(
     Plan or plan file, checked against the devices. ``pool``: None = the local provider (the only one
     implemented). ``max_params``: cap on the model size built here (default: what fits; on CPU ranks
     also at most 20M parameters). ``ranks``: the devices to run on (a Ray cluster's); None: this machine's.
-    ``recovery``: the ``Trainer``'s; ``"in-place"`` plans plain data parallelism (what in-place recovery runs).
+    ``recovery``: the ``Trainer``'s; ``"in-place"`` plans data parallelism over replicas of one rank or one
+    pipeline (what in-place recovery runs).
     ``catalog``: the accelerator figures the planner uses (None: the bundled catalog with the probe's figures).
     ``rebalance_every``: the ``Trainer``'s, when known: a plan that needs 0 (ZeRO-2/3 run the ranks in lockstep)
     is then left out unless it is 0 (None: kept, with a note).
@@ -475,8 +483,8 @@ def _planner_plan(
         f"{est.step_time_s:.4g} s, {best.tokens_per_s:,.0f} tokens/s, bottleneck {est.bottleneck}"
     )
     notes.extend(f"planner: {n}" for n in result.notes)
-    if best.plan.train.zero_stage >= 2:
-        notes.append(f"plan: ZeRO-{best.plan.train.zero_stage} runs the ranks in lockstep: train with "
+    if best.plan.train.zero_stage == 3 and PipelineLayout.from_plan(best.plan).is_pipelined:
+        notes.append("plan: ZeRO-3 in pipeline stages runs the replicas in lockstep: train with "
                      "Trainer(rebalance_every=0)")
     return best.plan, est
 

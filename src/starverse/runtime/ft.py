@@ -1,7 +1,8 @@
 """In-place recovery of data-parallel replicas on torchft: survivors keep training when a replica dies.
 
 Opt-in (``recovery: in-place`` in a job file, ``Trainer(recovery="in-place")``), for plans whose replicas
-are single ranks (data parallelism only; pipelined or sharded plans keep checkpoint-restart). Each rank is
+are single ranks (this module) or pipelines (:mod:`starverse.runtime.ft_pipe`, which reuses this loop with a
+replica group of several ranks; sharded plans keep checkpoint-restart). A single rank is
 one torchft *replica group* of size 1: it owns a :class:`torchft.Manager` that talks to the launcher's
 Lighthouse (``env.extra["lighthouse"]``), and a reconfigurable :class:`torchft.ProcessGroupGloo` that torchft
 rebuilds for every new quorum. No ``torch.distributed`` default group is used: a dead peer can only fail
@@ -54,10 +55,10 @@ import torch
 from starverse.errors import ConfigError, TrainingDivergedError
 from starverse.runtime.callbacks import CallbackList, TrainContext
 from starverse.runtime.data import PackedDataset
-from starverse.runtime.export import FINAL_WEIGHTS
 from starverse.runtime.ft_group import (
     EXTRA_JOINER,
     EXTRA_LIGHTHOUSE,
+    EXTRA_REPLICA_STORE,
     EXTRA_SPARE,
     Quorum,
     ReplicaSync,
@@ -69,6 +70,7 @@ from starverse.runtime.hetero_dp import balanced_shares
 from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.rank_loop import FitJob, RankResult, training_parts
+from starverse.runtime.rank_parts import write_final
 from starverse.runtime.steps import autocast_dtype, batch_loss
 
 log = logging.getLogger(__name__)
@@ -78,20 +80,21 @@ INPLACE_LOG = "inplace.jsonl"
 
 
 def replica_shares(num_micro: int, roster: Sequence[tuple[int, float]], previous: Sequence[int] | None,
-                   previous_members: Sequence[int] | None) -> list[int]:
+                   previous_members: Sequence[int] | None, min_share: int = 1) -> list[int]:
     """Micro-batches per participant for one step (identical on every participant: a function of the roster).
 
     ``roster``: ``(replica index, time per micro-batch or 0 if unmeasured)`` per participant, in quorum order.
     While the members are those of the last step, the last shares are kept; when they changed (a loss, a
     join), the whole global batch is split again by measured speed (the rebalancer's greedy split; an
-    unmeasured replica counts as the mean of the measured ones).
+    unmeasured replica counts as the mean of the measured ones; each gets at least ``min_share``: a pipeline's
+    schedule may need as many micro-batches as stages).
     """
     members = [r for r, _ in roster]
     if previous is not None and previous_members is not None and list(previous_members) == members:
         return list(previous)
     known = [t for _, t in roster if t > 0]
     fill = sum(known) / len(known) if known else 1.0
-    return balanced_shares(num_micro, [t if t > 0 else fill for _, t in roster])
+    return balanced_shares(num_micro, [t if t > 0 else fill for _, t in roster], [min_share] * len(roster))
 
 
 class _NothingToJoin(Exception):
@@ -185,8 +188,40 @@ class ReplicaTrainer:
         self.members = sd["members"]
         self.losses, self.step_times = list(sd["losses"]), list(sd["step_times"])
         self.shares_history = [(int(st), tuple(sh)) for st, sh in sd["shares_history"]]
-        self.note({"event": "healed", "replica": self.env.rank, "step": self.ctx.step, "ready_at": self.ready_at})
-        log.info("replica %d joined at step %d with the live state of a peer", self.env.rank, self.ctx.step)
+        self.note({"event": "healed", "replica": self.replica_index, "step": self.ctx.step, "ready_at": self.ready_at})
+        log.info("replica %d joined at step %d with the live state of a peer", self.replica_index, self.ctx.step)
+
+    # what a replica of several ranks (runtime/ft_pipe.py) does differently
+    @property
+    def replica_index(self) -> int:
+        """This replica's index in the plan (a replica of one rank: its rank)."""
+        return self.env.rank
+
+    @property
+    def min_share(self) -> int:
+        """The fewest micro-batches a step may give this replica."""
+        return 1
+
+    def set_ctx_rank(self, q: Quorum) -> None:
+        """What the callbacks see as this rank: the leader is rank 0 of a world of 1."""
+        self.ctx.rank = q.rank
+
+    def replica_sum(self) -> None:
+        """Sum inside the replica what its ranks hold twice (nothing: one rank holds the whole model)."""
+
+    def clip(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """Clip the summed gradients to ``grad_clip``; the gradient norm before clipping."""
+        clip = self.job.grad_clip
+        return torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else torch.stack(
+            [p.grad.norm() for p in params if p.grad is not None]).norm()
+
+    def step_loss(self, stats: torch.Tensor) -> float:
+        """The step's loss from the summed loss parts of the participants."""
+        return float(stats[:, 0].sum())
+
+    def save_final(self) -> None:
+        """Write the final weights (the last leader)."""
+        write_final(self.job, {k: v.detach().cpu() for k, v in trainable_state_dict(self.model).items()})
 
     @property
     def num_micro(self) -> int:
@@ -199,7 +234,7 @@ class ReplicaTrainer:
         t0 = time.perf_counter()
         q = sync.start_step()
         self.last_quorum = q
-        ctx.rank = q.rank  # callbacks see the leader as rank 0 of a world of 1
+        self.set_ctx_rank(q)
         if self.joiner and self.members is None and q.size == 1:
             raise _NothingToJoin  # the others finished or are gone: no live state to receive
         if q.rank == 0:
@@ -210,12 +245,12 @@ class ReplicaTrainer:
         self.failed_at = None
         roster_t = torch.zeros(q.size, 2, dtype=torch.float64)
         tpm = float(np.median(self.my_times)) if self.my_times else 0.0
-        roster_t[q.rank] = torch.tensor([float(self.env.rank), tpm], dtype=torch.float64)
+        roster_t[q.rank] = torch.tensor([float(self.replica_index), tpm], dtype=torch.float64)
         if not sync.allreduce_sum(roster_t):  # a peer died before the step began: new quorum, same step
             return self.redo(sync)
         roster = [(round(float(r[0])), float(r[1])) for r in roster_t]
         members = [r for r, _ in roster]
-        shares = replica_shares(self.num_micro, roster, ctx.shares, self.members)
+        shares = replica_shares(self.num_micro, roster, ctx.shares, self.members, self.min_share)
         sampler_state = ctx.sampler.state_dict()
         batch_idx = ctx.sampler.next_indices(job.global_batch)
         start = sum(shares[: q.rank]) * job.micro_batch
@@ -224,6 +259,7 @@ class ReplicaTrainer:
         num_targets = self.data.num_targets(batch_idx) if self.data.labels is not None else None
         tc = time.perf_counter()
         loss_part = self.forward_backward(mine, num_targets)
+        self.replica_sum()
         compute_s = time.perf_counter() - tc
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -238,7 +274,7 @@ class ReplicaTrainer:
             self.redone += 1
             self.failed_at = time.time()
             log.warning("replica %d: step %d failed on a peer; redoing it with the new quorum",
-                        self.env.rank, ctx.step + 1)
+                        self.replica_index, ctx.step + 1)
             return False
         summed = flat[: -stats.numel()]
         stats = flat[-stats.numel():].reshape(q.size, 4)
@@ -247,11 +283,9 @@ class ReplicaTrainer:
             n = p.numel()
             p.grad = summed[offset: offset + n].view_as(p).to(p.dtype).clone()
             offset += n
-        clip = job.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else torch.stack(
-            [p.grad.norm() for p in params if p.grad is not None]).norm()
+        norm = self.clip(params)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        loss = float(stats[:, 0].sum())
+        loss = self.step_loss(stats)
         if not (math.isfinite(loss) and math.isfinite(float(norm))):
             raise TrainingDivergedError(
                 f"step {ctx.step + 1}: the loss is not finite (gradient norm {float(norm):.3g}); training stopped "
@@ -261,7 +295,7 @@ class ReplicaTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         if shares[q.rank]:
             self.my_times.append(compute_s / shares[q.rank])
-        self.record(q, shares, members, stats, lr, float(norm))
+        self.record(q, shares, members, stats, lr, float(norm), loss)
         return True
 
     def redo(self, sync: ReplicaSync) -> bool:
@@ -291,7 +325,7 @@ class ReplicaTrainer:
         return total
 
     def record(self, q: Quorum, shares: list[int], members: list[int], stats: torch.Tensor, lr: float,
-               norm: float) -> None:
+               norm: float, loss: float) -> None:
         """Count the committed step; note a membership change; the leader runs the callbacks."""
         job, ctx = self.job, self.ctx
         if members != self.members:
@@ -308,7 +342,7 @@ class ReplicaTrainer:
         self.tokens += shares[q.rank] * job.micro_batch * job.seq_len
         self.compute_s += float(stats[q.rank, 1])
         m = ctx.metrics
-        m.loss = float(stats[:, 0].sum())
+        m.loss = loss
         m.tokens_step = job.global_batch * job.seq_len
         m.tokens_total += m.tokens_step
         m.step_time_s = float(stats[:, 2].max())
@@ -331,7 +365,7 @@ class ReplicaTrainer:
         if self.leader_started:
             return
         self.leader_started = True
-        self.ctx.takeover = self.env.rank != 0 or self.joiner
+        self.ctx.takeover = self.replica_index != 0 or self.joiner
         self.callbacks.on_fit_start(self.ctx)
 
     def note(self, event: dict[str, Any]) -> None:
@@ -357,17 +391,14 @@ class ReplicaTrainer:
                     break
             except _NothingToJoin:
                 log.warning("replica %d: started as a replacement but no other replica is left; leaving",
-                            self.env.rank)
+                            self.replica_index)
                 return None
         wall = time.perf_counter() - t_loop
         leader = self.last_quorum is not None and self.last_quorum.rank == 0
         if leader:
             self.lead()
             self.callbacks.on_fit_end(self.ctx)
-            final = Path(self.job.run_dir) / FINAL_WEIGHTS
-            tmp = final.with_suffix(".tmp")
-            torch.save({k: v.detach().cpu() for k, v in trainable_state_dict(self.model).items()}, tmp)
-            tmp.replace(final)
+            self.save_final()
             if self.redone:
                 self.note({"event": "redone", "steps": self.redone})
         ctx = self.ctx
@@ -387,6 +418,10 @@ def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     if not lighthouse:
         raise ConfigError("recovery: in-place needs a launcher with a torchft Lighthouse "
                           "(starverse.elastic.inplace.InplaceLauncher).")
+    if env.extra.get(EXTRA_REPLICA_STORE) is not None:  # a replica of several ranks (a pipeline's stages)
+        from starverse.runtime.ft_pipe import train_pipeline_replica
+
+        return train_pipeline_replica(env, job)
     model = None
     if env.extra.get(EXTRA_SPARE):
         env, model = wait_for_activation(env, job)

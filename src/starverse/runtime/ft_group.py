@@ -41,6 +41,12 @@ SPARE_KEY = "activate/"
 JOINED_KEY = "joined/"
 """Store key a replacement sets once it committed its first step (``joined/<rank>``): the launcher starts the
 next warm spare then, not while the replacement is joining (its start-up would slow the join on a busy host)."""
+REPLICA_ENV = "STARVERSE_FT_REPLICA"
+"""``RankSpec.env`` key: the replica a rank belongs to when a replica is several ranks (a pipeline's stages). The
+launcher starts, loses and replaces those ranks together; absent, every rank is a replica of its own."""
+EXTRA_REPLICA_STORE = "replica_store_port"
+"""``RankEnv.extra`` key: the port of the launcher's store of this rank's replica (several ranks): the replica's
+``torch.distributed`` world and its torchft ``Manager`` meet there (a replacement replica gets a new store)."""
 
 
 def quiet_torchft() -> None:
@@ -102,22 +108,32 @@ class ReplicaSync(Protocol):
 
 
 class TorchftSync:
-    """:class:`ReplicaSync` on a torchft ``Manager`` (replica group of size 1) and a reconfigurable gloo group."""
+    """:class:`ReplicaSync` on a torchft ``Manager`` and a reconfigurable gloo group.
+
+    A replica group of one rank by default (its own store); with ``store_port`` (the launcher's store of the
+    replica) it is rank ``group_rank`` of ``group_world_size``: as in torchft's HSDP examples, every rank of the
+    replica has a ``Manager`` with the same ``replica_id``, group rank 0 hosts the replica's ``ManagerServer``, the
+    quorum and the commit vote cover the whole replica, and the gloo group sums over the ranks of the *same group
+    rank* of every replica (a pipeline's same stage); a joiner's rank ``k`` heals from a peer's rank ``k``."""
 
     def __init__(self, replica_id: str, lighthouse: str, timeout_s: float,
-                 state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None]):
+                 state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None],
+                 group_rank: int = 0, group_world_size: int = 1, store_port: int | None = None):
         quiet_torchft()
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
         patch_manager_bind()
         timeout = timedelta(seconds=timeout_s)
-        self._store = store_server(LOOPBACK, 1, timeout_s)  # this replica group's own store (loopback)
+        if store_port is None:
+            self._store = store_server(LOOPBACK, 1, timeout_s)  # this replica group's own store (loopback)
+            store_port = int(self._store.port)
         pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
             use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-            rank=0, world_size=1, store_addr=LOOPBACK, store_port=self._store.port, lighthouse_addr=lighthouse,
+            rank=group_rank, world_size=group_world_size, store_addr=LOOPBACK, store_port=store_port,
+            lighthouse_addr=lighthouse,
             replica_id=replica_id, hostname=LOOPBACK, init_sync=False,
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
         )

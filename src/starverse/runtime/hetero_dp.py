@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from starverse.errors import ConfigError
+from starverse.runtime.parallel.dtensor import is_dtensor
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class HolderSync:
         stage under tensor parallel gets a replicated gradient from the pipeline's backward), so the local parts
         summed, clipped and stepped are the parameter's own shard."""
         for p in self._held:
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:  # type: ignore[attr-defined]
+            if is_dtensor(p.grad) and p.grad.placements != p.placements:  # type: ignore[attr-defined]
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
         for s in self.syncs:
             s.all_reduce()
@@ -307,18 +307,18 @@ class HolderSync:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: the local shard of a DTensor (tensor parallel, ZeRO), else ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t`` (a local tensor shaped as ``p``'s local part) as a gradient for ``p``: a DTensor laid out as ``p`` if
     ``p`` is one."""
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else t
+    return type(p).from_local(t, p.device_mesh, p.placements, run_check=False) if is_dtensor(p) else t
 
 
 def split_over_tp(p: torch.Tensor) -> bool:
     """``p`` is split over a tensor-parallel mesh dimension (named ``tp``): each TP rank holds a different part."""
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return False
     names = p.device_mesh.mesh_dim_names or ()
     return any(n == "tp" and pl.is_shard() for n, pl in zip(names, p.placements, strict=False))

@@ -23,6 +23,7 @@ from starverse.runtime.steps import config_int
 
 def check_ranks(plan: Plan, ranks: Sequence[RankSpec], source: str = "plan") -> None:
     """The plan's devices are exactly these ranks' device kinds, rank by rank (in the plan's rank order)."""
+    _no_context_parallel(plan, source)
     layout = PipelineLayout.from_plan(plan)
     want = Counter(p.accelerator for p in layout.places)
     have = Counter(r.device_kind for r in ranks)
@@ -53,8 +54,17 @@ def check_ranks(plan: Plan, ranks: Sequence[RankSpec], source: str = "plan") -> 
             )
 
 
+def _no_context_parallel(plan: Plan, source: str) -> None:
+    """Context parallelism (``groups[i].cp``) is estimated by the cost model, not run."""
+    for gi, g in enumerate(plan.groups):
+        if g.cp > 1:
+            raise ConfigError(f"{source}: groups[{gi}].cp is {g.cp}, but context parallelism is only estimated "
+                              "(the runtime does not run it). To fix: set cp: 1.")
+
+
 def check_model(plan: Plan, model: torch.nn.Module, source: str = "plan") -> None:
     """The plan's stages fit the model: layers sum, depth, TP over heads, interleaved chunks."""
+    _no_context_parallel(plan, source)
     layout = PipelineLayout.from_plan(plan)
     pipelined = layout.is_pipelined
     for gi, g in enumerate(plan.groups):

@@ -47,9 +47,9 @@ class RankTrainer(RankParts):
     def forward_backward_step(self, micro_batches: Sequence[np.ndarray], num_targets: int | None) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches; gradients accumulate in ``.grad``.
 
-        Each micro-batch's mean loss is scaled by ``micro_batch / global_batch`` so gradients summed over
-        ranks are those of the global batch's mean loss; with masked labels the loss is already this
-        micro-batch's part of the mean over the global batch's ``num_targets`` labelled tokens. Returns this
+        Each micro-batch's mean loss is scaled by its size over ``global_batch`` (``micro_batch / global_batch``,
+        or a ZeRO-2/3 rank's uneven lockstep size) so gradients summed over ranks are those of the global batch's
+        mean loss; with masked labels the loss is already this micro-batch's part of the mean over the global batch's ``num_targets`` labelled tokens. Returns this
         rank's part of that mean (float64). With a pipeline, the schedule runs them through the replica's
         stages (the last stage's part is the loss; other stages return 0).
         """
@@ -60,7 +60,6 @@ class RankTrainer(RankParts):
                                       None if y is None else torch.from_numpy(y), num_targets)
             self.pipeline_times.append((self.pipeline.times.step_s, self.pipeline.times.busy_s))
             return torch.tensor(part, dtype=torch.float64)
-        scale = self.job.micro_batch / self.job.global_batch
         loss_sum = torch.zeros((), dtype=torch.float64)
         for k, idx in enumerate(micro_batches):
             tm, blocked0 = self.timer.now(), self.grads.blocked_s
@@ -73,7 +72,7 @@ class RankTrainer(RankParts):
                                   None if y is None else torch.from_numpy(y).to(self.device), num_targets)
             if k == len(micro_batches) - 1:
                 self.grads.arm()  # the last backward: overlap the gradient all-reduce with it
-            weight = scale if y is None else 1.0
+            weight = len(idx) / self.job.global_batch if y is None else 1.0  # its sequences' share
             (loss * weight).backward()
             loss_sum += loss.detach().double().cpu() * weight
             self.callbacks.on_micro_batch_end(self.ctx, self.timer.now() - tm - (self.grads.blocked_s - blocked0))

@@ -26,7 +26,12 @@ from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.mesh import MixedMesh
 from starverse.runtime.parallel.fsdp import ZeroModel
-from starverse.runtime.parallel.parallelize import ParallelModel, full_tensors, parallelize_for_plan
+from starverse.runtime.parallel.parallelize import (
+    ParallelModel,
+    full_tensors,
+    lockstep_micro_batches,
+    parallelize_for_plan,
+)
 from starverse.runtime.parallel.pipeline import (
     PipelineRunner,
     UnsplitSignature,
@@ -123,7 +128,7 @@ class RankParts:
             full.train()
             pipeline = PipelineRunner.build(
                 full, layout, env.rank, device, job.plan.train.schedule, job.micro_batch / job.global_batch,
-                pipeline_groups(layout, kinds, devices), job.weights_folder,
+                pipeline_groups(layout, kinds, devices), job.weights_folder, job.loss_fn,
             )
             in_stage = pipeline_parallel_config(job.plan)
             if not in_stage.is_plain:  # the same on every rank: all build the stage meshes together
@@ -197,6 +202,8 @@ class RankParts:
         mb = self.job.micro_batch
         shares = self.ctx.shares
         start = sum(shares[: self.replica]) * mb
+        if isinstance(self.grads, ParallelModel) and self.grads.lockstep:  # ZeRO-2/3: equal counts, uneven sizes
+            return lockstep_micro_batches(batch_idx[start : start + shares[self.replica] * mb], shares)
         return [batch_idx[start + k * mb : start + (k + 1) * mb] for k in range(shares[self.replica])]
 
     def pipeline_figures(self) -> dict[str, Any]:
@@ -212,12 +219,7 @@ class RankParts:
     def state_bytes(self) -> int:
         """Bytes of parameters, gradients (as many as parameters) and optimizer state held by this rank (its
         shards under tensor parallel and ZeRO)."""
-        params = sum(local(p).numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        opt = sum(
-            local(t).numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
-        )
-        return 2 * params + opt
+        return state_bytes(self.model, self.optimizer)
 
     def peak_activation_bytes(self) -> int:
         """Peak device memory above the training state (CUDA's allocator; 0 on devices without a counter)."""
@@ -233,27 +235,52 @@ class RankParts:
         names), so the file is the whole model's state dict.
         """
         state = full_tensors(trainable_state_dict(self.model))
-        mine = {k: v.detach().cpu() for k, v in state.items()}
+        mine: dict[str, torch.Tensor] | None = {k: v.detach().cpu() for k, v in state.items()}
         if self.pipeline is not None:
-            parts: list[Any] = [None] * self.env.world_size if self.rank == 0 else []
-            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.mesh.host_group)
-            if self.rank != 0:
-                return
-            full = torch.load(self.job.model_path, map_location="cpu", weights_only=False)
-            if self.job.weights_folder is not None:  # a skeleton: the untrained tensors (frozen base) from the files
-                load_chunk_weights(full, {n: n for n, _ in full.named_parameters()}, self.job.weights_folder)
-            named = dict(full.named_parameters())
-            with torch.no_grad():
-                for part in parts:
-                    for k, v in part.items():
-                        named[k].copy_(v)
-            mine = {k: v.detach().cpu() for k, v in trainable_state_dict(full).items()}
+            mine = gather_pipeline_weights(mine or {}, self.job, self.env.world_size, self.mesh.host_group)
         elif self.rank != 0:
             return
-        final = self.job.run_dir / FINAL_WEIGHTS
-        tmp = final.with_suffix(".tmp")
-        torch.save(mine, tmp)
-        tmp.replace(final)
+        if mine is not None:
+            write_final(self.job, mine)
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``model``'s trainable parameters, as many for their gradients, and ``optimizer``'s state (the
+    local shards of DTensors)."""
+    params = sum(local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    opt = sum(
+        local(t).numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    return 2 * params + opt
+
+
+def gather_pipeline_weights(mine: dict[str, torch.Tensor], job: FitJob, world: int,
+                            group: Any) -> dict[str, torch.Tensor] | None:
+    """The whole model's trained weights, from every pipeline rank's part (``mine``: unsplit names, CPU), on rank 0
+    of ``group`` (a collective over ``group``; None elsewhere): the parts written into a copy of the initial model."""
+    rank = dist.get_rank(group)
+    parts: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine, parts if rank == 0 else None, dst=dist.get_global_rank(group, 0), group=group)
+    if rank != 0:
+        return None
+    full = torch.load(job.model_path, map_location="cpu", weights_only=False)
+    if job.weights_folder is not None:  # a skeleton: the untrained tensors (frozen base) from the files
+        load_chunk_weights(full, {n: n for n, _ in full.named_parameters()}, job.weights_folder)
+    named = dict(full.named_parameters())
+    with torch.no_grad():
+        for part in parts:
+            for k, v in part.items():
+                named[k].copy_(v)
+    return {k: v.detach().cpu() for k, v in trainable_state_dict(full).items()}
+
+
+def write_final(job: FitJob, state: dict[str, torch.Tensor]) -> None:
+    """Write the trained weights ``fit`` loads into the user's model (atomically: a temporary file renamed)."""
+    final = Path(job.run_dir) / FINAL_WEIGHTS
+    tmp = final.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(final)
 
 
 def training_parts(

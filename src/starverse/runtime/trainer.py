@@ -39,7 +39,11 @@ from starverse.runtime.hetero_dp import proportional_shares
 from starverse.runtime.launch import Launcher, RankSpec, launch, resolve_launcher
 from starverse.runtime.lora import apply_mode
 from starverse.runtime.parallel.parallelize import check_parallel_plan
-from starverse.runtime.parallel.pipeline import micro_batch_count_error, min_micro_batches
+from starverse.runtime.parallel.pipeline import (
+    check_pipeline_loss_fn,
+    micro_batch_count_error,
+    min_micro_batches,
+)
 from starverse.runtime.parallel.pipeline_layout import PipelineLayout
 from starverse.runtime.parallel.pipeline_parallel import check_pipeline_parallel
 from starverse.runtime.parallel.pipeline_report import PipelineReport, pipeline_report
@@ -275,9 +279,11 @@ class Trainer:
         num_micro = gb // per_device_batch_size
         init_shares = _initial_shares(cluster, layout, num_micro, shares)
         if layout.is_pipelined:
-            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model, seq_len=seq_len)
+            check_pipeline_parallel(plan, self.rebalance_every, init_shares, model, seq_len=seq_len,
+                                    rank_devices=[r.device for r in ranks])
         else:
-            check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model)
+            check_parallel_plan(plan, [r.device_kind for r in ranks], self.rebalance_every, init_shares, model,
+                                [r.device for r in ranks])
 
         run_dir = Path(self.run_dir) if self.run_dir else Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         run_dir = run_dir.resolve()
@@ -317,6 +323,9 @@ class Trainer:
         tokens_path = run_dir / "data" / "tokens.npy"
         np.save(tokens_path, packed.tokens)
         labels_path = _save_array(run_dir / "data" / "labels.npy", packed.labels)
+        if loss_fn is not None and labels_path is not None:
+            raise ConfigError("loss_fn= cannot be combined with masked labels (chat data: the loss is over the "
+                              "labelled tokens). To fix: drop loss_fn, or train on plain text.")
         record_model(run_dir, model, tokenizer=hf_tok.tok if isinstance(hf_tok, HFTokenizer) else None,
                      bpe_file=corpus.tokenizer[4:] if corpus.tokenizer.startswith("bpe:") else None,
                      lora=lora, mode=plan.train.mode)
@@ -336,12 +345,14 @@ class Trainer:
             resume_from=Path(resume_from).resolve() if resume_from is not None else None,
             peaks_tflops=tuple(_peak_tflops(r.device_kind, prec, r.device) for r in ranks),
             flops_per_token=flops_per_token(model, seq_len),
-            recovery=self.recovery if inplace_supported(plan) else "restart",
+            recovery=_recovery_for(self.recovery, plan),
         )
         log.info(
             "fit: %d ranks, global batch %d = %d micro-batches of %d, shares %s, %d steps, seq_len %d",
             world, gb, num_micro, per_device_batch_size, init_shares, max_steps, seq_len,
         )
+        if job.recovery == "in-place" and layout.is_pipelined:
+            ranks = tag_replicas(ranks, layout)
         results = launch(
             train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
             launcher=self.launcher,
@@ -357,14 +368,47 @@ class Trainer:
         return _summarise(results, job, ranks, report)
 
 
+def _recovery_for(recovery: str, plan: Plan) -> str:
+    """``recovery``, or ``restart`` with one logged line when in-place recovery does not run ``plan``."""
+    refusal = inplace_refusal(plan) if recovery == "in-place" else None
+    if refusal is None:
+        return recovery
+    log.warning("recovery: in-place recovers replicas of one rank or one pipeline each; this plan (%s) has %s, so it "
+                "runs with checkpoint-restart", ", ".join(
+                    f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}" for g in plan.groups),
+                refusal)
+    return "restart"
+
+
 RECOVERY_MODES = ("restart", "in-place")
 """Values of ``Trainer.recovery`` (``recovery:`` in a job file)."""
 
 
 def inplace_supported(plan: Plan) -> bool:
-    """True if in-place recovery can run ``plan``: every replica one rank holding the whole model."""
+    """True if in-place recovery can run ``plan`` (see :func:`inplace_refusal`)."""
+    return inplace_refusal(plan) is None
+
+
+def inplace_refusal(plan: Plan) -> str | None:
+    """Why in-place recovery cannot run ``plan`` (None: it can): every replica one rank holding the whole model,
+    or one pipeline (a stage per rank, no TP, every replica cut alike, GPipe or 1F1B); no ZeRO, no offload."""
     t = plan.train
-    return all(g.devices_per_replica == 1 for g in plan.groups) and not t.zero_stage and t.offload == "none"
+    if t.zero_stage or t.offload != "none":
+        return f"ZeRO-{t.zero_stage} / offload {t.offload} (sharded replicas are not built)"
+    if all(g.devices_per_replica == 1 for g in plan.groups):
+        return None
+    from starverse.runtime.ft_pipe import pipeline_replica_error
+
+    layout = PipelineLayout.from_plan(plan)
+    return pipeline_replica_error(layout) if layout.is_pipelined else "replicas of several ranks without a pipeline"
+
+
+def tag_replicas(ranks: list[RankSpec], layout: PipelineLayout) -> list[RankSpec]:
+    """The ranks of an in-place pipelined run, each told its replica (the launcher starts, loses and replaces a
+    replica's ranks together: ``REPLICA_ENV``)."""
+    from starverse.runtime.ft_group import REPLICA_ENV
+
+    return [dataclasses.replace(r, env=(*r.env, (REPLICA_ENV, str(layout.places[r.rank].replica)))) for r in ranks]
 
 
 def _fill_lost(results: list[Any]) -> list[RankResult]:
@@ -398,10 +442,7 @@ def _check_runs(plan: Plan, layout: PipelineLayout, loss_fn: LossFn | None) -> N
     """What this runtime does not run yet, refused rather than silently run as something else."""
     # tensor parallelism: checked by parallel.parallelize.check_parallel_plan (with the shares)
     if layout.is_pipelined and loss_fn is not None:
-        raise ConfigError(
-            "loss_fn= cannot be used with pipeline stages (the last stage scores logits with next-token "
-            "cross-entropy). To fix: drop loss_fn, or use one stage per group."
-        )
+        check_pipeline_loss_fn(loss_fn)  # the last stage calls loss_fn(logits, labels)
     if layout.is_pipelined and plan.train.mode == "qlora":
         raise ConfigError(
             "the cluster's plan: train.mode: qlora is not run with pipeline stages yet (a stage is a copy of the "

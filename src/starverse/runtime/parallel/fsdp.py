@@ -17,7 +17,10 @@ zero 1       no FSDP: parameters and gradients stay whole on every rank (summed 
              rank holds whole parameters and gradients, between steps the parameters sharded (the
              parameters are then counted once whole and once as a shard: 1.5 P for two ranks).
 zero 2       ``fully_shard(reshard_after_forward=False)``: parameters gathered once per micro-batch and
-             kept through its backward; gradients reduce-scattered after every micro-batch (1/N kept).
+             kept through its backward; gradients reduce-scattered after every micro-batch (1/N kept). Every
+             rank runs as many micro-batches (of uneven sizes when shares differ:
+             ``parallelize.lockstep_micro_batches``), so the collectives pair up over the mesh, which may span
+             data-parallel groups of several device kinds of one device type.
 zero 3       ``fully_shard(reshard_after_forward=True)``: each block's parameters are gathered for its
              forward, freed, gathered again for its backward (FSDP2 prefetches the next block).
 ===========  ===========================================================================================
@@ -38,20 +41,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 
 from starverse.errors import ConfigError
 from starverse.runtime.parallel.blocks import decoder_blocks
-from starverse.runtime.parallel.zero1 import ShardedOptimizer
+
+if TYPE_CHECKING:  # FSDP2 and ZeroRedundancyOptimizer import DTensor (~1 s): imported where a ZeRO stage is applied
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +82,8 @@ class ZeroModel:
         else the same optimizer with its state sharded over the data-parallel ranks (ZeRO-1 proper)."""
         if self.fsdp or self.dp_mesh is None or self.dp_mesh.size() == 1:
             return optimizer
+        from starverse.runtime.parallel.zero1 import ShardedOptimizer
+
         return ShardedOptimizer(optimizer, self.dp_mesh.get_group())
 
     @property
@@ -108,6 +109,7 @@ class ZeroModel:
 
 def offload_policy(offload: str, device: torch.device) -> OffloadPolicy:
     """FSDP2's policy for the plan's ``offload`` (see the module docstring for ``optimizer``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
     if offload not in OFFLOAD_MODES:
         raise ConfigError(f"offload must be one of {', '.join(OFFLOAD_MODES)} (got {offload!r}).")
     if offload == "none":
@@ -135,6 +137,8 @@ def apply_zero(
     if stage == 1 and offload == "none":
         log.info("ZeRO-1: optimizer state sharded over %d ranks", dp_mesh.size())
         return ZeroModel(model=model, stage=stage, offload=offload, dp_mesh=dp_mesh)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     device = torch.device(dp_mesh.device_type)
     kwargs = {
         "mesh": dp_mesh,

@@ -9,19 +9,23 @@ every parameter is a 2-D DTensor ``(Shard(0) over dp, Shard(k) over tp)``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 from starverse.errors import ConfigError
 from starverse.plan import Plan
+from starverse.runtime.parallel.dtensor import is_dtensor
 from starverse.runtime.parallel.fsdp import ZeroModel, apply_zero
 from starverse.runtime.parallel.recompute import apply_recompute
 from starverse.runtime.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tp_layout
+
+if TYPE_CHECKING:  # FSDP2 imports DTensor (~1 s): a plain data-parallel rank needs neither
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class ParallelModel:
         """
         if (self.zero is not None and self.zero.fsdp) or self.mesh is None or self.mesh["dp"].size() == 1:
             return
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad
                  for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
@@ -105,6 +109,12 @@ class ParallelModel:
         """Call before the forward of micro-batch ``index`` of ``count`` of a step."""
         if self.zero is not None:
             self.zero.before_micro_batch(index, count)
+
+    @property
+    def lockstep(self) -> bool:
+        """FSDP2 gathers or reduces per micro-batch (ZeRO-2/3): every rank must run as many micro-batches
+        (:func:`lockstep_micro_batches`)."""
+        return self.zero is not None and self.zero.fsdp and self.zero.stage >= 2
 
     @property
     def syncs_own_gradients(self) -> bool:
@@ -160,26 +170,30 @@ def check_tensor_parallel_plan(plan: Plan, rank_kinds: list[str], source: str = 
 
 def check_parallel_plan(
     plan: Plan, rank_kinds: list[str], rebalance_every: int, shares: list[int] | None = None,
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | None = None, rank_devices: list[str] | None = None,
 ) -> None:
     """Raise :class:`ConfigError` if the runtime cannot run ``plan``'s in-stage parallelism on these ranks.
 
     Tensor parallelism runs in plans of one group of one device kind without pipeline stages (the TP groups
     and the replicas form one ``(dp, tp)`` mesh), for a model whose family has a split table and whose heads,
-    KV heads and MLP width ``tp`` divides (``model``, when given, is checked). FSDP2 shards over one device
-    mesh, so ZeRO needs one device kind. ZeRO-2 and ZeRO-3 gather and reduce-scatter per micro-batch, a
-    collective every rank must join: shares must stay equal (``rebalance_every: 0``); ZeRO-1 reduces once
-    per step and keeps uneven, rebalanced shares.
+    KV heads and MLP width ``tp`` divides (``model``, when given, is checked). ZeRO shards over one mesh of every
+    rank: the groups of a plan without pipeline stages all hold the whole model, so several device kinds share
+    it when their torch device type is one (``rank_devices``: CPU ranks over gloo, CUDA kinds over NCCL).
+    ZeRO-2 and ZeRO-3 gather and reduce-scatter per micro-batch, a collective every rank must join: the ranks
+    run equally many micro-batches of uneven sizes (:func:`lockstep_micro_batches`), so uneven and rebalanced
+    shares run; ``rebalance_every`` and ``shares`` are accepted for the checks' common signature.
     """
     cfg = ParallelConfig.from_plan(plan)
     check_tensor_parallel_plan(plan, rank_kinds)
     if model is not None and cfg.tp > 1:
         tp_layout(model)
         check_tensor_parallel(getattr(model, "config", None), cfg.tp)
-    if cfg.zero_stage > 0 and len(set(rank_kinds)) > 1:
+    types = sorted({d.split(":", 1)[0] for d in rank_devices or []})
+    if cfg.zero_stage > 0 and len(types) > 1:
         raise ConfigError(
-            f"plan: train.zero_stage: {cfg.zero_stage} shards over one device kind, but the ranks are "
-            f"{sorted(set(rank_kinds))}. To fix: set zero_stage: 0 for a mixed cluster, or use one device kind."
+            f"plan: train.zero_stage: {cfg.zero_stage} shards over one mesh of one device type, but the ranks are "
+            f"{', '.join(types)} devices ({sorted(set(rank_kinds))}). To fix: set zero_stage: 0 for this cluster, "
+            "or use devices of one type."
         )
     if plan.train.mode == "qlora" and (cfg.zero_stage >= 2 or cfg.offload != "none"):
         raise ConfigError(
@@ -188,17 +202,14 @@ def check_parallel_plan(
             "zero_stage: 0 or 1 without offload for QLoRA (the 4-bit base is small; ZeRO-1 shards the adapters' "
             "optimizer state), or mode: lora."
         )
-    if cfg.zero_stage >= 2 and rebalance_every != 0:
-        raise ConfigError(
-            f"plan: train.zero_stage: {cfg.zero_stage} gathers and reduces per micro-batch in lockstep, so shares "
-            "cannot be rebalanced. To fix: Trainer(rebalance_every=0), or zero_stage: 1 (one reduction per step)."
-        )
-    if cfg.zero_stage >= 2 and shares is not None and len(set(shares)) > 1:
-        raise ConfigError(
-            f"plan: train.zero_stage: {cfg.zero_stage} runs the ranks in lockstep, but the micro-batches split "
-            f"unevenly ({shares}). To fix: a global batch that is a multiple of {len(shares)} x the micro-batch, "
-            "or zero_stage: 1."
-        )
+
+
+def lockstep_micro_batches(rows: np.ndarray, shares: Sequence[int]) -> list[np.ndarray]:
+    """A replica's sequences ``rows`` (its share of the global batch) as ``min(shares)`` micro-batches of as even
+    sizes as possible: every replica then runs equally many forwards and backwards, so FSDP2's per-micro-batch
+    all-gathers and reduce-scatters (ZeRO-2/3) pair up over the mesh whatever the shares (a replica with a larger
+    share runs larger micro-batches; each one's loss is scaled by its own size, so the step stays exact)."""
+    return [part for part in np.array_split(rows, max(1, min(shares))) if len(part)]
 
 
 def parallelize_for_plan(model: torch.nn.Module, plan: Plan, device: torch.device, world: int) -> ParallelModel | None:
@@ -240,15 +251,15 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
     squares = []
     for g in grads:
         n = torch.linalg.vector_norm(g)
-        squares.append((n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2)
+        squares.append((n.full_tensor() if is_dtensor(n) else n).float() ** 2)
     total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else coef.to(g.device).item())
+            g.mul_(coef.to(g.device) if not is_dtensor(g) else coef.to(g.device).item())
     return total
 
 
 def full_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with every DTensor gathered whole (a collective: every rank of its mesh must call it)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    return {k: v.full_tensor() if is_dtensor(v) else v for k, v in state.items()}

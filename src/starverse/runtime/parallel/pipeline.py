@@ -39,6 +39,28 @@ def _summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return masked_cross_entropy(logits, labels, 1)
 
 
+def check_pipeline_loss_fn(loss_fn: Callable[..., torch.Tensor]) -> None:
+    """:class:`ConfigError` unless ``loss_fn`` can be the last stage's loss: called as ``loss_fn(logits, labels)``
+    per micro-batch (no stage holds the whole model, so it cannot take the model as ``fit``'s loss_fn does without
+    pipelines), it may need no other argument."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # a builtin or C function: called as (logits, labels)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    takes_two = len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    if len(required) > 2 or not takes_two or (positional and positional[0].name == "model"):
+        names = ", ".join(p.name for p in params)
+        raise ConfigError(
+            f"loss_fn({names}): with pipeline stages the last stage calls loss_fn(logits, labels) per micro-batch "
+            "(logits [batch, seq, vocab], labels: the micro-batch's token ids) and no stage holds the whole model. "
+            "To fix: a loss_fn of (logits, labels) returning the micro-batch's mean loss, or one stage per group."
+        )
+
+
 def micro_batch_count_error(schedule: str, num_stages: int, n: int) -> str | None:
     """Why a pipeline of ``num_stages`` cannot run ``n`` micro-batches a step with ``schedule`` (None: it can)."""
     if num_stages <= 1:
@@ -153,6 +175,9 @@ class PipelineRunner:
     """Where activations cross between stages (host memory for a pipeline over several device kinds)."""
     loss_scale: float
     """Each micro-batch's weight in the global batch: ``micro_batch / global_batch``."""
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    """The user's ``loss_fn(logits, labels)`` (mean over the micro-batch; ``labels``: its token ids), computed by the
+    last stage per micro-batch instead of next-token cross-entropy (see :func:`check_pipeline_loss_fn`)."""
     on_compute: Callable[[float], None] = lambda dt: None
     """Called after each forward and backward of a micro-batch with its time (the straggler facility hooks here)."""
     times: PipelineTimes = field(default_factory=PipelineTimes)
@@ -166,6 +191,7 @@ class PipelineRunner:
     def build(
         cls, model: nn.Module, layout: PipelineLayout, rank: int, device: torch.device, schedule: str,
         loss_scale: float, groups: dict[int, Any], weights: Path | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
     ) -> PipelineRunner:
         """The rank's chunks of ``model`` (the unsplit model, left untouched) and its replica's P2P group.
 
@@ -178,7 +204,8 @@ class PipelineRunner:
             cut(model, c.first_layer, c.num_layers, c.is_first, c.is_last, device, comm, weights)
             for c in layout.chunks_of(rank)
         ]
-        return cls(chunks, groups[place.replica], layout.num_stages(place.group), schedule, comm, loss_scale)
+        return cls(chunks, groups[place.replica], layout.num_stages(place.group), schedule, comm, loss_scale,
+                   loss_fn)
 
     @property
     def has_first(self) -> bool:
@@ -204,6 +231,8 @@ class PipelineRunner:
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._num_targets is not None:  # masked labels: this micro-batch's part of the global batch's mean
             return masked_cross_entropy(logits, target, self._num_targets)
+        if self.loss_fn is not None:  # the user's mean over the micro-batch, weighted like the built-in one
+            return self.loss_fn(logits, target) * self.loss_scale
         return shifted_cross_entropy(logits, target) * self.loss_scale
 
     def _make_schedule(self, n_micro: int, evaluation: bool = False) -> Any:

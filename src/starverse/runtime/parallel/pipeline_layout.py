@@ -104,6 +104,12 @@ class PipelineLayout:
         """Some group has more than one stage (or interleaved chunks)."""
         return any(len(s) > 1 for s in self.stage_layers) or self.virtual_stages > 1
 
+    @property
+    def splits_match(self) -> bool:
+        """Every group's pipeline cuts the layers the same way: the replicas of all groups hold the same
+        parameters stage by stage (so one FSDP2 mesh per stage can span the groups)."""
+        return len(set(self.stage_layers)) == 1
+
     def num_stages(self, group: int) -> int:
         """Pipeline depth of a group."""
         return len(self.stage_layers[group])

@@ -12,9 +12,13 @@ hold the same stage.
   are replicated over the TP group, so every TP rank sends the same (whole) tensor to its peer; with it (as
   torchtitan) each sends its sequence shard and the peer resumes from that shard. The last stage's head gathers
   the logits: each TP rank of the last stage computes the same loss (counted once).
-- **ZeRO x PP.** The ranks holding the same stage and TP index in the group's replicas form the ``dp``
-  dimension (one per group: with several groups, ZeRO-1 shards each stage's optimizer state inside its group,
-  and the whole gradients are summed over every rank holding a parameter, in all groups, as without ZeRO); ``fully_shard`` shards each block and the chunk (the root: embedding, final norm, head) over it.
+- **ZeRO x PP.** The ranks holding the same stage and TP index form the ``dp`` dimension: over the replicas of
+  every group when the groups' pipelines split the layers the same way (:func:`spans_groups`: then they hold the
+  same parameters stage by stage, as FSDP2/HSDP wants one mesh over every holder of a shard set; several device
+  kinds share it when they are of one device type: gloo for CPU ranks, NCCL for CUDA kinds), else one per group
+  (ZeRO-1 shards each stage's optimizer state inside its group, and the whole gradients are summed over every
+  rank holding a parameter, in all groups, as without ZeRO). ``fully_shard`` shards each block and the chunk
+  (the root: embedding, final norm, head) over it.
   ``torch.distributed.pipelining`` runs an FSDP chunk's backwards without gradient sync and reduce-scatters once
   after the last micro-batch (``perform_reduce_grad``), so ZeRO-1 and ZeRO-2 move one all-gather and one
   reduce-scatter per step and keep uneven shares; ZeRO-3 gathers each block per micro-batch forward, so the
@@ -25,9 +29,10 @@ hold the same stage.
   without pipelines), so only the adapters train and their gradients are summed like any parameter's.
 
 Refused with one line each (:func:`check_pipeline_parallel`): different ``tp`` per stage, sequence parallel with
-a ``seq_len`` the TP ranks do not divide, ZeRO-2/3 or offload over several groups (their pipelines may split
-differently, and FSDP2's sharded gradient cannot be summed with a differently cut one), ZeRO-3 with uneven or
-rebalanced shares.
+a ``seq_len`` the TP ranks do not divide, ZeRO-2/3 or offload over several groups whose pipelines split the
+layers differently (or whose stages' replicas are of several device types): FSDP2's sharded gradient cannot be
+summed with a differently cut one (the planner never proposes it: ``planner.policy.runtime_layout_rule``), ZeRO-3 with
+uneven or rebalanced shares.
 """
 
 from __future__ import annotations
@@ -58,14 +63,40 @@ def pipeline_parallel_config(plan: Plan) -> ParallelConfig:
                           sequence_parallel=t.sequence_parallel)
 
 
+def _fsdp(cfg: ParallelConfig) -> bool:
+    """The setting shards parameters with FSDP2 (ZeRO-2/3, or ZeRO-1 with offload)."""
+    return cfg.zero_stage > 1 or (cfg.zero_stage == 1 and cfg.offload != "none")
+
+
+def spans_groups(layout: PipelineLayout, rank_devices: Sequence[str] | None) -> bool:
+    """One ZeRO mesh per stage spans the replicas of every group: the groups split the layers the same way and
+    each stage's replicas are of one device type (``rank_devices`` None: assumed)."""
+    if len(layout.stage_layers) < 2 or not layout.splits_match:
+        return False
+    if rank_devices is None:
+        return True
+    types: dict[int, set[str]] = {}
+    for place in layout.places:
+        types.setdefault(place.stage, set()).add(rank_devices[place.rank].split(":", 1)[0])
+    return all(len(t) == 1 for t in types.values())
+
+
 def check_pipeline_parallel(
     plan: Plan, rebalance_every: int, shares: Sequence[int], model: torch.nn.Module | None = None,
-    source: str = "the cluster's plan", seq_len: int | None = None,
+    source: str = "the cluster's plan", seq_len: int | None = None, rank_devices: Sequence[str] | None = None,
 ) -> None:
     """Raise :class:`ConfigError` unless this runtime runs the in-stage parallelism of ``plan``'s pipelines with
     these shares (``model``, when given, is checked for tensor parallelism; ``seq_len``: the one trained, None:
-    the plan's)."""
+    the plan's; ``rank_devices``: the ranks' torch devices in the plan's order, None: not checked)."""
     cfg = check_pipeline_plan(plan, source, seq_len)
+    layout = PipelineLayout.from_plan(plan)
+    if len(plan.groups) > 1 and _fsdp(cfg) and not spans_groups(layout, rank_devices):
+        raise ConfigError(
+            f"{source}: train.zero_stage: {cfg.zero_stage} (offload: {cfg.offload}) over {len(plan.groups)} "
+            "groups shards each stage over the replicas of every group, but a stage's replicas are of several "
+            "device types (one FSDP2 mesh has one). To fix: zero_stage: 1 without offload, or one device type "
+            "per stage."
+        )
     if model is not None and cfg.tp > 1:
         tp_layout(model)
         check_tensor_parallel(getattr(model, "config", None), cfg.tp)
@@ -95,13 +126,13 @@ def check_pipeline_plan(plan: Plan, source: str = "plan", seq_len: int | None = 
                 f"{source}: train.sequence_parallel with pipeline stages splits the {seq}-token sequences "
                 f"between the stages' {cfg.tp} TP ranks. To fix: a seq_len that is a multiple of {cfg.tp}."
             )
-    if len(plan.groups) > 1 and (cfg.zero_stage > 1 or (cfg.zero_stage == 1 and cfg.offload != "none")):
+    if len(plan.groups) > 1 and _fsdp(cfg) and not PipelineLayout.from_plan(plan).splits_match:
         raise ConfigError(
-            f"{source}: train.zero_stage: {cfg.zero_stage} (offload: {cfg.offload}) with pipeline stages and "
-            f"{len(plan.groups)} groups is not run: FSDP2 reduce-scatters each group's gradients into shards cut "
-            "by that group's replicas and split, which cannot be summed with another group's differently cut "
-            "shards. To fix: zero_stage: 1 without offload (optimizer state sharded inside each group, whole "
-            "gradients summed over the groups), or one group (replicas: N)."
+            f"{source}: train.zero_stage: {cfg.zero_stage} (offload: {cfg.offload}) with pipeline stages over "
+            f"{len(plan.groups)} groups whose pipelines split the layers differently is not run: FSDP2 "
+            "reduce-scatters each group's gradients into shards cut by that group's split, which cannot be summed "
+            "with another group's differently cut shards. To fix: give every group the same stages' layers, "
+            "zero_stage: 1 without offload (optimizer state sharded inside each group), or one group (replicas: N)."
         )
     return cfg
 
@@ -134,9 +165,11 @@ def stage_meshes(
                     tp_pg, tp_ranks = pg, members
     grid: list[list[int]] = []
     if config.zero_stage > 0:
-        for g in range(len(layout.stage_layers)):
-            replicas = [i for i, rg in enumerate(layout.replica_group) if rg == g]
-            for stage in range(layout.num_stages(g)):
+        span = spans_groups(layout, rank_devices)
+        sets = [list(range(layout.num_replicas))] if span else [
+            [i for i, rg in enumerate(layout.replica_group) if rg == g] for g in range(len(layout.stage_layers))]
+        for replicas in sets:
+            for stage in range(layout.num_stages(layout.replica_group[replicas[0]])):
                 rows = [[r for r in layout.replica_ranks[i] if layout.places[r].stage == stage] for i in replicas]
                 for t in range(config.tp):
                     members = [row[t] for row in rows]

@@ -28,20 +28,16 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from starverse.errors import ConfigError
+from starverse.runtime.parallel.dtensor import is_dtensor
+
+if TYPE_CHECKING:  # DTensor costs ~1 s per process: imported where a model is split (tp_layout, checks need none)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +127,14 @@ def apply_tensor_parallel(
     unless ``sequence_parallel``). Raises :class:`TensorParallelError` for a family without a split table
     or sizes ``tp`` does not divide.
     """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
     tp = tp_mesh.size()
     config = getattr(model, "config", None)
     layout = tp_layout(model)
@@ -198,6 +202,9 @@ def _split_linear(base: torch.nn.Module, key: str, style: str, sequence_parallel
     on every TP rank. Under sequence parallel ``lora_B``'s output is then cut to this rank's part of the
     sequence, as the base's is reduce-scattered (see :func:`_lora_hooks`).
     """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     seq_layout = Shard(1) if sequence_parallel else Replicate()
 
     def split() -> ParallelStyle:
@@ -237,6 +244,8 @@ def _adapters(module: torch.nn.Module, which: str) -> dict[str, torch.nn.Module]
 
 def _scatter_sequence(mesh: DeviceMesh, module: torch.nn.Module, args: Any, output: torch.Tensor) -> Any:
     """Forward hook of a replicated embedding under sequence parallel: keep this rank's sequence shard."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     return DTensor.from_local(output, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
 
 
@@ -248,10 +257,12 @@ def _gather_sequence(
     A hook rather than ``PrepareModuleInput``: families call their attention with the hidden states as a
     keyword (Llama) or positionally (GPT-NeoX), and the region takes whichever it gets.
     """
-    if args and isinstance(args[0], DTensor):
+    from torch.distributed.tensor import Replicate
+
+    if args and is_dtensor(args[0]):
         args = (args[0].redistribute(placements=[Replicate()]).to_local(), *args[1:])
     hidden = kwargs.get("hidden_states")
-    if isinstance(hidden, DTensor):
+    if is_dtensor(hidden):
         kwargs = {**kwargs, "hidden_states": hidden.redistribute(placements=[Replicate()]).to_local()}
     return args, kwargs
 

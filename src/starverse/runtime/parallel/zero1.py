@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+
+from starverse.runtime.parallel.dtensor import is_dtensor
 
 
 class ShardedOptimizer(ZeroRedundancyOptimizer):
@@ -70,7 +71,7 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         src = dist.distributed_c10d.get_global_rank(self.process_group, rank)  # type: ignore[arg-type]
         with torch.no_grad():
             return [
-                dist.broadcast(p.to_local() if isinstance(p, DTensor) else p.data, src=src,
+                dist.broadcast(p.to_local() if is_dtensor(p) else p.data, src=src,
                                group=self.process_group, async_op=True)
                 for g in self._zero._partition_parameters()[rank] for p in g["params"]
             ]
