@@ -54,8 +54,7 @@ def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit:
     for kd, lo, hi in zip(group.kinds, group.klo, group.khi, strict=True):
         if hi < lo:
             continue
-        with np.errstate(invalid="ignore", divide="ignore"):
-            q = np.minimum(np.nan_to_num(taus / kt.a[kd] + 1e-9, nan=0.0, posinf=n_q - 1.0), n_q - 1.0)
+        q = np.minimum(taus / kt.a[kd] + 1e-9, n_q - 1.0)  # (a > 0; τ = inf saturates)
         cap = np.ceil(kt.tab[kd, lo:hi + 1, :][:, q.astype(np.int64)].T / unit - 1e-9)  # (G, stages)
         # the fewest stages reaching each capacity (capacity never falls as stages are added)
         short = (cap[:, :, None] < cs[None, None, :]).sum(axis=1)
@@ -84,14 +83,14 @@ def _add(f: FloatArray, cur: FloatArray, must: bool) -> FloatArray:
     """One more group (:func:`price_curve` ``cur``) in the knapsack ``f`` (mandatory: its block is used)."""
     n = f.shape[2]
     diff = np.arange(n)[:, None] - np.arange(n)[None, :]  # (c, d): c - d
-    valid = diff >= 0
-    src = np.where(valid, diff, 0)
+    src = np.where(diff >= 0, diff, n)  # n: an inf column (d > c adds nothing)
     new = np.full_like(f, np.inf) if must else f.copy()
+    pad = np.full((f.shape[1], 1), np.inf)
     for s in range(3):
         if not np.isfinite(f[s, :, 0]).any():
             continue
         # this block at capacity ≥ d, the rest holding ≥ c - d
-        cand = np.where(valid[None, :, :], f[s][:, src] + cur[:, None, :], np.inf).min(axis=2)
+        cand = (np.hstack([f[s], pad])[:, src] + cur[:, None, :]).min(axis=2)
         t = min(s + 1, 2)
         new[t] = np.minimum(new[t], cand)
     return np.asarray(np.minimum.accumulate(new[:, :, ::-1], axis=2)[:, :, ::-1])  # ≥ c implies ≥ c - 1
@@ -224,8 +223,7 @@ def fractional_price(taus: FloatArray, kt: KindTables, groups: list[Group], need
         for kd, lo, hi in zip(gr.kinds, gr.klo, gr.khi, strict=True):
             if hi < lo:
                 continue
-            with np.errstate(invalid="ignore", divide="ignore"):
-                q = np.minimum(np.nan_to_num(taus / kt.a[kd] + 1e-9, nan=0.0, posinf=n_q - 1.0), n_q - 1.0)
+            q = np.minimum(taus / kt.a[kd] + 1e-9, n_q - 1.0)
             cap = kt.tab[kd, lo:hi + 1, :][:, q.astype(np.int64)].T  # (G, stages)
             ks = np.arange(lo, hi + 1, dtype=np.float64)
             best_r = np.maximum(best_r, (cap / (ks[None, :] * kt.price[kd])).max(axis=1))

@@ -23,7 +23,9 @@ of ``τ`` (the bubble included); the sends (at least one crosses two kinds) and 
 objective is bounded (``policy.score`` grows with throughput and falls with price, cost and hours). The money
 objectives are also capped by tokens/s per unit of price, twice: from layer rates per price, and per interval
 of ``τ`` from the layers the open offers must still hold at their best layers per unit of price
-(:func:`.pipebound.price_step_lb`). A child's bound is never above its parent's. A leaf is evaluated exactly
+(:func:`.pipebound.price_step_lb`), and, tighter, from the least price of blocks holding the model with one
+block per offer (a multiple-choice knapsack: :mod:`.pipeprice`; per family first its fractional relaxation,
+then the exact one when the family comes up best). A child's bound is never above its parent's. A leaf is evaluated exactly
 (:mod:`.pipeleaf`): every order of its blocks, the exact layer split, the cost model's stage costs, the spot
 factor and the constraints.
 """
@@ -96,12 +98,19 @@ class _Search(LeafEvaluator):
         """Tokens/s per unit of price at most for a family (``tau0``: a lower bound of its bottleneck):
         :func:`.pipeprice.per_price_ub` over every offer, at least two blocks (``exact``: the knapsack, else
         its fractional relaxation), and its intervals of bottlenecks."""
-        kt = pipeprice.KindTables(kinds.a, capacity_tables(kinds, self.total), r * kinds.tp * self.price[kinds.offer])
+        kt = pipeprice.KindTables(kinds.a, self.tables(kinds), r * kinds.tp * self.price[kinds.offer])
         groups = [pipeprice.Group(ks, np.ones(ks.size, dtype=np.int64), kinds.kmax[ks])
                   for ks in (np.flatnonzero(kinds.offer == o) for o in np.unique(kinds.offer))]
         extra = 2.0 * (m + 1.0) * mb * self.hop_s_per_sequence
         return pipeprice.per_price_ub(self.ctx.batch * self.ctx.seq_len, m, tau0, float(kinds.a.min()) * self.total,
                                       extra, kt, groups, self.total, 2, self.per_price_target(), exact)
+
+    def tables(self, kinds: Kinds) -> FloatArray:
+        """:func:`.pipekinds.capacity_tables` of a family's kinds, computed once per search."""
+        cache: dict[int, tuple[Kinds, FloatArray]] = self.__dict__.setdefault("_tables", {})
+        if id(kinds) not in cache:
+            cache[id(kinds)] = (kinds, capacity_tables(kinds, self.total))
+        return cache[id(kinds)][1]
 
     def per_price_target(self) -> float:
         """Tokens/s per unit of price a plan must exceed to beat the best plan known (inf: none known)."""
@@ -167,7 +176,7 @@ class _Search(LeafEvaluator):
         money = self.ctx.job.objective in ("cost-performance", "cost")
         offers.sort(key=lambda o: -(eff[o] if money else rate[o]))
 
-        tab = capacity_tables(kinds, self.total)
+        tab = self.tables(kinds)
         kinds_of = {o: np.flatnonzero(kinds.offer == o) for o in offers}
         # an open offer holds at most what its best block holds at the level of its fastest kind
         open_tab = {o: tab[kinds_of[o], kinds.kmax[kinds_of[o]], :].max(axis=0) for o in offers}

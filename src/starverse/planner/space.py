@@ -228,6 +228,7 @@ class Evaluated:
     fits: npt.NDArray[np.bool_]
     step_time_s: FloatArray
     power_kw: FloatArray
+    memory_gb: FloatArray
 
 
 def estimate_rows(model: ModelShape, train: TrainShape, devices: DeviceTable, opts: Options,
@@ -241,6 +242,7 @@ def estimate_rows(model: ModelShape, train: TrainShape, devices: DeviceTable, op
     fits = np.zeros(n, dtype=bool)
     step = np.full(n, np.inf)
     power = np.zeros(n)
+    memory = np.zeros(n)
     for v in np.unique(v_of):
         idx = np.flatnonzero(v_of == v)
         tr = train if v == 1 else replace(train, schedule="interleaved", virtual_stages=int(v))
@@ -251,7 +253,8 @@ def estimate_rows(model: ModelShape, train: TrainShape, devices: DeviceTable, op
         fits[idx] = ok
         step[idx] = np.asarray(est.step_time_s, dtype=np.float64)
         power[idx] = np.asarray(est.power_kw, dtype=np.float64)
-    return Evaluated(fits, step, power)
+        memory[idx] = np.asarray(est.memory_gb, dtype=np.float64)
+    return Evaluated(fits, step, power, memory)
 
 
 def evaluate_full_share(model: ModelShape, train: TrainShape, devices: DeviceTable, opts: Options,
