@@ -173,8 +173,9 @@ def per_price_ub(work: float, m: int, tau0: float, sum_lb: float, extra: float, 
     mandatory group and at most one per other group, at least ``min_blocks``, holding ``need`` layers, whose
     bottleneck is at least ``tau0``, ``Σ S`` at least ``sum_lb`` and step at least ``extra`` more.
 
-    Under a bottleneck ``τ`` the step is at least ``(m - 1) τ + max(τ, Σ S) + extra`` (for every schedule
-    searched: interleaved 1F1B's ``m τ + (Σ S - τ) / v`` is at least ``m τ``); on an interval
+    Under a bottleneck ``τ`` the step is at least ``(m - 1) τ + max(τ, Σ S) + extra`` under 1F1B, and under
+    interleaved 1F1B with ``v`` chunks ``(m - 1/v) τ + Σ S / v ≥ (m - 1) τ + max(τ, Σ S / v)``: callers pass
+    ``sum_lb`` divided by the most chunks any pipeline bounded may take; on an interval
     ``[τ_j, τ_{j+1}]`` the price is at least the least price at ``τ_{j+1}``. The intervals are refined where
     the bound could still exceed ``target`` (tokens/s per price to beat; inf: around the least), down to
     ``GRID_RATIO``; beyond the last, ``τ ≥ τ_end``, the price is at least the least at any bottleneck.

@@ -102,7 +102,10 @@ class _Search(LeafEvaluator):
         groups = [pipeprice.Group(ks, np.ones(ks.size, dtype=np.int64), kinds.kmax[ks])
                   for ks in (np.flatnonzero(kinds.offer == o) for o in np.unique(kinds.offer))]
         extra = 2.0 * (m + 1.0) * mb * self.hop_s_per_sequence
-        return pipeprice.per_price_ub(self.ctx.batch * self.ctx.seq_len, m, tau0, float(kinds.a.min()) * self.total,
+        # Σ S ≥ L · min a, and interleaved 1F1B with v chunks counts Σ S / v in its core (at most vmax)
+        vmax = interleave_vmax(self.total, m, 2, self.ctx.job.search.max_virtual_stages)
+        return pipeprice.per_price_ub(self.ctx.batch * self.ctx.seq_len, m, tau0,
+                                      float(kinds.a.min()) * self.total / vmax,
                                       extra, kt, groups, self.total, 2, self.per_price_target(), exact)
 
     def tables(self, kinds: Kinds) -> FloatArray:
@@ -248,8 +251,14 @@ class _Search(LeafEvaluator):
             tau = np.maximum(tau, np.where(on, np.maximum(a_chosen, ka), a_chosen))
             # the smallest bubble of any schedule the leaves may take (at least max(used + klo, 2) stages)
             vmax = interleave_vmax(self.total, m, used + int(klo.min()), self.ctx.job.search.max_virtual_stages)
-            taus, steps = pipebound.core_grid_schedules(m, vmax, tau, cost, cap, mand, self.total)
-            core = steps.min(axis=1)
+            # the money objectives with the knapsack's intervals: its bound replaces the core grid's
+            knap = money and lo_t.size > 0
+            if not knap:
+                taus, steps = pipebound.core_grid_schedules(m, vmax, tau, cost, cap, mand, self.total)
+                core = steps.min(axis=1)
+            else:
+                # every schedule's core is at least (m - 1) τ + max(τ, Σ S / v) (:func:`.pipeprice.per_price_ub`)
+                core = (m - 1.0) * tau + np.maximum(tau, self.total * a_least / vmax)
             price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
             power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
             price = price0 + np.where(on, r * kt * kk * self.price[o], 0.0)
@@ -273,9 +282,9 @@ class _Search(LeafEvaluator):
                 have = sum((tab[c[4], c[2], q_hi[c[4]]] for c in chosen), np.zeros(lo_t.size))[None, :] \
                     + np.where(on[:, None], tab[jj[:, None], khi[:, None], q_hi[jj]], 0.0)
                 per_price = np.minimum(per_price, pipeprice.node_per_price(
-                    self.ctx.batch * self.ctx.seq_len, m, lo_t, hi_t, suffix[level + 1], tau, self.total * a_least,
+                    self.ctx.batch * self.ctx.seq_len, m, lo_t, hi_t, suffix[level + 1], tau, self.total * a_least / vmax,
                     rest, price, have, self.total, np.maximum(2 - len(chosen) - on.astype(np.int64), 0), core))
-            if money:
+            if money and not knap:
                 per_price = np.minimum(per_price, self._per_pricecapacity_tables(
                     m, mb, taus, steps, cap, len(chosen) + 1, used + kk, p2p, opt, price,
                     np.concatenate([kinds_of[q] for q in open_]) if open_ else np.zeros(0, dtype=np.int64),
