@@ -11,8 +11,8 @@
   the same ~100M-parameter model and AdamW state. Target <= 0.10.
 - ``ray_node_loss_recovery_s``: on a ``ray.cluster_utils.Cluster`` on 127.0.0.1 (head + 1-CPU raylets, one rank
   each; two left after the in-place run below), the node of a rank removed once checkpoint
-  KILL_STEP - KILL_STEP % INTERVAL is committed -> first completed step after the supervisor re-planned on the remaining node. Target <= 20 s;
-  also as a ratio of that Ray job's cold start (``ray_node_loss_vs_cold_start``). Skipped without Ray.
+  KILL_STEP - KILL_STEP % INTERVAL is committed -> first completed step after the supervisor re-planned on the
+  remaining node. Target <= 20 s; also as a ratio of that Ray job's cold start (``ray_node_loss_vs_cold_start``). Skipped without Ray.
 - ``ray_inplace_recovery_s``: on the same cluster (a third raylet added), the demo job with ``recovery: in-place``
   on 2 replica actors (:class:`~starverse.providers.ray_inplace.RayInplaceLauncher`); the leader holds after step
   KILL_STEP while the node of rank 1 is removed -> the leader completes the next step without it (detection by

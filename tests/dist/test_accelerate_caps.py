@@ -78,9 +78,11 @@ def test_the_demos_plan_stays_plain_data_parallelism():
 def test_in_place_recovery_keeps_zero0_and_tp1():
     caps = executable_caps([RankSpec(i, "cpu", "cpu", 1) for i in range(2)], recovery="in-place")
     everything = executable_caps([RankSpec(i, "cpu", "cpu", 1) for i in range(2)])
-    # pipelines: a replica may be one (runtime/ft_pipe.py)
+    # pipelines: a replica may be one (runtime/ft_pipe.py), over one device kind (all replicas cut alike)
     assert (caps.max_tp, caps.max_pipeline_stages, caps.zero_stage, caps.offload) == \
         (1, everything.max_pipeline_stages, 0, "none")
+    mixed = executable_caps([RankSpec(0, "cpu", "cpu", 1), RankSpec(1, "cpu-b", "cpu", 1)], recovery="in-place")
+    assert (mixed.max_tp, mixed.max_pipeline_stages, mixed.zero_stage) == (1, 1, 0)
     caps = executable_caps([RankSpec(i, "cpu", "cpu", 1) for i in range(2)])
     assert (caps.max_tp, caps.zero_stage, caps.recompute, caps.offload) == (None, None, None, "none")
     train = {"seq_len": 32, "global_batch": 8}

@@ -10,9 +10,12 @@ of ``test_pipeline.py``: plain torch, whole model).
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from test_pipeline import GB, MB, SEQ, _blocks, _plan, _reference, _state
 
 from helpers import ramp_tokens
@@ -21,6 +24,7 @@ from starverse.elastic.inplace import InplaceLauncher
 from starverse.errors import LossCause
 from starverse.plan import Group, Stage
 from starverse.runtime.cluster import Cluster, local_plan
+from starverse.runtime.data import PackedDataset
 from starverse.runtime.ft import INPLACE_LOG
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.trainer import Trainer, _recovery_for, inplace_refusal
@@ -34,20 +38,35 @@ PLAN = _plan([Group(replicas=2, stages=[Stage(accelerator="cpu", layers=2), Stag
              "gpipe")
 
 
-def _fit(tmp_path, launcher, callbacks):
+def _fit(tmp_path, launcher, callbacks, eval_fraction=0.0):
+    """The in-place run, checked against one process on the same global batches (and, with ``eval_fraction``,
+    the held-out loss the leader replica scored through its pipeline against the reference model's)."""
     model = _blocks()
     initial = _state(torch.nn.Sequential(*model))
-    ref_losses, ref_state = _reference(torch.nn.Sequential(*model), steps=STEPS)
+    data = PackedDataset(np.concatenate([t.numpy() for t in ramp_tokens()]).astype(np.int32), SEQ)
+    held_out = None
+    if eval_fraction:
+        data, held_out = data.split(math.ceil(len(data) * eval_fraction))
+    ref_losses, ref_state = _reference(torch.nn.Sequential(*model), steps=STEPS, data=data)
     ranks = tuple(RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(4))
     trainer = Trainer(Cluster(plan=PLAN, ranks=ranks), run_dir=tmp_path, lr=2e-2, warmup_steps=2, grad_clip=0.5,
                       weight_decay=0.1, timeout_s=180, collective_timeout_s=30, recovery="in-place",
-                      launcher=launcher, callbacks=list(callbacks), progress=False, tensorboard=False)
+                      launcher=launcher, callbacks=list(callbacks), progress=False, tensorboard=False,
+                      eval_fraction=eval_fraction)
     res = trainer.fit(model, dataset=ramp_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
                       global_batch=GB)
     state = _state(torch.nn.Sequential(*model))
     assert any((state[k] - initial[k]).abs().max() > 1e-3 for k in state)  # it trained
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
     _assert_close(state, ref_state)
+    if held_out is not None:
+        ref = torch.nn.Sequential(*_blocks())
+        ref.load_state_dict(ref_state)
+        x = torch.from_numpy(held_out.batch(np.arange(len(held_out)))).long()
+        with torch.no_grad():
+            logits = ref(x)
+        want = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+        assert res.eval_loss == pytest.approx(float(want), rel=1e-4)
     return res, ref_state
 
 
@@ -76,7 +95,8 @@ def test_a_lost_stage_rank_loses_its_replica_the_other_takes_over_exact_and_its_
     checkpoint); one plain rank resumes it with the weights of single-process training."""
     launcher, run_dir, ckpt = InplaceLauncher(), tmp_path / "pp", tmp_path / "ckpt"
     res, ref_state = _fit(run_dir, launcher, [KillReplicaMidStep(replica=1, step=3),  # rank 1: replica 0, stage 1
-                                              CheckpointCallback(ckpt, interval_steps=100, async_save=False)])
+                                              CheckpointCallback(ckpt, interval_steps=100, async_save=False)],
+                          eval_fraction=0.2)  # the new leader scores the held-out split through its pipeline
     assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(1, LossCause.SIGNAL), (0, LossCause.REPLICA)]
     assert res.steps == STEPS
     sizes = [len(s) for _, s in res.shares_history]
@@ -92,7 +112,7 @@ def test_a_lost_stage_rank_loses_its_replica_the_other_takes_over_exact_and_its_
     ranks = (RankSpec(0, "cpu", "cpu", num_threads=1),)
     trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
                       run_dir=tmp_path / "dp", callbacks=[CheckpointCallback(tmp_path / "dp" / "ckpt", final_save=False)],
-                      timeout_s=120, progress=False, tensorboard=False)
+                      timeout_s=120, progress=False, tensorboard=False, eval_fraction=0.2)  # the same split
     res = trainer.fit(model, dataset=ramp_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
                       global_batch=GB, resume_from=ckpt)
     assert res.steps == STEPS  # resumed at the last step: nothing left to train

@@ -29,7 +29,7 @@ def _ranks(pid: int) -> list[psutil.Process]:
 
 @pytest.mark.timeout(600)
 def test_inplace_job_survives_a_sigkill_on_loopback_and_bills_the_step_in_flight(tmp_path):
-    steps = 12
+    steps = 30  # enough steps after the kill at step 3 that a loaded machine's socket listing cannot outlast the run
     job = _job(tmp_path, steps, extra="recovery: in-place\n", checkpoint="interval_steps: 5, keep_last: 2")
     job.write_text(job.read_text().replace("cpu_ranks: 2", "cpu_ranks: 3"))
     proc = subprocess.Popen([*CLI, "train", str(job), "--json"], cwd=tmp_path, env=_env(tmp_path),

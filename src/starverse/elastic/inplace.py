@@ -38,7 +38,13 @@ from typing import Any
 
 from starverse.errors import ConfigError, LossCause, LostRankError
 from starverse.providers.failures import code_error, lost_heartbeat, lost_process, overrun, user_error
-from starverse.providers.local import _main_reimport_guard, _rank_entry, _stop_all, signal_processes
+from starverse.providers.local import (
+    LocalLauncher,
+    _main_reimport_guard,
+    _rank_entry,
+    _stop_all,
+    signal_processes,
+)
 from starverse.runtime.ft_group import (
     EXTRA_BARRIER_PORT,
     EXTRA_JOINER,
@@ -50,7 +56,15 @@ from starverse.runtime.ft_group import (
     SPARE_KEY,
     quiet_torchft,
 )
-from starverse.runtime.launch import LOOPBACK, RankEnv, RankError, RankSpec, ordered_ranks, store_server
+from starverse.runtime.launch import (
+    LOOPBACK,
+    Launcher,
+    RankEnv,
+    RankError,
+    RankSpec,
+    ordered_ranks,
+    store_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +145,7 @@ class InplaceLauncher:
     """Called when a replacement is started: the job layer opens its lease."""
     _procs: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
     _live: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _restart: LocalLauncher = field(default_factory=LocalLauncher, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.replace_after_s is not None and self.replace_after_s < 0:
@@ -138,10 +153,16 @@ class InplaceLauncher:
         if not 0 < self.heartbeat_s < self.heartbeat_timeout_s:
             raise ConfigError(f"InplaceLauncher: need 0 < heartbeat_s < heartbeat_timeout_s (got {self.heartbeat_s}, "
                               f"{self.heartbeat_timeout_s}).")
+        self._restart = LocalLauncher(heartbeat_s=self.heartbeat_s, heartbeat_timeout_s=self.heartbeat_timeout_s)
 
     def notify(self, signum: int) -> int:
-        """Send ``signum`` to every replica process still running."""
-        return signal_processes(self._procs, signum)
+        """Send ``signum`` to every replica process still running (and to the ranks of a plan run on
+        :meth:`restart_launcher`)."""
+        return signal_processes(self._procs, signum) + self._restart.notify(signum)
+
+    def restart_launcher(self) -> Launcher:
+        """The plain local launcher, for a plan in-place recovery does not run (``Trainer.fit`` says why)."""
+        return self._restart
 
     def pids(self) -> dict[int, int]:
         """Rank -> process id of the replicas running now (tests and benchmarks kill them)."""

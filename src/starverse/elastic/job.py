@@ -191,7 +191,8 @@ class TrainJob(FrozenModel):
     recovery: Literal["restart", "in-place"] = "restart"
     """What a lost device costs: ``restart`` (re-plan, relaunch, resume from the last checkpoint) or
     ``in-place`` (torchft: the other data-parallel replicas finish the step in flight and go on; a job whose
-    plan is not data-parallel only, or that loses every replica, falls back to restart). See docs/insurance.md."""
+    replicas are not one rank or one pipeline each, or that loses every replica, falls back to restart). See
+    docs/insurance.md."""
     replace_after_s: float | None = Field(default=None, ge=0)
     """``recovery: in-place``: start a replacement for a lost replica (same device) after this many seconds; it
     joins at a step boundary with the live state of a peer (null: the survivors go on alone)."""

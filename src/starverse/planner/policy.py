@@ -118,22 +118,21 @@ def runtime_layout_rule(layout: Layout) -> str | None:
     pipelined = any(len(g) > 1 for g in groups)
     tps = {t for g in groups for _, t, _ in g}
     if pipelined and len(tps) > 1:
-        return f"runtime layout rule: pipeline stages with different tp {sorted(tps)} (the runtime needs one tp)"
+        return "pipeline stages of different tp (the runtime needs one tp in a pipeline)"
     if not pipelined and len(groups) > 1 and tps != {1}:
-        return "runtime layout rule: tensor parallelism over several data-parallel groups"
+        return "tensor parallelism over several data-parallel groups"
     if len(groups) < 2 or layout.zero_stage == 0:
         return None
     types = [tuple(_TORCH_DEVICE.get(b, b) for _, _, b in g) for g in groups]
     if not pipelined:
         if len({t for g in types for t in g}) > 1:
-            return f"runtime layout rule: ZeRO-{layout.zero_stage} over groups of several device types"
+            return "ZeRO over groups of several device types"
         return None
     if layout.zero_stage >= 2 or layout.offload:
         if len({tuple(n for n, _, _ in g) for g in groups}) > 1:
-            return (f"runtime layout rule: ZeRO-{layout.zero_stage}{' with offload' if layout.offload else ''} "
-                    "over groups whose pipelines split the layers differently")
+            return "ZeRO-2/3 or offload over groups whose pipelines split the layers differently"
         if any(len(set(stage)) > 1 for stage in zip(*types, strict=True)):
-            return f"runtime layout rule: ZeRO-{layout.zero_stage} over stages of several device types"
+            return "ZeRO-2/3 or offload over pipeline stages of several device types"
     return None
 
 

@@ -64,7 +64,15 @@ from starverse.providers.ray import (
     release,
 )
 from starverse.runtime.ft_group import EXTRA_BARRIER_PORT, EXTRA_JOINER, EXTRA_LIGHTHOUSE, EXTRA_REPLICA_STORE
-from starverse.runtime.launch import LOOPBACK, RankEnv, RankError, RankSpec, ordered_ranks, store_server
+from starverse.runtime.launch import (
+    LOOPBACK,
+    Launcher,
+    RankEnv,
+    RankError,
+    RankSpec,
+    ordered_ranks,
+    store_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +99,10 @@ class RayInplaceLauncher(InplaceLauncher):
     def notify(self, signum: int) -> int:
         """Forward ``signum`` to every running replica, on whatever node it runs."""
         return self.ray.notify(signum)
+
+    def restart_launcher(self) -> Launcher:
+        """The plain Ray launcher (its cluster and placement), for a plan in-place recovery does not run."""
+        return self.ray
 
     def pids(self) -> dict[int, int]:
         """Rank -> process id of the replicas running now (those whose actor reported where it runs)."""

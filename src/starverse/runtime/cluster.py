@@ -183,10 +183,10 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
     the ranks are of several torch device types (one FSDP2 mesh has one; several kinds of one type share it:
     gloo for CPU ranks, NCCL for CUDA kinds); ZeRO-2/3 or offload over groups whose pipelines split the layers
     differently is kept out by the planner's rule (``planner.policy.runtime_layout_rule``) and
-    :func:`check_runnable`. ``recovery="in-place"``: replicas of one
-    rank or one pipeline each, TP 1, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is
-    searched; a pipelined plan it cannot run — interleaved, groups cut differently — falls back to restart with
-    one line: ``trainer.inplace_refusal``).
+    :func:`check_runnable`. ``recovery="in-place"``: replicas of one rank, or of one pipeline when the ranks are
+    of one kind, TP 1, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is searched; a given
+    plan it cannot run — interleaved, groups cut differently — falls back to restart with one line:
+    ``trainer.inplace_refusal``).
     ``pipelines=False``: one stage per group (a model that cannot be cut); ``blocks=False``: a model without an
     ``nn.ModuleList`` of blocks, so no FSDP2 unit (ZeRO ≤ 1) and nothing to recompute."""
     import dataclasses
@@ -195,7 +195,11 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
 
     caps = EXECUTABLE
     if recovery == "in-place":
-        caps = dataclasses.replace(caps, max_tp=1, zero_stage=0, offload="none")
+        # pipelines only over one device kind: the planner cuts groups of several kinds differently and interleaves
+        # pipelines across kinds, which in-place recovery refuses (a joiner heals stage by stage from a peer)
+        one_kind = len({r.device_kind for r in ranks}) == 1
+        caps = dataclasses.replace(caps, max_tp=1, zero_stage=0, offload="none",
+                                   max_pipeline_stages=caps.max_pipeline_stages if one_kind else 1)
     if any(r.device == "cpu" for r in ranks):
         caps = dataclasses.replace(caps, offload="none")
     if len({r.device.split(":", 1)[0] for r in ranks}) > 1:

@@ -1,8 +1,8 @@
 """In-place recovery when a replica is a pipeline: torchft replica groups of several ranks (its stages).
 
 As in torchft's HSDP examples, a replica is a *replica group*: its ranks (one per pipeline stage, in stage order)
-form their own ``torch.distributed`` world for the pipeline's point-to-point transfers (on the launcher's store
-of that replica, ``env.extra["replica_store_port"]``), and every rank has a torchft ``Manager`` with the
+form their own ``torch.distributed`` world (gloo: in-place recovery runs on CPU ranks; NCCL is not built) for the
+pipeline's point-to-point transfers (on the launcher's store of that replica, ``env.extra["replica_store_port"]``), and every rank has a torchft ``Manager`` with the
 replica's id, ``rank`` = its stage, ``world_size`` = the stages (:class:`~starverse.runtime.ft_group.TorchftSync`).
 The quorum and the commit vote cover the whole replica; the reconfigurable gloo group of stage ``s`` sums the
 gradients of stage ``s`` over the participating replicas, and a replacement replica's stage ``s`` heals from a
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from starverse.errors import ConfigError
 from starverse.runtime.callbacks import CallbackList, TrainContext
+from starverse.runtime.eval_pipeline import PipelineScorer
 from starverse.runtime.ft import ReplicaTrainer
 from starverse.runtime.ft_group import (
     EXTRA_JOINER,
@@ -107,7 +108,7 @@ class PipelineReplicaTrainer(ReplicaTrainer):
         world = dist.group.WORLD
         pipeline = PipelineRunner.build(full, layout, env.rank, device, job.plan.train.schedule,
                                         job.micro_batch / job.global_batch, {place.replica: world},
-                                        job.weights_folder)
+                                        job.weights_folder, job.loss_fn)
         model = UnsplitView(pipeline.parameters(), UnsplitSignature.of(full))
         del full
         optimizer, scheduler, data, sampler = training_parts(model, job)
@@ -118,6 +119,8 @@ class PipelineReplicaTrainer(ReplicaTrainer):
             max_steps=job.max_steps, shares=list(job.shares),
         )
         ctx.metrics.micro_batch = job.micro_batch
+        # held-out sequences go through the pipeline; only the leader replica runs the callbacks: it scores them all
+        ctx.held_out_scorer = PipelineScorer(pipeline, 0, 1, job.micro_batch, pipeline.has_last)
         callbacks = CallbackList(job.callbacks)
         resume(ctx, callbacks, job.resume_from, device)
         pipeline.on_compute = lambda dt: callbacks.on_micro_batch_end(ctx, dt)

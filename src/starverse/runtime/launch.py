@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from starverse.errors import ConfigError, DistributedError, StarverseError
 
@@ -199,6 +199,23 @@ class Launcher(Protocol):
     def notify(self, signum: int) -> int:
         """Forward ``signum`` to every rank this launcher is running now (a job-wide preemption notice);
         returns how many ranks it reached."""
+        ...
+
+
+@runtime_checkable
+class RecoveringLauncher(Protocol):
+    """A launcher whose recovery runs only some plans (in-place recovery: ``InplaceLauncher``, ``RayInplaceLauncher``).
+
+    A plan it does not run (``Trainer.fit`` logs why) runs as one job with checkpoint-restart on the launcher that
+    :meth:`restart_launcher` names, which must also receive this launcher's ``notify`` (a preemption notice)."""
+
+    def launch(self, fn: Callable[..., Any], ranks: Sequence[RankSpec], *, timeout_s: float,
+               args: tuple[Any, ...] = (), collective_timeout_s: float = 120.0, grace_s: float = 3.0) -> list[Any]:
+        """See :class:`Launcher`."""
+        ...
+
+    def restart_launcher(self) -> Launcher:
+        """The plain launcher (one ``torch.distributed`` world over all ranks) for a plan it does not recover."""
         ...
 
 

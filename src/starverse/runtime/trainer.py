@@ -36,7 +36,7 @@ from starverse.runtime.data import (
 )
 from starverse.runtime.export import FINAL_WEIGHTS, record_model
 from starverse.runtime.hetero_dp import proportional_shares
-from starverse.runtime.launch import Launcher, RankSpec, launch, resolve_launcher
+from starverse.runtime.launch import Launcher, RankSpec, RecoveringLauncher, launch, resolve_launcher
 from starverse.runtime.lora import apply_mode
 from starverse.runtime.parallel.parallelize import check_parallel_plan
 from starverse.runtime.parallel.pipeline import (
@@ -353,9 +353,12 @@ class Trainer:
         )
         if job.recovery == "in-place" and layout.is_pipelined:
             ranks = tag_replicas(ranks, layout)
+        launcher = self.launcher
+        if job.recovery != self.recovery and isinstance(launcher, RecoveringLauncher):
+            launcher = launcher.restart_launcher()  # the plan runs as one job (one world), with checkpoint-restart
         results = launch(
             train_rank, ranks, timeout_s=self.timeout_s, args=(job,), collective_timeout_s=self.collective_timeout_s,
-            launcher=self.launcher,
+            launcher=launcher,
         )
         results = _fill_lost(results)
         final = run_dir / FINAL_WEIGHTS
