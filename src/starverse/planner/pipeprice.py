@@ -67,9 +67,15 @@ def least_price(curves: list[FloatArray], mandatory: list[bool], need: int, min_
     (:func:`price_curve`) holding ``need`` layers together, with at least ``min_blocks`` (≤ 2) blocks."""
     g = curves[0].shape[0] if curves else 1
     f = _empty(g, need)
-    for cur, must in zip(curves, mandatory, strict=True):
+    for cur, must in zip(curves[:-1], mandatory[:-1], strict=True):
         f = _add(f, cur, must)
-    return np.asarray(f[min(max(min_blocks, 0), 2):, :, need].min(axis=0), dtype=np.float64)
+    last = f[:, :, need]
+    if curves:  # the last group only at ``need``: its block at capacity ≥ d, the rest holding ≥ need - d
+        with_ = (f[:, :, ::-1] + curves[-1][None, :, :]).min(axis=2)  # (states before it, G)
+        last = np.full_like(last, np.inf) if mandatory[-1] else last.copy()
+        last[1] = np.minimum(last[1], with_[0])
+        last[2] = np.minimum(last[2], np.minimum(with_[1], with_[2]))
+    return np.asarray(last[min(max(min_blocks, 0), 2):].min(axis=0), dtype=np.float64)
 
 
 def _empty(g: int, need: int) -> FloatArray:
@@ -81,18 +87,17 @@ def _empty(g: int, need: int) -> FloatArray:
 
 def _add(f: FloatArray, cur: FloatArray, must: bool) -> FloatArray:
     """One more group (:func:`price_curve` ``cur``) in the knapsack ``f`` (mandatory: its block is used)."""
-    n = f.shape[2]
-    diff = np.arange(n)[:, None] - np.arange(n)[None, :]  # (c, d): c - d
-    src = np.where(diff >= 0, diff, n)  # n: an inf column (d > c adds nothing)
+    g, n = f.shape[1], f.shape[2]
     new = np.full_like(f, np.inf) if must else f.copy()
-    pad = np.full((f.shape[1], 1), np.inf)
-    for s in range(3):
-        if not np.isfinite(f[s, :, 0]).any():
+    rev = cur[:, None, ::-1]  # (G, 1, d): cur[n - 1 - j]
+    pad = np.full((g, n - 1), np.inf)
+    # this block at capacity ≥ d, the rest holding ≥ c - d (d > c adds nothing: an inf pad); the min-plus
+    # convolution distributes over min, so the 1- and 2+-block states join before it (both give 2+)
+    for t, src in ((1, f[0]), (2, np.minimum(f[1], f[2]))):
+        if not np.isfinite(src[:, 0]).any():
             continue
-        # this block at capacity ≥ d, the rest holding ≥ c - d
-        cand = (np.hstack([f[s], pad])[:, src] + cur[:, None, :]).min(axis=2)
-        t = min(s + 1, 2)
-        new[t] = np.minimum(new[t], cand)
+        win = np.lib.stride_tricks.sliding_window_view(np.hstack([pad, src]), n, axis=1)  # [c, j]: src[c + j - n + 1]
+        new[t] = np.minimum(new[t], (win + rev).min(axis=2))
     return np.asarray(np.minimum.accumulate(new[:, :, ::-1], axis=2)[:, :, ::-1])  # ≥ c implies ≥ c - 1
 
 
