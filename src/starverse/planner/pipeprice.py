@@ -50,14 +50,18 @@ def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit:
     units, so the knapsack over units is a relaxation (smaller, never above the least price)."""
     n_q = kt.tab.shape[2]
     out = np.full((taus.shape[0], need + 1), np.inf)
-    cs = np.arange(need + 1, dtype=np.float64)
-    for kd, lo, hi in zip(group.kinds, group.klo, group.khi, strict=True):
+    g, n = out.shape
+    base = (np.arange(g) * (n + 1))[:, None]
+    for kd, lo, hi in zip(group.kinds.tolist(), group.klo.tolist(), group.khi.tolist(), strict=True):
         if hi < lo:
             continue
         q = np.minimum(taus / kt.a[kd] + 1e-9, n_q - 1.0)  # (a > 0; τ = inf saturates)
         cap = np.ceil(kt.tab[kd, lo:hi + 1, :][:, q.astype(np.int64)].T / unit - 1e-9)  # (G, stages)
-        # the fewest stages reaching each capacity (capacity never falls as stages are added)
-        short = (cap[:, :, None] < cs[None, None, :]).sum(axis=1)
+        # the fewest stages reaching each capacity (capacity never falls as stages are added): the stages
+        # of capacity < c, i.e. ≤ c - 1 (whole units), counted per row
+        at = (base + np.clip(cap, 0, n).astype(np.int64)).ravel()
+        le = np.cumsum(np.bincount(at, minlength=g * (n + 1)).reshape(g, n + 1), axis=1)
+        short = np.concatenate([np.zeros((g, 1), dtype=np.int64), le[:, :n - 1]], axis=1)
         out = np.minimum(out, np.where(short <= hi - lo, (lo + short) * kt.price[kd], np.inf))
     return out
 
