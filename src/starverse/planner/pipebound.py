@@ -11,6 +11,7 @@ bottlenecks and step times never above it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,11 +63,19 @@ class Tables:
 
     def __call__(self, tau: FloatArray, rows: IntArray) -> FloatArray:
         """Capacity of the columns of ``rows`` under ``tau``."""
+        return self.of(rows)(tau)
+
+    def of(self, rows: IntArray) -> Callable[[FloatArray], FloatArray]:
+        """Capacity of the columns of ``rows`` under a ``τ`` per row (the gather set up once)."""
         n_cols, n_q = self.tab.shape[1], self.tab.shape[2]
-        # (``a`` is finite and positive: an empty column has a zero table)
-        q = np.minimum(tau[:, None] / self.a[rows] + 1e-9, n_q - 1.0).astype(np.int64)
-        flat = (rows[:, None] * n_cols + np.arange(n_cols)[None, :]) * n_q + q
-        return np.asarray(self.tab.reshape(-1)[flat], dtype=np.float64)
+        a, flat = self.a[rows], self.tab.reshape(-1)
+        base = (rows[:, None] * n_cols + np.arange(n_cols)[None, :]) * n_q
+
+        def at(tau: FloatArray) -> FloatArray:
+            # (``a`` is finite and positive: an empty column has a zero table)
+            q = np.minimum(tau[:, None] / a + 1e-9, n_q - 1.0).astype(np.int64)
+            return np.asarray(flat[base + q], dtype=np.float64)
+        return at
 
     def full(self) -> FloatArray:
         """Capacity at any ``τ``."""
@@ -97,9 +106,10 @@ def tau_lb(cap: Capacity, total: int) -> FloatArray:
         return out
     hi = cap.tau_hi()[ok]
     lo = np.zeros_like(hi)
+    at = cap.of(ok) if isinstance(cap, Tables) else (lambda tau: cap(tau, ok))
     for _ in range(BISECTIONS):
         mid = (lo + hi) / 2
-        enough = cap(mid, ok).sum(axis=1) >= total
+        enough = at(mid).sum(axis=1) >= total
         hi = np.where(enough, mid, hi)
         lo = np.where(enough, lo, mid)
     out[ok] = lo
