@@ -11,6 +11,7 @@ bottlenecks and step times never above it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -205,6 +206,15 @@ PRICE_GRID = 40
 
 
 
+
+@functools.lru_cache(maxsize=4)
+def _price_grid(n: int) -> FloatArray:
+    """:func:`per_price_ub`'s grid of open rates as fractions of the most (read only)."""
+    g = np.geomspace(1e-4, 1.0, n)
+    g.setflags(write=False)
+    return g
+
+
 def per_price_ub(m: int, total: int, seqs: float, rate_c: FloatArray, price_c: FloatArray, fixed: FloatArray,
                  r_open: float, e_open: float, w: float | None = None) -> FloatArray:
     """Upper bound of tokens/s per unit of price of any pipeline completing a node.
@@ -217,7 +227,7 @@ def per_price_ub(m: int, total: int, seqs: float, rate_c: FloatArray, price_c: F
     ``x_j`` (both grow with ``x``). ``w`` (``m - 1`` unless given) replaces ``m - 1`` as the weight of the
     bottleneck: interleaved 1F1B with ``v`` chunks has ``m - 1 / v`` (and ``fixed`` counts ``Σ S / v``)."""
     w = m - 1.0 if w is None else w
-    xs = np.r_[0.0, r_open * np.geomspace(1e-4, 1.0, PRICE_GRID)] if r_open > 0 else np.zeros(1)
+    xs = np.r_[0.0, r_open * _price_grid(PRICE_GRID)] if r_open > 0 else np.zeros(1)
     lo, hi = xs[:-1] if xs.size > 1 else xs, xs[1:] if xs.size > 1 else xs
     rc, pc, c = rate_c[:, None], price_c[:, None], fixed[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
