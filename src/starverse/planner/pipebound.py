@@ -73,9 +73,12 @@ class Tables:
         base = (rows[:, None] * n_cols + np.arange(n_cols)[None, :]) * n_q
 
         def at(tau: FloatArray) -> FloatArray:
+            """(rows, columns) for ``τ`` (rows,); (rows, points, columns) for (rows, points)."""
+            t = tau if tau.ndim == 2 else tau[:, None]
             # (``a`` is finite and positive: an empty column has a zero table)
-            q = np.minimum(tau[:, None] / a + 1e-9, n_q - 1.0).astype(np.int64)
-            return np.asarray(flat[base + q], dtype=np.float64)
+            q = np.minimum(t[:, :, None] / a[:, None, :] + 1e-9, n_q - 1.0).astype(np.int64)
+            got = flat[base[:, None, :] + q]
+            return np.asarray(got if tau.ndim == 2 else got[:, 0], dtype=np.float64)
         return at
 
     def full(self) -> FloatArray:
@@ -95,6 +98,27 @@ BISECTIONS = 16
 """Halvings of the bracket in :func:`tau_lb` (its lower end is returned: fewer only loosen the bound)."""
 
 
+ROUND = 8
+"""Halvings :func:`tau_lb` takes at once on capacity tables (every midpoint they may visit, one gather)."""
+
+
+def _bisect_round(at: Callable[[FloatArray], FloatArray], lo: FloatArray, hi: FloatArray, total: int, n: int
+                  ) -> tuple[FloatArray, FloatArray]:
+    """``n`` halvings of the brackets ``[lo, hi]`` at once: every midpoint they may visit (the same
+    floating-point midpoints, level by level), then the bracket around the first point holding ``total``
+    (capacity never falls as ``τ`` grows, so the halvings end there)."""
+    if n <= 0:
+        return lo, hi
+    pts = np.stack([lo, hi], axis=1)
+    for _ in range(n):
+        nxt = np.empty((pts.shape[0], 2 * pts.shape[1] - 1))
+        nxt[:, 0::2], nxt[:, 1::2] = pts, (pts[:, :-1] + pts[:, 1:]) / 2
+        pts = nxt
+    short = (at(pts[:, 1:-1]).sum(axis=2) < total).sum(axis=1)  # the midpoints not holding ``total``
+    rows = np.arange(pts.shape[0])
+    return pts[rows, short], pts[rows, short + 1]
+
+
 def tau_lb(cap: Capacity, total: int) -> FloatArray:
     """Least ``τ`` with ``Σ_j capacity_j(τ) ≥ total`` per row (inf if never).
 
@@ -107,12 +131,16 @@ def tau_lb(cap: Capacity, total: int) -> FloatArray:
         return out
     hi = cap.tau_hi()[ok]
     lo = np.zeros_like(hi)
-    at = cap.of(ok) if isinstance(cap, Tables) else (lambda tau: cap(tau, ok))
-    for _ in range(BISECTIONS):
-        mid = (lo + hi) / 2
-        enough = at(mid).sum(axis=1) >= total
-        hi = np.where(enough, mid, hi)
-        lo = np.where(enough, lo, mid)
+    if isinstance(cap, Tables):
+        at = cap.of(ok)
+        for n in [ROUND] * (BISECTIONS // ROUND) + [BISECTIONS % ROUND]:
+            lo, hi = _bisect_round(at, lo, hi, total, n)
+    else:
+        for _ in range(BISECTIONS):
+            mid = (lo + hi) / 2
+            enough = cap(mid, ok).sum(axis=1) >= total
+            hi = np.where(enough, mid, hi)
+            lo = np.where(enough, lo, mid)
     out[ok] = lo
     return out
 
