@@ -225,25 +225,25 @@ def fractional_price(taus: FloatArray, kt: KindTables, groups: list[Group], need
     layers under each bottleneck: the knapsack's fractional relaxation, each group holding at most its
     longest block's capacity at no more than its best layers per unit of price (the groups with the most
     layers per unit of price filled first)."""
-    n_q = kt.tab.shape[2]
-    ratios, caps = [], []
-    for gr in groups:
-        best_r = np.zeros(taus.shape[0])
-        best_c = np.zeros(taus.shape[0])
-        for kd, lo, hi in zip(gr.kinds, gr.klo, gr.khi, strict=True):
-            if hi < lo:
-                continue
-            q = np.minimum(taus / kt.a[kd] + 1e-9, n_q - 1.0)
-            cap = kt.tab[kd, lo:hi + 1, :][:, q.astype(np.int64)].T  # (G, stages)
-            ks = np.arange(lo, hi + 1, dtype=np.float64)
-            best_r = np.maximum(best_r, (cap / (ks[None, :] * kt.price[kd])).max(axis=1))
-            best_c = np.maximum(best_c, cap[:, -1])
-        ratios.append(best_r)
-        caps.append(best_c)
     if not groups:
         return np.where(need > 0, np.inf, 0.0)
-    r = np.stack(ratios, axis=1)
-    c = np.stack(caps, axis=1)
+    n_q, n_s = kt.tab.shape[2], kt.tab.shape[1]
+    kd = np.concatenate([gr.kinds for gr in groups])
+    lo = np.concatenate([gr.klo for gr in groups])
+    hi = np.concatenate([gr.khi for gr in groups])
+    member = np.repeat(np.arange(len(groups)), [gr.kinds.size for gr in groups])
+    q = np.minimum(taus[:, None] / kt.a[kd][None, :] + 1e-9, n_q - 1.0).astype(np.int64)  # (G, kinds)
+    cap = kt.tab[kd[None, :, None], np.arange(n_s)[None, None, :], q[:, :, None]]  # (G, kinds, stages + 1)
+    ks = np.arange(n_s, dtype=np.float64)
+    within = (ks[None, :] >= lo[:, None]) & (ks[None, :] <= hi[:, None])  # (kinds, stages + 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per = cap / (ks[None, :] * kt.price[kd][:, None])[None, :, :]
+    kind_r = np.where(within[None], per, 0.0).max(axis=2)  # (G, kinds)
+    kind_c = np.where(hi >= lo, np.take_along_axis(cap, np.clip(hi, 0, n_s - 1)[None, :, None]
+                                                   .repeat(cap.shape[0], axis=0), axis=2)[:, :, 0], 0.0)
+    in_g = member[None, :] == np.arange(len(groups))[:, None]  # (groups, kinds)
+    r = np.where(in_g[None], kind_r[:, None, :], 0.0).max(axis=2, initial=0.0)  # (G, groups)
+    c = np.where(in_g[None], kind_c[:, None, :], 0.0).max(axis=2, initial=0.0)
     order = np.argsort(-r, axis=1, kind="stable")
     r = np.take_along_axis(r, order, axis=1)
     c = np.take_along_axis(c, order, axis=1)
