@@ -112,3 +112,20 @@ def test_per_price_bound_is_never_below_a_pipeline_of_those_blocks(seed):
         step = (m - 1.0) * tau + max(tau, sum_lb) + extra
         assert work / (step * price) <= ub * (1 + 1e-9)
         assert work / (step * price) <= node * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tables_built_from_memory_caps_give_the_same_prices(seed):
+    """:class:`pipeprice.KindTables` without ``tab`` (built from the stages' caps) prices as with it."""
+    rng = random.Random(300 + seed)
+    total = rng.randint(3, 12)
+    kt, groups, _ = _instance(rng, total)
+    # the caps behind ``tab``: a stage's cap is the step of the table at its highest level
+    per = np.diff(kt.tab[:, :, -1], axis=1).astype(np.int64)
+    lazy = pipeprice.KindTables(kt.a, None, kt.price, per, kt.tab.shape[2])
+    taus = np.array([rng.uniform(0.3, 3.0 * total) for _ in range(4)] + [np.inf])
+    for g in groups:
+        assert np.array_equal(pipeprice.price_curve(taus, kt, g, total), pipeprice.price_curve(taus, lazy, g, total))
+    need = np.full(taus.shape, float(total))
+    assert np.array_equal(pipeprice.fractional_price(taus, kt, groups, need),
+                          pipeprice.fractional_price(taus, lazy, groups, need))

@@ -36,11 +36,31 @@ class Group:
 
 @dataclass(frozen=True)
 class KindTables:
-    """Per-layer time ``a``, capacity tables ``tab`` (kinds, stages + 1, levels) and price per stage."""
+    """Per-layer time ``a``, capacity tables ``tab`` (kinds, stages + 1, levels) and price per stage; or,
+    with ``tab`` None, the stages' memory caps ``per`` (kinds, stages) and ``levels``, from which
+    :meth:`at` builds the rows it needs as :func:`.pipekinds.capacity_tables` does."""
 
     a: FloatArray
-    tab: FloatArray
+    tab: FloatArray | None
     price: FloatArray
+    per: IntArray | None = None
+    levels: int = 0
+
+    @property
+    def n_q(self) -> int:
+        """Levels (the most layers a stage may take, plus one)."""
+        return int(self.tab.shape[2]) if self.tab is not None else self.levels
+
+    def at(self, kd: IntArray, q: IntArray) -> FloatArray:
+        """(G, kinds, stages + 1): ``tab[kd[j], :, q[g, j]]`` for ``q`` (G, kinds)."""
+        if self.tab is not None:
+            st = np.arange(self.tab.shape[1])
+            return np.asarray(self.tab[kd[None, :, None], st[None, None, :], q[:, :, None]], dtype=np.float64)
+        assert self.per is not None
+        held = np.minimum(q[:, :, None].astype(np.float64), self.per[kd].astype(np.float64)[None, :, :])
+        out = np.zeros((q.shape[0], kd.size, held.shape[2] + 1))
+        np.cumsum(held, axis=2, out=out[:, :, 1:])
+        return out
 
 
 def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit: int = 1) -> FloatArray:
@@ -48,7 +68,7 @@ def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit:
     layers under each bottleneck of ``taus`` (inf where none does; ``c = 0``: its cheapest block). A block
     of capacity ``x`` layers counts ``⌈x / unit⌉`` units: blocks holding ``L`` layers hold ``⌈L / unit⌉``
     units, so the knapsack over units is a relaxation (smaller, never above the least price)."""
-    n_q = kt.tab.shape[2]
+    n_q = kt.n_q
     out = np.full((taus.shape[0], need + 1), np.inf)
     g, n = out.shape
     base = (np.arange(g) * (n + 1))[:, None]
@@ -56,7 +76,7 @@ def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit:
         if hi < lo:
             continue
         q = np.minimum(taus / kt.a[kd] + 1e-9, n_q - 1.0)  # (a > 0; τ = inf saturates)
-        cap = np.ceil(kt.tab[kd, lo:hi + 1, :][:, q.astype(np.int64)].T / unit - 1e-9)  # (G, stages)
+        cap = np.ceil(kt.at(np.array([kd]), q.astype(np.int64)[:, None])[:, 0, lo:hi + 1] / unit - 1e-9)  # (G, stages)
         # the fewest stages reaching each capacity (capacity never falls as stages are added): the stages
         # of capacity < c, i.e. ≤ c - 1 (whole units), counted per row
         at = (base + np.clip(cap, 0, n).astype(np.int64)).ravel()
@@ -227,13 +247,14 @@ def fractional_price(taus: FloatArray, kt: KindTables, groups: list[Group], need
     layers per unit of price filled first)."""
     if not groups:
         return np.where(need > 0, np.inf, 0.0)
-    n_q, n_s = kt.tab.shape[2], kt.tab.shape[1]
+    n_q = kt.n_q
     kd = np.concatenate([gr.kinds for gr in groups])
     lo = np.concatenate([gr.klo for gr in groups])
     hi = np.concatenate([gr.khi for gr in groups])
     member = np.repeat(np.arange(len(groups)), [gr.kinds.size for gr in groups])
     q = np.minimum(taus[:, None] / kt.a[kd][None, :] + 1e-9, n_q - 1.0).astype(np.int64)  # (G, kinds)
-    cap = kt.tab[kd[None, :, None], np.arange(n_s)[None, None, :], q[:, :, None]]  # (G, kinds, stages + 1)
+    cap = kt.at(kd, q)  # (G, kinds, stages + 1)
+    n_s = cap.shape[2]
     ks = np.arange(n_s, dtype=np.float64)
     within = (ks[None, :] >= lo[:, None]) & (ks[None, :] <= hi[:, None])  # (kinds, stages + 1)
     with np.errstate(divide="ignore", invalid="ignore"):

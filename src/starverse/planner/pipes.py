@@ -98,7 +98,8 @@ class _Search(LeafEvaluator):
         """Tokens/s per unit of price at most for a family (``tau0``: a lower bound of its bottleneck):
         :func:`.pipeprice.per_price_ub` over every offer, at least two blocks (``exact``: the knapsack, else
         its fractional relaxation), and its intervals of bottlenecks."""
-        kt = pipeprice.KindTables(kinds.a, self.tables(kinds), r * kinds.tp * self.price[kinds.offer])
+        # (the rows it needs only: most families never build their full capacity tables)
+        kt = pipeprice.KindTables(kinds.a, None, r * kinds.tp * self.price[kinds.offer], kinds.per, self.total + 1)
         groups = [pipeprice.Group(ks, np.ones(ks.size, dtype=np.int64), kinds.kmax[ks])
                   for ks in (np.flatnonzero(kinds.offer == o) for o in np.unique(kinds.offer))]
         extra = 2.0 * (m + 1.0) * mb * self.hop_s_per_sequence
