@@ -68,22 +68,23 @@ def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit:
     layers under each bottleneck of ``taus`` (inf where none does; ``c = 0``: its cheapest block). A block
     of capacity ``x`` layers counts ``⌈x / unit⌉`` units: blocks holding ``L`` layers hold ``⌈L / unit⌉``
     units, so the knapsack over units is a relaxation (smaller, never above the least price)."""
-    n_q = kt.n_q
-    out = np.full((taus.shape[0], need + 1), np.inf)
-    g, n = out.shape
-    base = (np.arange(g) * (n + 1))[:, None]
-    for kd, lo, hi in zip(group.kinds.tolist(), group.klo.tolist(), group.khi.tolist(), strict=True):
-        if hi < lo:
-            continue
-        q = np.minimum(taus / kt.a[kd] + 1e-9, n_q - 1.0)  # (a > 0; τ = inf saturates)
-        cap = np.ceil(kt.at(np.array([kd]), q.astype(np.int64)[:, None])[:, 0, lo:hi + 1] / unit - 1e-9)  # (G, stages)
-        # the fewest stages reaching each capacity (capacity never falls as stages are added): the stages
-        # of capacity < c, i.e. ≤ c - 1 (whole units), counted per row
-        at = (base + np.clip(cap, 0, n).astype(np.int64)).ravel()
-        le = np.cumsum(np.bincount(at, minlength=g * (n + 1)).reshape(g, n + 1), axis=1)
-        short = np.concatenate([np.zeros((g, 1), dtype=np.int64), le[:, :n - 1]], axis=1)
-        out = np.minimum(out, np.where(short <= hi - lo, (lo + short) * kt.price[kd], np.inf))
-    return out
+    g, n = taus.shape[0], need + 1
+    ok = group.khi >= group.klo
+    kd, lo, hi = group.kinds[ok], group.klo[ok], group.khi[ok]
+    if not kd.size:
+        return np.full((g, n), np.inf)
+    q = np.minimum(taus[:, None] / kt.a[kd][None, :] + 1e-9, kt.n_q - 1.0)  # (a > 0; τ = inf saturates)
+    cap = np.ceil(kt.at(kd, q.astype(np.int64)) / unit - 1e-9)  # (G, kinds, stages + 1)
+    # the fewest stages reaching each capacity (capacity never falls as stages are added): the stages of
+    # capacity < c, i.e. ≤ c - 1 (whole units), counted per row and kind (stages out of range: never)
+    st = np.arange(cap.shape[2])
+    inside = (st[None, :] >= lo[:, None]) & (st[None, :] <= hi[:, None])
+    at = np.where(inside[None], np.clip(cap, 0, n), n).astype(np.int64)
+    at += (np.arange(g * kd.size) * (n + 1)).reshape(g, kd.size, 1)
+    le = np.cumsum(np.bincount(at.ravel(), minlength=g * kd.size * (n + 1)).reshape(g, kd.size, n + 1), axis=2)
+    short = np.concatenate([np.zeros((g, kd.size, 1), dtype=np.int64), le[:, :, :n - 1]], axis=2)
+    price = (lo[None, :, None] + short) * kt.price[kd][None, :, None]
+    return np.asarray(np.where(short <= (hi - lo)[None, :, None], price, np.inf).min(axis=1), dtype=np.float64)
 
 
 def least_price(curves: list[FloatArray], mandatory: list[bool], need: int, min_blocks: int) -> FloatArray:
