@@ -76,6 +76,10 @@ class TrainSpec(FrozenModel):
     """TP collectives run in chunks overlapped with the layer's GEMMs (Transformer Engine userbuffers:
     Megatron's ``--tp-comm-overlap``, NeMo's ``ub_tp_comm_overlap``; needs sequence parallelism): only the
     part longer than the GEMMs is exposed (``costmodel.stage``)."""
+    overlap_p2p_comm: bool = False
+    """Interleaved pipelines send a chunk's activations while the next chunk computes (Megatron-Core's
+    ``overlap_p2p_comm``; NeMo 2.0's ``MegatronCommOverlapCallback`` turns it on whenever pp > 1 and vp > 1):
+    only the fill and drain sends are exposed (``costmodel.stage.pipeline_step``). Estimates only."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient all-reduce overlaps the last micro-batch's backward (PyTorch DDP, Megatron,
     FSDP). False: it runs after the last backward, exposed (DeepSpeed's pipeline engine: its schedule issues

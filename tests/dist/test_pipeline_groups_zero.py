@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_pipeline import CLIP, GB, LR, STEPS, WARMUP, WD, _assert_same, _fit, _llama, _plan, _reference, _state
+from test_pipeline import CLIP, GB, LR, WARMUP, WD, _assert_same, _fit, _llama, _plan, _reference, _state
 
 from helpers import SEQ, reference_training
 from helpers import ramp_tokens as _tokens
 from starverse.errors import ConfigError
 from starverse.plan import Group, Stage
 from starverse.runtime.data import PackedDataset
+
+STEPS = 2  # the second step uses Adam's state; fewer processes' seconds than test_pipeline's 4
 
 
 def _stages(layers: tuple[int, ...], kinds: tuple[str, ...]) -> list[Stage]:
@@ -35,10 +37,10 @@ def test_zero2_over_two_groups_split_alike_equals_single_process(tmp_path):
     (gloo), shares 1:3 of the global batch (ZeRO-2 reduce-scatters once per step in a pipeline)."""
     model = _llama(4)
     initial = _state(model)
-    ref_losses, ref_state = _reference(model)
+    ref_losses, ref_state = _reference(model, steps=STEPS)
     plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu"))),
                        Group(stages=_stages((1, 3), ("cpu-b", "cpu-b")))], zero_stage=2)
-    res = _fit(tmp_path, model, plan, ["cpu", "cpu", "cpu-b", "cpu-b"], shares=[2, 6])
+    res = _fit(tmp_path, model, plan, ["cpu", "cpu", "cpu-b", "cpu-b"], STEPS, shares=[2, 6])
     _assert_same(res, model, initial, ref_losses, ref_state)
     # each stage's parameters are sharded over the two groups' replicas: the state adds up to the whole model's
     whole = sum(p.numel() * 4 for p in model.parameters())
@@ -66,7 +68,7 @@ def test_custom_loss_fn_through_a_pipeline_equals_single_process(tmp_path):
     plain, _ = _reference(model, steps=1)
     assert abs(plain[0] - ref_losses[0]) > 0.1  # the custom loss is not the built-in one
     plan = _plan_with([Group(stages=_stages((1, 3), ("cpu", "cpu-b")))])
-    res = _fit(tmp_path, model, plan, ["cpu", "cpu-b"], loss_fn=smoothed_loss)
+    res = _fit(tmp_path, model, plan, ["cpu", "cpu-b"], STEPS, loss_fn=smoothed_loss)
     _assert_same(res, model, initial, ref_losses, ref_state)
 
 

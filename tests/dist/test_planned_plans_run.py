@@ -44,5 +44,42 @@ def test_plans_of_mixed_gpu_pools_pass_the_runtime_check():
             checked += 1
     assert checked >= 10
     # the rule bit (the cases would catch a planner that ignores it), and its note names it
-    assert any("pipeline stages with different tp" in n for n in notes), notes
-    assert any("over groups whose pipelines split the layers differently" in n for n in notes), notes
+    assert any("pipeline stages of different tp" in n for n in notes), notes
+    assert any("offload over groups whose pipelines split the layers differently" in n for n in notes), notes
+
+
+def test_the_rule_mirrors_the_runtime_refusals():
+    """Each refusal of the rule on a small shape, and the shapes the runtime runs (ZeRO over CUDA kinds, FSDP over
+    pipelines split alike, ZeRO-1 proper over pipelines split differently)."""
+    from starverse.planner.policy import Layout, runtime_layout_rule
+
+    def rule(groups, zero=0, offload=False):
+        return runtime_layout_rule(Layout(tuple(tuple(g) for g in groups), zero, offload))
+
+    a, b = [(8, 1, "nccl"), (8, 1, "nccl")], [(4, 1, "nccl"), (12, 1, "nccl")]
+    assert rule([a, b], zero=1) is None  # ZeRO-1 proper: optimizer sharded inside each group
+    assert "split the layers differently" in rule([a, b], zero=1, offload=True)
+    assert "split the layers differently" in rule([a, b], zero=2)
+    assert rule([a, a], zero=2) is None  # one FSDP2 mesh per stage over both groups
+    assert rule([[(16, 1, "nccl")], [(16, 1, "rccl")]], zero=3) is None  # ROCm is torch's cuda device too
+    assert "several device types" in rule([[(16, 1, "nccl")], [(16, 1, "xla")]], zero=1)
+    assert "several device types" in rule([a, [(8, 1, "nccl"), (8, 1, "xla")]], zero=2)
+    assert "different tp" in rule([[(8, 2, "nccl"), (8, 1, "nccl")]])
+    assert "several data-parallel groups" in rule([[(16, 2, "nccl")], [(16, 2, "nccl")]])
+    assert rule([[(8, 2, "nccl"), (8, 2, "xla")]], zero=1, offload=True) is None  # one group: per-stage meshes
+
+
+def test_the_rule_keeps_qlora_where_the_runtime_runs_it():
+    """QLoRA (bitsandbytes' 4-bit base) runs on CUDA, one stage per group, TP 1, ZeRO 0-1 without offload."""
+    from starverse.planner.policy import Layout, runtime_layout_rule
+
+    def rule(groups, zero=0, offload=False, mode="qlora"):
+        return runtime_layout_rule(Layout(tuple(tuple(g) for g in groups), zero, offload, mode))
+
+    one = [(16, 1, "nccl")]
+    assert rule([one, one], zero=1) is None
+    assert "without CUDA" in rule([one, [(16, 1, "xla")]])
+    assert "pipeline stages" in rule([[(8, 1, "nccl"), (8, 1, "nccl")]])
+    assert "tensor parallelism" in rule([[(16, 2, "nccl")]])
+    assert "ZeRO-2/3 or offload" in rule([one], zero=1, offload=True)
+    assert rule([[(8, 1, "nccl"), (8, 1, "xla")]], mode="lora") is None  # LoRA runs in pipelines over kinds

@@ -55,3 +55,15 @@ def test_zero_over_two_kinds_with_uneven_shares_equals_single_process(tmp_path, 
     # atol 1e-4: Adam's normalisation of ~0 gradient elements (see test_parallel_exact.py)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, ref_state[name], rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_executable_caps_search_zero_over_kinds_of_one_device_type():
+    """accelerate() and the re-plan search ZeRO over several kinds of one device type, not over device types."""
+    from starverse.runtime.cluster import executable_caps
+
+    kinds = [RankSpec(0, "cpu", "cpu", 1), RankSpec(1, "cpu-b", "cpu", 1)]
+    assert executable_caps(kinds).zero_stage is None
+    gpus = [RankSpec(0, "a100-80gb-sxm", "cuda:0", 1), RankSpec(1, "rtx-4090", "cuda:1", 1)]
+    assert (executable_caps(gpus).zero_stage, executable_caps(gpus).offload) == (None, None)
+    mixed = [RankSpec(0, "rtx-4090", "cuda:0", 1), RankSpec(1, "tpu-v5e", "xla:0", 1)]
+    assert (executable_caps(mixed).zero_stage, executable_caps(mixed).offload) == (0, "none")

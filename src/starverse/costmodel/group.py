@@ -69,6 +69,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         sync_micro_steps=train.sync_micro_steps,
         overlap_grad_reduce=train.overlap_grad_reduce,
         tp_comm_overlap=train.tp_comm_overlap,
+        overlap_p2p_comm=train.overlap_p2p_comm,
     )
 
 
@@ -108,7 +109,8 @@ def combine(
             out = np.maximum(out, np.where(present[i], costs[i][key], -np.inf))
         return np.asarray(out, dtype=np.float64)
 
-    _, bubble, pp_comm = pipeline_step(t_max, t_sum, worst("p2p"), pp, m, mn.virtual_stages, mn.schedule)
+    _, bubble, pp_comm = pipeline_step(t_max, t_sum, worst("p2p"), pp, m, mn.virtual_stages, mn.schedule,
+                                        mn.overlap_p2p_comm)
     compute = m * pick(slow, "gemm_mb")
     memory = m * pick(slow, "elem_mb") + worst("optimizer_s")
     tp_comm = m * pick(slow, "tp_mb")

@@ -151,6 +151,8 @@ class TrainShape:
     """The gradient all-reduce overlaps the last backward (``TrainSpec.overlap_grad_reduce``)."""
     tp_comm_overlap: bool = False
     """TP collectives overlapped with the GEMMs (``TrainSpec.tp_comm_overlap``)."""
+    overlap_p2p_comm: bool = False
+    """Interleaved pipeline sends overlapped with compute (``TrainSpec.overlap_p2p_comm``)."""
 
     @classmethod
     def from_train(cls, train: TrainSpec) -> TrainShape:
@@ -167,6 +169,7 @@ class TrainShape:
             sync_micro_steps=train.sync_micro_steps,
             overlap_grad_reduce=train.overlap_grad_reduce,
             tp_comm_overlap=train.tp_comm_overlap,
+            overlap_p2p_comm=train.overlap_p2p_comm,
         )
 
 

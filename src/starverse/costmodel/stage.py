@@ -138,6 +138,7 @@ class ModelNumbers:
     sync_micro_steps: bool = False
     overlap_grad_reduce: bool = True
     tp_comm_overlap: bool = False
+    overlap_p2p_comm: bool = False
     cp: float = 1.0
     """Context-parallel degree: each rank holds ``seq_len / cp`` tokens of every sequence (``Group.cp``)."""
 
@@ -223,6 +224,9 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         value_scale = bv / 2.0
         score_bytes = C.EAGER_SCORE_BYTES * value_scale + (
             (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.dropout else 0.0)
+        if bv >= 4.0:
+            # fp32 scores: the fused softmax kernel is fp16/bf16 only; the torch path scales and masks apart
+            score_bytes = score_bytes + C.EAGER_UNFUSED_SOFTMAX_BYTES
         softmax = rows.micro_batch * heads * s * s / mn.cp * score_bytes / bw
         gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + rc_full) + a_e * (1.0 + 2.0 + rc_any) + host, gemm_layer)
         attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any), attn_elem)
@@ -491,15 +495,20 @@ def pipeline_step(
     m: FloatArray,
     virtual_stages: float,
     schedule: str,
+    overlap_p2p: bool = False,
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
     """(steady-state time, bubble, p2p time) of one step of a pipeline.
 
     ``stage_mb`` is the slowest stage's time per micro-batch (forward + backward), ``sum_stage_mb`` the sum
     over all stages. 1F1B/GPipe: m micro-batches at the slowest stage's pace plus the fill/drain through
-    the other stages; interleaved divides the fill/drain by v and multiplies the p2p count by v.
+    the other stages; interleaved divides the fill/drain by v and multiplies the p2p count by v. With
+    ``overlap_p2p`` (interleaved only, Megatron-Core's ``overlap_p2p_comm``) a chunk's sends run while the next
+    chunk computes: only the fill and drain chains, 2(p-1) sends, are exposed.
     """
     v = virtual_stages if schedule == "interleaved" else 1.0
     steady = m * stage_mb
     bubble = (sum_stage_mb - stage_mb) / v
     hops = np.where(pp > 1, 2.0 * (m + pp - 1.0) * v, 0.0)
+    if overlap_p2p and schedule == "interleaved":
+        hops = np.where(pp > 1, 2.0 * (pp - 1.0), 0.0)
     return steady, bubble, hops * p2p

@@ -41,6 +41,7 @@ def search(job: Job, pool: Pool, catalog: Any = None, top: int = 5, spec: Any = 
                 "are fine-tuning ALTERNATIVES (LoRA/QLoRA), not full training"
             )
     refused = "; ".join(f"{why} ({n} plans)" for why, n in sorted(stats.layout_refused.items()))
+    refused = refused and f"runtime layout rule (planner.policy.runtime_layout_rule): {refused}"
     if not ranked:
         err = explain.infeasible(job, pool, catalog, spec)
         if refused:  # name the rule: plans that fit were left out because the runtime does not run them

@@ -24,7 +24,8 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 EXACT_TABLE_CELLS = 400_000
-"""Up to this many (option, micro-batch count) rows, every fitting option gets a time table (exact search)."""
+"""Up to this many (option, micro-batch count) rows under 1F1B, every fitting option gets a time table (exact
+search; its interleaved variants too)."""
 EXACT_SMALL_POOL_DEVICES = 16
 """Pools of at most this many devices are always searched exactly (up to ``EXACT_SMALL_POOL_CELLS`` rows)."""
 EXACT_SMALL_POOL_CELLS = 4_000_000
@@ -39,7 +40,8 @@ SCREENED_DENSE_MICRO_BATCHES = 16
 """Screened searches tabulate every micro-batch count per replica up to this, then a ×1.25 grid (the
 batch split of a combination can then only use those counts)."""
 MULTI_GROUP_SETTINGS = 6
-"""Screened searches: settings kept for multi-group combinations (by their best single-group bound)."""
+"""Screened searches: memory settings kept for multi-group combinations (by their best single-group bound),
+each with its schedules (1F1B, interleaved)."""
 MULTI_GROUP_OFFERS = 6
 """Screened searches: offers per setting kept for multi-group combinations (by their best bound)."""
 
@@ -82,7 +84,9 @@ def candidate_options(ctx: SearchContext, stats: SearchStats) -> tuple[space.Opt
     if len(opts) == 0:
         return opts, np.zeros((0, ctx.batch + 1)), np.zeros(0)
     kmax = ctx.batch // (opts.replicas * opts.micro_batch)
-    cells = int(kmax.sum())
+    # rows under 1F1B decide (the interleaved variants of the same options come with them)
+    one = np.array([st.virtual_stages == 1 for st in ctx.settings])[opts.setting]
+    cells = int(kmax[one].sum())
     if cells <= EXACT_TABLE_CELLS or (pool.num_devices <= EXACT_SMALL_POOL_DEVICES
                                       and cells <= EXACT_SMALL_POOL_CELLS):
         tables, power, rows = space.time_tables(ctx.model, ctx.train, ctx.devices, opts, ctx.settings, ctx.batch)
@@ -188,7 +192,12 @@ def combinations(ctx: SearchContext, opts: space.Options, rate: FloatArray, t_mi
         by_setting: dict[int, float] = {}
         for (si, _), b in best_alone.items():
             by_setting[si] = max(by_setting.get(si, -np.inf), b)
-        settings_all = sorted(by_setting, key=lambda x: -by_setting[x])[:MULTI_GROUP_SETTINGS]
+        # the most promising memory settings, each with every schedule (chunk count) it has
+        mem: dict[tuple[int, int, int], list[int]] = {}
+        for si in sorted(by_setting, key=lambda x: -by_setting[x]):
+            st = ctx.settings[si]
+            mem.setdefault((st.zero_stage, st.recompute, st.offload), []).append(si)
+        settings_all = [si for group in list(mem.values())[:MULTI_GROUP_SETTINGS] for si in group]
     jobs: list[tuple[tuple[int, ...], list[IntArray]]] = []
     for si in settings_all:
         in_set = np.flatnonzero(opts.setting == si)

@@ -114,8 +114,8 @@ class SearchOptions(FrozenModel):
     max_pipeline_stages: int | None = Field(default=None, gt=0, le=MAX_COUNT)
     """Deepest pipeline tried, heterogeneous pipelines included (1: no pipeline parallelism)."""
     max_virtual_stages: int = Field(default=2, ge=1, le=MAX_COUNT)
-    """Most model chunks per device tried with the interleaved 1F1B schedule in heterogeneous pipelines (1:
-    interleaving off). Each more chunk shrinks the bubble less and adds sends; a larger cap loosens the
+    """Most model chunks per device tried with the interleaved 1F1B schedule, in single-kind and heterogeneous
+    pipelines alike (1: interleaving off). Each more chunk shrinks the bubble less and adds sends; a larger cap loosens the
     search's bound (the smallest bubble of any schedule) and slows it."""
     use_all_devices: bool = False
     """Use every device of every offer, one group per offer (a fixed set of ranks such as this machine's):

@@ -182,7 +182,7 @@ class LeafEvaluator:
         backend = {o: ctx.catalog.accelerator(offers[o].accelerator).backend for o, _, _ in blocks}
         stages = [(o, t) for o, t, k in blocks for _ in range(k)]
         layout = Layout((tuple((int(n), t, backend[o]) for (o, t), n in zip(stages, layers, strict=True)),),
-                        st.zero_stage, st.offload > 0)
+                        st.zero_stage, st.offload > 0, ctx.mode)
         if not bool(within(ctx.limits, price, power, hours, total, layout)):
             note_layout_refusal(self.stats.layout_refused, layout)
             return None

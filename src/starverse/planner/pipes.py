@@ -23,7 +23,9 @@ of ``τ`` (the bubble included); the sends (at least one crosses two kinds) and 
 objective is bounded (``policy.score`` grows with throughput and falls with price, cost and hours). The money
 objectives are also capped by tokens/s per unit of price, twice: from layer rates per price, and per interval
 of ``τ`` from the layers the open offers must still hold at their best layers per unit of price
-(:func:`.pipebound.price_step_lb`). A child's bound is never above its parent's. A leaf is evaluated exactly
+(:func:`.pipebound.price_step_lb`), and, tighter, from the least price of blocks holding the model with one
+block per offer (a multiple-choice knapsack: :mod:`.pipeprice`; per family first its fractional relaxation,
+then the exact one when the family comes up best). A child's bound is never above its parent's. A leaf is evaluated exactly
 (:mod:`.pipeleaf`): every order of its blocks, the exact layer split, the cost model's stage costs, the spot
 factor and the constraints.
 """
@@ -38,7 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from starverse.planner import pipebound, space
+from starverse.planner import pipebound, pipeprice, space
 from starverse.planner.pipekinds import Kinds, Pipeline, capacity_tables, family_kinds, interleave_vmax, reach
 from starverse.planner.pipeleaf import LeafEvaluator
 from starverse.planner.policy import paid_cost, score, within
@@ -47,10 +49,10 @@ from starverse.planner.result import SearchStats
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-MAX_LEAVES = 3_000
+MAX_LEAVES = 8_000
 """Exact leaf evaluations (block orders) per search; when reached, the search stops with the bound gap
 reported and ``SearchStats.pipelines_proven`` False."""
-MAX_NODES = 3_000
+MAX_NODES = 8_000
 """Branch-and-bound children bounded per search; reaching it stops the search as ``MAX_LEAVES`` does."""
 
 class _Search(LeafEvaluator):
@@ -85,6 +87,42 @@ class _Search(LeafEvaluator):
                     val = np.minimum(val, np.where(per_price > 0, -self.tokens / (3600.0 * per_price), -np.inf))
         ok = (tps > 0) & within(ctx.limits, price, power, hours, total)
         return np.where(ok, val, -np.inf)
+
+    @property
+    def money(self) -> bool:
+        """The objective falls with the price (tokens per unit of price, or total cost)."""
+        return self.ctx.job.objective in ("cost-performance", "cost")
+
+    def family_price_ub(self, r: int, mb: int, m: int, kinds: Kinds, tau0: float, exact: bool = True
+                        ) -> tuple[float, FloatArray, FloatArray]:
+        """Tokens/s per unit of price at most for a family (``tau0``: a lower bound of its bottleneck):
+        :func:`.pipeprice.per_price_ub` over every offer, at least two blocks (``exact``: the knapsack, else
+        its fractional relaxation), and its intervals of bottlenecks."""
+        kt = pipeprice.KindTables(kinds.a, self.tables(kinds), r * kinds.tp * self.price[kinds.offer])
+        groups = [pipeprice.Group(ks, np.ones(ks.size, dtype=np.int64), kinds.kmax[ks])
+                  for ks in (np.flatnonzero(kinds.offer == o) for o in np.unique(kinds.offer))]
+        extra = 2.0 * (m + 1.0) * mb * self.hop_s_per_sequence
+        # Σ S ≥ L · min a, and interleaved 1F1B with v chunks counts Σ S / v in its core (at most vmax)
+        vmax = interleave_vmax(self.total, m, 2, self.ctx.job.search.max_virtual_stages)
+        return pipeprice.per_price_ub(self.ctx.batch * self.ctx.seq_len, m, tau0,
+                                      float(kinds.a.min()) * self.total / vmax,
+                                      extra, kt, groups, self.total, 2, self.per_price_target(), exact)
+
+    def tables(self, kinds: Kinds) -> FloatArray:
+        """:func:`.pipekinds.capacity_tables` of a family's kinds, computed once per search."""
+        cache: dict[int, tuple[Kinds, FloatArray]] = self.__dict__.setdefault("_tables", {})
+        if id(kinds) not in cache:
+            cache[id(kinds)] = (kinds, capacity_tables(kinds, self.total))
+        return cache[id(kinds)][1]
+
+    def per_price_target(self) -> float:
+        """Tokens/s per unit of price a plan must exceed to beat the best plan known (inf: none known)."""
+        v = self.best_value
+        if not math.isfinite(v):
+            return math.inf
+        if self.ctx.job.objective == "cost-performance":
+            return v / 3600.0 if v > 0 else 0.0
+        return self.tokens / (3600.0 * -v) if v < 0 else math.inf
 
     # ---- exact leaves ---------------------------------------------------------------------------------
     def leaf(self, r: int, mb: int, setting: int, blocks: list[tuple[int, int, int]], bound: float) -> None:
@@ -121,7 +159,8 @@ class _Search(LeafEvaluator):
             return np.asarray(np.where(ps > 0, self.ctx.batch * self.ctx.seq_len / ps, np.inf))
 
     # ---- the walk over offers ----------------------------------------------------------------------------
-    def family(self, r: int, mb: int, setting: int, kinds: Kinds, bound: float = math.inf) -> None:
+    def family(self, r: int, mb: int, setting: int, kinds: Kinds, bound: float = math.inf,
+               grid: tuple[FloatArray, FloatArray] | None = None) -> None:
         """Branch and bound over one family (``bound``: the family's own, which caps every node's)."""
         m = self.ctx.batch // (r * mb)
         offers = [int(o) for o in np.unique(kinds.offer)]
@@ -140,7 +179,7 @@ class _Search(LeafEvaluator):
         money = self.ctx.job.objective in ("cost-performance", "cost")
         offers.sort(key=lambda o: -(eff[o] if money else rate[o]))
 
-        tab = capacity_tables(kinds, self.total)
+        tab = self.tables(kinds)
         kinds_of = {o: np.flatnonzero(kinds.offer == o) for o in offers}
         # an open offer holds at most what its best block holds at the level of its fastest kind
         open_tab = {o: tab[kinds_of[o], kinds.kmax[kinds_of[o]], :].max(axis=0) for o in offers}
@@ -157,6 +196,17 @@ class _Search(LeafEvaluator):
         with np.errstate(divide="ignore"):
             inv_o = np.where(kinds.opt_layer > 0, 1.0 / kinds.opt_layer, np.inf)
         inv_open = {o: float((kinds.kmax * inv_o)[kinds_of[o]].max()) for o in offers}
+        # the money objectives: the least price of the open offers' blocks holding what the chosen ones
+        # cannot, per interval of bottlenecks shared by the family's nodes (:mod:`.pipeprice`)
+        kt = pipeprice.KindTables(kinds.a, tab, r * kinds.tp * self.price[kinds.offer])
+        groups = [pipeprice.Group(kinds_of[o], np.ones(kinds_of[o].size, dtype=np.int64), kinds.kmax[kinds_of[o]])
+                  for o in offers]
+        if money:
+            lo_t, hi_t = grid if grid is not None else (np.zeros(0), np.zeros(0))
+            suffix = pipeprice.suffix_tables(hi_t, kt, groups, self.total)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q_hi = np.minimum(np.nan_to_num(hi_t[None, :] / kinds.a[:, None] + 1e-9, posinf=self.total),
+                                  self.total).astype(np.int64)  # (kinds, intervals)
 
         # a chosen block: (offer, tp, stages, per-layer time, kind index, p2p, optimizer step)
         Chosen = list[tuple[int, int, int, float, int, float, float]]
@@ -201,8 +251,14 @@ class _Search(LeafEvaluator):
             tau = np.maximum(tau, np.where(on, np.maximum(a_chosen, ka), a_chosen))
             # the smallest bubble of any schedule the leaves may take (at least max(used + klo, 2) stages)
             vmax = interleave_vmax(self.total, m, used + int(klo.min()), self.ctx.job.search.max_virtual_stages)
-            taus, steps = pipebound.core_grid_schedules(m, vmax, tau, cost, cap, mand, self.total)
-            core = steps.min(axis=1)
+            # the money objectives with the knapsack's intervals: its bound replaces the core grid's
+            knap = money and lo_t.size > 0
+            if not knap:
+                taus, steps = pipebound.core_grid_schedules(m, vmax, tau, cost, cap, mand, self.total)
+                core = steps.min(axis=1)
+            else:
+                # every schedule's core is at least (m - 1) τ + max(τ, Σ S / v) (:func:`.pipeprice.per_price_ub`)
+                core = (m - 1.0) * tau + np.maximum(tau, self.total * a_least / vmax)
             price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
             power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
             price = price0 + np.where(on, r * kt * kk * self.price[o], 0.0)
@@ -222,7 +278,13 @@ class _Search(LeafEvaluator):
             per_price = np.maximum.reduce([pipebound.per_price_ub(
                 m, self.total, k_rate * self.total, rate_c, price, self.total * a_least / v + rest, r_open, e_open,
                 m - 1.0 / v) for v in {1, vmax}])
-            if money:
+            if money and lo_t.size:
+                have = sum((tab[c[4], c[2], q_hi[c[4]]] for c in chosen), np.zeros(lo_t.size))[None, :] \
+                    + np.where(on[:, None], tab[jj[:, None], khi[:, None], q_hi[jj]], 0.0)
+                per_price = np.minimum(per_price, pipeprice.node_per_price(
+                    self.ctx.batch * self.ctx.seq_len, m, lo_t, hi_t, suffix[level + 1], tau, self.total * a_least / vmax,
+                    rest, price, have, self.total, np.maximum(2 - len(chosen) - on.astype(np.int64), 0), core))
+            if money and not knap:
                 per_price = np.minimum(per_price, self._per_pricecapacity_tables(
                     m, mb, taus, steps, cap, len(chosen) + 1, used + kk, p2p, opt, price,
                     np.concatenate([kinds_of[q] for q in open_]) if open_ else np.zeros(0, dtype=np.int64),
@@ -286,10 +348,11 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
     tps = [[t for t in space.tp_degrees(ctx.spec, o.devices_per_node, max(c, 0))
             if so.max_tp is None or t <= so.max_tp] for o, c in zip(pool.offers, caps, strict=True)]
     mbs = [job.train.micro_batch] if job.train.micro_batch else [x for x in space.MICRO_BATCHES if x <= ctx.batch]
-    sets = [i for i, st in enumerate(ctx.settings) if st.zero_stage <= 1]
+    # (the chunk count is searched per pipeline: :func:`.pipekinds.interleave_options`)
+    sets = [i for i, st in enumerate(ctx.settings) if st.zero_stage <= 1 and st.virtual_stages == 1]
     max_stages = min(total, so.max_pipeline_stages or total)
     s = _Search(ctx, incumbent, stats)
-    fams: list[tuple[float, int, int, int, Kinds]] = []
+    fams: list[tuple[float, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = []
     for mb in mbs:
         for r in range(1, ctx.batch // mb + 1):
             if (ctx.batch // mb) % r or r > max(caps):
@@ -311,18 +374,31 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
                 with np.errstate(divide="ignore"):
                     per_price = r * mb * ctx.seq_len / total * float(
                         (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())
+                if s.money:
+                    per_price = min(per_price, s.family_price_ub(r, mb, m, kinds, float(tau[0]), exact=False)[0])
                 fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1),
                              np.array([per_price]))
-                fams.append((float(fb[0]), r, mb, si, kinds))
+                fams.append((-float(fb[0]), len(fams), None, r, mb, si, float(tau[0]), kinds))
     stats.pipeline_families += len(fams)
-    fams.sort(key=lambda f: -f[0])
-    for bound, r, mb, si, kinds in fams:
+    # best bound first; for the money objectives a family's bound is first the cheap one above, tightened
+    # by the least price of its blocks (:mod:`.pipeprice`) when it comes up, then put back
+    heapq.heapify(fams)
+    while fams:
+        neg, i, grid, r, mb, si, tau0, kinds = heapq.heappop(fams)
+        bound = -neg
         if bound <= s.best_value:
             break
         if s.full():
             s.gap_bound = max(s.gap_bound, bound)
             break
-        s.family(r, mb, si, kinds, bound)
+        if s.money and grid is None:
+            m = ctx.batch // (r * mb)
+            per_price, lo, hi = s.family_price_ub(r, mb, m, kinds, tau0)
+            limit = per_price * 3600.0 if job.objective == "cost-performance" else (
+                -s.tokens / (3600.0 * per_price) if per_price > 0 else -math.inf)
+            heapq.heappush(fams, (-min(bound, limit), i, (lo, hi), r, mb, si, tau0, kinds))
+            continue
+        s.family(r, mb, si, kinds, bound, grid)
     stats.pipeline_leaves += s.leaves
     if s.full() and s.gap_bound > s.best_value:
         stats.pipelines_proven = False

@@ -97,6 +97,8 @@ class Layout:
     """The plan's ZeRO stage."""
     offload: bool
     """Some state is offloaded to the host (FSDP2's offload policy)."""
+    mode: str = "full"
+    """The training mode (``full``, ``lora``, ``qlora``)."""
 
 
 _TORCH_DEVICE = {"nccl": "cuda", "rccl": "cuda"}  # ROCm runs as torch's cuda device
@@ -112,28 +114,46 @@ def runtime_layout_rule(layout: Layout) -> str | None:
     - ZeRO over several groups without pipeline stages shares one mesh: one torch device type (CUDA kinds
       together, CPU ranks together);
     - FSDP2 (ZeRO-2/3, or ZeRO-1 with offload) over several pipelined groups needs every group to split the
-      layers the same way, each stage's replicas of one device type (one mesh per stage spans the groups).
+      layers the same way, each stage's replicas of one device type (one mesh per stage spans the groups);
+    - QLoRA (bitsandbytes' 4-bit base, ``runtime.lora``) runs on CUDA devices, one stage per group, TP 1, ZeRO 0-1
+      without offload (``check_mode``, ``check_parallel_plan``, ``Trainer.fit``'s pipeline check).
     """
     groups = layout.groups
     pipelined = any(len(g) > 1 for g in groups)
     tps = {t for g in groups for _, t, _ in g}
+    if layout.mode == "qlora":
+        why = _qlora_rule(layout, pipelined, tps)
+        if why is not None:
+            return why
     if pipelined and len(tps) > 1:
-        return f"runtime layout rule: pipeline stages with different tp {sorted(tps)} (the runtime needs one tp)"
+        return "pipeline stages of different tp (the runtime needs one tp in a pipeline)"
     if not pipelined and len(groups) > 1 and tps != {1}:
-        return "runtime layout rule: tensor parallelism over several data-parallel groups"
+        return "tensor parallelism over several data-parallel groups"
     if len(groups) < 2 or layout.zero_stage == 0:
         return None
     types = [tuple(_TORCH_DEVICE.get(b, b) for _, _, b in g) for g in groups]
     if not pipelined:
         if len({t for g in types for t in g}) > 1:
-            return f"runtime layout rule: ZeRO-{layout.zero_stage} over groups of several device types"
+            return "ZeRO over groups of several device types"
         return None
     if layout.zero_stage >= 2 or layout.offload:
         if len({tuple(n for n, _, _ in g) for g in groups}) > 1:
-            return (f"runtime layout rule: ZeRO-{layout.zero_stage}{' with offload' if layout.offload else ''} "
-                    "over groups whose pipelines split the layers differently")
+            return "ZeRO-2/3 or offload over groups whose pipelines split the layers differently"
         if any(len(set(stage)) > 1 for stage in zip(*types, strict=True)):
-            return f"runtime layout rule: ZeRO-{layout.zero_stage} over stages of several device types"
+            return "ZeRO-2/3 or offload over pipeline stages of several device types"
+    return None
+
+
+def _qlora_rule(layout: Layout, pipelined: bool, tps: set[int]) -> str | None:
+    """The part of :func:`runtime_layout_rule` for QLoRA."""
+    if any(_TORCH_DEVICE.get(b, b) != "cuda" for g in layout.groups for _, _, b in g):
+        return "QLoRA on devices without CUDA (bitsandbytes' 4-bit weights)"
+    if pipelined:
+        return "QLoRA with pipeline stages"
+    if tps != {1}:
+        return "QLoRA with tensor parallelism"
+    if layout.zero_stage >= 2 or layout.offload:
+        return "QLoRA with ZeRO-2/3 or offload"
     return None
 
 

@@ -106,7 +106,8 @@ def search_context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> 
     trainable = trainable_params(spec, mode, t.lora_rank)
     state_bytes = checkpoint_bytes(trainable, t.precision)
     grad_bytes = trainable * BYTES_PER_VALUE[t.precision]
-    sets = space.settings(t.zero_stage, t.recompute, t.offload, pipeline=False)
+    sets = space.settings(t.zero_stage, t.recompute, t.offload, pipeline=False,
+                          max_virtual_stages=job.search.max_virtual_stages)
     return SearchContext(job, pool, catalog, spec, mode, shape, train, devices, sets,
                 limits_of(job, pool, catalog), t.total_tokens, state_bytes, grad_bytes)
 
@@ -174,7 +175,7 @@ def combo_layout(ctx: SearchContext, opts: space.Options, setting: int, members:
                                                                           int(ctx.spec.num_layers))
                             for _ in range(s.repeat)))
     st = ctx.settings[setting]
-    return Layout(tuple(groups), st.zero_stage, st.offload > 0)
+    return Layout(tuple(groups), st.zero_stage, st.offload > 0, ctx.mode)
 
 
 def evaluate_combo(ctx: SearchContext, opts: space.Options, tables: FloatArray, power: FloatArray, setting: int,
@@ -223,8 +224,10 @@ def combo_plan(ctx: SearchContext, opts: space.Options, combo: Combo) -> tuple[P
         ))
         devices[offer.name] = int(opts.num_devices[i])
     sp = any(int(opts.tp[i]) > 1 for i in combo.options)
+    st = ctx.settings[combo.setting]
     plan = Plan(
-        model=ctx.job.model, train=train_spec(ctx.job, ctx.mode, ctx.settings[combo.setting], sp),
+        model=ctx.job.model, train=train_spec(ctx.job, ctx.mode, st, sp, "interleaved" if st.virtual_stages > 1
+                                              else "1f1b", st.virtual_stages),
         groups=groups, network=network_for(ctx.pool, list(devices)), pricing=pricing_for(ctx.pool, list(devices)),
     )
     return plan, devices

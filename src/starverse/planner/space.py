@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
@@ -50,11 +50,15 @@ class Setting:
     """``RECOMPUTE_CODES`` value."""
     offload: int
     """``OFFLOAD_CODES`` value."""
+    virtual_stages: int = 1
+    """Model chunks per device: 1 is 1F1B, more the interleaved 1F1B schedule (pipelines only)."""
 
 
 def settings(fixed_zero: int | None, fixed_recompute: str | None, fixed_offload: str | None,
-             pipeline: bool) -> list[Setting]:
-    """Memory settings worth trying.
+             pipeline: bool, max_virtual_stages: int = 1) -> list[Setting]:
+    """Memory settings worth trying, then each pipeline-capable one again with the interleaved 1F1B schedule
+    at ``2..max_virtual_stages`` chunks per device (:func:`enumerate_options` keeps those for pipelines
+    whose stages split into that many chunks).
 
     ZeRO-2/3 shard gradients/weights across data-parallel ranks, which conflicts with pipeline
     parallelism's per-micro-batch gradient accumulation (DeepSpeed refuses the combination), so pipelines
@@ -73,7 +77,8 @@ def settings(fixed_zero: int | None, fixed_recompute: str | None, fixed_offload:
         if off == 2 and z < 3:
             continue
         out.append(Setting(z, rc, off))
-    return out
+    return out + [Setting(st.zero_stage, st.recompute, st.offload, v) for v in range(2, max_virtual_stages + 1)
+                  for st in out if st.zero_stage <= 1]
 
 
 def offer_caps(offers: Sequence[Any], budget_per_hour: float | None) -> list[int]:
@@ -164,7 +169,8 @@ def enumerate_options(spec: Any, global_batch: int, offers: Sequence[Any], setti
     base: list[tuple[int, int, int, int, int, int]] = []
     mbs = [fixed_micro_batch] if fixed_micro_batch else [m for m in MICRO_BATCHES if m <= global_batch]
     pipe_settings = [i for i, st in enumerate(setting_list) if st.zero_stage <= 1]
-    all_settings = list(range(len(setting_list)))
+    all_settings = [i for i, st in enumerate(setting_list) if st.virtual_stages == 1]
+    layers = int(spec.num_layers)
     for oi, off in enumerate(offers):
         cap = off.count if max_devices is None else min(off.count, max_devices[oi])
         if cap < 1 or (use_all_devices and cap < off.count):
@@ -176,7 +182,9 @@ def enumerate_options(spec: Any, global_batch: int, offers: Sequence[Any], setti
             for pp in pp_depths(int(spec.num_layers), max_pp):
                 if use_all_devices and cap % (tp * pp):
                     continue
-                sets = all_settings if pp == 1 else pipe_settings
+                # interleaved: every stage splits into v chunks of whole layers
+                sets = all_settings if pp == 1 else [i for i in pipe_settings if setting_list[i].virtual_stages == 1
+                                                     or layers % (pp * setting_list[i].virtual_stages) == 0]
                 for mb in mbs:
                     rmax = min(cap // (tp * pp), global_batch // mb)
                     if use_all_devices and rmax * tp * pp != cap:
@@ -213,11 +221,48 @@ def candidates_for(opts: Options, setting_list: Sequence[Setting], num_micro_bat
     )
 
 
+@dataclass(frozen=True)
+class Evaluated:
+    """What the search reads of the batch estimate of some (option, micro-batch count) rows."""
+
+    fits: npt.NDArray[np.bool_]
+    step_time_s: FloatArray
+    power_kw: FloatArray
+    memory_gb: FloatArray
+
+
+def estimate_rows(model: ModelShape, train: TrainShape, devices: DeviceTable, opts: Options,
+                  setting_list: Sequence[Setting], num_micro_batches: IntArray, runnable: bool = True) -> Evaluated:
+    """The batch cost model over options with ``num_micro_batches`` per replica, each under its setting's
+    schedule (one batch call per chunk count). ``runnable``: interleaved rows whose micro-batch count is not
+    a multiple of the stages do not fit (the runtime's interleaved schedule refuses them); without it,
+    ``fits`` is memory alone (which never grows with the replicas: the screening's probe)."""
+    v_of = np.array([st.virtual_stages for st in setting_list], dtype=np.int64)[opts.setting]
+    n = len(opts)
+    fits = np.zeros(n, dtype=bool)
+    step = np.full(n, np.inf)
+    power = np.zeros(n)
+    memory = np.zeros(n)
+    for v in np.unique(v_of):
+        idx = np.flatnonzero(v_of == v)
+        tr = train if v == 1 else replace(train, schedule="interleaved", virtual_stages=int(v))
+        est = estimate_batch(model, tr, devices, candidates_for(opts.take(idx), setting_list, num_micro_batches[idx]))
+        ok = np.asarray(est.fits, dtype=bool)
+        if v > 1 and runnable:
+            ok = ok & (num_micro_batches[idx] % opts.pp[idx] == 0)
+        fits[idx] = ok
+        step[idx] = np.asarray(est.step_time_s, dtype=np.float64)
+        power[idx] = np.asarray(est.power_kw, dtype=np.float64)
+        memory[idx] = np.asarray(est.memory_gb, dtype=np.float64)
+    return Evaluated(fits, step, power, memory)
+
+
 def evaluate_full_share(model: ModelShape, train: TrainShape, devices: DeviceTable, opts: Options,
-                        setting_list: Sequence[Setting], global_batch: int) -> Any:
-    """Evaluate each option as if it processed as much of the batch as it can (``k = B // (r·mb)``)."""
+                        setting_list: Sequence[Setting], global_batch: int) -> tuple[Evaluated, IntArray]:
+    """Evaluate each option as if it processed as much of the batch as it can (``k = B // (r·mb)``), for
+    screening: ``fits`` is memory alone (:func:`estimate_rows`; the time tables apply the schedule's rule)."""
     k = global_batch // (opts.replicas * opts.micro_batch)
-    return estimate_batch(model, train, devices, candidates_for(opts, setting_list, k)), k
+    return estimate_rows(model, train, devices, opts, setting_list, k, runnable=False), k
 
 
 def micro_batch_counts(kmax: int, dense_up_to: int | None) -> IntArray:
@@ -243,7 +288,7 @@ def time_tables(model: ModelShape, train: TrainShape, devices: DeviceTable, opts
     ks = [micro_batch_counts(int(k), dense_k_up_to) for k in kmax]
     rows = np.repeat(np.arange(n), [len(k) for k in ks])
     k = np.concatenate(ks)
-    est = estimate_batch(model, train, devices, candidates_for(opts.take(rows), setting_list, k))
+    est = estimate_rows(model, train, devices, opts.take(rows), setting_list, k)
     t = np.where(est.fits, est.step_time_s, np.inf)
     table[rows, gran[rows] * k] = t
     power[rows] = est.power_kw

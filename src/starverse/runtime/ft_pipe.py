@@ -108,7 +108,7 @@ class PipelineReplicaTrainer(ReplicaTrainer):
         world = dist.group.WORLD
         pipeline = PipelineRunner.build(full, layout, env.rank, device, job.plan.train.schedule,
                                         job.micro_batch / job.global_batch, {place.replica: world},
-                                        job.weights_folder)
+                                        job.weights_folder, job.loss_fn)
         model = UnsplitView(pipeline.parameters(), UnsplitSignature.of(full))
         del full
         optimizer, scheduler, data, sampler = training_parts(model, job)

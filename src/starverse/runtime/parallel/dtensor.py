@@ -1,9 +1,12 @@
 """``is_dtensor``: the DTensor test that does not import ``torch.distributed.tensor``.
 
-Importing DTensor (and FSDP2, which imports it) costs about a second per process; a plain data-parallel rank,
-the most common one, never creates a DTensor. No DTensor can exist before ``torch.distributed.tensor`` is
-imported (its class lives there), so until then every answer is False without importing anything. The
-modules that shard (tensor parallel, FSDP2, ZeRO-1) import it inside the functions that need it.
+Importing DTensor (and FSDP2, which imports it) costs about a second of CPU; importing the trainer or the rank
+loop no longer pays it. No DTensor can exist before ``torch.distributed.tensor`` is imported (its class lives
+there), so until then every answer is False without importing anything. The modules that shard (tensor
+parallel, FSDP2, ZeRO-1) import it inside the functions that need it. A training rank still imports it later,
+through torch itself: the first ``torch.optim`` optimizer built imports ``torch._dynamo``, which imports FSDP
+(and ``transformers`` models import it too); what is saved is the cost in the processes that never build one
+(``starverse train``/``demo`` refusing bad input, the test process, tools that only plan or check).
 """
 
 from __future__ import annotations

@@ -1,0 +1,245 @@
+"""The least price of a heterogeneous pipeline that holds the model under a bottleneck (a bound of
+:mod:`.pipes`' branch and bound for the money objectives).
+
+A pipeline has at most one block per offer (``k`` stages of one kind: offer and TP), so an offer's capacity
+is that of one block, not a rate at which layers can be bought: under a bottleneck ``τ`` a block of kind
+``κ`` and ``k`` stages holds at most ``tab[κ, k, ⌊τ / a_κ⌋]`` layers (:func:`.pipekinds.capacity_tables`:
+per-layer time and memory caps by place) and costs ``k · π_κ`` per hour. The least price of holding ``need``
+layers with at most one block per offer (exactly one for the blocks already chosen) and at least
+``min_blocks`` blocks is a multiple-choice knapsack, solved exactly over the integer layer counts by a
+dynamic program (:func:`least_price`). Capacities never shrink as ``τ`` grows, so the least price never grows
+with ``τ``: on an interval of bottlenecks ``[τ_j, τ_{j+1}]`` the price is at least the least price at
+``τ_{j+1}`` and the step at least its value at ``τ_j`` (:func:`per_price_ub`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One offer's choices: a block of kind ``kinds[i]`` with ``klo[i]..khi[i]`` stages; a ``mandatory``
+    group must contribute its block (a block already chosen), another may be left out."""
+
+    kinds: IntArray
+    klo: IntArray
+    khi: IntArray
+    mandatory: bool = False
+
+
+@dataclass(frozen=True)
+class KindTables:
+    """Per-layer time ``a``, capacity tables ``tab`` (kinds, stages + 1, levels) and price per stage."""
+
+    a: FloatArray
+    tab: FloatArray
+    price: FloatArray
+
+
+def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit: int = 1) -> FloatArray:
+    """(G, need + 1): the least price of one block of ``group`` holding at least ``c`` units of ``unit``
+    layers under each bottleneck of ``taus`` (inf where none does; ``c = 0``: its cheapest block). A block
+    of capacity ``x`` layers counts ``⌈x / unit⌉`` units: blocks holding ``L`` layers hold ``⌈L / unit⌉``
+    units, so the knapsack over units is a relaxation (smaller, never above the least price)."""
+    n_q = kt.tab.shape[2]
+    out = np.full((taus.shape[0], need + 1), np.inf)
+    cs = np.arange(need + 1, dtype=np.float64)
+    for kd, lo, hi in zip(group.kinds, group.klo, group.khi, strict=True):
+        if hi < lo:
+            continue
+        q = np.minimum(taus / kt.a[kd] + 1e-9, n_q - 1.0)  # (a > 0; τ = inf saturates)
+        cap = np.ceil(kt.tab[kd, lo:hi + 1, :][:, q.astype(np.int64)].T / unit - 1e-9)  # (G, stages)
+        # the fewest stages reaching each capacity (capacity never falls as stages are added)
+        short = (cap[:, :, None] < cs[None, None, :]).sum(axis=1)
+        out = np.minimum(out, np.where(short <= hi - lo, (lo + short) * kt.price[kd], np.inf))
+    return out
+
+
+def least_price(curves: list[FloatArray], mandatory: list[bool], need: int, min_blocks: int) -> FloatArray:
+    """(G,): the least total price of one block per mandatory curve and at most one per other curve
+    (:func:`price_curve`) holding ``need`` layers together, with at least ``min_blocks`` (≤ 2) blocks."""
+    g = curves[0].shape[0] if curves else 1
+    f = _empty(g, need)
+    for cur, must in zip(curves, mandatory, strict=True):
+        f = _add(f, cur, must)
+    return np.asarray(f[min(max(min_blocks, 0), 2):, :, need].min(axis=0), dtype=np.float64)
+
+
+def _empty(g: int, need: int) -> FloatArray:
+    """(3, G, need + 1): least price holding at least ``c`` with 0, 1, 2+ blocks, before any block."""
+    f = np.full((3, g, need + 1), np.inf)
+    f[0, :, 0] = 0.0
+    return f
+
+
+def _add(f: FloatArray, cur: FloatArray, must: bool) -> FloatArray:
+    """One more group (:func:`price_curve` ``cur``) in the knapsack ``f`` (mandatory: its block is used)."""
+    n = f.shape[2]
+    diff = np.arange(n)[:, None] - np.arange(n)[None, :]  # (c, d): c - d
+    src = np.where(diff >= 0, diff, n)  # n: an inf column (d > c adds nothing)
+    new = np.full_like(f, np.inf) if must else f.copy()
+    pad = np.full((f.shape[1], 1), np.inf)
+    for s in range(3):
+        if not np.isfinite(f[s, :, 0]).any():
+            continue
+        # this block at capacity ≥ d, the rest holding ≥ c - d
+        cand = (np.hstack([f[s], pad])[:, src] + cur[:, None, :]).min(axis=2)
+        t = min(s + 1, 2)
+        new[t] = np.minimum(new[t], cand)
+    return np.asarray(np.minimum.accumulate(new[:, :, ::-1], axis=2)[:, :, ::-1])  # ≥ c implies ≥ c - 1
+
+
+def suffix_tables(taus: FloatArray, kt: KindTables, groups: list[Group], need: int) -> FloatArray:
+    """(groups + 1, 3, G, need + 1): ``out[l, k]`` is the least price of optional blocks of ``groups[l:]``
+    holding at least ``c`` layers with at least ``k`` (0, 1, 2) blocks under each bottleneck of ``taus``."""
+    f = _empty(taus.shape[0], need)
+    out = [np.minimum.accumulate(f[::-1], axis=0)[::-1]]
+    for gr in groups[::-1]:
+        f = _add(f, price_curve(taus, kt, gr, need), False)
+        out.append(np.minimum.accumulate(f[::-1], axis=0)[::-1])  # at least k blocks
+    return np.stack(out[::-1])
+
+
+GRID_RATIO = 1.01
+""":func:`per_price_ub` refines its intervals of bottlenecks down to this ratio where the bound matters."""
+MAX_POINTS = 160
+UNITS = 80
+"""The knapsack counts layers in units of ``⌈L / UNITS⌉`` (:func:`price_curve`)."""
+"""Bottlenecks at which :func:`per_price_ub` solves the knapsack at most (fewer only loosen the bound)."""
+
+
+def _refine(work: float, m: int, tau0: float, sum_lb: float, extra: float, kt: KindTables,
+            groups: list[Group], need: int, min_blocks: int, target: float, exact: bool = True
+            ) -> tuple[FloatArray, FloatArray, FloatArray, float]:
+    """:func:`per_price_ub`'s intervals (the last one ``[τ_end, ∞]``), the least price at their upper ends,
+    and the least step × price over them (inf: nothing fits). ``exact``: the knapsack's least price, else
+    its fractional relaxation (:func:`fractional_price`, about a hundred times cheaper)."""
+    mand = [gr.mandatory for gr in groups]
+    unit = max(1, -(-need // UNITS))
+    units = -(-need // unit)
+
+    def prices(taus: FloatArray) -> FloatArray:
+        if not exact:
+            return fractional_price(taus, kt, groups, np.full(taus.shape, float(need)))
+        return least_price([price_curve(taus, kt, gr, units, unit) for gr in groups], mand, units, min_blocks)
+
+    def step(tau: FloatArray) -> FloatArray:
+        return (m - 1.0) * tau + np.maximum(tau, sum_lb) + extra
+
+    p_inf = float(prices(np.array([np.inf]))[0])
+    if not np.isfinite(p_inf) or not np.isfinite(tau0):
+        return np.zeros(0), np.zeros(0), np.zeros(0), np.inf
+    tau0 = max(tau0, 1e-12)
+    ps_goal = work / target if np.isfinite(target) and target > 0 else 0.0
+    # beyond tau_end: step ≥ step(tau_end), price ≥ P(∞), so ps ≥ ps_goal there
+    tau_end = max(ps_goal / (m * p_inf), tau0 * GRID_RATIO ** 8) if ps_goal > 0 and p_inf > 0 else tau0 * 4.0
+    tail = float(step(np.array([tau_end]))[0]) * p_inf
+    edges = tau0 * (tau_end / tau0) ** (np.arange(9) / 8.0)
+    lo, hi = edges[:-1], edges[1:]
+    p_hi = prices(hi)
+    used = hi.size
+    while True:
+        lb = step(lo) * p_hi
+        thr = ps_goal if ps_goal > 0 else float(np.min(lb, initial=tail)) * 1.02
+        sel = (lb < thr) & (hi > lo * GRID_RATIO)
+        k = int(sel.sum())
+        if k == 0 or used + 3 * k > MAX_POINTS:
+            break
+        # split each selected interval in four (geometrically): three new right ends each
+        s_lo, s_hi = lo[sel], hi[sel]
+        r = (s_hi / s_lo) ** 0.25
+        inner = s_lo[:, None] * r[:, None] ** np.arange(1, 4)[None, :]
+        p_in = prices(inner.ravel()).reshape(k, 3)
+        new_lo = np.concatenate([s_lo[:, None], inner], axis=1).ravel()
+        new_hi = np.concatenate([inner, s_hi[:, None]], axis=1).ravel()
+        new_p = np.concatenate([p_in, p_hi[sel][:, None]], axis=1).ravel()
+        lo, hi, p_hi = np.r_[lo[~sel], new_lo], np.r_[hi[~sel], new_hi], np.r_[p_hi[~sel], new_p]
+        used += 3 * k
+    ps = min(float((step(lo) * p_hi).min()), tail)
+    return np.r_[lo, tau_end], np.r_[hi, np.inf], np.r_[p_hi, p_inf], ps
+
+
+def per_price_ub(work: float, m: int, tau0: float, sum_lb: float, extra: float, kt: KindTables,
+                 groups: list[Group], need: int, min_blocks: int, target: float = np.inf, exact: bool = True
+                 ) -> tuple[float, FloatArray, FloatArray]:
+    """Tokens/s per unit of price at most (``work``: tokens per step) of a pipeline of one block per
+    mandatory group and at most one per other group, at least ``min_blocks``, holding ``need`` layers, whose
+    bottleneck is at least ``tau0``, ``Σ S`` at least ``sum_lb`` and step at least ``extra`` more.
+
+    Under a bottleneck ``τ`` the step is at least ``(m - 1) τ + max(τ, Σ S) + extra`` under 1F1B, and under
+    interleaved 1F1B with ``v`` chunks ``(m - 1/v) τ + Σ S / v ≥ (m - 1) τ + max(τ, Σ S / v)``: callers pass
+    ``sum_lb`` divided by the most chunks any pipeline bounded may take; on an interval
+    ``[τ_j, τ_{j+1}]`` the price is at least the least price at ``τ_{j+1}``. The intervals are refined where
+    the bound could still exceed ``target`` (tokens/s per price to beat; inf: around the least), down to
+    ``GRID_RATIO``; beyond the last, ``τ ≥ τ_end``, the price is at least the least at any bottleneck.
+    Also returns the intervals (sorted; the last ``[τ_end, ∞]``), for :func:`node_per_price`."""
+    lo, hi, _, ps = _refine(work, m, tau0, sum_lb, extra, kt, groups, need, min_blocks, target, exact)
+    order = np.argsort(lo)
+    return (work / ps if ps > 0 else np.inf), lo[order], hi[order]
+
+
+def node_per_price(work: float, m: int, lo: FloatArray, hi: FloatArray, suffix: FloatArray, tau: FloatArray,
+                   sum_lb: float, extra: FloatArray, price: FloatArray, have: FloatArray, need: int,
+                   min_open: IntArray, core: FloatArray | None = None) -> FloatArray:
+    """Tokens/s per unit of price at most for nodes (rows) of a family, on the family's intervals
+    (:func:`per_price_ub`'s): per interval the step at its lower end (at least the node's bottleneck ``tau``),
+    times the price of the blocks chosen (``price``) plus the least price of the open offers
+    (``suffix``: :func:`suffix_tables` at the upper ends, for the offers still open) holding what the chosen
+    blocks cannot (``have``: (rows, intervals), their capacity at the upper ends) with at least ``min_open``
+    more blocks (``core``: a lower bound of the step's core, per row, at any bottleneck)."""
+    n = tau.shape[0]
+    t_lo = np.maximum(lo[None, :], tau[:, None])
+    live = t_lo <= hi[None, :]
+    step = (m - 1.0) * t_lo + np.maximum(t_lo, sum_lb)
+    if core is not None:  # a lower bound of the pipeline core at any bottleneck
+        step = np.maximum(step, core[:, None])
+    step = step + extra[:, None]
+    rest = np.clip(need - have, 0, need).astype(np.int64)  # (rows, intervals)
+    least = suffix[np.clip(min_open, 0, 2)]  # (rows, G, need + 1)
+    add = np.take_along_axis(least, rest[:, :, None], axis=2)[:, :, 0]
+    with np.errstate(invalid="ignore"):
+        ps = np.where(live, step * (price[:, None] + add), np.inf)
+    ps = ps.min(axis=1) if ps.shape[1] else np.full(n, np.inf)
+    with np.errstate(divide="ignore"):
+        return np.asarray(np.where(ps > 0, work / ps, np.inf), dtype=np.float64)
+
+
+def fractional_price(taus: FloatArray, kt: KindTables, groups: list[Group], need: FloatArray) -> FloatArray:
+    """(G,): a lower bound of the least price of optional blocks, one per group, holding ``need`` (G,)
+    layers under each bottleneck: the knapsack's fractional relaxation, each group holding at most its
+    longest block's capacity at no more than its best layers per unit of price (the groups with the most
+    layers per unit of price filled first)."""
+    n_q = kt.tab.shape[2]
+    ratios, caps = [], []
+    for gr in groups:
+        best_r = np.zeros(taus.shape[0])
+        best_c = np.zeros(taus.shape[0])
+        for kd, lo, hi in zip(gr.kinds, gr.klo, gr.khi, strict=True):
+            if hi < lo:
+                continue
+            q = np.minimum(taus / kt.a[kd] + 1e-9, n_q - 1.0)
+            cap = kt.tab[kd, lo:hi + 1, :][:, q.astype(np.int64)].T  # (G, stages)
+            ks = np.arange(lo, hi + 1, dtype=np.float64)
+            best_r = np.maximum(best_r, (cap / (ks[None, :] * kt.price[kd])).max(axis=1))
+            best_c = np.maximum(best_c, cap[:, -1])
+        ratios.append(best_r)
+        caps.append(best_c)
+    if not groups:
+        return np.where(need > 0, np.inf, 0.0)
+    r = np.stack(ratios, axis=1)
+    c = np.stack(caps, axis=1)
+    order = np.argsort(-r, axis=1, kind="stable")
+    r = np.take_along_axis(r, order, axis=1)
+    c = np.take_along_axis(c, order, axis=1)
+    before = np.cumsum(c, axis=1) - c
+    take = np.clip(need[:, None] - before, 0.0, c)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        price = np.where(take > 0, take / r, 0.0).sum(axis=1)
+    return np.asarray(np.where(c.sum(axis=1) >= need - 1e-9, price, np.inf), dtype=np.float64)
