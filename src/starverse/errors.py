@@ -40,6 +40,7 @@ class InfeasiblePlanError(StarverseError):
     """Nothing in the search space satisfies the job; ``reasons`` says why and what would help."""
 
     def __init__(self, message: str, reasons: Sequence[str] = ()):
+        self.message = message
         self.reasons = tuple(reasons)
         super().__init__(message if not self.reasons else message + " " + "; ".join(self.reasons))
 

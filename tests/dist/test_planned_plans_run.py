@@ -83,3 +83,19 @@ def test_the_rule_keeps_qlora_where_the_runtime_runs_it():
     assert "tensor parallelism" in rule([[(16, 2, "nccl")]])
     assert "ZeRO-2/3 or offload" in rule([one], zero=1, offload=True)
     assert rule([[(8, 1, "nccl"), (8, 1, "xla")]], mode="lora") is None  # LoRA runs in pipelines over kinds
+
+
+def test_a_qlora_job_on_tpus_only_says_the_rule_left_its_plans_out():
+    import pytest
+
+    from starverse.errors import InfeasiblePlanError
+
+    catalog = load_catalog()
+    job = job_from_dict({"model": "llama-2-7b", "objective": "throughput",
+                         "train": {"seq_len": 2048, "global_batch": 32, "tokens": 1e8, "mode": "qlora"}}, "<job>")
+    pool = pool_from_dict({"currency": "USD", "offers": [{"accelerator": "tpu-v5p", "count": 4, "devices_per_node": 4,
+                                                          "price_per_hour": 4.2}]}, catalog, source="<pool>")
+    with pytest.raises(InfeasiblePlanError) as e:
+        search(job, pool, catalog, top=3)
+    assert e.value.reasons[-1].startswith("left out by the runtime layout rule")
+    assert "; left out by the runtime layout rule" in str(e.value) and "without CUDA" in str(e.value)

@@ -164,6 +164,15 @@ class InplaceLauncher:
         """The plain local launcher, for a plan in-place recovery does not run (``Trainer.fit`` says why)."""
         return self._restart
 
+    def _coordination(self, world: int, collective_timeout_s: float) -> tuple[Lighthouse, Any, dict[str, Any]]:
+        """A launch's torchft Lighthouse and start-barrier store (both on 127.0.0.1), and the ``RankEnv.extra``
+        entries that tell a replica where they are."""
+        # a healthy replica late to a step is waited for (as a collective would): only a silent one is dropped
+        lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms,
+                                join_timeout_ms=int(collective_timeout_s * 1000))
+        barrier = store_server(LOOPBACK, world + 1, collective_timeout_s)
+        return lighthouse, barrier, {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port}
+
     def pids(self) -> dict[int, int]:
         """Rank -> process id of the replicas running now (tests and benchmarks kill them)."""
         return {rank: p.pid for rank, p in list(self._live.items()) if p.exitcode is None and p.pid is not None}
@@ -182,12 +191,8 @@ class InplaceLauncher:
         ranks = ordered_ranks(ranks)
         self.losses, self.joins, self.spares = [], [], []
         members = replica_members(ranks)
-        # a healthy replica late to a step is waited for (as a collective would): only a silent one is dropped
-        lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms,
-                                join_timeout_ms=int(collective_timeout_s * 1000))
-        barrier = store_server(LOOPBACK, len(ranks) + 1, collective_timeout_s)
-        run = _Run(self, ranks, fn, args, collective_timeout_s, mp.get_context("spawn"),
-                   {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port}, barrier, members)
+        lighthouse, barrier, extra = self._coordination(len(ranks), collective_timeout_s)
+        run = _Run(self, ranks, fn, args, collective_timeout_s, mp.get_context("spawn"), extra, barrier, members)
         multi = any(len(m) > 1 for m in members.values())
         try:
             with _main_reimport_guard():

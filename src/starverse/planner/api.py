@@ -45,7 +45,7 @@ def search(job: Job, pool: Pool, catalog: Any = None, top: int = 5, spec: Any = 
     if not ranked:
         err = explain.infeasible(job, pool, catalog, spec)
         if refused:  # name the rule: plans that fit were left out because the runtime does not run them
-            err = InfeasiblePlanError(str(err), [f"left out by the {refused}"])
+            err = InfeasiblePlanError(err.message, [*err.reasons, f"left out by the {refused}"])
         raise err
     if refused:
         notes.append(f"left out by the {refused}")

@@ -18,7 +18,7 @@ from starverse.planner import space
 from starverse.planner.build import NOMINAL_TOKENS
 from starverse.planner.policy import Limits, billed_hours_per_row, paid_cost, score, within
 from starverse.planner.result import SearchStats
-from starverse.planner.searchctx import SearchContext, host_fits, spot_factor, sync_s
+from starverse.planner.searchctx import SearchContext, host_fits, spot_factor
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -142,9 +142,6 @@ def combinations(ctx: SearchContext, opts: space.Options, rate: FloatArray, t_mi
     gran_opt = np.array([o.billing_granularity_s for o in ctx.pool.offers])[opts.offer]
     accs = [o.accelerator for o in ctx.pool.offers]
     tokens = ctx.tokens if ctx.tokens is not None else NOMINAL_TOKENS
-    # a lower bound: the fastest link between any two offers
-    sync_by_pp = {g: np.array([sync_s(ctx, g, p, ctx.pool.fastest_link_gbps) for p in range(int(opts.pp.max()) + 1)])
-                  for g in range(1, max_g + 1)}
 
     def bounds(grid: IntArray) -> tuple[IntArray, FloatArray]:
         """Rows of ``grid`` (option indices, one column per group) within the caps, and their bounds."""
@@ -155,10 +152,11 @@ def combinations(ctx: SearchContext, opts: space.Options, rate: FloatArray, t_mi
                     power[grid].sum(axis=1), 0.0, 0.0)
         grid, price = grid[ok], price[ok]
         f = spot_factor(ctx, lam_opt[grid].sum(axis=1), nodes_opt[grid].sum(axis=1))
-        # step ≥ max(B / Σρ, slowest group's shortest step) + the cross-group sync (an exact lower bound)
+        # step ≥ max(B / Σρ, slowest group's shortest step): the cross-group sync adds a group's share of ONE
+        # ring over every replica minus its own ring (joint_sync_s), which can be ~0 when each group already
+        # spans nodes over the same link, so the only bound on it that always holds is 0
         with np.errstate(divide="ignore"):
             t_lb = np.maximum(ctx.batch / rate[grid].sum(axis=1), t_min[grid].max(axis=1))
-        t_lb = t_lb + sync_by_pp[g][opts.pp[grid].min(axis=1)]
         tps_ub = ctx.batch * ctx.seq_len / t_lb / f
         with np.errstate(divide="ignore"):
             hours_lb = tokens / tps_ub / 3600.0

@@ -43,7 +43,6 @@ from typing import Any
 from starverse.elastic.inplace import (
     InplaceLauncher,
     Join,
-    Lighthouse,
     Loss,
     replica_members,
     stopped_with_replica,
@@ -63,7 +62,7 @@ from starverse.providers.ray import (
     ray_session,
     release,
 )
-from starverse.runtime.ft_group import EXTRA_BARRIER_PORT, EXTRA_JOINER, EXTRA_LIGHTHOUSE, EXTRA_REPLICA_STORE
+from starverse.runtime.ft_group import EXTRA_JOINER, EXTRA_REPLICA_STORE
 from starverse.runtime.launch import (
     LOOPBACK,
     Launcher,
@@ -127,12 +126,8 @@ class RayInplaceLauncher(InplaceLauncher):
         self.losses, self.joins, self.spares = [], [], []
         ray = import_ray()
         with ray_session(ray, self.ray, ranks):
-            lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms,
-                                    join_timeout_ms=int(collective_timeout_s * 1000))
-            barrier = store_server(LOOPBACK, len(ranks) + 1, collective_timeout_s)
-            run = _RayRun(self, ray, ranks, fn, args, collective_timeout_s,
-                          {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port},
-                          replica_members(ranks))
+            lighthouse, _barrier, extra = self._coordination(len(ranks), collective_timeout_s)
+            run = _RayRun(self, ray, ranks, fn, args, collective_timeout_s, extra, replica_members(ranks))
             try:
                 run.place(min(self.ray.placement_timeout_s, timeout_s))
                 for replica in run.members:
