@@ -23,8 +23,8 @@ from typing import Any
 
 from starverse.catalog import load_catalog
 from starverse.cli.plan import result_to_json
-from starverse.costmodel.fit import leave_one_source_out
-from starverse.costmodel.validate import by_source, find_cases, load_case, score_case
+from starverse.costmodel.fit import TARGETS, constants_set_to, leave_one_source_out
+from starverse.costmodel.validate import LoadedCase, by_source, find_cases, load_case, score_case
 from starverse.errors import InfeasiblePlanError
 from starverse.planner import load_job, load_pool, search
 
@@ -241,12 +241,19 @@ def _pct(x: float | None) -> str:
 
 
 @functools.cache
+def _validation_run() -> tuple[list[LoadedCase], Any, dict[str, Any]]:
+    """Every case of data/validation, the catalog, and the leave-one-source-out run over them (``scripts/loso.py``'s
+    document; run once for every table that reads it)."""
+    cases = [load_case(p) for p in find_cases([str(ROOT / "data" / "validation")])]
+    catalog = load_catalog()
+    return cases, catalog, leave_one_source_out(cases, catalog)
+
+
+@functools.cache
 def validation_table() -> str:
     """README: the cost model against every source of data/validation, in-sample and held out (every fitted
     constant refitted without the source: ``scripts/loso.py``), with issue 9's held-out targets."""
-    cases = [load_case(p) for p in find_cases([str(ROOT / "data" / "validation")])]
-    catalog = load_catalog()
-    loso = leave_one_source_out(cases, catalog)
+    cases, catalog, loso = _validation_run()
     rows = ["| source | runs | median | p90 | max | Spearman | held out: median / p90 / Spearman | held-out targets met |",
             "|---|---|---|---|---|---|---|---|"]
     in_sample = by_source([score_case(c, catalog) for c in cases])
@@ -280,6 +287,53 @@ def cases_table() -> str:
     return "\n".join(rows)
 
 
+RESIDUAL_ERROR = 0.15
+"""``residuals`` lists a case whose held-out |tokens/s error| is above this (or whose peak memory misses issue 9's
+target, or that is refused although it ran)."""
+
+
+def case_layout(case: LoadedCase) -> str:
+    """A case's plan in one line: per group replicas × stages × TP (CP), accelerators, micro-batch; ZeRO, recompute."""
+    parts = []
+    for g in case.plan.groups:
+        accs = "/".join(dict.fromkeys(st.accelerator for st in g.stages))
+        tps = "/".join(str(t) for t in dict.fromkeys(st.tp for st in g.stages))
+        stages = sum(st.repeat for st in g.stages)
+        cp = f" CP {g.cp}" if g.cp > 1 else ""
+        mb = f", mb {g.micro_batch}" if g.micro_batch is not None else ""
+        parts.append(f"{g.replicas} × PP {stages} × TP {tps}{cp} {accs}{mb}")
+    train = case.plan.train
+    extra = f"; ZeRO-{train.zero_stage}" if train.zero_stage else ""
+    extra += f"; recompute {train.recompute}" if train.recompute != "none" else ""
+    return " + ".join(parts) + extra
+
+
+def residuals_table() -> str:
+    """docs/costmodel.md: per source, the cases the model misses held out (scored with the fitted constants of the
+    leave-one-source-out run that left the source out): |tokens/s error| above ``RESIDUAL_ERROR``, peak memory
+    beyond issue 9's target, or refused although they ran."""
+    cases, catalog, loso = _validation_run()
+    rows = ["| source | case | layout | held-out error | peak memory: predicted / measured GB (error) |",
+            "|---|---|---|---:|---|"]
+    for src in sorted(loso["held_out"]):
+        values = {name: v["without"][src] for name, v in loso["fitted"].items()}
+        mine = [c for c in cases if c.source == src]
+        with constants_set_to(values):
+            results = [score_case(c, catalog) for c in mine]
+        for case, r in zip(mine, results, strict=True):
+            err, mem = r.error, r.memory_error
+            if not ((err is not None and abs(err) > RESIDUAL_ERROR) or not r.fits
+                    or (mem is not None and abs(mem) > TARGETS["memory_abs_error"])):
+                continue
+            gb = (f"{r.predicted_memory_gb:.1f} / {r.measured_memory_gb:.2f} ({100 * mem:+.0f} %)"
+                  if mem is not None and r.predicted_memory_gb is not None and r.measured_memory_gb is not None
+                  else "–")
+            name = case.name + (" (refused)" if not r.fits else "")
+            e = f"{100 * err:+.1f} %" if err is not None else "–"
+            rows.append(f"| {src} | {name} | {case_layout(case)} | {e} | {gb} |")
+    return "\n".join(rows)
+
+
 def render() -> dict[Path, dict[str, Callable[[], str]]]:
     """File -> marker -> the text that belongs between its markers."""
     pairs = {pair for rows in SCENARIO_TABLES.values() for pair in rows}
@@ -293,7 +347,8 @@ def render() -> dict[Path, dict[str, Callable[[], str]]]:
     out: dict[Path, dict[str, Callable[[], str]]] = {
         ROOT / "docs/planner.md": {name: (lambda n=name: scenario_table(n, docs())) for name in SCENARIO_TABLES},
         ROOT / "README.md": {"verdicts": lambda: verdict_table(docs()), "validation": validation_table},
-        ROOT / "docs/costmodel.md": {"validation": validation_table, "cases": cases_table},
+        ROOT / "docs/costmodel.md": {"validation": validation_table, "cases": cases_table,
+                                    "residuals": residuals_table},
     }
     records = {f.name.removesuffix(".run.json"): json.loads(f.read_text()) for f in sorted(BENCH_RUNS.glob("*.run.json"))}
     out[ROOT / "README.md"]["benchmarks"] = lambda: benchmarks_table(list(records.values()))

@@ -25,7 +25,7 @@ def loso() -> dict:
 
 def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> None:
     sources = {"korthikanti2022", "megatron", "megatron2021", "mpt", "sailor", "amp_t4", "amp_mixed", "sailor_gh200",
-               "nemo2412", "nemolong", "fmsfsdp"}
+               "nemo2412", "nemolong", "fmsfsdp", "mptscale"}
     assert set(loso["fitted"]) == {c.name for c in FITTED} == {
         "SUSTAINED_FRACTION", "PRE_AMPERE_EFFICIENCY", "PCIE_COLLECTIVE_FRACTION", "HOST_OVERHEAD_PER_LAYER_S"}
     for const in FITTED:
@@ -79,4 +79,10 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     for src in ("amp_t4", "amp_mixed"):
         assert held[src]["median_abs_error"] <= 0.14, src
         assert held[src]["spearman"] >= 0.7, src
-    assert loso["pooled"]["n"] == 179
+    # llm-foundry's FSDP runs on 64-512 GPUs held out: ranked in order, p90 within the target, the median an
+    # open miss (12.5 %): the model keeps tokens/s per GPU flat from 128 to 512 GPUs, measured falls 2.5-10 %
+    # (docs/costmodel.md, `mptscale`)
+    scale = held["mptscale"]
+    assert scale["n"] == 21 and scale["spearman"] >= 0.95
+    assert scale["meets"]["p90_abs_error"] is True and scale["median_abs_error"] <= 0.14
+    assert loso["pooled"]["n"] == 200

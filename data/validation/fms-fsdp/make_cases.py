@@ -24,7 +24,11 @@ that ``recompute: selective`` means).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fsdp_case import fsdp_case_yaml
 
 README = "foundation-model-stack/fms-fsdp README throughput table"
 # (name, model file, accelerator, GPUs, per-node Gbit/s, batch per GPU, tokens/s/GPU, where)
@@ -40,15 +44,11 @@ def main() -> None:
     """Write every case file into this folder."""
     here = Path(__file__).resolve().parent
     for name, model, acc, gpus, gbps, mbs, tps, where in RUNS:
-        text = (f"model: {model}\n"
-                f"train: {{seq_len: 4096, global_batch: {mbs * gpus}, precision: bf16, mode: full, zero_stage: 3, "
-                f"recompute: full, attention: flash}}\n"
-                f"groups:\n- replicas: {gpus}\n  micro_batch: {mbs}\n  stages:\n"
-                f"  - {{accelerator: {acc}, tp: 1, layers: {48 if '34b' in name else 80}}}\n"
-                f"network:\n  devices_per_node: {{{acc}: 8}}\n  inter_node_gbps: {{{acc}: {gbps}}}\n"
-                f"measured: {{tokens_per_s: {tps * gpus}}}\n"
-                f"source: '{where}: FSDP, full activation checkpointing, batch size {mbs}, {gpus} GPUs, "
-                f"{gbps} Gbit/s, {tps} tokens/s/GPU'\n")
+        train = (f"seq_len: 4096, global_batch: {mbs * gpus}, precision: bf16, mode: full, zero_stage: 3, "
+                 f"recompute: full, attention: flash")
+        source = (f"'{where}: FSDP, full activation checkpointing, batch size {mbs}, {gpus} GPUs, "
+                  f"{gbps} Gbit/s, {tps} tokens/s/GPU'")
+        text = fsdp_case_yaml(model, train, gpus, mbs, acc, 48 if "34b" in name else 80, gbps, tps * gpus, source)
         (here / f"fmsfsdp-{name}.yaml").write_text(text)
 
 
