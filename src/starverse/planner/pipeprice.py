@@ -68,11 +68,19 @@ def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit:
     layers under each bottleneck of ``taus`` (inf where none does; ``c = 0``: its cheapest block). A block
     of capacity ``x`` layers counts ``⌈x / unit⌉`` units: blocks holding ``L`` layers hold ``⌈L / unit⌉``
     units, so the knapsack over units is a relaxation (smaller, never above the least price)."""
+    return price_curves(taus, kt, [group], need, unit)[0]
+
+
+def price_curves(taus: FloatArray, kt: KindTables, groups: list[Group], need: int, unit: int = 1
+                 ) -> list[FloatArray]:
+    """:func:`price_curve` of each group, from one gather over all their kinds."""
     g, n = taus.shape[0], need + 1
-    ok = group.khi >= group.klo
-    kd, lo, hi = group.kinds[ok], group.klo[ok], group.khi[ok]
+    ok = [gr.khi >= gr.klo for gr in groups]
+    kd = np.concatenate([gr.kinds[m] for gr, m in zip(groups, ok, strict=True)] + [np.zeros(0, np.int64)])
+    lo = np.concatenate([gr.klo[m] for gr, m in zip(groups, ok, strict=True)] + [np.zeros(0, np.int64)])
+    hi = np.concatenate([gr.khi[m] for gr, m in zip(groups, ok, strict=True)] + [np.zeros(0, np.int64)])
     if not kd.size:
-        return np.full((g, n), np.inf)
+        return [np.full((g, n), np.inf) for _ in groups]
     q = np.minimum(taus[:, None] / kt.a[kd][None, :] + 1e-9, kt.n_q - 1.0)  # (a > 0; τ = inf saturates)
     cap = np.ceil(kt.at(kd, q.astype(np.int64)) / unit - 1e-9)  # (G, kinds, stages + 1)
     # the fewest stages reaching each capacity (capacity never falls as stages are added): the stages of
@@ -83,8 +91,11 @@ def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit:
     at += (np.arange(g * kd.size) * (n + 1)).reshape(g, kd.size, 1)
     le = np.cumsum(np.bincount(at.ravel(), minlength=g * kd.size * (n + 1)).reshape(g, kd.size, n + 1), axis=2)
     short = np.concatenate([np.zeros((g, kd.size, 1), dtype=np.int64), le[:, :, :n - 1]], axis=2)
-    price = (lo[None, :, None] + short) * kt.price[kd][None, :, None]
-    return np.asarray(np.where(short <= (hi - lo)[None, :, None], price, np.inf).min(axis=1), dtype=np.float64)
+    price = np.where(short <= (hi - lo)[None, :, None], (lo[None, :, None] + short) * kt.price[kd][None, :, None],
+                     np.inf)
+    ends = np.cumsum([int(m.sum()) for m in ok])
+    return [np.asarray(price[:, e - int(m.sum()):e].min(axis=1), dtype=np.float64) if m.any()
+            else np.full((g, n), np.inf) for e, m in zip(ends, ok, strict=True)]
 
 
 def least_price(curves: list[FloatArray], mandatory: list[bool], need: int, min_blocks: int) -> FloatArray:
@@ -131,8 +142,8 @@ def suffix_tables(taus: FloatArray, kt: KindTables, groups: list[Group], need: i
     holding at least ``c`` layers with at least ``k`` (0, 1, 2) blocks under each bottleneck of ``taus``."""
     f = _empty(taus.shape[0], need)
     out = [np.minimum.accumulate(f[::-1], axis=0)[::-1]]
-    for gr in groups[::-1]:
-        f = _add(f, price_curve(taus, kt, gr, need), False)
+    for cur in price_curves(taus, kt, groups, need)[::-1]:
+        f = _add(f, cur, False)
         out.append(np.minimum.accumulate(f[::-1], axis=0)[::-1])  # at least k blocks
     return np.stack(out[::-1])
 
@@ -158,7 +169,7 @@ def _refine(work: float, m: int, tau0: float, sum_lb: float, extra: float, kt: K
     def prices(taus: FloatArray) -> FloatArray:
         if not exact:
             return fractional_price(taus, kt, groups, np.full(taus.shape, float(need)))
-        return least_price([price_curve(taus, kt, gr, units, unit) for gr in groups], mand, units, min_blocks)
+        return least_price(price_curves(taus, kt, groups, units, unit), mand, units, min_blocks)
 
     def step(tau: FloatArray) -> FloatArray:
         return (m - 1.0) * tau + np.maximum(tau, sum_lb) + extra
