@@ -126,13 +126,15 @@ def _add(f: FloatArray, cur: FloatArray, must: bool) -> FloatArray:
     g, n = f.shape[1], f.shape[2]
     new = np.full_like(f, np.inf) if must else f.copy()
     rev = cur[:, None, ::-1]  # (G, 1, d): cur[n - 1 - j]
-    pad = np.full((g, n - 1), np.inf)
+    buf = np.full((g, 2 * n - 1), np.inf)
+    s0, s1 = buf.strides
     # this block at capacity ≥ d, the rest holding ≥ c - d (d > c adds nothing: an inf pad); the min-plus
     # convolution distributes over min, so the 1- and 2+-block states join before it (both give 2+)
     for t, src in ((1, f[0]), (2, np.minimum(f[1], f[2]))):
         if not np.isfinite(src[:, 0]).any():
             continue
-        win = np.lib.stride_tricks.sliding_window_view(np.hstack([pad, src]), n, axis=1)  # [c, j]: src[c + j - n + 1]
+        buf[:, n - 1:] = src
+        win = np.lib.stride_tricks.as_strided(buf, (g, n, n), (s0, s1, s1), writeable=False)  # [c, j]: buf[c + j]
         new[t] = np.minimum(new[t], (win + rev).min(axis=2))
     return np.asarray(np.minimum.accumulate(new[:, :, ::-1], axis=2)[:, :, ::-1])  # ≥ c implies ≥ c - 1
 
