@@ -98,8 +98,9 @@ BISECTIONS = 16
 """Halvings of the bracket in :func:`tau_lb` (its lower end is returned: fewer only loosen the bound)."""
 
 
-ROUND = 8
-"""Halvings :func:`tau_lb` takes at once on capacity tables (every midpoint they may visit, one gather)."""
+ROUND = 4
+"""Halvings :func:`tau_lb` takes at once on capacity tables (every midpoint they may visit, one gather;
+four is about the fastest for a few rows of a few columns)."""
 
 
 def _bisect_round(at: Callable[[FloatArray], FloatArray], lo: FloatArray, hi: FloatArray, total: int, n: int
