@@ -15,6 +15,7 @@ with ``τ``: on an interval of bottlenecks ``[τ_j, τ_{j+1}]`` the price is at 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -61,6 +62,12 @@ class KindTables:
         out = np.zeros((q.shape[0], kd.size, held.shape[2] + 1))
         np.cumsum(held, axis=2, out=out[:, :, 1:])
         return out
+
+
+def fill_steps(m: float, tau: Any) -> Any:
+    """The ``(m - 1) τ`` of a pipeline's step (the other micro-batches at the bottleneck): 0 for one micro-batch,
+    also where ``τ`` is infinite (``inf · 0`` would be nan, and a nan bound compares false everywhere)."""
+    return (m - 1.0) * tau if m > 1 else np.zeros_like(tau, dtype=np.float64)
 
 
 def price_curve(taus: FloatArray, kt: KindTables, group: Group, need: int, unit: int = 1) -> FloatArray:
@@ -174,7 +181,7 @@ def _refine(work: float, m: int, tau0: float, sum_lb: float, extra: float, kt: K
         return least_price(price_curves(taus, kt, groups, units, unit), mand, units, min_blocks)
 
     def step(tau: FloatArray) -> FloatArray:
-        return (m - 1.0) * tau + np.maximum(tau, sum_lb) + extra
+        return fill_steps(m, tau) + np.maximum(tau, sum_lb) + extra
 
     p_inf = float(prices(np.array([np.inf]))[0])
     if not np.isfinite(p_inf) or not np.isfinite(tau0):
@@ -240,7 +247,7 @@ def node_per_price(work: float, m: int, lo: FloatArray, hi: FloatArray, suffix: 
     n = tau.shape[0]
     t_lo = np.maximum(lo[None, :], tau[:, None])
     live = t_lo <= hi[None, :]
-    step = (m - 1.0) * t_lo + np.maximum(t_lo, sum_lb)
+    step = fill_steps(m, t_lo) + np.maximum(t_lo, sum_lb)
     if core is not None:  # a lower bound of the pipeline core at any bottleneck
         step = np.maximum(step, core[:, None])
     step = step + extra[:, None]

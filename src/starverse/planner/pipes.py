@@ -259,7 +259,7 @@ class _Search(LeafEvaluator):
                 core = steps.min(axis=1)
             else:
                 # every schedule's core is at least (m - 1) τ + max(τ, Σ S / v) (:func:`.pipeprice.per_price_ub`)
-                core = (m - 1.0) * tau + np.maximum(tau, self.total * a_least / vmax)
+                core = pipeprice.fill_steps(m, tau) + np.maximum(tau, self.total * a_least / vmax)
             price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
             power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
             price = price0 + np.where(on, r * kt * kk * self.price[o], 0.0)
