@@ -164,6 +164,11 @@ class InplaceLauncher:
         """The plain local launcher, for a plan in-place recovery does not run (``Trainer.fit`` says why)."""
         return self._restart
 
+    def _begin(self, ranks: Sequence[RankSpec]) -> list[RankSpec]:
+        """A launch's ranks in rank order, with the last launch's losses, joins and spares forgotten."""
+        self.losses, self.joins, self.spares = [], [], []
+        return ordered_ranks(ranks)
+
     def _coordination(self, world: int, collective_timeout_s: float) -> tuple[Lighthouse, Any, dict[str, Any]]:
         """A launch's torchft Lighthouse and start-barrier store (both on 127.0.0.1), and the ``RankEnv.extra``
         entries that tell a replica where they are."""
@@ -188,8 +193,7 @@ class InplaceLauncher:
         grace_s: float = 3.0,
     ) -> list[Any]:
         """Run ``fn(rank_env, *args)`` per replica; results in rank order (None: lost for good)."""
-        ranks = ordered_ranks(ranks)
-        self.losses, self.joins, self.spares = [], [], []
+        ranks = self._begin(ranks)
         members = replica_members(ranks)
         lighthouse, barrier, extra = self._coordination(len(ranks), collective_timeout_s)
         run = _Run(self, ranks, fn, args, collective_timeout_s, mp.get_context("spawn"), extra, barrier, members)

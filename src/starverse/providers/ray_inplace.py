@@ -69,7 +69,6 @@ from starverse.runtime.launch import (
     RankEnv,
     RankError,
     RankSpec,
-    ordered_ranks,
     store_server,
 )
 
@@ -122,8 +121,7 @@ class RayInplaceLauncher(InplaceLauncher):
         grace_s: float = 3.0,
     ) -> list[Any]:
         """Run ``fn(rank_env, *args)`` per replica actor; results in rank order (None: lost for good)."""
-        ranks = ordered_ranks(ranks)
-        self.losses, self.joins, self.spares = [], [], []
+        ranks = self._begin(ranks)
         ray = import_ray()
         with ray_session(ray, self.ray, ranks):
             lighthouse, _barrier, extra = self._coordination(len(ranks), collective_timeout_s)
