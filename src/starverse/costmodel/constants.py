@@ -280,7 +280,8 @@ workspaces."""
 
 FRAGMENTATION_FRACTION = 0.06
 """Caching-allocator fragmentation and transient buffers, as a fraction of device memory (PyTorch reports
-reserved - allocated of 5-10 % in long LLM runs)."""
+reserved - allocated of 5-10 % in long LLM runs); a device-wide reading (nvidia-smi, NVML) of a run is compared
+with the tensors times 1 + this fraction plus :data:`RESERVED_GB` (``validate.peak_reading_gb``)."""
 
 # --- precision ------------------------------------------------------------------------------------------
 
