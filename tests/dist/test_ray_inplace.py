@@ -154,6 +154,9 @@ def test_a_warm_spare_actor_takes_over_the_replica_of_a_removed_node(cluster, tm
     _room_for_a_spare(cluster)
     launcher = RayInplaceLauncher(replace_after_s=0.0, warm_spares=True, bind="node",
                                   ray=RayLauncher(kind_resources={KIND: KIND}, placement_timeout_s=120))
+    # the node-IP path, on this machine's loopback: the driver's and every node's IP is 127.0.0.1
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {"127.0.0.1"}
     _fit_losing_rank_1(cluster, tmp_path, launcher, add_back=False)
     # no node was added back: the replacement is the spare actor, running since the start on the third node
     assert [(j.rank, j.device_kind, j.warm) for j in launcher.joins] == [(1, KIND, True)]
