@@ -35,13 +35,14 @@ thermally-limited clocks across a whole node (Bekman, same chapter, "Not all acc
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.7596 makes the mean over sources of each source's mean tokens/s error
+FITTED (``costmodel.fit.FITTED``): 0.7492 makes the mean over sources of each source's mean tokens/s error
 zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
-2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs, NeMo FP8 on H100, fms-fsdp; 0.7705
-before llm-foundry's 128-512-GPU FSDP rows, ``mptscale``); until issue 9
+2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs, NeMo FP8 on H100, fms-fsdp; 0.7596
+before the Megatron-Core cases stated the TP overlap their README gives, 0.7705 before llm-foundry's
+128-512-GPU FSDP rows, ``mptscale``); until issue 9
 Sailor's fp32 runs were in this fit too (0.74), and it was 0.769 before the NeMo and fms-fsdp sources.
-Leave-one-source-out refits 0.75-0.78 (0.775 without NeMo's long-sequence runs, whose context-parallel
-32K-1M runs the model predicts too fast, pulling it down from 0.795: docs/costmodel.md), i.e. it is not
+Leave-one-source-out refits 0.73-0.77 (0.7625 without NeMo's long-sequence runs, whose context-parallel
+32K-1M runs the model predicts too fast, pulling it down: docs/costmodel.md), i.e. it is not
 specific to one software stack
 (``scripts/loso.py``; held-out figures in docs/costmodel.md). For comparison, Bekman quotes ~150-180
 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training reached; 0.8 x MAMF is
