@@ -43,7 +43,14 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.planner import pipebound, pipeprice, space
-from starverse.planner.pipekinds import Kinds, Pipeline, capacity_tables, family_kinds, interleave_vmax, reach
+from starverse.planner.pipekinds import (
+    Kinds,
+    Pipeline,
+    capacity_tables,
+    families_kinds,
+    interleave_vmax,
+    reach,
+)
 from starverse.planner.pipeleaf import LeafEvaluator
 from starverse.planner.policy import paid_cost, score, within
 from starverse.planner.result import SearchStats
@@ -350,30 +357,27 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
     max_stages = min(total, so.max_pipeline_stages or total)
     s = _Search(ctx, incumbent, stats)
     fams: list[tuple[float, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = []
-    for mb in mbs:
-        for r in range(1, ctx.batch // mb + 1):
-            if (ctx.batch // mb) % r or r > max(caps):
-                continue
-            for si in sets:
-                kinds = family_kinds(ctx, r, mb, si, caps, tps, total, max_stages)
-                if len({s.accs[int(o)] for o in kinds.offer}) < 2:
-                    continue
-                # the family's bound: every offer at its best block
-                offers = np.unique(kinds.offer)
-                sl = np.array([[float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers]])
-                li = np.array([[float(reach(kinds)[kinds.offer == o].max()) for o in offers]])
-                env = pipebound.Envelope(sl, li, np.zeros_like(sl))
-                tau = pipebound.tau_lb(env, total)
-                cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
-                m = ctx.batch // (r * mb)
-                vmax = interleave_vmax(total, m, 2, so.max_virtual_stages)
-                core = pipebound.core_grid_schedules(m, vmax, tau, cost, env, np.zeros_like(sl), total)[1].min(axis=1)
-                with np.errstate(divide="ignore"):
-                    per_price = r * mb * ctx.seq_len / total * float(
-                        (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())
-                fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1),
-                             np.array([per_price]))
-                fams.append((-float(fb[0]), len(fams), None, r, mb, si, float(tau[0]), kinds))
+    keys = [(r, mb, si) for mb in mbs for r in range(1, ctx.batch // mb + 1)
+            if not (ctx.batch // mb) % r and r <= max(caps) for si in sets]
+    for (r, mb, si), kinds in zip(keys, families_kinds(ctx, keys, caps, tps, total, max_stages), strict=True):
+        if len({s.accs[int(o)] for o in kinds.offer}) < 2:
+            continue
+        # the family's bound: every offer at its best block
+        offers = np.unique(kinds.offer)
+        sl = np.array([[float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers]])
+        li = np.array([[float(reach(kinds)[kinds.offer == o].max()) for o in offers]])
+        env = pipebound.Envelope(sl, li, np.zeros_like(sl))
+        tau = pipebound.tau_lb(env, total)
+        cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
+        m = ctx.batch // (r * mb)
+        vmax = interleave_vmax(total, m, 2, so.max_virtual_stages)
+        core = pipebound.core_grid_schedules(m, vmax, tau, cost, env, np.zeros_like(sl), total)[1].min(axis=1)
+        with np.errstate(divide="ignore"):
+            per_price = r * mb * ctx.seq_len / total * float(
+                (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())
+        fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1),
+                     np.array([per_price]))
+        fams.append((-float(fb[0]), len(fams), None, r, mb, si, float(tau[0]), kinds))
     stats.pipeline_families += len(fams)
     # best bound first; for the money objectives a family's bound is first the cheap one above, tightened
     # by the least price of its blocks (:mod:`.pipeprice`) when it comes up, then put back (the knapsack's
