@@ -73,7 +73,7 @@ class _Search(LeafEvaluator):
         return self.leaves >= MAX_LEAVES or self.nodes >= MAX_NODES
 
     # ---- bounds -------------------------------------------------------------------------------------
-    def bound(self, m: int, mb: int, core: FloatArray, stages: FloatArray, p2p: FloatArray, opt: FloatArray,
+    def bound(self, m: Any, mb: Any, core: FloatArray, stages: FloatArray, p2p: FloatArray, opt: FloatArray,
               price: FloatArray, power: FloatArray, per_price: FloatArray | None = None) -> FloatArray:
         """Objective bound from ``core`` (a lower bound of ``(m - 1) max S + Σ S``), the stages known to be in
         the pipeline, the largest point-to-point time and optimizer step known (lower bounds of the maxima),
@@ -118,6 +118,35 @@ class _Search(LeafEvaluator):
         return pipeprice.per_price_ub(self.ctx.batch * self.ctx.seq_len, m, tau0,
                                       float(kinds.a.min()) * self.total / vmax,
                                       extra, kt, groups, self.total, 2, self.per_price_target())
+
+    def family_bounds(self, fams: list[tuple[tuple[int, int, int], Kinds]]) -> tuple[FloatArray, FloatArray]:
+        """Each family's bound (every offer at its best block) and least bottleneck, all families at once:
+        rows of offers' envelopes (an offer a family lacks holds nothing), the core grid per micro-batch count."""
+        n, n_off, total = len(fams), self.price.size, self.total
+        if not n:
+            return np.zeros(0), np.zeros(0)
+        sl, li, cost = np.zeros((n, n_off)), np.zeros((n, n_off)), np.full((n, n_off), 1e300)
+        per_price = np.zeros(n)
+        for i, ((ri, _, _), kinds) in enumerate(fams):
+            np.maximum.at(sl[i], kinds.offer, kinds.kmax / kinds.a)
+            np.maximum.at(li[i], kinds.offer, reach(kinds))
+            np.minimum.at(cost[i], kinds.offer, kinds.a)
+            with np.errstate(divide="ignore"):
+                per_price[i] = float((1.0 / (kinds.a * ri * kinds.tp * self.price[kinds.offer])).max())
+        r, mb = (np.array([key[j] for key, _ in fams]) for j in (0, 1))
+        m = self.ctx.batch // (r * mb)
+        per_price *= r * mb * self.ctx.seq_len / total
+        env = pipebound.Envelope(sl, li, np.zeros_like(sl))
+        tau = pipebound.tau_lb(env, total)
+        core = np.zeros(n)
+        for mi in np.unique(m):
+            rows = np.flatnonzero(m == mi)
+            vmax = interleave_vmax(total, int(mi), 2, self.ctx.job.search.max_virtual_stages)
+            sub = pipebound.Envelope(sl[rows], li[rows], np.zeros((rows.size, n_off)))
+            core[rows] = pipebound.core_grid_schedules(int(mi), vmax, tau[rows], cost[rows], sub,
+                                                       np.zeros((rows.size, n_off)), total)[1].min(axis=1)
+        z = np.zeros(n)
+        return self.bound(m, mb, core, z, z, z, z, z, per_price), tau
 
     def tables(self, kinds: Kinds) -> FloatArray:
         """:func:`.pipekinds.capacity_tables` of a family's kinds, computed once per search."""
@@ -356,28 +385,14 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
     sets = [i for i, st in enumerate(ctx.settings) if st.zero_stage <= 1 and st.virtual_stages == 1]
     max_stages = min(total, so.max_pipeline_stages or total)
     s = _Search(ctx, incumbent, stats)
-    fams: list[tuple[float, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = []
     keys = [(r, mb, si) for mb in mbs for r in range(1, ctx.batch // mb + 1)
             if not (ctx.batch // mb) % r and r <= max(caps) for si in sets]
-    for (r, mb, si), kinds in zip(keys, families_kinds(ctx, keys, caps, tps, total, max_stages), strict=True):
-        if len({s.accs[int(o)] for o in kinds.offer}) < 2:
-            continue
-        # the family's bound: every offer at its best block
-        offers = np.unique(kinds.offer)
-        sl = np.array([[float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers]])
-        li = np.array([[float(reach(kinds)[kinds.offer == o].max()) for o in offers]])
-        env = pipebound.Envelope(sl, li, np.zeros_like(sl))
-        tau = pipebound.tau_lb(env, total)
-        cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
-        m = ctx.batch // (r * mb)
-        vmax = interleave_vmax(total, m, 2, so.max_virtual_stages)
-        core = pipebound.core_grid_schedules(m, vmax, tau, cost, env, np.zeros_like(sl), total)[1].min(axis=1)
-        with np.errstate(divide="ignore"):
-            per_price = r * mb * ctx.seq_len / total * float(
-                (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())
-        fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1),
-                     np.array([per_price]))
-        fams.append((-float(fb[0]), len(fams), None, r, mb, si, float(tau[0]), kinds))
+    found = [(key, kinds) for key, kinds in zip(keys, families_kinds(ctx, keys, caps, tps, total, max_stages),
+                                                 strict=True) if len({s.accs[int(o)] for o in kinds.offer}) >= 2]
+    bounds, taus = s.family_bounds(found)
+    fams: list[tuple[float, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = [
+        (-float(fb), i, None, r, mb, si, float(tau), kinds)
+        for i, (((r, mb, si), kinds), fb, tau) in enumerate(zip(found, bounds, taus, strict=True))]
     stats.pipeline_families += len(fams)
     # best bound first; for the money objectives a family's bound is first the cheap one above, tightened
     # by the least price of its blocks (:mod:`.pipeprice`) when it comes up, then put back (the knapsack's
