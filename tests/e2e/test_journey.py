@@ -21,6 +21,7 @@ import pytest
 
 from helpers import CLI
 from helpers import new_user_env as _env
+from starverse.providers.local import RANK_PROCESS_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -35,20 +36,28 @@ def _run(args: list[str], tmp: Path, timeout: float = 120) -> subprocess.Complet
     return subprocess.run([*CLI, *args], cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=timeout)
 
 
-def _rank_processes(parent: int) -> list[int]:
-    """The rank processes the launcher spawned under ``parent``, oldest first (rank 0 starts first)."""
-    found = []
+def _rank_processes(launcher: int) -> list[int]:
+    """The rank processes under the ``launcher`` process, oldest first (rank 0 starts first): its descendants
+    named ``sv-rank<N>`` (children of the fork server the launcher started, or of the launcher with ``spawn``)."""
+    table = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes()
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == parent and b"spawn_main" in cmd:
-            found.append((int(fields[19]), int(d.name)))  # starttime (field 22 of stat), pid
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        table[int(d.name)] = (int(fields[1]), comm, int(fields[19]))  # parent, name, starttime (field 22)
+
+    def under(pid: int) -> bool:
+        while pid in table and pid != launcher:
+            pid = table[pid][0]
+        return pid == launcher
+
+    found = [(start, pid) for pid, (_, comm, start) in table.items()
+             if comm.startswith(RANK_PROCESS_NAME.format(rank="")) and under(pid)]
     return [pid for _, pid in sorted(found)]
 
 

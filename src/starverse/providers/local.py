@@ -3,12 +3,23 @@
 Devices: CUDA GPUs when present (one rank per GPU, the accelerator id derived from the device name), otherwise
 CPU ranks (``num_cpu_ranks``, else ``$STARVERSE_CPU_RANKS``, else 2), each with its share of the cores.
 
-:class:`LocalLauncher` spawns one process per rank (never forked: CUDA and thread pools do not survive a
-fork); they rendezvous through a ``TCPStore`` the launcher owns, listening on 127.0.0.1 only, and run
-``fn(rank_env, *args)``. The launcher watches every process and fails fast with a typed error
-(:mod:`starverse.providers.failures`). A rank never outlives its launcher: it asks the kernel for SIGKILL
-when its parent dies (``PR_SET_PDEATHSIG``) and its heartbeat thread exits it when its parent is gone;
-the launcher, in turn, declares a rank whose heartbeat stops (a stopped or hung process) lost.
+:class:`LocalLauncher` starts one process per rank from :func:`rank_context` (never a plain fork of the
+launcher: CUDA and thread pools do not survive a fork); they rendezvous through a ``TCPStore`` the launcher
+owns, listening on 127.0.0.1 only, and run ``fn(rank_env, *args)``. The launcher watches every process and
+fails fast with a typed error (:mod:`starverse.providers.failures`).
+
+Start-up: on Linux the ranks are forked from a *fork server* (``multiprocessing``'s ``forkserver``), a clean
+process started once per launcher process that has imported torch and the rank modules and never touches CUDA
+or a thread pool of torch's; a rank then starts in milliseconds instead of importing torch again (seconds of
+CPU each). ``STARVERSE_START_METHOD=spawn`` (and other platforms) start every rank as a fresh interpreter. A
+forked rank runs with the launcher's environment *at the rank's start* (the server's own is frozen when it
+starts), applied before the rank's function and arguments are loaded.
+
+A rank never outlives its launcher. Its parent is the launcher (spawn) or the fork server, whose parent is the
+launcher and which exits once the launcher is gone (the ranks close their copy of the server's "alive" pipe,
+so the launcher holds its last write end). The rank asks the kernel for SIGKILL when its parent dies
+(``PR_SET_PDEATHSIG``) and its heartbeat thread exits it when its parent changes; the launcher, in turn,
+declares a rank whose heartbeat stops (a stopped or hung process) lost.
 """
 
 from __future__ import annotations
@@ -48,18 +59,124 @@ from starverse.runtime.launch import (
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PR_SET_NAME = 15
+RANK_PROCESS_NAME = "sv-rank{rank}"
+"""A rank process's name (``/proc/PID/comm``, what ``ps`` and ``top`` show) on Linux: ``sv-rank0``, ..."""
+
+START_METHOD_ENV = "STARVERSE_START_METHOD"
+"""``forkserver`` (the default on Linux) or ``spawn`` (the default elsewhere): how rank processes start."""
+_START_METHODS = ("forkserver", "spawn")
+
+_PRELOAD = ("torch", "torch.distributed", "starverse.providers.local", "starverse.runtime.rank_loop")
+"""What the fork server imports before it forks the first rank."""
+_PRELOAD_IF_LOADED = ("starverse.", "torch.distributed.checkpoint", "transformers")
+"""Prefixes of modules the fork server also imports when the launcher has them loaded when it starts the server
+(the launcher has built the model, its checkpoint and billing callbacks: its ranks load them too)."""
+_NEVER_PRELOAD = ("starverse.cli", "starverse.service", "starverse.providers.ray", "starverse.elastic.inplace",
+                  "starverse.runtime.ft")
+"""Never in the fork server: Ray, torchft and the web stack may start threads when imported."""
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """In a child process: be SIGKILLed by the kernel when the parent dies (Linux), and exit now if it
-    already has (the race between the fork and the prctl)."""
+def _preload_modules() -> list[str]:
+    """The fork server's preload: :data:`_PRELOAD`, then loaded modules under :data:`_PRELOAD_IF_LOADED`."""
+    loaded = [m for m in list(sys.modules) if m.startswith(_PRELOAD_IF_LOADED) and not m.startswith(_NEVER_PRELOAD)
+              and "._" not in m and (not m.startswith("transformers.") or ".modeling_" in m)]
+    return [*_PRELOAD, *sorted(m for m in loaded if m not in _PRELOAD)]
+
+
+def start_method() -> str:
+    """How rank processes start here: ``$STARVERSE_START_METHOD``, else ``forkserver`` on Linux, else ``spawn``."""
+    method = os.environ.get(START_METHOD_ENV) or ("forkserver" if sys.platform.startswith("linux") else "spawn")
+    if method not in _START_METHODS:
+        raise ConfigError(f"{START_METHOD_ENV}={method!r}: not a start method; to fix: set it to one of "
+                          f"{', '.join(_START_METHODS)} or unset it.")
+    return method
+
+
+def _apply_environ(environ: dict[str, str]) -> bool:
+    """In a rank forked from the server: replace the server's environment with the launcher's (at unpickling)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    return True
+
+
+class _LauncherEnviron:
+    """Pickled first with a rank's process object: unpickled (in the rank), it installs the launcher's
+    environment before the process's target and arguments (and the modules they come from) are loaded."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, str]]]:
+        return _apply_environ, (self.environ,)
+
+
+class _ForkedRank(mp.context.ForkServerProcess):  # type: ignore[name-defined,misc]
+    """A rank process forked from the fork server, started with the launcher's current environment."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # dict items unpickle in order: the environment first
+        return {"_launcher_environ": _LauncherEnviron(), **self.__dict__}
+
+
+class _RankForkServer(mp.context.ForkServerContext):  # type: ignore[name-defined,misc]
+    Process = _ForkedRank
+
+
+def rank_context() -> Any:
+    """The ``multiprocessing`` context rank processes start from (its ``Process``, ``Queue``, ``Array``).
+
+    :func:`start_method` picks it. The fork server's preload is set when this process first starts it."""
+    if start_method() == "spawn":
+        return mp.get_context("spawn")
+    ctx = _RankForkServer()
+    ctx.set_forkserver_preload(_preload_modules())
+    return ctx
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (Linux ``/proc``), None when unknown."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        return int(raw[raw.rindex(")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _drop_server_pipe() -> None:
+    """In a rank forked from the server: close its copy of the server's "alive" pipe, so that the server sees
+    the end of the pipe -- and exits, taking the ranks with it -- once the launcher is gone."""
+    from multiprocessing import forkserver
+
+    server: Any = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None and getattr(server, "_forkserver_pid", None) is None:  # not a server this rank started
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _name_process(name: str) -> None:
+    """Name this process (Linux, up to 15 bytes): forked ranks would otherwise all show the fork server's name."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def die_with_parent(launcher_pid: int) -> int:
+    """In a rank process: be SIGKILLed by the kernel when the parent dies (Linux), and exit now if the launcher
+    is already gone; returns the parent to watch (the launcher, or the fork server the launcher started)."""
+    parent = os.getppid()
+    if parent != launcher_pid:
+        _drop_server_pipe()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); the heartbeat still ends this rank",
                         ctypes.get_errno())
-    if os.getppid() != parent_pid:
+    # the parent died between the fork and the prctl, or it is a fork server whose launcher is gone
+    if os.getppid() != parent or (parent != launcher_pid and _parent_of(parent) not in (launcher_pid, None)):
         os._exit(1)
+    return parent
 
 
 def _heartbeat(beats: Any, rank: int, parent_pid: int, period_s: float) -> None:
@@ -86,8 +203,9 @@ def _rank_entry(
     ``store_port`` None: no ``torch.distributed`` world (a torchft replica forms its own groups)."""
     import torch.distributed as dist
 
-    die_with_parent(parent_pid)
-    threading.Thread(target=_heartbeat, args=(beats, env.rank, parent_pid, heartbeat_s), name="heartbeat",
+    _name_process(RANK_PROCESS_NAME.format(rank=env.rank))
+    parent = die_with_parent(parent_pid)
+    threading.Thread(target=_heartbeat, args=(beats, env.rank, parent, heartbeat_s), name="heartbeat",
                      daemon=True).start()
     spec = env.spec
     rank_environ(env, LOOPBACK, store_port or 0)
@@ -183,7 +301,7 @@ class LocalLauncher:
         world = len(ranks)
         # The launcher owns the rendezvous store: port 0 lets the OS pick a free port, no race with other jobs.
         store = store_server(LOOPBACK, world, collective_timeout_s)
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         results = ctx.Queue()
         beats = ctx.Array("d", world, lock=False)
         procs: list[Any] = []

@@ -153,6 +153,7 @@ class TorchftSync:
             self._store = store_server(host, 1, timeout_s)  # this replica group's own store (loopback by default)
             store_port, store_host = int(self._store.port), host
         pg = ProcessGroupGloo(timeout=timeout)
+        self._pg = pg
         self.manager = Manager(
             pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
             use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
@@ -176,7 +177,14 @@ class TorchftSync:
         from torch.distributed import ReduceOp
 
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
-        return self.manager.errored() is None
+        if self.manager.errored() is None:
+            return True
+        # Close this group's connections now, not at the next quorum's reconfiguration: another survivor may be
+        # blocked in the same collective waiting for data from *this* one (gloo routes through it), and the
+        # Lighthouse holds the next quorum for that heartbeating survivor. Without this both waited for the
+        # collective timeout (the launcher's join timeout is the same): the 60 s re-quorum stall under load.
+        self._pg.abort()
+        return False
 
     def commit(self) -> bool:
         """See :class:`ReplicaSync`."""

@@ -1,0 +1,116 @@
+"""How ranks start (providers/local.py): forked from a fork server by default on Linux, ``spawn`` on request.
+
+A forked rank runs with the launcher's environment of the moment (not the server's, frozen when it started),
+never outlives a launcher killed with SIGKILL (nor does the server), and a bad start method is one clear error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from starverse.errors import ConfigError
+from starverse.providers.local import (
+    RANK_PROCESS_NAME,
+    START_METHOD_ENV,
+    LocalLauncher,
+    rank_context,
+    start_method,
+)
+from starverse.runtime.launch import RankSpec
+
+pytestmark = pytest.mark.slow
+
+LINUX = sys.platform.startswith("linux")
+
+
+def _ranks(n: int) -> list[RankSpec]:
+    return [RankSpec(rank=r, device_kind="cpu", device="cpu", num_threads=1) for r in range(n)]
+
+
+def _seen(env, names):
+    return {n: os.environ.get(n) for n in names}, Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+
+
+@pytest.mark.skipif(not LINUX, reason="the fork server is the default on Linux only")
+def test_a_forked_rank_sees_the_launchers_environment_at_its_start(monkeypatch):
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    assert start_method() == "forkserver"
+    monkeypatch.setenv("SV_TEST_GONE", "before")
+    launcher = LocalLauncher()
+    names = ("SV_TEST_GONE", "SV_TEST_NEW")
+    # the first launch starts the server (if no test did before) with SV_TEST_GONE set
+    first = launcher.launch(_seen, _ranks(2), timeout_s=120, args=(names,))
+    assert [seen for seen, _ in first] == [{"SV_TEST_GONE": "before", "SV_TEST_NEW": None}] * 2
+    assert [comm for _, comm in first] == [RANK_PROCESS_NAME.format(rank=r) for r in range(2)]
+    monkeypatch.delenv("SV_TEST_GONE")
+    monkeypatch.setenv("SV_TEST_NEW", "after")
+    second = launcher.launch(_seen, _ranks(2), timeout_s=120, args=(names,))
+    assert [seen for seen, _ in second] == [{"SV_TEST_GONE": None, "SV_TEST_NEW": "after"}] * 2
+
+
+def test_a_bad_start_method_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(ConfigError, match=f"{START_METHOD_ENV}='fork': not a start method; to fix: set it to one "
+                                          "of forkserver, spawn or unset it"):
+        rank_context()
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
+    assert rank_context().get_start_method() == "spawn"
+
+
+LAUNCHER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from starverse.providers.local import LocalLauncher
+    from starverse.runtime.launch import RankSpec
+
+    def _wait(env, out):
+        Path(out, "tmp").joinpath(f"rank{env.rank}").write_text(f"{os.getpid()} {os.getppid()}")
+        os.replace(Path(out, "tmp", f"rank{env.rank}"), Path(out, f"rank{env.rank}"))
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        ranks = [RankSpec(rank=r, device_kind="cpu", device="cpu", num_threads=1) for r in range(2)]
+        LocalLauncher().launch(_wait, ranks, timeout_s=600, args=(sys.argv[1],))
+""")
+
+
+@pytest.mark.skipif(not LINUX, reason="a rank's death with its parent is Linux's PR_SET_PDEATHSIG")
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_no_rank_outlives_a_launcher_killed_with_sigkill(tmp_path, method):
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, START_METHOD_ENV: method}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / f"rank{r}").is_file() for r in range(2)):
+            assert proc.poll() is None, f"the launcher exited ({proc.returncode}) before its ranks started"
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        pids = [tuple(int(x) for x in (tmp_path / f"rank{r}").read_text().split()) for r in range(2)]
+        parents = {ppid for _, ppid in pids}
+        procs = [psutil.Process(pid) for pid, _ in pids]
+        if method == "spawn":
+            assert parents == {proc.pid}
+        else:  # both ranks were forked by the one server, a child of the launcher
+            (server,) = parents
+            assert server != proc.pid and psutil.Process(server).ppid() == proc.pid
+            procs.append(psutil.Process(server))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert alive == [], f"outlived their launcher: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
