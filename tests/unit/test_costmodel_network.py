@@ -174,3 +174,37 @@ def test_overlapped_interleaved_sends_expose_only_the_fill_and_drain() -> None:
     per_send = exposed.breakdown["pp_comm"] / (2 * (m + pp - 1) * v)
     assert over.breakdown["pp_comm"] == pytest.approx(2 * (pp - 1) * per_send, rel=1e-9)
     assert over.step_time_s < exposed.step_time_s
+
+
+def test_nccl_latency_of_a_ring_grows_with_the_ring_and_an_all_reduce_may_take_the_tree() -> None:
+    from starverse.costmodel import constants as K
+    from starverse.costmodel.comm import nccl_latency_s
+
+    # all-gather / reduce-scatter: a ring only; 512 ranks on 64 nodes: 448 NVLink steps and 63 network steps
+    ring = float(nccl_latency_s(512, 64, False))
+    assert ring == pytest.approx(K.NCCL_BASE_LATENCY_S + 448 * K.NCCL_INTRA_RING_STEP_S + 63 * K.NCCL_NET_RING_STEP_S)
+    assert float(nccl_latency_s(512, 64, False)) > 3.5 * float(nccl_latency_s(128, 16, False))
+    # all-reduce over many nodes: the tree's 2 log2(nodes) network steps beat the ring's 2(nodes - 1)
+    tree = K.NCCL_BASE_LATENCY_S + 2 * (7 * K.NCCL_INTRA_TREE_STEP_S + 6 * K.NCCL_NET_TREE_STEP_S)
+    assert float(nccl_latency_s(512, 64, True)) == pytest.approx(tree)
+    # inside one node the ring is faster; one rank has no collective
+    assert float(nccl_latency_s(8, 1, True)) == pytest.approx(K.NCCL_BASE_LATENCY_S + 14 * K.NCCL_INTRA_RING_STEP_S)
+    assert float(nccl_latency_s(1, 1, True)) == 0.0
+
+
+def test_zero3_per_gpu_throughput_falls_with_the_ring_size() -> None:
+    # llm-foundry's FSDP runs (mptscale): tokens/s per GPU falls from 128 to 512 H100s; the ring latency of the
+    # per-layer gathers and reduce-scatters grows with the ring (a pure bandwidth ring would keep it flat)
+    def per_gpu(replicas: int) -> float:
+        plan = parse(Plan, {"model": "llama-2-7b",
+                            "train": {"seq_len": 2048, "global_batch": 6 * replicas, "zero_stage": 3},
+                            "groups": [{"replicas": replicas, "micro_batch": 6,
+                                        "stages": [{"accelerator": "h100-80gb-sxm", "tp": 1, "layers": 32}]}]},
+                     "t.yaml")
+        est = estimate(plan, CAT)
+        return est.tokens_per_s / replicas
+
+    assert per_gpu(512) < per_gpu(256) < per_gpu(128)
+    # 96 collectives per step at ~0.6 ms (128 ranks) and ~2.4 ms (512 ranks) of latency each, overlapped but
+    # taking SMs: ~3 % per GPU (MPT-7B measured: 7.7 %); NCCL's tree-like 2 log2(n) steps gave 0.1 %
+    assert per_gpu(128) / per_gpu(512) > 1.02

@@ -96,6 +96,31 @@ def test_least_bottleneck_never_above_the_truth():
             assert got >= min(ok) * (1 - 1e-3) - 1e-9
 
 
+def test_least_bottleneck_of_shared_columns_is_exact():
+    """:meth:`Shared.least_tau` (the columns a node's children share set up once, one more column per row)
+    is the least breakpoint holding the layers (never above it, within 1e-8), and never below the
+    bisection's lower end."""
+    rng = np.random.default_rng(6)
+    for _ in range(40):
+        cols, q_n, rows = int(rng.integers(0, 4)), 9, 3
+        a = rng.uniform(0.5, 2.0, size=cols + rows)
+        inc = rng.integers(0, 3, size=(cols + rows, q_n - 1))
+        tab = np.concatenate([np.zeros((cols + rows, 1)), np.cumsum(inc, axis=1)], axis=1).astype(np.float64)
+        total = int(rng.integers(1, 12))
+        shared = pipebound.Shared.of(a[:cols], tab[:cols])
+        got = shared.least_tau(a[cols:], tab[cols:], total)
+        for i in range(rows):
+            cs = [*range(cols), cols + i]
+            cap = pipebound.Tables(a[None, cs], tab[None, cs])
+            taus = sorted({0.0} | {q * float(a[c]) for c in cs for q in range(q_n)})
+            ok = [t for t in taus if cap(np.array([t]), np.array([0])).sum() >= total]
+            if not ok:
+                assert not np.isfinite(got[i])
+                continue
+            assert min(ok) * (1 - 1e-7) <= got[i] <= min(ok)
+            assert got[i] >= pipebound.tau_lb(cap, total)[0]
+
+
 def test_core_bound_holds_for_every_schedule():
     """The core bound is never above ``m max S + (Σ S - max S) / v`` of any integer split at any ``v ≤ vmax``
     (1F1B is ``v = 1``): the smallest bubble of the searched schedules, and below 1F1B's alone when v > 1."""

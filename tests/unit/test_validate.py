@@ -56,14 +56,14 @@ def test_rank_correlation_target(results: list[CaseResult]) -> None:
 
 def test_error_targets_on_the_published_a100_h100_runs(results: list[CaseResult]) -> None:
     # issue 2's targets on its 37 runs: median <= 10 %, p90 <= 20 %, max <= 30 % (measured at this commit:
-    # 8.3 %, 20.1 %, 35.4 %: p90 just and the max missed, by megatron2021's 1.7B/3.6B, pre-FlashAttention runs, since
-    # SUSTAINED_FRACTION is fitted on the A100/H100 runs alone (0.795 with the NeMo FP8 and fms-fsdp sources,
-    # 0.769 without them; 0.74 with Sailor's fp32 runs))
+    # 7.1 %, 17.1 %, 28.3 %, all met since the Megatron-Core cases state their TP overlap; the max is megatron2021's
+    # pre-FlashAttention 1.7B run; 8.3 %, 20.1 %, 35.4 % with SUSTAINED_FRACTION at 0.795, before the llm-foundry
+    # at-scale rows)
     s = summarize([r for r in results if r.source in PUBLISHED_A100_H100])
     assert s["n"] == 37
     assert s["median_abs_error"] <= 0.10
-    assert s["p90_abs_error"] <= 0.21
-    assert s["max_abs_error"] <= 0.36
+    assert s["p90_abs_error"] <= 0.20
+    assert s["max_abs_error"] <= 0.30
 
 
 def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:

@@ -15,6 +15,11 @@ from starverse.costmodel.constants import (
     CPU_COLLECTIVE_LATENCY_S,
     CPU_DTENSOR_COLLECTIVE_S,
     LINK_EFFICIENCY,
+    NCCL_BASE_LATENCY_S,
+    NCCL_INTRA_RING_STEP_S,
+    NCCL_INTRA_TREE_STEP_S,
+    NCCL_NET_RING_STEP_S,
+    NCCL_NET_TREE_STEP_S,
     NETWORK_EFFICIENCY,
 )
 
@@ -62,6 +67,33 @@ def group_bus_gb_per_s(
     return np.asarray(np.where(n <= g, intra_or_inter, cross), dtype=np.float64)
 
 
+def nccl_latency_s(ranks: Any, nodes: Any, all_reduce: bool) -> FloatArray:
+    """Latency of one NCCL collective (Simple protocol) over ``ranks`` ranks spread over ``nodes`` nodes, as NCCL's
+    own tuning model prices it (NVIDIA/nccl ``src/graph/tuning.cc``, ``ncclTopoTuneModel``; constants
+    ``NCCL_*`` in :mod:`costmodel.constants`). A ring takes ``ranks - 1`` steps (all-gather, reduce-scatter;
+    twice that for an all-reduce), ``nodes - 1`` of them (twice) over the network, so its latency grows linearly
+    with the ring; an all-reduce may instead run as a tree (``2 (ranks/nodes - 1)`` steps inside the nodes and
+    ``2 log2(nodes)`` across them) and NCCL picks the faster of the two. All-gather and reduce-scatter have no
+    tree (NCCL's PAT algorithm covers only one rank per node). Zero for one rank."""
+    n = np.maximum(np.asarray(ranks, dtype=np.float64), 1.0)
+    nodes_ = np.clip(np.asarray(nodes, dtype=np.float64), 1.0, n)
+    hops = 2.0 if all_reduce else 1.0
+    lat = NCCL_BASE_LATENCY_S + hops * ((n - nodes_) * NCCL_INTRA_RING_STEP_S + (nodes_ - 1.0) * NCCL_NET_RING_STEP_S)
+    if all_reduce:
+        tree = NCCL_BASE_LATENCY_S + 2.0 * ((n / nodes_ - 1.0) * NCCL_INTRA_TREE_STEP_S
+                                            + np.log2(nodes_) * NCCL_NET_TREE_STEP_S)
+        lat = np.minimum(lat, tree)
+    return np.asarray(np.where(n > 1.0, lat, 0.0), dtype=np.float64)
+
+
+def dp_ring_members(replicas: Any, tp: Any, devices_per_node: Any) -> FloatArray:
+    """Ranks of one data-parallel ring on one node: DP neighbours sit next to each other after the TP ranks
+    (Megatron/DeepSpeed rank order), so ``min(replicas, devices_per_node // tp)`` (at least 1)."""
+    dpn = np.maximum(np.asarray(devices_per_node, dtype=np.float64), 1.0)
+    return np.asarray(np.minimum(np.asarray(replicas, dtype=np.float64),
+                                 np.maximum(np.floor(dpn / np.asarray(tp, dtype=np.float64)), 1.0)), dtype=np.float64)
+
+
 def dp_ring_bus(replicas: Any, tp: Any, intra_gb_per_s: Any, devices_per_node: Any,
                 inter_node_gbps: Any) -> tuple[FloatArray, FloatArray]:
     """Bus bandwidth of a data-parallel ring over ``replicas`` ranks of TP degree ``tp`` and the share of the
@@ -69,8 +101,7 @@ def dp_ring_bus(replicas: Any, tp: Any, intra_gb_per_s: Any, devices_per_node: A
     node cross its NIC at the same time). DP neighbours sit next to each other after the TP ranks on a node
     (Megatron/DeepSpeed rank order), so ``members = min(replicas, devices_per_node // tp)``."""
     dpn = np.maximum(np.asarray(devices_per_node, dtype=np.float64), 1.0)
-    members = np.minimum(np.asarray(replicas, dtype=np.float64),
-                         np.maximum(np.floor(dpn / np.asarray(tp, dtype=np.float64)), 1.0))
+    members = dp_ring_members(replicas, tp, dpn)
     bus = group_bus_gb_per_s(replicas, members, intra_gb_per_s, dpn, inter_node_gbps)
     return bus, np.asarray(np.minimum(members, dpn) / dpn, dtype=np.float64)
 

@@ -29,19 +29,20 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.7596
+SUSTAINED_FRACTION = 0.7492
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.7596 makes the mean over sources of each source's mean tokens/s error
+FITTED (``costmodel.fit.FITTED``): 0.7492 makes the mean over sources of each source's mean tokens/s error
 zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
-2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs, NeMo FP8 on H100, fms-fsdp; 0.7705
-before llm-foundry's 128-512-GPU FSDP rows, ``mptscale``); until issue 9
+2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs, NeMo FP8 on H100, fms-fsdp; 0.7596
+before the Megatron-Core cases stated the TP overlap their README gives, 0.7705 before llm-foundry's
+128-512-GPU FSDP rows, ``mptscale``); until issue 9
 Sailor's fp32 runs were in this fit too (0.74), and it was 0.769 before the NeMo and fms-fsdp sources.
-Leave-one-source-out refits 0.75-0.78 (0.775 without NeMo's long-sequence runs, whose context-parallel
-32K-1M runs the model predicts too fast, pulling it down from 0.795: docs/costmodel.md), i.e. it is not
+Leave-one-source-out refits 0.73-0.77 (0.7625 without NeMo's long-sequence runs, whose context-parallel
+32K-1M runs the model predicts too fast, pulling it down: docs/costmodel.md), i.e. it is not
 specific to one software stack
 (``scripts/loso.py``; held-out figures in docs/costmodel.md). For comparison, Bekman quotes ~150-180
 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training reached; 0.8 x MAMF is
@@ -66,7 +67,7 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.4301
+PRE_AMPERE_EFFICIENCY = 0.4353
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
@@ -177,6 +178,24 @@ COLLECTIVE_LATENCY_S = 10e-6
 n-rank collective costs about 2*log2(n) of these (nccl-tests: an 8-byte all-reduce takes ~20-30 us on 8
 GPUs of one node and ~100 us over a few hundred nodes). Also the fixed cost of one pipeline send."""
 
+NCCL_BASE_LATENCY_S = 8.4e-6
+"""Fixed latency of one NCCL collective, Simple protocol (ring and tree): ``baseLat`` of NCCL's tuning model
+(NVIDIA/nccl ``src/graph/tuning.cc``, NCCL 2.19-2.2x; :func:`costmodel.comm.nccl_latency_s`)."""
+
+NCCL_INTRA_RING_STEP_S = 3.4e-6
+"""Latency of one ring step between two GPUs of a node, Simple protocol: NCCL's ``hwLat[NVLINK][Ring][Simple]``
+(same source; its PCIe figure, 5.7 us, is not distinguished here)."""
+
+NCCL_NET_RING_STEP_S = 14.0e-6
+"""Latency of one ring step across the network, Simple protocol: NCCL's ``hwLat[NET][Ring][Simple]`` (same source;
+9.6 us in NCCL 2.10's table)."""
+
+NCCL_INTRA_TREE_STEP_S = 4.0e-6
+"""Latency of one tree step inside a node, Simple protocol: NCCL's ``hwLat[NVLINK][Tree][Simple]`` (same source)."""
+
+NCCL_NET_TREE_STEP_S = 14.0e-6
+"""Latency of one tree step across the network, Simple protocol: NCCL's ``hwLat[NET][Tree][Simple]`` (same source)."""
+
 CPU_COLLECTIVE_LATENCY_S = 1.3e-4
 """Per-call latency of a gloo collective between CPU ranks (processes of one host): MEASURED, median 8-byte
 all-reduce between 2 one-thread ranks, ``scripts/measure_cpu_collectives.py`` on the project's 2-core VM
@@ -218,7 +237,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.5134
+PCIE_COLLECTIVE_FRACTION = 0.5151
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor

@@ -18,7 +18,14 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.costmodel import constants as C
-from starverse.costmodel.comm import collective_latency_s, dp_ring_bus, group_bus_gb_per_s, ring_allreduce_s
+from starverse.costmodel.comm import (
+    collective_latency_s,
+    dp_ring_bus,
+    dp_ring_members,
+    group_bus_gb_per_s,
+    nccl_latency_s,
+    ring_allreduce_s,
+)
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -314,6 +321,16 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # data-parallel collectives; DP neighbours sit next to each other after the TP ranks on a node
     dp_bus, dp_share = dp_ring_bus(rows.replicas, t, rows.intra_node_gb_per_s, rows.devices_per_node,
                                    rows.inter_node_gbps)
+    # latency of one data-parallel collective: NCCL's ring (all-gather, reduce-scatter) or the faster of ring
+    # and tree (all-reduce) over the ring's nodes; CPU rows: gloo's / DTensor's per-call cost per log2 step
+    dp_nodes = np.ceil(rows.replicas / dp_ring_members(rows.replicas, t, rows.devices_per_node))
+    dp_ar_call = nccl_latency_s(rows.replicas, dp_nodes, True)
+    dp_ag_call = nccl_latency_s(rows.replicas, dp_nodes, False)
+    if rows.host_collectives is not None:
+        log_steps = 2.0 * np.log2(np.maximum(rows.replicas, 1.0))
+        dp_ar_call = np.where(rows.host_collectives, log_steps * latency, dp_ar_call)
+        dp_ag_call = np.where(rows.host_collectives,
+                              log_steps * collective_latency_s(rows.host_collectives, True), dp_ag_call)
 
     # pipeline point-to-point: activations of one micro-batch (split over TP ranks: scatter/gather)
     # ranks in Megatron/DeepSpeed order (TP fastest, then data parallel, then pipeline): stage i of all
@@ -351,8 +368,8 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         "capacity_gb": capacity,
         "tokens": tokens,
         "latency": np.broadcast_to(np.asarray(latency, dtype=np.float64), tokens.shape),
-        "dtensor_latency": np.broadcast_to(np.asarray(collective_latency_s(rows.host_collectives, True),
-                                                      dtype=np.float64), tokens.shape),
+        "dp_ar_call": np.broadcast_to(dp_ar_call, tokens.shape),
+        "dp_ag_call": np.broadcast_to(dp_ag_call, tokens.shape),
         "host": (np.zeros(tokens.shape, dtype=np.bool_) if rows.host_collectives is None
                  else np.broadcast_to(rows.host_collectives, tokens.shape)),
     }
@@ -434,8 +451,8 @@ def stage_totals(
     exposed = np.maximum(offload_mb - compute_mb, 0.0)
 
     grad_bytes = trainable * mn.grad_bytes_per_value
-    dp_allreduce = ring_allreduce_s(grad_bytes, n, lc["dp_bus"], np.ceil(grad_bytes / C.GRADIENT_BUCKET_BYTES),
-                                    lc["latency"])
+    dp_allreduce = (ring_allreduce_s(grad_bytes, n, lc["dp_bus"], 0.0)
+                    + np.ceil(grad_bytes / C.GRADIENT_BUCKET_BYTES) * np.where(n > 1.0, lc["dp_ar_call"], 0.0))
     # CPU ranks: the runtime's ZeRO-2 is FSDP2 too (gathers forward, reduce-scatters per micro-batch: 2 DTensor
     # collectives per block, the all-reduce's volume), priced with ZeRO-3's per-micro-batch collectives
     fsdp2_cpu = lc["host"] & (z == 2)
@@ -443,8 +460,9 @@ def stage_totals(
     # ZeRO-3: per layer an all-gather for forward, again for backward, and a reduce-scatter of gradients
     # (1.5x the all-reduce volume), overlapped with the micro-batch's compute except the first gather;
     # the overlapped part still takes SMs from compute
-    z3_mb = 1.5 * ring_allreduce_s(p_dev * bv, n, lc["dp_bus"], 2.0 * np.maximum(L, 1.0),
-                                   lc["dtensor_latency"])
+    # (3 collectives per layer: each pays its latency, comm.nccl_latency_s, which grows with the ring)
+    z3_mb = (1.5 * ring_allreduce_s(p_dev * bv, n, lc["dp_bus"], 0.0)
+             + 3.0 * np.maximum(L, 1.0) * np.where(n > 1.0, lc["dp_ag_call"], 0.0))
     z3_mb = np.where(fsdp2_cpu, z3_mb / 1.5, z3_mb)
     z3_exposed = (np.maximum(z3_mb - compute_mb, 0.0) + z3_mb / (3.0 * np.maximum(L, 1.0))
                   + C.OVERLAP_SM_FRACTION * np.minimum(z3_mb, compute_mb))

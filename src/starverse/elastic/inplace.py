@@ -47,6 +47,7 @@ from starverse.providers.local import (
 )
 from starverse.runtime.ft_group import (
     EXTRA_BARRIER_PORT,
+    EXTRA_FT_HOST,
     EXTRA_JOINER,
     EXTRA_LIGHTHOUSE,
     EXTRA_REPLICA_STORE,
@@ -97,7 +98,7 @@ class Join:
 
 
 class Lighthouse:
-    """A torchft ``LighthouseServer`` on 127.0.0.1 (a free port), for one launch.
+    """A torchft ``LighthouseServer`` on ``host`` (127.0.0.1; a free port), for one launch.
 
     ``heartbeat_timeout_ms``: a replica silent this long is out of the next quorum (how fast a SIGKILLed one is
     dropped); ``join_timeout_ms``: how long a quorum waits for a heartbeating replica that has not asked to join
@@ -105,14 +106,15 @@ class Lighthouse:
     out of every other quorum).
     """
 
-    def __init__(self, *, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
+    def __init__(self, *, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 1000, quorum_tick_ms: int = 20,
+                 host: str = LOOPBACK):
         quiet_torchft()
         from torchft.coordination import LighthouseServer
 
-        self._server = LighthouseServer(bind=f"{LOOPBACK}:0", min_replicas=1, join_timeout_ms=join_timeout_ms,
+        self._server = LighthouseServer(bind=f"{host}:0", min_replicas=1, join_timeout_ms=join_timeout_ms,
                                         quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
-        # address() names the machine's hostname; the server listens on 127.0.0.1 only
-        self.address = f"http://{LOOPBACK}:{self._server.address().rsplit(':', 1)[1]}"
+        # address() names the machine's hostname; the server listens on ``host`` only
+        self.address = f"http://{host}:{self._server.address().rsplit(':', 1)[1]}"
 
     def shutdown(self) -> None:
         """Stop the server."""
@@ -169,14 +171,16 @@ class InplaceLauncher:
         self.losses, self.joins, self.spares = [], [], []
         return ordered_ranks(ranks)
 
-    def _coordination(self, world: int, collective_timeout_s: float) -> tuple[Lighthouse, Any, dict[str, Any]]:
-        """A launch's torchft Lighthouse and start-barrier store (both on 127.0.0.1), and the ``RankEnv.extra``
-        entries that tell a replica where they are."""
+    def _coordination(self, world: int, collective_timeout_s: float,
+                      host: str = LOOPBACK) -> tuple[Lighthouse, Any, dict[str, Any]]:
+        """A launch's torchft Lighthouse and start-barrier store (both on ``host``: 127.0.0.1, or the driver's
+        address for replicas on other hosts), and the ``RankEnv.extra`` entries that tell a replica where they are."""
         # a healthy replica late to a step is waited for (as a collective would): only a silent one is dropped
         lighthouse = Lighthouse(heartbeat_timeout_ms=self.lighthouse_heartbeat_ms,
-                                join_timeout_ms=int(collective_timeout_s * 1000))
-        barrier = store_server(LOOPBACK, world + 1, collective_timeout_s)
-        return lighthouse, barrier, {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port}
+                                join_timeout_ms=int(collective_timeout_s * 1000), host=host)
+        barrier = store_server(host, world + 1, collective_timeout_s)
+        return lighthouse, barrier, {EXTRA_LIGHTHOUSE: lighthouse.address, EXTRA_BARRIER_PORT: barrier.port,
+                                     EXTRA_FT_HOST: host}
 
     def pids(self) -> dict[int, int]:
         """Rank -> process id of the replicas running now (tests and benchmarks kill them)."""

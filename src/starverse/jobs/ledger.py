@@ -221,12 +221,16 @@ class InplaceAccounting:
             time.sleep(0.05)
 
     def on_join(self, join: Any, spec: Any) -> None:
-        """Open the replacement's lease from now."""
+        """Open the replacement's lease from now (the ledger counts whole seconds: after the start of the lost
+        lease of that device, which may have begun in the second of the loss and of this join, a warm spare's)."""
         if not self.ledger_path.is_file():
             return
+        device = self._device(join.rank)
         with Ledger.open(self.ledger_path) as ledger:
-            ledger.open_lease(ledger.job(self.job_name), self._device(join.rank), join.device_kind,
-                              self.pricing_of(join.device_kind), provider=self.provider, at_s=int(join.at))
+            job = ledger.job(self.job_name)
+            start = max([int(join.at)] + [le.start_s + 1 for le in ledger.leases(job) if le.device == device])
+            ledger.open_lease(job, device, join.device_kind, self.pricing_of(join.device_kind),
+                              provider=self.provider, at_s=start)
 
     def close(self) -> None:
         """After the run: wait for pending resume records, close leases left open (a replacement's) now."""

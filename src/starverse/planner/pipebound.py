@@ -146,6 +146,54 @@ def tau_lb(cap: Capacity, total: int) -> FloatArray:
     return out
 
 
+@dataclass(frozen=True)
+class Shared:
+    """The columns all children of one node share (the blocks chosen, the open offers): per-layer time ``a``
+    (columns,), finite and positive, and capacity tables ``tab`` (columns, levels) as in :class:`Tables`;
+    their breakpoints ``pts`` (every ``q · a_c``, sorted) and their capacity there, ``held``. Set up once
+    per node, so that :meth:`least_tau` bounds its children (one more column each) in one gather."""
+
+    a: FloatArray
+    tab: FloatArray
+    pts: FloatArray
+    held: FloatArray
+
+    @classmethod
+    def of(cls, a: FloatArray, tab: FloatArray) -> Shared:
+        """The shared columns ``a`` (columns,) with their tables ``tab`` (columns, levels)."""
+        pts = np.unique((a[:, None] * np.arange(1, tab.shape[1])[None, :]).ravel())
+        return cls(a, tab, pts, _held(a, tab, pts))
+
+    def least_tau(self, a: FloatArray, tab: FloatArray, total: int) -> FloatArray:
+        """The least ``τ`` at which the shared columns and one more per row (per-layer time ``a`` (rows,),
+        finite and positive; table ``tab`` (rows, levels)) hold ``total`` layers (inf if never), exactly:
+        capacities only change at the breakpoints ``q · a`` of some column (where ``⌊τ / a + 10⁻⁹⌋`` steps,
+        at most ``10⁻⁹`` relatively before them), so the least breakpoint holding ``total``, lowered by
+        ``10⁻⁸`` relatively, is never above the least ``τ`` (and never below :func:`tau_lb`'s bracket)."""
+        n_q = tab.shape[1]
+        lift = np.arange(1, n_q, dtype=np.float64)
+        own = a[:, None] * lift[None, :]  # the row's column's breakpoints (rows, levels - 1)
+        at_shared = self.held[None, :] + _take(tab, self.pts[None, :] / a[:, None], n_q)
+        at_own = _held(self.a, self.tab, own) + _take(tab, own / a[:, None], n_q)
+        first = np.minimum(np.where(at_shared >= total, self.pts[None, :], np.inf).min(axis=1, initial=np.inf),
+                           np.where(at_own >= total, own, np.inf).min(axis=1, initial=np.inf))
+        return np.asarray(first * (1.0 - 1e-8), dtype=np.float64)
+
+
+def _take(tab: FloatArray, ratio: FloatArray, n_q: int) -> FloatArray:
+    """``tab[row, ⌊ratio + 10⁻⁹⌋]`` (saturating at the last level) for ``ratio`` (rows, points)."""
+    q = np.minimum(ratio + 1e-9, n_q - 1.0).astype(np.int64)
+    return np.asarray(np.take_along_axis(tab, q, axis=1), dtype=np.float64)
+
+
+def _held(a: FloatArray, tab: FloatArray, tau: FloatArray) -> FloatArray:
+    """Capacity of the columns ``a`` / ``tab`` together at each ``τ`` of ``tau`` (any shape)."""
+    if not a.size:
+        return np.zeros(tau.shape)
+    q = np.minimum(tau[..., None] / a + 1e-9, tab.shape[1] - 1.0).astype(np.int64)
+    return np.asarray(tab[np.arange(a.size), q].sum(axis=-1), dtype=np.float64)
+
+
 GRID_STEPS = 70
 """Points of the geometric grid (×1.01 apart) over which :func:`core_lb` bounds the bottleneck level."""
 
@@ -238,8 +286,8 @@ PRICE_GRID = 40
 
 @functools.lru_cache(maxsize=4)
 def _price_grid(n: int) -> FloatArray:
-    """:func:`per_price_ub`'s grid of open rates as fractions of the most (read only)."""
-    g = np.geomspace(1e-4, 1.0, n)
+    """:func:`per_price_ub`'s grid of open rates as fractions of the most, after a 0 (read only)."""
+    g = np.r_[0.0, np.geomspace(1e-4, 1.0, n)]
     g.setflags(write=False)
     return g
 
@@ -256,7 +304,7 @@ def per_price_ub(m: int, total: int, seqs: float, rate_c: FloatArray, price_c: F
     ``x_j`` (both grow with ``x``). ``w`` (``m - 1`` unless given) replaces ``m - 1`` as the weight of the
     bottleneck: interleaved 1F1B with ``v`` chunks has ``m - 1 / v`` (and ``fixed`` counts ``Σ S / v``)."""
     w = m - 1.0 if w is None else w
-    xs = np.r_[0.0, r_open * _price_grid(PRICE_GRID)] if r_open > 0 else np.zeros(1)
+    xs = r_open * _price_grid(PRICE_GRID) if r_open > 0 else np.zeros(1)
     lo, hi = xs[:-1] if xs.size > 1 else xs, xs[1:] if xs.size > 1 else xs
     rc, pc, c = rate_c[:, None], price_c[:, None], fixed[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):

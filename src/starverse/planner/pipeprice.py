@@ -252,8 +252,8 @@ def node_per_price(work: float, m: int, lo: FloatArray, hi: FloatArray, suffix: 
         step = np.maximum(step, core[:, None])
     step = step + extra[:, None]
     rest = np.clip(need - have, 0, need).astype(np.int64)  # (rows, intervals)
-    least = suffix[np.clip(min_open, 0, 2)]  # (rows, G, need + 1)
-    add = np.take_along_axis(least, rest[:, :, None], axis=2)[:, :, 0]
+    # suffix[min_open[i], j, rest[i, j]]: (rows, intervals)
+    add = suffix[np.clip(min_open, 0, 2)[:, None], np.arange(rest.shape[1])[None, :], rest]
     with np.errstate(invalid="ignore"):
         ps = np.where(live, step * (price[:, None] + add), np.inf)
     ps = ps.min(axis=1) if ps.shape[1] else np.full(n, np.inf)

@@ -32,9 +32,11 @@ factor and the constraints.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -184,7 +186,6 @@ class _Search(LeafEvaluator):
         kinds_of = {o: np.flatnonzero(kinds.offer == o) for o in offers}
         # an open offer holds at most what its best block holds at the level of its fastest kind
         open_tab = {o: tab[kinds_of[o], kinds.kmax[kinds_of[o]], :].max(axis=0) for o in offers}
-        zero = np.zeros(self.total + 1)
         # layers per unit of price of each kind's best block, per level q (the money objectives' bound)
         ks = np.arange(1, tab.shape[1], dtype=np.float64)
         kind_price = r * kinds.tp * self.price[kinds.offer]
@@ -211,88 +212,94 @@ class _Search(LeafEvaluator):
 
         # a chosen block: (offer, tp, stages, per-layer time, kind index, p2p, optimizer step)
         Chosen = list[tuple[int, int, int, float, int, float, float]]
+        knap = money and lo_t.size > 0
+        vmax_of = functools.lru_cache(maxsize=None)(
+            lambda p: interleave_vmax(self.total, m, p, self.ctx.job.search.max_virtual_stages))
 
-        def bounds(level: int, chosen: Chosen, kj: IntArray, klo: IntArray, khi: IntArray) -> FloatArray:
-            """Bounds of the children ``kind kj[i]`` with ``klo[i]..khi[i]`` stages (``klo = 0``: the offer
-            left out): fewest stages for the price, power and sends, most stages for the layers held."""
+        def node(level: int, chosen: Chosen) -> Callable[[IntArray, IntArray, IntArray], FloatArray]:
+            """The bounds of a node's children (what they share is set up once, here)."""
             o = offers[level]
             open_ = offers[level + 1:]
             used = sum(c[2] for c in chosen)
-            nk = kj.size
-            on = klo > 0
-            kk, kmost = klo.astype(np.float64), khi.astype(np.float64)
-            jj = np.where(on, kj, 0)
-            kt = np.where(on, kinds.tp[jj], 0)
-            ka = np.where(on, kinds.a[jj], np.inf)
-            kp, ko = np.where(on, kinds.p2p[jj], 0.0), np.where(on, kinds.opt[jj], 0.0)
+            nch = len(chosen)
             # columns: the chosen blocks, the child's block, the open offers' envelopes
             ch_k = np.array([float(c[2]) for c in chosen])
             ch_a = np.array([c[3] for c in chosen])
             op_a = np.array([amin_open[q] for q in open_])
-
-            def cols(fixed: FloatArray, child: FloatArray, rest: FloatArray) -> FloatArray:
-                """(children, columns): the chosen blocks, the child's block, the open offers."""
-                return np.hstack([np.tile(fixed, (nk, 1)), np.asarray(child, dtype=np.float64)[:, None],
-                                  np.tile(rest, (nk, 1))])
-
-            child_a = np.where(on, ka, 1.0)
-            kid_tab = np.where(on[:, None], tab[jj, khi, :], zero[None, :])
             fixed_tab = np.stack([tab[c[4], c[2], :] for c in chosen] + [open_tab[q] for q in open_]) \
                 if chosen or open_ else np.zeros((0, self.total + 1))
-            nch = len(chosen)
-            tables = np.concatenate([np.broadcast_to(fixed_tab[None, :nch], (nk, nch, self.total + 1)),
-                                     kid_tab[:, None, :],
-                                     np.broadcast_to(fixed_tab[None, nch:], (nk, len(open_), self.total + 1))],
-                                    axis=1)
-            cost = cols(ch_a, child_a, op_a)
-            cap = pipebound.Tables(cost, tables)
-            mand = cols(ch_k, kk, np.zeros(len(open_)))
-            tau = pipebound.tau_lb(cap, self.total)
+            shared = pipebound.Shared.of(np.concatenate([ch_a, op_a]), fixed_tab)
             a_chosen = max([c[3] for c in chosen], default=0.0)
-            tau = np.maximum(tau, np.where(on, np.maximum(a_chosen, ka), a_chosen))
-            # the smallest bubble of any schedule the leaves may take (at least max(used + klo, 2) stages)
-            vmax = interleave_vmax(self.total, m, used + int(klo.min()), self.ctx.job.search.max_virtual_stages)
-            # the money objectives with the knapsack's intervals: its bound replaces the core grid's
-            knap = money and lo_t.size > 0
-            if not knap:
-                taus, steps = pipebound.core_grid_schedules(m, vmax, tau, cost, cap, mand, self.total)
-                core = steps.min(axis=1)
-            else:
-                # every schedule's core is at least (m - 1) τ + max(τ, Σ S / v) (:func:`.pipeprice.per_price_ub`)
-                core = pipeprice.fill_steps(m, tau) + np.maximum(tau, self.total * a_least / vmax)
             price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
             power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
-            price = price0 + np.where(on, r * kt * kk * self.price[o], 0.0)
-            power = power0 + np.where(on, r * kt * kk * self.power[o], 0.0)
-            p2p = np.maximum(max([c[5] for c in chosen], default=0.0), kp)
-            opt = np.maximum(max([c[6] for c in chosen], default=0.0), ko)
-            inv = (sum(c[2] * float(inv_o[c[4]]) for c in chosen) + np.where(on, kmost * inv_o[jj], 0.0)
-                   + sum(inv_open[q] for q in open_))
-            with np.errstate(divide="ignore", invalid="ignore"):
-                opt = np.maximum(opt, np.where(np.isfinite(inv) & (inv > 0), self.total / inv, 0.0))
-            rate_c = sum(c[2] / c[3] for c in chosen) + np.where(on, kmost / child_a, 0.0)
+            p2p0 = max([c[5] for c in chosen], default=0.0)
+            opt0 = max([c[6] for c in chosen], default=0.0)
+            inv0 = sum(c[2] * float(inv_o[c[4]]) for c in chosen) + sum(inv_open[q] for q in open_)
+            rate0 = sum(c[2] / c[3] for c in chosen)
             r_open = float(sum(rate[q] for q in open_))
             e_open = max([eff[q] for q in open_], default=0.0)
-            rest = opt + 2.0 * (m + np.maximum(used + kk, 2.0) - 1.0) * np.maximum(
-                mb * self.hop_s_per_sequence, p2p)
-            # 1F1B and interleaved with vmax chunks: the bound is linear in 1 / v, so the ends cover every v
-            per_price = np.maximum.reduce([pipebound.per_price_ub(
-                m, self.total, k_rate * self.total, rate_c, price, self.total * a_least / v + rest, r_open, e_open,
-                m - 1.0 / v) for v in {1, vmax}])
-            if money and lo_t.size:
-                have = sum((tab[c[4], c[2], q_hi[c[4]]] for c in chosen), np.zeros(lo_t.size))[None, :] \
-                    + np.where(on[:, None], tab[jj[:, None], khi[:, None], q_hi[jj]], 0.0)
-                per_price = np.minimum(per_price, pipeprice.node_per_price(
-                    self.ctx.batch * self.ctx.seq_len, m, lo_t, hi_t, suffix[level + 1], tau, self.total * a_least / vmax,
-                    rest, price, have, self.total, np.maximum(2 - len(chosen) - on.astype(np.int64), 0), core))
-            if money and not knap:
-                per_price = np.minimum(per_price, self._per_pricecapacity_tables(
-                    m, mb, taus, steps, cap, len(chosen) + 1, used + kk, p2p, opt, price,
-                    np.concatenate([kinds_of[q] for q in open_]) if open_ else np.zeros(0, dtype=np.int64),
-                    kinds.a, ratio_tab))
-            self.stats.pipeline_nodes += nk
-            self.nodes += nk
-            return self.bound(m, mb, core, used + kk, p2p, opt, price, power, per_price)
+            if knap:
+                have0 = sum((tab[c[4], c[2], q_hi[c[4]]] for c in chosen), np.zeros(lo_t.size))[None, :]
+                open_kinds = np.zeros(0, dtype=np.int64)
+            else:
+                open_kinds = np.concatenate([kinds_of[q] for q in open_]) if open_ else np.zeros(0, dtype=np.int64)
+
+            def bounds(kj: IntArray, klo: IntArray, khi: IntArray) -> FloatArray:
+                """Bounds of the children ``kind kj[i]`` with ``klo[i]..khi[i]`` stages (``klo = 0``: the offer
+                left out): fewest stages for the price, power and sends, most stages for the layers held."""
+                nk = kj.size
+                on = klo > 0
+                kk, kmost = klo.astype(np.float64), khi.astype(np.float64)
+                jj = np.where(on, kj, 0)
+                kt = np.where(on, kinds.tp[jj], 0)
+                ka = np.where(on, kinds.a[jj], np.inf)
+                kp, ko = np.where(on, kinds.p2p[jj], 0.0), np.where(on, kinds.opt[jj], 0.0)
+                child_a = np.where(on, ka, 1.0)
+                kid_tab = np.where(on[:, None], tab[jj, khi, :], 0.0)
+                tau = shared.least_tau(child_a, kid_tab, self.total)
+                tau = np.maximum(tau, np.where(on, np.maximum(a_chosen, ka), a_chosen))
+                # the smallest bubble of any schedule the leaves may take (at least max(used + klo, 2) stages)
+                vmax = vmax_of(used + int(klo.min()))
+                if not knap:
+                    cost = np.hstack([np.tile(ch_a, (nk, 1)), child_a[:, None], np.tile(op_a, (nk, 1))])
+                    tables = np.concatenate([np.broadcast_to(fixed_tab[None, :nch], (nk, nch, self.total + 1)),
+                                             kid_tab[:, None, :], np.broadcast_to(
+                                                 fixed_tab[None, nch:], (nk, len(open_), self.total + 1))], axis=1)
+                    cap = pipebound.Tables(cost, tables)
+                    mand = np.hstack([np.tile(ch_k, (nk, 1)), kk[:, None], np.zeros((nk, len(open_)))])
+                    taus, steps = pipebound.core_grid_schedules(m, vmax, tau, cost, cap, mand, self.total)
+                    core = steps.min(axis=1)
+                else:
+                    # the money objectives with the knapsack's intervals: its bound replaces the core grid's;
+                    # every schedule's core is at least (m - 1) τ + max(τ, Σ S / v) (:func:`.pipeprice.per_price_ub`)
+                    core = pipeprice.fill_steps(m, tau) + np.maximum(tau, self.total * a_least / vmax)
+                price = price0 + np.where(on, r * kt * kk * self.price[o], 0.0)
+                power = power0 + np.where(on, r * kt * kk * self.power[o], 0.0)
+                p2p = np.maximum(p2p0, kp)
+                opt = np.maximum(opt0, ko)
+                inv = inv0 + np.where(on, kmost * inv_o[jj], 0.0)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    opt = np.maximum(opt, np.where(np.isfinite(inv) & (inv > 0), self.total / inv, 0.0))
+                rate_c = rate0 + np.where(on, kmost / child_a, 0.0)
+                rest = opt + 2.0 * (m + np.maximum(used + kk, 2.0) - 1.0) * np.maximum(
+                    mb * self.hop_s_per_sequence, p2p)
+                # 1F1B and interleaved with vmax chunks: the bound is linear in 1 / v, so the ends cover every v
+                per_price = np.maximum.reduce([pipebound.per_price_ub(
+                    m, self.total, k_rate * self.total, rate_c, price, self.total * a_least / v + rest, r_open,
+                    e_open, m - 1.0 / v) for v in {1, vmax}])
+                if knap:
+                    have = have0 + np.where(on[:, None], tab[jj[:, None], khi[:, None], q_hi[jj]], 0.0)
+                    per_price = np.minimum(per_price, pipeprice.node_per_price(
+                        self.ctx.batch * self.ctx.seq_len, m, lo_t, hi_t, suffix[level + 1], tau,
+                        self.total * a_least / vmax, rest, price, have, self.total,
+                        np.maximum(2 - nch - on.astype(np.int64), 0), core))
+                elif money:
+                    per_price = np.minimum(per_price, self._per_pricecapacity_tables(
+                        m, mb, taus, steps, cap, nch + 1, used + kk, p2p, opt, price, open_kinds, kinds.a, ratio_tab))
+                self.stats.pipeline_nodes += nk
+                self.nodes += nk
+                return self.bound(m, mb, core, used + kk, p2p, opt, price, power, per_price)
+            return bounds
 
         def walk(level: int, chosen: Chosen, bound: float) -> None:
             accs = {self.accs[c[0]] for c in chosen}
@@ -310,11 +317,12 @@ class _Search(LeafEvaluator):
                 kids = [k for k in kids if k[2] >= k[1]]
             heap: list[tuple[float, int, tuple[int, int, int]]] = []
             seq = itertools.count()
+            bounds = node(level, chosen)
 
             def push(batch: list[tuple[int, int, int]]) -> None:
                 arr = np.array(batch, dtype=np.int64).reshape(-1, 3)
                 # a child's bound never exceeds its parent's (both are valid for all it leads to)
-                got = np.minimum(bounds(level, chosen, arr[:, 0], arr[:, 1], arr[:, 2]), bound)
+                got = np.minimum(bounds(arr[:, 0], arr[:, 1], arr[:, 2]), bound)
                 for kid, bv in zip(batch, got, strict=True):
                     heapq.heappush(heap, (-float(bv), next(seq), kid))
 
@@ -353,7 +361,7 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
     sets = [i for i, st in enumerate(ctx.settings) if st.zero_stage <= 1 and st.virtual_stages == 1]
     max_stages = min(total, so.max_pipeline_stages or total)
     s = _Search(ctx, incumbent, stats)
-    fams: list[tuple[float, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = []
+    fams: list[tuple[float, int, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = []
     for mb in mbs:
         for r in range(1, ctx.batch // mb + 1):
             if (ctx.batch // mb) % r or r > max(caps):
@@ -375,29 +383,29 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
                 with np.errstate(divide="ignore"):
                     per_price = r * mb * ctx.seq_len / total * float(
                         (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())
-                if s.money:
-                    per_price = min(per_price, s.family_price_ub(r, mb, m, kinds, float(tau[0]), exact=False)[0])
                 fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1),
                              np.array([per_price]))
-                fams.append((-float(fb[0]), len(fams), None, r, mb, si, float(tau[0]), kinds))
+                fams.append((-float(fb[0]), len(fams), 0, None, r, mb, si, float(tau[0]), kinds))
     stats.pipeline_families += len(fams)
     # best bound first; for the money objectives a family's bound is first the cheap one above, tightened
-    # by the least price of its blocks (:mod:`.pipeprice`) when it comes up, then put back
+    # when it comes up by the least price of its blocks (:mod:`.pipeprice`; first the knapsack's fractional
+    # relaxation, then the knapsack itself), then put back
     heapq.heapify(fams)
     while fams:
-        neg, i, grid, r, mb, si, tau0, kinds = heapq.heappop(fams)
+        neg, i, tier, grid, r, mb, si, tau0, kinds = heapq.heappop(fams)
         bound = -neg
         if bound <= s.best_value:
             break
         if s.full():
             s.gap_bound = max(s.gap_bound, bound)
             break
-        if s.money and grid is None:
+        if s.money and tier < 2:
             m = ctx.batch // (r * mb)
-            per_price, lo, hi = s.family_price_ub(r, mb, m, kinds, tau0)
+            per_price, lo, hi = s.family_price_ub(r, mb, m, kinds, tau0, exact=tier == 1)
             limit = per_price * 3600.0 if job.objective == "cost-performance" else (
                 -s.tokens / (3600.0 * per_price) if per_price > 0 else -math.inf)
-            heapq.heappush(fams, (-min(bound, limit), i, (lo, hi), r, mb, si, tau0, kinds))
+            heapq.heappush(fams, (-min(bound, limit), i, tier + 1, (lo, hi) if tier else None, r, mb, si, tau0,
+                                  kinds))
             continue
         s.family(r, mb, si, kinds, bound, grid)
     stats.pipeline_leaves += s.leaves

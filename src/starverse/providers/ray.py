@@ -337,11 +337,19 @@ class _RankActor:
             return ("error", error_report(e))
 
 
-    def run_replica(self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...]) -> tuple[str, Any]:
+    def run_replica(self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...],
+                    bind_node: bool = False) -> tuple[str, Any]:
         """Run ``fn`` without a ``torch.distributed`` world (an in-place replica forms its own torchft groups);
-        report as :meth:`run`."""
+        report as :meth:`run`. ``bind_node``: the replica binds and advertises this node's IP (``bind_host``, replicas
+        on several hosts), not 127.0.0.1."""
         try:
-            rank_environ(env, LOOPBACK, 0)
+            host = LOOPBACK
+            if bind_node:
+                from starverse.runtime.ft_group import EXTRA_BIND_HOST
+
+                host = self.node_ip()
+                env = dataclasses.replace(env, extra={**env.extra, EXTRA_BIND_HOST: host})
+            rank_environ(env, host, 0)
             set_rank_device(env)
             return ("ok", fn(env, *args))
         except BaseException as e:

@@ -21,19 +21,31 @@ world; survivors finish the step in flight with the lost replica's share redistr
   re-reserves a lost node's bundles on a node that has the resources (a free one, or a node added back), and the
   actor starts there when it can; it joins at a step boundary with a peer's live state. It counts as a
   :class:`~starverse.elastic.inplace.Join` (``on_join``: its lease opens) once its actor runs on a node, not while
-  it waits for one; one that never got a node is no join (the rank stays lost for good). Warm spares are not built
-  on Ray (``warm_spares`` must stay False): the join pays the actor's start, imports and model load.
+  it waits for one; one that never got a node is no join (the rank stays lost for good);
+- with ``warm_spares`` (off by default on Ray: a spare holds a bundle, a GPU on a GPU node, for the whole run), one
+  *spare actor* per device kind starts with the job in a placement group of its own (a bundle like a rank of that
+  kind: CPUs, a GPU for a CUDA rank, a sliver of its kind's node resource), imports torch and torchft, loads the
+  model and waits on the launcher's store (:func:`starverse.runtime.ft_join.wait_for_activation`). A loss of a
+  rank of that kind activates it (``activate/<slot>``): the replacement is that running actor, a warm
+  :class:`~starverse.elastic.inplace.Join` at once, no actor start, imports or model load on the join's path. The
+  activated spare keeps its own bundle; the lost rank's bundle (re-reserved by Ray where there is room) becomes the
+  bundle of the next spare of that kind, started once the activated one has committed a step. A spare that is not
+  running yet (its bundle waits for room) is not used: the replacement starts cold in the lost rank's bundle;
+- where the replicas meet (``bind``): on a cluster whose nodes are all on 127.0.0.1 (``ray.cluster_utils.Cluster``,
+  ``ray start --node-ip-address=127.0.0.1``) the Lighthouse, the launcher's stores and every replica's torchft
+  ``Manager`` listen on 127.0.0.1 (the loopback rule, ``runtime/ft_group.py``); on a cluster with nodes on other
+  addresses the Lighthouse and the stores listen on the driver's node IP and each replica's ``Manager`` and store
+  on its own node's IP (``ray.util.get_node_ip_address()``), so replicas on other hosts reach them.
 
 Not built: a hung actor (alive, not stepping) is only caught by the job's timeout (the local launcher's heartbeat
-has no Ray counterpart here). The Lighthouse, the store and torchft's managers listen on 127.0.0.1
-(:mod:`starverse.runtime.ft_group`): the replicas must share the driver's loopback, i.e. run on this machine's
-raylets (``ray.cluster_utils.Cluster``, or ``ray start`` nodes on 127.0.0.1). Replicas on other hosts cannot
-reach them; in-place recovery across hosts is not built.
+has no Ray counterpart here). Replicas on more than one machine have not run here (one machine only: the tests run
+the loopback binding and, with ``bind="node"``, the node-IP path on a cluster whose node IPs are 127.0.0.1).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starverse.elastic.inplace import (
+    SPARE_SLOTS,
     InplaceLauncher,
     Join,
     Loss,
@@ -62,7 +75,14 @@ from starverse.providers.ray import (
     ray_session,
     release,
 )
-from starverse.runtime.ft_group import EXTRA_JOINER, EXTRA_REPLICA_STORE
+from starverse.runtime.ft_group import (
+    EXTRA_JOINER,
+    EXTRA_REPLICA_STORE,
+    EXTRA_SPARE,
+    JOINED_KEY,
+    SPARE_KEY,
+    ft_host,
+)
 from starverse.runtime.launch import (
     LOOPBACK,
     Launcher,
@@ -75,6 +95,19 @@ from starverse.runtime.launch import (
 log = logging.getLogger(__name__)
 
 
+BINDS = ("auto", "loopback", "node")
+"""Values of :attr:`RayInplaceLauncher.bind`."""
+
+
+def driver_host(bind: str, node_ips: Sequence[str], driver_ip: str) -> str | None:
+    """Where the Lighthouse and the launcher's stores listen: 127.0.0.1 (``loopback``, or ``auto`` on a cluster
+    whose live nodes are all on 127.x), else the driver's node IP (``node``, or ``auto`` with a node elsewhere);
+    None for the loopback, where the replicas bind 127.0.0.1 too (else each binds its node's IP)."""
+    if bind == "loopback" or (bind == "auto" and all(ip.startswith("127.") for ip in node_ips)):
+        return None
+    return driver_ip
+
+
 @dataclass
 class RayInplaceLauncher(InplaceLauncher):
     """Runs torchft replicas as Ray actors; survives lost actors (see the module docstring).
@@ -85,14 +118,19 @@ class RayInplaceLauncher(InplaceLauncher):
     """Where and how the actors run: ``address``, ``num_cpus_per_rank``, ``kind_resources``, ``placement_timeout_s``
     (a private single-node session when no cluster is named)."""
     warm_spares: bool = False
-    """Not built on Ray: must be False."""
+    """With ``replace_after_s``: one spare actor per device kind, started with the job in a bundle of its own,
+    activated on a loss (see the module docstring). Off by default: a spare holds its bundle the whole run."""
+    bind: str = "auto"
+    """Where the Lighthouse, the stores and the replicas' torchft managers listen: ``loopback`` (127.0.0.1),
+    ``node`` (the driver's and each actor's node IP), ``auto`` (loopback when every node of the cluster is on
+    127.x, else ``node``)."""
     _nodes: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _spare_nodes: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.warm_spares:
-            raise ConfigError("RayInplaceLauncher: warm spares are not built on Ray (a replacement is a new actor). "
-                              "To fix: leave warm_spares=False.")
+        if self.bind not in BINDS:
+            raise ConfigError(f"RayInplaceLauncher: bind must be one of {', '.join(BINDS)} (got {self.bind!r}).")
 
     def notify(self, signum: int) -> int:
         """Forward ``signum`` to every running replica, on whatever node it runs."""
@@ -110,6 +148,10 @@ class RayInplaceLauncher(InplaceLauncher):
         """Rank -> Ray node id of the replicas running now (tests and benchmarks remove their node)."""
         return dict(self._nodes)
 
+    def spare_nodes(self) -> dict[int, str]:
+        """Slot -> Ray node id of the spare actors running now and not yet activated."""
+        return dict(self._spare_nodes)
+
     def launch(
         self,
         fn: Callable[..., Any],
@@ -124,12 +166,20 @@ class RayInplaceLauncher(InplaceLauncher):
         ranks = self._begin(ranks)
         ray = import_ray()
         with ray_session(ray, self.ray, ranks):
-            lighthouse, _barrier, extra = self._coordination(len(ranks), collective_timeout_s)
-            run = _RayRun(self, ray, ranks, fn, args, collective_timeout_s, extra, replica_members(ranks))
+            host = driver_host(self.bind, [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")],
+                               str(ray.util.get_node_ip_address()))
+            lighthouse, barrier, extra = self._coordination(len(ranks), collective_timeout_s, host or LOOPBACK)
+            members = replica_members(ranks)
+            run = _RayRun(self, ray, ranks, fn, args, collective_timeout_s, extra, members, barrier,
+                          bind_node=host is not None)
             try:
                 run.place(min(self.ray.placement_timeout_s, timeout_s))
                 for replica in run.members:
                     run.start_replica(replica, joiner=False)
+                # a spare stands in for one rank: a replica of several ranks is replaced by new actors
+                if self.replace_after_s is not None and self.warm_spares and all(len(m) == 1 for m in members.values()):
+                    for kind in dict.fromkeys(r.device_kind for r in ranks):
+                        run.start_spare(kind, run.spare_bundle(kind))
                 log.info("in-place launch on Ray: %d replicas over %d actors, lighthouse %s", len(run.members),
                          len(ranks), lighthouse.address)
                 run.watch(timeout_s)
@@ -152,9 +202,25 @@ class _RayRun:
     extra: dict[str, Any]
     members: dict[int, tuple[int, ...]]
     """Replica -> its ranks (several: a pipeline's stages, started, lost and replaced together)."""
+    store: Any
+    """The launcher's store (start barrier, spare activation, the joined signal)."""
+    bind_node: bool = False
+    """Each replica binds and advertises its node's IP (not 127.0.0.1)."""
     pg: Any = None
     actor_cls: Any = None
     bundles: list[dict[str, float]] = field(default_factory=list)
+    placement: dict[int, tuple[Any, int, dict[str, float]]] = field(default_factory=dict)
+    """Actor key (a rank, or a spare's slot from ``len(ranks)`` on) -> (placement group, bundle index, bundle) its
+    actor runs in. An activated spare keeps its bundle; the lost rank's becomes the next spare's."""
+    spare_pgs: list[Any] = field(default_factory=list)
+    """The spares' placement groups (one bundle each), removed at the end."""
+    spares: dict[str, int] = field(default_factory=dict)
+    """Device kind -> slot of the spare actor waiting for that kind."""
+    spare_refs: dict[Any, int] = field(default_factory=dict)
+    """The ``run_replica`` ref of each spare not yet activated -> its slot."""
+    refill: dict[int, tuple[str, tuple[Any, int, dict[str, float]]]] = field(default_factory=dict)
+    """Rank of an activated spare not yet joined -> (its kind, the bundle freed for the next spare)."""
+    next_slot: int = 0
     actors: list[Any] = field(default_factory=list)
     """Every actor started (killed at the end)."""
     running: dict[Any, int] = field(default_factory=dict)
@@ -179,6 +245,8 @@ class _RayRun:
         """Reserve one bundle per replica."""
         self.bundles = [rank_bundle(r, self.launcher.ray) for r in self.ranks]
         self.pg = place_ranks(self.ray, self.bundles, wait_s)
+        self.placement = {r.rank: (self.pg, r.rank, self.bundles[r.rank]) for r in self.ranks}
+        self.next_slot = len(self.ranks)
         self.actor_cls = rank_actor_class(self.ray)
 
     def start_replica(self, replica: int, *, joiner: bool) -> None:
@@ -186,7 +254,7 @@ class _RayRun:
         ranks = self.members[replica]
         extra: dict[str, Any] = {}
         if len(ranks) > 1:
-            store = store_server(LOOPBACK, len(ranks), self.collective_timeout_s)
+            store = store_server(ft_host(self.extra), len(ranks), self.collective_timeout_s)
             self.replica_stores[replica] = store
             extra[EXTRA_REPLICA_STORE] = store.port
         for rank in ranks:
@@ -200,18 +268,77 @@ class _RayRun:
 
     def start(self, spec: RankSpec, *, joiner: bool, extra: dict[str, Any]) -> None:
         """Start the actor of ``spec`` in its bundle (a replacement waits there until Ray re-reserved it)."""
-        import sys
-
-        actor = self.actor_cls.options(**actor_options(self.pg, spec.rank, self.bundles[spec.rank])).remote(
-            list(sys.path))
-        self.actors.append(actor)
-        self.actor_of[spec.rank] = actor
         env = RankEnv(spec=actor_spec(spec), ranks=tuple(self.ranks), collective_timeout_s=self.collective_timeout_s,
                       extra={**self.extra, **extra, EXTRA_JOINER: joiner, "launcher": "ray"})
+        self.running[self.new_actor(spec.rank, env)] = spec.rank
+
+    def new_actor(self, key: int, env: RankEnv) -> Any:
+        """Start an actor in the bundle of ``key`` (a rank or a spare's slot) running ``fn`` for ``env``; its ref."""
+        import sys
+
+        pg, index, bundle = self.placement[key]
+        actor = self.actor_cls.options(**actor_options(pg, index, bundle)).remote(list(sys.path))
+        self.actors.append(actor)
+        self.actor_of[key] = actor
         # an actor runs its calls one at a time, in order: ask where it runs before the replica's long call
-        self.where[spec.rank] = (actor.where.remote(), actor.node_ip.remote())
-        self.running[actor.run_replica.remote(self.fn, env, self.args)] = spec.rank
-        self.located.pop(spec.rank, None)
+        self.where[key] = (actor.where.remote(), actor.node_ip.remote())
+        self.located.pop(key, None)
+        return actor.run_replica.remote(self.fn, env, self.args, self.bind_node)
+
+    def spare_bundle(self, kind: str) -> tuple[Any, int, dict[str, float]]:
+        """A placement group of its own (not waited for) with one bundle like a rank of ``kind``'s."""
+        from ray.util.placement_group import placement_group
+
+        bundle = self.bundles[next(r.rank for r in self.ranks if r.device_kind == kind)]
+        pg = placement_group([bundle], strategy="PACK")
+        self.spare_pgs.append(pg)
+        return pg, 0, bundle
+
+    def start_spare(self, kind: str, where: tuple[Any, int, dict[str, float]]) -> None:
+        """A spare actor for ``kind`` in bundle ``where``: it runs as the first rank of that kind (as its own slot)
+        until activated as the lost one."""
+        if self.next_slot >= len(self.ranks) + SPARE_SLOTS:
+            log.warning("in-place: no spare slot left; later replacements of %s start cold", kind)
+            return
+        slot, self.next_slot = self.next_slot, self.next_slot + 1
+        like = next(r for r in self.ranks if r.device_kind == kind)
+        self.placement[slot] = where
+        mapped = tuple(actor_spec(r) for r in self.ranks)  # what the activated spare's rank sees in its actor
+        env = RankEnv(spec=dataclasses.replace(mapped[like.rank], rank=slot), ranks=mapped,
+                      collective_timeout_s=self.collective_timeout_s,
+                      extra={**self.extra, EXTRA_JOINER: True, EXTRA_SPARE: True, "launcher": "ray"})
+        self.spare_refs[self.new_actor(slot, env)] = slot
+        self.spares[kind] = slot
+        self.launcher.spares.append(kind)
+
+    def activate_spare(self, spec: RankSpec) -> bool:
+        """Replace ``spec`` by the running spare of its kind (then it is that rank: its ref, actor, bundle); the
+        lost rank's bundle is kept for the next spare. False: no spare is running (it waits for room, or died)."""
+        slot = self.spares.get(spec.device_kind)
+        ref = next((r for r, s in self.spare_refs.items() if s == slot), None)
+        if slot is None or ref is None or slot not in self.located:
+            return False
+        del self.spares[spec.device_kind], self.spare_refs[ref]
+        self.store.delete_key(f"{JOINED_KEY}{spec.rank}")
+        self.store.set(f"{SPARE_KEY}{slot}", str(spec.rank))
+        self.running[ref] = spec.rank
+        self.actor_of[spec.rank] = self.actor_of.pop(slot)
+        self.located[spec.rank] = self.located.pop(slot)
+        self.refill[spec.rank] = (spec.device_kind, self.placement[spec.rank])
+        self.placement[spec.rank] = self.placement.pop(slot)
+        self.joined(spec, warm=True)
+        log.info("in-place: activated the spare actor of slot %d as rank %d", slot, spec.rank)
+        return True
+
+    def refill_spares(self) -> None:
+        """Start the next spare of a kind, in the lost rank's bundle, once its activated spare committed a step (or
+        was lost before it did); none once a replica finished."""
+        if self.finished:
+            self.refill.clear()
+        for rank, (kind, where) in list(self.refill.items()):
+            if rank not in self.running.values() or self.store.check([f"{JOINED_KEY}{rank}"]):
+                del self.refill[rank]
+                self.start_spare(kind, where)
 
     def locate(self) -> None:
         """Note where newly started actors run (for :meth:`RayInplaceLauncher.notify` and a loss's node)."""
@@ -228,14 +355,17 @@ class _RayRun:
             if rank in self.joining:  # a replacement runs now, on a node: its lease starts here
                 self.joining.discard(rank)
                 self.joined(self.ranks[rank])
-        self.launcher.ray._procs = [(n, p) for n, p, _ in self.located.values()]
-        self.launcher._live = {rank: pid for rank, (_, pid, _) in self.located.items()}
-        self.launcher._nodes = {rank: node for rank, (node, _, _) in self.located.items()}
+        ranks = {k: v for k, v in self.located.items() if k < len(self.ranks)}  # not the spares waiting
+        self.launcher.ray._procs = [(n, p) for n, p, _ in ranks.values()]
+        self.launcher._live = {rank: pid for rank, (_, pid, _) in ranks.items()}
+        self.launcher._nodes = {rank: node for rank, (node, _, _) in ranks.items()}
+        self.launcher._spare_nodes = {s: self.located[s][0] for s in self.spare_refs.values() if s in self.located}
 
     def collect(self, wait_s: float) -> None:
         """Take the results of finished replicas; record the lost ones (the job goes on)."""
         from ray.exceptions import RayActorError, RayTaskError
 
+        self.collect_spares()
         if not self.running:
             return
         done, _ = self.ray.wait(list(self.running), num_returns=len(self.running), timeout=wait_s)
@@ -253,6 +383,24 @@ class _RayRun:
                 self.values[rank] = payload
             else:
                 self.errors[rank] = payload
+
+    def collect_spares(self) -> None:
+        """A spare that ended before it was activated (its node lost, its start failed) is dropped, not replaced
+        (as under the local launcher): the next replacement of its kind starts cold."""
+        if not self.spare_refs:
+            return
+        done, _ = self.ray.wait(list(self.spare_refs), num_returns=len(self.spare_refs), timeout=0)
+        for ref in done:
+            slot = self.spare_refs.pop(ref)
+            try:
+                status, payload = self.ray.get(ref)
+                why = f"{status}: {payload[0] if status == 'error' else payload}"
+            except Exception as e:
+                why = first_line(e)
+            log.warning("in-place: the spare actor of slot %d ended before it was activated (%s)", slot, why)
+            self.where.pop(slot, None)
+            self.located.pop(slot, None)
+            self.spares = {k: s for k, s in self.spares.items() if s != slot}
 
     def forget(self, rank: int) -> str | None:
         """Drop what is known of ``rank``'s actor; its node IP if it was known."""
@@ -304,15 +452,18 @@ class _RayRun:
             if now < due:
                 continue
             self.pending.remove((due, spec))
+            if self.activate_spare(spec):
+                continue
             replica = self.replica_of(spec.rank)
             self.start_replica(replica, joiner=True)
             log.info("in-place: started replacement actors for replica %d (ranks %s)", replica,
                      list(self.members[replica]))
 
-    def joined(self, spec: RankSpec) -> None:
-        """A replacement's actor was placed and runs: record the :class:`Join` and open its lease (``on_join``)."""
+    def joined(self, spec: RankSpec, *, warm: bool = False) -> None:
+        """A replacement's actor was placed and runs (or a spare was activated): record the :class:`Join` and open
+        its lease (``on_join``)."""
         launcher = self.launcher
-        join = Join(spec.rank, spec.device_kind, time.time(), warm=False)
+        join = Join(spec.rank, spec.device_kind, time.time(), warm=warm)
         launcher.joins.append(join)
         if launcher.on_join is not None:
             launcher.on_join(join, spec)
@@ -339,6 +490,7 @@ class _RayRun:
                 self.pending.clear()  # the survivors finished: no one to join
                 self.finish_joiners(now)
             self.replace_due(now)
+            self.refill_spares()
             if now > deadline:
                 raise overrun(timeout_s, len(self.values), len(self.ranks))
 
@@ -355,5 +507,8 @@ class _RayRun:
     def stop(self) -> None:
         """Kill every actor of the launch and free the placement group."""
         self.launcher.ray._procs, self.launcher._live, self.launcher._nodes = [], {}, {}
+        self.launcher._spare_nodes = {}
         if self.pg is not None:
             release(self.ray, self.actors, self.pg)
+        for pg in self.spare_pgs:
+            release(self.ray, [], pg)

@@ -63,6 +63,7 @@ from starverse.runtime.ft_group import (
     Quorum,
     ReplicaSync,
     TorchftSync,
+    bind_host,
     loopback_manager_server,
 )
 from starverse.runtime.ft_join import announce_joined, load_model, start_barrier, wait_for_activation
@@ -430,7 +431,7 @@ def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     trainer = ReplicaTrainer.build(env, job, model)
     trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
     sync = TorchftSync(f"replica{env.rank:04d}", str(lighthouse), env.collective_timeout_s,
-                       trainer.live_state, trainer.load_live_state)
+                       trainer.live_state, trainer.load_live_state, host=bind_host(env.extra))
     trainer.ready_at = time.time()
     start_barrier(env)  # after the Manager: every initial replica heartbeats, so the first quorum waits for all
     try:

@@ -3,11 +3,13 @@
 :class:`TorchftSync` is the :class:`ReplicaSync` the replica loop (:mod:`starverse.runtime.ft`) steps with: the
 quorum of a step (a late replica is healed there), the summing all-reduce and the commit vote.
 
-Loopback only: torchft 0.2.0's ``Manager`` hard-codes its ``ManagerServer`` bind to ``[::]:PORT`` and its
+Loopback by default: torchft 0.2.0's ``Manager`` hard-codes its ``ManagerServer`` bind to ``[::]:PORT`` and its
 default ``HTTPTransport`` serves on every interface. :func:`loopback_manager_server` replaces the
-``ManagerServer`` class torchft's manager module uses by one that binds and advertises ``127.0.0.1``
+``ManagerServer`` class torchft's manager module uses by one that binds and advertises one address, ``127.0.0.1``
 (:func:`patch_manager_bind`), and the state transfer uses ``PGTransport``; nothing of a replica listens
-beyond 127.0.0.1 (``tests/e2e`` lists the job's sockets).
+beyond 127.0.0.1 (``tests/e2e`` lists the job's sockets). A launcher whose replicas run on several hosts (Ray)
+names other addresses in ``RankEnv.extra`` (:data:`EXTRA_BIND_HOST`: this replica's node IP; :data:`EXTRA_FT_HOST`:
+the driver's), and the replica binds and advertises exactly those.
 
 Also the ``RankEnv.extra`` keys and store keys the launcher (``starverse.elastic.inplace``) and the replicas share.
 This module imports only torch, torchft and the runtime.
@@ -44,6 +46,12 @@ next warm spare then, not while the replacement is joining (its start-up would s
 REPLICA_ENV = "STARVERSE_FT_REPLICA"
 """``RankSpec.env`` key: the replica a rank belongs to when a replica is several ranks (a pipeline's stages). The
 launcher starts, loses and replaces those ranks together; absent, every rank is a replica of its own."""
+EXTRA_FT_HOST = "ft_host"
+"""``RankEnv.extra`` key: the address the launcher's stores listen on (start barrier, spare activation, a pipelined
+replica's store); absent: 127.0.0.1. The Lighthouse's address is :data:`EXTRA_LIGHTHOUSE` (a full URL)."""
+EXTRA_BIND_HOST = "bind_host"
+"""``RankEnv.extra`` key: the address this replica's torchft ``ManagerServer`` and its own store bind and advertise
+to the other replicas (its node's IP on a multi-host Ray cluster); absent: 127.0.0.1."""
 EXTRA_REPLICA_STORE = "replica_store_port"
 """``RankEnv.extra`` key: the port of the launcher's store of this rank's replica (several ranks): the replica's
 ``torch.distributed`` world and its torchft ``Manager`` meet there (a replacement replica gets a new store)."""
@@ -57,24 +65,37 @@ def quiet_torchft() -> None:
     logging.getLogger("torchft.manager").setLevel(logging.CRITICAL)
 
 
-def loopback_manager_server(**kwargs: Any) -> Any:
-    """torchft's ``ManagerServer``, bound to and advertised on 127.0.0.1 instead of ``[::]`` / the hostname."""
+def ft_host(extra: dict[str, Any]) -> str:
+    """Where the launcher's stores listen (:data:`EXTRA_FT_HOST`; 127.0.0.1 unless the launcher said else)."""
+    return str(extra.get(EXTRA_FT_HOST) or LOOPBACK)
+
+
+def bind_host(extra: dict[str, Any]) -> str:
+    """The address this replica binds and advertises (:data:`EXTRA_BIND_HOST`; 127.0.0.1 unless said else)."""
+    return str(extra.get(EXTRA_BIND_HOST) or LOOPBACK)
+
+
+def loopback_manager_server(host: str = LOOPBACK, **kwargs: Any) -> Any:
+    """torchft's ``ManagerServer``, bound to and advertised on ``host`` (127.0.0.1) instead of ``[::]`` / the
+    hostname."""
     from torchft._torchft import ManagerServer
 
     port = str(kwargs.pop("bind")).rsplit(":", 1)[1]
-    kwargs["hostname"] = LOOPBACK
-    return ManagerServer(bind=f"{LOOPBACK}:{port}", **kwargs)
+    kwargs["hostname"] = host
+    return ManagerServer(bind=f"{host}:{port}", **kwargs)
 
 
-def patch_manager_bind() -> None:
-    """Make ``torchft.manager.Manager`` start its ``ManagerServer`` on 127.0.0.1 (torchft 0.2.0 has no option).
+def patch_manager_bind(host: str = LOOPBACK) -> None:
+    """Make ``torchft.manager.Manager`` start its ``ManagerServer`` on ``host`` (torchft 0.2.0 has no option).
 
     ``Manager.__init__`` calls the module-level name ``ManagerServer(replica_id=..., bind="[::]:PORT", ...)``
     with keyword arguments only; that name is replaced in this (rank) process by :func:`loopback_manager_server`.
     """
+    import functools
+
     import torchft.manager as tm
 
-    tm.ManagerServer = loopback_manager_server  # type: ignore[assignment,misc]
+    tm.ManagerServer = functools.partial(loopback_manager_server, host)  # type: ignore[assignment,misc]
 
 
 @dataclass(frozen=True)
@@ -118,23 +139,27 @@ class TorchftSync:
 
     def __init__(self, replica_id: str, lighthouse: str, timeout_s: float,
                  state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None],
-                 group_rank: int = 0, group_world_size: int = 1, store_port: int | None = None):
+                 group_rank: int = 0, group_world_size: int = 1, store_port: int | None = None,
+                 host: str = LOOPBACK, store_host: str = LOOPBACK):
+        """``host``: the address this replica's ``ManagerServer`` and its own store bind and advertise;
+        ``store_host``: where the launcher's store at ``store_port`` listens (when one is given)."""
         quiet_torchft()
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
-        patch_manager_bind()
+        patch_manager_bind(host)
         timeout = timedelta(seconds=timeout_s)
         if store_port is None:
-            self._store = store_server(LOOPBACK, 1, timeout_s)  # this replica group's own store (loopback)
-            store_port = int(self._store.port)
+            self._store = store_server(host, 1, timeout_s)  # this replica group's own store (loopback by default)
+            store_port, store_host = int(self._store.port), host
         pg = ProcessGroupGloo(timeout=timeout)
+        self._pg = pg
         self.manager = Manager(
             pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
             use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-            rank=group_rank, world_size=group_world_size, store_addr=LOOPBACK, store_port=store_port,
+            rank=group_rank, world_size=group_world_size, store_addr=store_host, store_port=store_port,
             lighthouse_addr=lighthouse,
-            replica_id=replica_id, hostname=LOOPBACK, init_sync=False,
+            replica_id=replica_id, hostname=host, init_sync=False,
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
         )
 
@@ -152,7 +177,14 @@ class TorchftSync:
         from torch.distributed import ReduceOp
 
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
-        return self.manager.errored() is None
+        if self.manager.errored() is None:
+            return True
+        # Close this group's connections now, not at the next quorum's reconfiguration: another survivor may be
+        # blocked in the same collective waiting for data from *this* one (gloo routes through it), and the
+        # Lighthouse holds the next quorum for that heartbeating survivor. Without this both waited for the
+        # collective timeout (the launcher's join timeout is the same): the 60 s re-quorum stall under load.
+        self._pg.abort()
+        return False
 
     def commit(self) -> bool:
         """See :class:`ReplicaSync`."""

@@ -1,5 +1,6 @@
 """How a replica process joins an in-place job: the start barrier of the initial replicas, a warm spare's wait
-for its activation, and a replacement's "joined" signal to the launcher (over the launcher's loopback store).
+for its activation, and a replacement's "joined" signal to the launcher (over the launcher's store: 127.0.0.1, or
+the driver's address a multi-host launcher names, ``ft_host``).
 
 The live state itself is transferred by torchft when the joiner's first quorum heals it
 (:meth:`starverse.runtime.ft.ReplicaTrainer.load_live_state`).
@@ -20,9 +21,10 @@ from starverse.runtime.ft_group import (
     EXTRA_SPARE,
     JOINED_KEY,
     SPARE_KEY,
+    ft_host,
     quiet_torchft,
 )
-from starverse.runtime.launch import LOOPBACK, RankEnv
+from starverse.runtime.launch import RankEnv
 from starverse.runtime.rank_loop import FitJob
 
 
@@ -33,7 +35,8 @@ def start_barrier(env: RankEnv) -> None:
         return
     import torch.distributed as dist
 
-    store = dist.TCPStore(LOOPBACK, int(port), is_master=False, timeout=timedelta(seconds=env.collective_timeout_s))
+    store = dist.TCPStore(ft_host(env.extra), int(port), is_master=False,
+                          timeout=timedelta(seconds=env.collective_timeout_s))
     store.add("ready", 1)
     deadline = time.monotonic() + env.collective_timeout_s
     while store.add("ready", 0) < env.world_size:
@@ -46,7 +49,7 @@ def start_barrier(env: RankEnv) -> None:
 def _launcher_store(env: RankEnv) -> Any:
     import torch.distributed as dist
 
-    return dist.TCPStore(LOOPBACK, int(env.extra[EXTRA_BARRIER_PORT]), is_master=False,
+    return dist.TCPStore(ft_host(env.extra), int(env.extra[EXTRA_BARRIER_PORT]), is_master=False,
                          timeout=timedelta(seconds=env.collective_timeout_s))
 
 

@@ -43,10 +43,12 @@ from starverse.runtime.ft_group import (
     Quorum,
     ReplicaSync,
     TorchftSync,
+    bind_host,
+    ft_host,
 )
 from starverse.runtime.ft_join import start_barrier
 from starverse.runtime.hetero_dp import HolderSync
-from starverse.runtime.launch import LOOPBACK, RankEnv
+from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
 from starverse.runtime.parallel.pipeline import (
     PipelineRunner,
@@ -208,14 +210,15 @@ def train_pipeline_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     members = layout.replica_ranks[replica]
     port = int(env.extra[EXTRA_REPLICA_STORE])
     timeout = timedelta(seconds=env.collective_timeout_s)
-    store = dist.TCPStore(LOOPBACK, port, is_master=False, timeout=timeout)
+    store = dist.TCPStore(ft_host(env.extra), port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=dist.PrefixStore("pipeline", store), rank=members.index(env.rank),
                             world_size=len(members), timeout=timeout)
     try:
         trainer = PipelineReplicaTrainer.build_stage(env, job)
         trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
         sync = TorchftSync(f"replica{replica:04d}", str(lighthouse), env.collective_timeout_s, trainer.live_state,
-                           trainer.load_live_state, trainer.group_rank, trainer.group_size, port)
+                           trainer.load_live_state, trainer.group_rank, trainer.group_size, port,
+                           host=bind_host(env.extra), store_host=ft_host(env.extra))
         trainer.ready_at = time.time()
         start_barrier(env)
         try:
