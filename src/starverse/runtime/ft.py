@@ -48,10 +48,10 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -158,9 +158,10 @@ class ReplicaTrainer:
     """When this replica's torchft manager was up (process started or spare activated, model built)."""
 
     @classmethod
-    def build(cls, env: RankEnv, job: FitJob, model: torch.nn.Module | None = None) -> ReplicaTrainer:
-        """Create this replica's model (``model``: already loaded on the CPU, a warm spare's), optimizer,
-        schedule and data (no collectives)."""
+    def build(cls, env: RankEnv, job: FitJob, model: torch.nn.Module | None = None,
+              shard: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None) -> Self:
+        """Create this replica's model (``model``: already loaded on the CPU, a warm spare's), optimizer
+        (``shard``: wraps it, ZeRO-1 inside a replica), schedule and data (no collectives)."""
         device = torch.device(env.spec.device)
         torch.manual_seed(job.seed)
         np.random.seed(job.seed)
@@ -168,7 +169,7 @@ class ReplicaTrainer:
             model = load_model(job)
         model = model.to(device)
         model.train()
-        optimizer, scheduler, data, sampler = training_parts(model, job)
+        optimizer, scheduler, data, sampler = training_parts(model, job, shard)
         ctx = TrainContext(
             rank=0, world_size=1, plan=job.plan, run_dir=job.run_dir, step=0, model=model, optimizer=optimizer,
             lr_scheduler=scheduler, sampler=sampler, group=None, device_kind=env.spec.device_kind, device=device,
@@ -215,6 +216,10 @@ class ReplicaTrainer:
 
     def replica_sum(self) -> None:
         """Sum inside the replica what its ranks hold twice (nothing: one rank holds the whole model)."""
+
+    def synced_params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients this rank sums over the replicas and updates (one rank: all)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def clip(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """Clip the summed gradients to ``grad_clip``; the gradient norm before clipping."""
@@ -271,7 +276,7 @@ class ReplicaTrainer:
         loss_part = self.forward_backward(mine, num_targets)
         self.replica_sum()
         compute_s = time.perf_counter() - tc
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.synced_params()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         # one buffer in the gradients' dtype (at least fp32), as the restart path's buckets; each stats row has one
         # non-zero contributor, so its sum is exact
@@ -432,8 +437,12 @@ def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     if not lighthouse:
         raise ConfigError("recovery: in-place needs a launcher with a torchft Lighthouse "
                           "(starverse.elastic.inplace.InplaceLauncher).")
-    if env.extra.get(EXTRA_REPLICA_STORE) is not None:  # a replica of several ranks (a pipeline's stages)
-        from starverse.runtime.ft_pipe import train_pipeline_replica
+    if env.extra.get(EXTRA_REPLICA_STORE) is not None:  # a replica of several ranks
+        if job.plan.train.zero_stage:  # ranks sharding the optimizer state
+            from starverse.runtime.ft_shard import train_shard_replica
+
+            return train_shard_replica(env, job)
+        from starverse.runtime.ft_pipe import train_pipeline_replica  # a pipeline's stages
 
         return train_pipeline_replica(env, job)
     model = None

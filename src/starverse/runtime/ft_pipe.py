@@ -1,9 +1,9 @@
 """In-place recovery when a replica is a pipeline: torchft replica groups of several ranks (its stages).
 
-As in torchft's HSDP examples, a replica is a *replica group*: its ranks (one per pipeline stage, in stage order)
-form their own ``torch.distributed`` world (gloo: in-place recovery runs on CPU ranks; NCCL is not built) for the
-pipeline's point-to-point transfers (on the launcher's store of that replica, ``env.extra["replica_store_port"]``), and every rank has a torchft ``Manager`` with the
-replica's id, ``rank`` = its stage, ``world_size`` = the stages (:class:`~starverse.runtime.ft_group.TorchftSync`).
+As in torchft's HSDP examples, a replica is a *replica group* (:mod:`starverse.runtime.ft_multi`): its ranks (one
+per pipeline stage, in stage order) form their own ``torch.distributed`` world (gloo: in-place recovery runs on CPU
+ranks; NCCL is not built) for the pipeline's point-to-point transfers, and every rank has a torchft ``Manager``
+with the replica's id, ``rank`` = its stage, ``world_size`` = the stages.
 The quorum and the commit vote cover the whole replica; the reconfigurable gloo group of stage ``s`` sums the
 gradients of stage ``s`` over the participating replicas, and a replacement replica's stage ``s`` heals from a
 peer's stage ``s`` (its chunk's weights and optimizer state, the schedule, sampler, step and shares).
@@ -23,30 +23,17 @@ Callbacks run on every rank of the leader replica, which sees itself as a one-re
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from starverse.errors import ConfigError
 from starverse.runtime.callbacks import CallbackList, TrainContext
 from starverse.runtime.eval_pipeline import PipelineScorer
-from starverse.runtime.ft import ReplicaTrainer
-from starverse.runtime.ft_group import (
-    EXTRA_JOINER,
-    EXTRA_LIGHTHOUSE,
-    EXTRA_REPLICA_STORE,
-    Quorum,
-    ReplicaSync,
-    TorchftSync,
-    bind_host,
-    ft_host,
-)
-from starverse.runtime.ft_join import start_barrier
+from starverse.runtime.ft_group import ReplicaSync
+from starverse.runtime.ft_multi import GroupReplicaTrainer, train_group_replica
 from starverse.runtime.hetero_dp import HolderSync
 from starverse.runtime.launch import RankEnv
 from starverse.runtime.lora import trainable_state_dict
@@ -80,7 +67,7 @@ def pipeline_replica_error(layout: PipelineLayout) -> str | None:
 
 
 @dataclass
-class PipelineReplicaTrainer(ReplicaTrainer):
+class PipelineReplicaTrainer(GroupReplicaTrainer):
     """One stage rank of a pipelined replica (built in the rank process by :meth:`build_stage`)."""
 
     pipeline: PipelineRunner | None = None
@@ -89,10 +76,6 @@ class PipelineReplicaTrainer(ReplicaTrainer):
     """Inside the replica: sums a parameter held twice, the gradient norm over the stages."""
     layout: PipelineLayout | None = None
     """The plan's layout (replica and stage of every rank)."""
-    group_rank: int = 0
-    """This rank's stage in its replica."""
-    group_size: int = 1
-    """Stages of the replica."""
     pipeline_times: list[tuple[float, float]] = field(default_factory=list)
     """``(schedule wall time, compute time)`` of this rank's pipeline, per step attempted."""
 
@@ -129,23 +112,13 @@ class PipelineReplicaTrainer(ReplicaTrainer):
         holders = HolderSync(list(model.named_parameters()), 0, [env.ranks[r].device_kind for r in members],
                              [env.ranks[r].device for r in members], world, job.bucket_mb)
         return cls(job=job, env=env, device=device, model=model, optimizer=optimizer, data=data, ctx=ctx,
-                   callbacks=callbacks, pipeline=pipeline, holders=holders, layout=layout,
+                   callbacks=callbacks, pipeline=pipeline, holders=holders, layout=layout, replica=place.replica,
                    group_rank=members.index(env.rank), group_size=len(members))
-
-    @property
-    def replica_index(self) -> int:
-        """This rank's replica in the plan."""
-        assert self.layout is not None
-        return self.layout.places[self.env.rank].replica
 
     @property
     def min_share(self) -> int:
         """The fewest micro-batches the replica's schedule runs (1F1B: one per stage)."""
         return min_micro_batches(self.job.plan.train.schedule, self.group_size)
-
-    def set_ctx_rank(self, q: Quorum) -> None:
-        """The leader replica's stages are ranks 0.. of the callbacks' world (its stages)."""
-        self.ctx.rank = q.rank * self.group_size + self.group_rank
 
     def forward_backward(self, micro_batches: Any, num_targets: int | None) -> float:
         """This replica's micro-batches through its pipeline (this rank's part of the loss: 0 but on the last
@@ -180,12 +153,6 @@ class PipelineReplicaTrainer(ReplicaTrainer):
         assert self.holders is not None
         return self.holders.clip_grad_norm_(self.job.grad_clip)
 
-    def step_loss(self, stats: torch.Tensor) -> float:
-        """The step's loss: the last stages' summed parts, shared over the replica's stages."""
-        t = stats[:, 0].sum().reshape(1).clone()
-        dist.all_reduce(t)
-        return float(t)
-
     def save_final(self) -> None:
         """The stages' parts gathered on the replica's first stage, written as the whole model's weights."""
         mine = {k: v.detach().cpu() for k, v in trainable_state_dict(self.model).items()}
@@ -193,37 +160,9 @@ class PipelineReplicaTrainer(ReplicaTrainer):
         if state is not None:
             write_final(self.job, state)
 
-    def note(self, event: dict[str, Any]) -> None:
-        """The replica's first stage writes its events (once per replica)."""
-        if self.group_rank == 0:
-            super().note(event)
-
 
 def train_pipeline_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     """The launched function of a stage rank of a pipelined replica (see the module docstring)."""
-    lighthouse = env.extra.get(EXTRA_LIGHTHOUSE)
-    if not lighthouse:
-        raise ConfigError("recovery: in-place needs a launcher with a torchft Lighthouse "
-                          "(starverse.elastic.inplace.InplaceLauncher).")
     layout = PipelineLayout.from_plan(job.plan)
     replica = layout.places[env.rank].replica
-    members = layout.replica_ranks[replica]
-    port = int(env.extra[EXTRA_REPLICA_STORE])
-    timeout = timedelta(seconds=env.collective_timeout_s)
-    store = dist.TCPStore(ft_host(env.extra), port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore("pipeline", store), rank=members.index(env.rank),
-                            world_size=len(members), timeout=timeout)
-    try:
-        trainer = PipelineReplicaTrainer.build_stage(env, job)
-        trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
-        sync = TorchftSync(f"replica{replica:04d}", str(lighthouse), env.collective_timeout_s, trainer.live_state,
-                           trainer.load_live_state, trainer.group_rank, trainer.group_size, port,
-                           host=bind_host(env.extra), store_host=ft_host(env.extra))
-        trainer.ready_at = time.time()
-        start_barrier(env)
-        try:
-            return trainer.run(sync)
-        finally:
-            sync.shutdown()
-    finally:
-        dist.destroy_process_group()
+    return train_group_replica(env, job, replica, layout.replica_ranks[replica], PipelineReplicaTrainer.build_stage)

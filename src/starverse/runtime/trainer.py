@@ -351,8 +351,8 @@ class Trainer:
             "fit: %d ranks, global batch %d = %d micro-batches of %d, shares %s, %d steps, seq_len %d",
             world, gb, num_micro, per_device_batch_size, init_shares, max_steps, seq_len,
         )
-        if job.recovery == "in-place" and layout.is_pipelined:
-            ranks = tag_replicas(ranks, layout)
+        if job.recovery == "in-place" and (layout.is_pipelined or plan.train.zero_stage):
+            ranks = tag_replicas(ranks, plan, layout)
         launcher = self.launcher
         if job.recovery != self.recovery and isinstance(launcher, RecoveringLauncher):
             launcher = launcher.restart_launcher()  # the plan runs as one job (one world), with checkpoint-restart
@@ -396,8 +396,12 @@ def inplace_refusal(plan: Plan) -> str | None:
     """Why in-place recovery cannot run ``plan`` (None: it can): every replica one rank holding the whole model,
     or one pipeline (a stage per rank, no TP, every replica cut alike, GPipe or 1F1B); no ZeRO, no offload."""
     t = plan.train
-    if t.zero_stage or t.offload != "none":
-        return f"ZeRO-{t.zero_stage} / offload {t.offload} (sharded replicas are not built)"
+    if t.zero_stage:
+        from starverse.runtime.ft_shard import shard_replica_error
+
+        return shard_replica_error(plan)
+    if t.offload != "none":
+        return f"offload {t.offload} (sharded replicas are built for ZeRO-1 only)"
     if all(g.devices_per_replica == 1 for g in plan.groups):
         return None
     from starverse.runtime.ft_pipe import pipeline_replica_error
@@ -406,12 +410,14 @@ def inplace_refusal(plan: Plan) -> str | None:
     return pipeline_replica_error(layout) if layout.is_pipelined else "replicas of several ranks without a pipeline"
 
 
-def tag_replicas(ranks: list[RankSpec], layout: PipelineLayout) -> list[RankSpec]:
-    """The ranks of an in-place pipelined run, each told its replica (the launcher starts, loses and replaces a
-    replica's ranks together: ``REPLICA_ENV``)."""
+def tag_replicas(ranks: list[RankSpec], plan: Plan, layout: PipelineLayout) -> list[RankSpec]:
+    """The ranks of an in-place run with replicas of several ranks (a pipeline; a ZeRO-1 group), each told its
+    replica (the launcher starts, loses and replaces a replica's ranks together: ``REPLICA_ENV``)."""
     from starverse.runtime.ft_group import REPLICA_ENV
+    from starverse.runtime.ft_shard import shard_replicas
 
-    return [dataclasses.replace(r, env=(*r.env, (REPLICA_ENV, str(layout.places[r.rank].replica)))) for r in ranks]
+    replica = shard_replicas(plan) if plan.train.zero_stage else [p.replica for p in layout.places]
+    return [dataclasses.replace(r, env=(*r.env, (REPLICA_ENV, str(replica[r.rank])))) for r in ranks]
 
 
 def _fill_lost(results: list[Any]) -> list[RankResult]:
