@@ -3,7 +3,8 @@
 Each group of the plan is one replica; its two ranks shard AdamW's state over the replica's own gloo world, and
 torchft's group of shard ``s`` sums shard ``s``'s gradients over the replicas. SIGKILL one rank of replica 1
 mid-step: the launcher stops its partner (a replica loss, not a code error), replica 0 redoes the step in flight
-with the whole global batch and finishes; losses and final weights equal one process's on the same batches.
+with the whole global batch and finishes; or a replacement replica (two new processes) heals shard by shard from
+replica 0 and trains the rest. Losses and final weights equal one process's on the same batches.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from starverse.runtime.ft import INPLACE_LOG
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.steps import batch_loss
 from starverse.runtime.trainer import Trainer, _recovery_for, inplace_refusal
-from starverse.testing import KillReplicaMidStep
+from starverse.testing import KillReplicaMidStep, WaitForReplicas
 
 pytest.importorskip("torchft", reason="recovery: in-place needs torchft (the train extra)")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -58,28 +59,17 @@ def test_zero1_groups_run_in_place_and_other_sharded_plans_fall_back_with_one_li
     assert inplace_refusal(_plan(1, (2, 1))) == "sharded replicas (groups) of different sizes"
 
 
-def test_a_lost_rank_loses_its_sharded_replica_the_other_finishes_exact(tmp_path):
+def _fit(tmp_path, launcher, callbacks):
     torch.manual_seed(0)
     model = TinyLM()
     initial = copy.deepcopy(model)
     ranks = tuple(RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(4))
-    launcher = InplaceLauncher()
     trainer = Trainer(Cluster(plan=_plan(), ranks=ranks), run_dir=tmp_path, lr=2e-2, warmup_steps=2, grad_clip=0.5,
                       timeout_s=120, collective_timeout_s=30, recovery="in-place", launcher=launcher,
-                      callbacks=[KillReplicaMidStep(replica=3, step=3), _Moments()], progress=False, tensorboard=False)
+                      callbacks=[*callbacks, _Moments()], progress=False, tensorboard=False)
     res = trainer.fit(model, dataset=_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
                       global_batch=GB)
-    # rank 3 (replica 1, shard 1) killed; the launcher stopped its partner, rank 2
-    assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(3, LossCause.SIGNAL), (2, LossCause.REPLICA)]
     assert res.steps == STEPS
-    sizes = [len(s) for _, s in res.shares_history]
-    assert sizes[-1] == 1 and res.shares_history[-1][1] == (GB // MB,), res.shares_history  # the whole batch
-    events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
-    assert [e["lost"] for e in events if e["event"] == "members"] == [[1]], events
-    assert res.ranks[0].tokens > 0 and res.ranks[1].tokens > 0  # both shards of the survivor computed
-    # ZeRO-1: each rank of the survivor held AdamW's moments of a part of the parameters, the two parts the whole
-    held = [json.loads((tmp_path / f"moments{r}.json").read_text()) for r in (0, 1)]
-    assert all(held) and sum(held) == 2 * sum(p.numel() for p in model.parameters()), held
     tokens = np.concatenate([t.numpy() for t in _tokens()]).astype(np.int32)
     ref_losses, ref_state = reference_training(initial, trainer, PackedDataset(tokens, SEQ), STEPS, GB, batch_loss)
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
@@ -87,3 +77,30 @@ def test_a_lost_rank_loses_its_sharded_replica_the_other_finishes_exact(tmp_path
     assert any((state[k] - initial.state_dict()[k]).abs().max() > 1e-3 for k in state)  # it trained
     for name, value in state.items():
         torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=5e-5, msg=name)
+    # ZeRO-1: each rank of the leader replica held AdamW's moments of a part of the parameters, the parts the whole
+    held = [json.loads((tmp_path / f"moments{r}.json").read_text()) for r in (0, 1)]
+    assert all(held) and sum(held) == 2 * sum(p.numel() for p in model.parameters()), held
+    events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
+    return res, events
+
+
+def test_a_lost_rank_loses_its_sharded_replica_the_other_finishes_exact(tmp_path):
+    launcher = InplaceLauncher()
+    res, events = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=3)])
+    # rank 3 (replica 1, shard 1) killed; the launcher stopped its partner, rank 2
+    assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(3, LossCause.SIGNAL), (2, LossCause.REPLICA)]
+    assert res.shares_history[-1][1] == (GB // MB,), res.shares_history  # the survivor took the whole batch
+    assert [e["lost"] for e in events if e["event"] == "members"] == [[1]], events
+    assert res.ranks[0].tokens > 0 and res.ranks[1].tokens > 0  # both shards of the survivor computed
+
+
+def test_a_replacement_sharded_replica_heals_shard_by_shard(tmp_path):
+    launcher = InplaceLauncher(replace_after_s=0.0)
+    res, events = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=2),
+                                            WaitForReplicas(replicas=2, after_step=2, pause_s=1.5)])
+    assert [x.error.rank for x in launcher.losses] == [3, 2]
+    assert [(j.rank, j.warm) for j in launcher.joins] == [(2, False), (3, False)]
+    sizes = [len(s) for _, s in res.shares_history]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, res.shares_history
+    assert res.ranks[2].tokens > 0 and res.ranks[3].tokens > 0  # the replacement's two shards trained
+    assert [e["replica"] for e in events if e["event"] == "healed"] == [1], events  # once, from its first shard

@@ -72,6 +72,8 @@ class ShardedReplicaTrainer(GroupReplicaTrainer):
         ctx: TrainContext = trainer.ctx
         ctx.rank, ctx.world_size, ctx.group = members.index(env.rank), len(members), world
         ctx.rank_kinds = [env.ranks[r].device_kind for r in members]
+        replica_of = shard_replicas(job.plan)  # the plan's shares are per rank: a replica's is its ranks' sum
+        ctx.shares = [sum(s for r, s in enumerate(job.shares) if replica_of[r] == g) for g in range(len(job.plan.groups))]
         return trainer
 
     def forward_backward(self, micro_batches: Any, num_targets: int | None) -> float:
