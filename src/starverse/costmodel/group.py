@@ -52,6 +52,8 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         tie=shape.tie_embeddings,
         rope=shape.rope,
         dropout=shape.dropout,
+        attention_dropout=shape.attention_dropout,
+        relu=shape.relu,
         attention=train.attention,
         num_layers=float(shape.num_layers),
         params_per_layer=float(shape.params_per_layer),
