@@ -86,3 +86,32 @@ def test_the_peak_holds_one_layers_attention_backward_or_the_logits() -> None:
     logits = tokens * V / tp * (bv + 4)
     assert logits > 2 * scores
     assert last == pytest.approx(2 * (layer(bv) + scores) + logits)
+
+
+def test_a_model_without_lm_head_has_no_head_weights_matmul_or_vocabulary_logits() -> None:
+    # Sailor's GPTNeoModelPipe ends in the final LayerNorm and the loss (no head): its config names the bare
+    # GPT2Model; GPT2LMHeadModel (or no architectures at all) keeps the head
+    assert opt(2).lm_head and opt(2, architectures=["GPT2LMHeadModel"]).lm_head
+    bare = opt(2, architectures=["GPT2Model"], **SAILOR_OPT)
+    assert not bare.lm_head and bare.lm_head_params == 0
+    assert opt(2, **SAILOR_OPT).lm_head_params == V * H
+    tp, b = 4, 8
+    tokens = b * S
+    headed = activations(raw(4, **SAILOR_OPT), tp, b, [2, 2], precision="bf16", attention="flash")[1]
+    headless = activations(raw(4, architectures=["GPT2Model"], **SAILOR_OPT), tp, b, [2, 2], precision="bf16",
+                           attention="flash")[1]
+    # the loss reads the whole hidden state on every TP rank instead of the vocabulary's shard of the logits
+    assert headed - headless == pytest.approx(tokens * (V / tp - H) * (2.0 + 4.0))
+
+    def last_stage(model: dict[str, object]) -> tuple[float, float]:
+        plan = parse(Plan, {"model": "x", "train": {"seq_len": S, "global_batch": 2 * b, "precision": "bf16"},
+                            "groups": [{"replicas": 1, "micro_batch": b, "stages": [
+                                {"accelerator": "h100-80gb-sxm", "tp": tp, "layers": 2},
+                                {"accelerator": "h100-80gb-sxm", "tp": tp, "layers": 2}]}]}, "t.yaml")
+        est = estimate(plan, CAT, load_model(model))
+        return est.groups[0].stages[1].weights_gb, est.tokens_per_s
+
+    (w_head, t_head), (w_bare, t_bare) = last_stage(raw(4, **SAILOR_OPT)), last_stage(
+        raw(4, architectures=["GPT2Model"], **SAILOR_OPT))
+    assert w_head - w_bare == pytest.approx(V * H / tp * 2.0 / 1e9)  # the head's bf16 shard
+    assert t_bare > t_head  # no head matmul (forward and backward): more tokens per second

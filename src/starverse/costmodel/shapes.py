@@ -74,6 +74,21 @@ RELU_NAMES = frozenset({"relu", "relu2", "reglu"})
 per token instead of GELU/SiLU's two (input and output)."""
 
 
+LM_HEAD_ARCHITECTURE_MARKS = ("LMHead", "ForCausalLM", "ForConditionalGeneration", "ForMaskedLM")
+"""Parts of a transformers class name whose model ends in a vocabulary projection (``GPT2LMHeadModel``,
+``GPTNeoForCausalLM``); the bare models (``GPT2Model``, ``GPTNeoModel``) return the final hidden states."""
+
+
+def uses_lm_head(spec: Any) -> bool:
+    """Whether the model projects its final hidden states onto the vocabulary: yes unless the config's
+    ``architectures`` names only bare models (``GPT2Model``, ``GPTNeoModel``: no LM head, the loss then sees
+    the hidden states, as Sailor's Megatron-DeepSpeed ``GPTNeoModelPipe``, whose last layers are the final
+    LayerNorm and the loss)."""
+    cfg = dict(getattr(spec, "hf_config", {}) or {})
+    archs = [str(a) for a in cfg.get("architectures") or ()]
+    return not archs or any(mark in a for a in archs for mark in LM_HEAD_ARCHITECTURE_MARKS)
+
+
 def uses_relu(spec: Any) -> bool:
     """Whether the (non-gated) MLP activation is ReLU (``activation_function``, ``hidden_act`` or
     ``hidden_activation`` of the config)."""
@@ -127,6 +142,9 @@ class ModelShape:
     """Drops attention probabilities (eager attention then stores a 1-byte mask and the dropped copy per score)."""
     relu: bool = False
     """The MLP activation is ReLU (one ffn-wide tensor stored per token, not two)."""
+    lm_head: bool = True
+    """The model ends in a vocabulary projection (:func:`uses_lm_head`); without one the last stage holds no
+    head weights, runs no head matmul and its loss covers the hidden states (time and memory alike)."""
 
     @classmethod
     def from_spec(cls, spec: Any) -> ModelShape:
@@ -146,11 +164,12 @@ class ModelShape:
             params_per_layer=int(spec.params_per_layer),
             active_params_per_layer=int(spec.active_params_per_layer),
             embedding_params=int(spec.embedding_params),
-            lm_head_params=int(spec.lm_head_params),
+            lm_head_params=int(spec.lm_head_params) if uses_lm_head(spec) else 0,
             rope=getattr(spec, "position", "") == "rope",
             dropout=uses_dropout(spec),
             attention_dropout=uses_attention_dropout(spec),
             relu=uses_relu(spec) and not spec.gated_mlp,
+            lm_head=uses_lm_head(spec),
         )
 
     @property

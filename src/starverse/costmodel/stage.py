@@ -150,6 +150,8 @@ class ModelNumbers:
     """Attention probabilities are dropped (``ModelShape.attention_dropout``)."""
     relu: bool = False
     """ReLU MLP (``ModelShape.relu``): one ffn-wide tensor stored per token."""
+    head: bool = True
+    """The model has an LM head (``ModelShape.lm_head``); without one the loss covers the hidden states."""
     cp: float = 1.0
     """Context-parallel degree: each rank holds ``seq_len / cp`` tokens of every sequence (``Group.cp``)."""
 
@@ -165,12 +167,18 @@ class ModelNumbers:
 
     def model_flops_per_token(self) -> float:
         """Model FLOPs per trained token (forward + backward = 3x forward, no recompute), incl. LM head."""
-        head = 2.0 * self.h * self.vocab
+        head = 2.0 * self.h * self.vocab if self.head else 0.0
         per_token = self.num_layers * self.layer_matmul_flops_per_token() + head
         if self.mode == "full":
             return 3.0 * per_token
         # frozen base: backward computes input gradients only (adapters are negligible)
         return 2.0 * per_token
+
+
+def loss_width(mn: ModelNumbers, t: FloatArray) -> FloatArray:
+    """Values per token and device the loss reads: the vocabulary's TP shard of the logits, or without an LM
+    head (``ModelNumbers.head``) the final hidden states, which every TP rank holds whole."""
+    return mn.vocab / t if mn.head else np.full_like(t, mn.h, dtype=np.float64)
 
 
 def attention_is_eager(mn: ModelNumbers, rows: StageRows) -> BoolArray:
@@ -292,8 +300,8 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         # time to issue its kernels (launch-bound small layers and micro-batches)
         gemm_layer = gemm_layer + np.maximum(host_issue - (gemm_layer + elem_layer + tp_layer), 0.0)
 
-    head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm)
-    head_elem = tokens * (mn.vocab * C.CROSS_ENTROPY_BYTES_PER_LOGIT) / t / bw
+    head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm) * float(mn.head)
+    head_elem = tokens * (loss_width(mn, t) * C.CROSS_ENTROPY_BYTES_PER_LOGIT) / bw
     emb_elem = tokens * (3.0 * h * bv) / bw
     if rows.measured_layer_s is not None and rows.measured_head_s is not None \
             and rows.measured_layer_forward_s is not None:
@@ -447,7 +455,7 @@ def stage_totals(
     activations = activations + fi * tokens * (h * bv) * in_flight
     # the peak: the last stage at the end of its forward holds the logits and the loss's fp32 softmax; once
     # the head's backward has run they are freed, before the attention backward's transients of a layer
-    logits = la * tokens * (mn.vocab * (bv + 4.0)) / t
+    logits = la * tokens * (loss_width(mn, t) * (bv + 4.0))
     activations = activations + np.maximum(logits, lc["attn_transient"])
 
     # ---- per-step work -----------------------------------------------------------------------------
