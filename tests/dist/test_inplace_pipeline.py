@@ -85,7 +85,8 @@ def test_pipelined_plans_run_in_place_and_the_rest_falls_back_to_restart_with_on
     with caplog.at_level("WARNING", logger="starverse.runtime.trainer"):
         assert _recovery_for("in-place", interleaved) == "restart"
     assert [r.getMessage() for r in caplog.records if "checkpoint-restart" in r.getMessage()] == [
-        "recovery: in-place recovers replicas of one rank or one pipeline each; this plan (2 replica(s) of 2 cpu) has "
+        "recovery: in-place recovers replicas of one rank, one pipeline or one ZeRO-1 group each; this plan "
+        "(2 replica(s) of 2 cpu) has "
         "interleaved virtual stages, so it runs with checkpoint-restart"]
 
 

@@ -376,8 +376,8 @@ def _recovery_for(recovery: str, plan: Plan) -> str:
     refusal = inplace_refusal(plan) if recovery == "in-place" else None
     if refusal is None:
         return recovery
-    log.warning("recovery: in-place recovers replicas of one rank or one pipeline each; this plan (%s) has %s, so it "
-                "runs with checkpoint-restart", ", ".join(
+    log.warning("recovery: in-place recovers replicas of one rank, one pipeline or one ZeRO-1 group each; this plan "
+                "(%s) has %s, so it runs with checkpoint-restart", ", ".join(
                     f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}" for g in plan.groups),
                 refusal)
     return "restart"
