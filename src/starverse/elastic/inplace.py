@@ -214,7 +214,8 @@ class InplaceLauncher:
             run.watch(timeout_s)
         finally:
             _stop_all(run.procs, grace_s if run.failed else 0.0)
-            run.results.close()
+            for q in run.queues.values():
+                q.close()
             self._procs, self._live = [], {}
             lighthouse.shutdown()
         return [run.values.get(r.rank) for r in ranks]
@@ -273,7 +274,10 @@ class _Run:
     done_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.results = self.mp_ctx.Queue()
+        # one result queue per process: a process killed while it writes (a lost rank's partner, stopped while it
+        # reports its failed collective) holds its queue's write lock for ever; on a shared queue every other rank
+        # then blocks at exit behind that lock and the job runs into its timeout
+        self.queues: dict[Any, Any] = {}
         # heartbeat slots: one per rank, then one per spare process ever started (at most SPARE_SLOTS)
         self.beats = self.mp_ctx.Array("d", len(self.ranks) + SPARE_SLOTS, lock=False)
         self.next_slot = len(self.ranks)
@@ -283,13 +287,15 @@ class _Run:
         env = RankEnv(spec=spec, ranks=tuple(self.ranks), collective_timeout_s=self.collective_timeout_s,
                       extra={**self.extra, **extra})
         self.beats[spec.rank] = 0.0
+        results = self.mp_ctx.Queue()
         p = self.mp_ctx.Process(
             target=_rank_entry,
-            args=(self.fn, env, self.args, None, self.results, self.beats, os.getpid(), self.launcher.heartbeat_s),
+            args=(self.fn, env, self.args, None, results, self.beats, os.getpid(), self.launcher.heartbeat_s),
             name=name,
         )
         p.start()
         self.procs.append(p)
+        self.queues[p] = results
         return p
 
     def start(self, spec: RankSpec, *, joiner: bool, extra: dict[str, Any] | None = None) -> None:
@@ -361,23 +367,36 @@ class _Run:
                     self.start_spare(kind)
 
     def drain(self, wait_s: float) -> None:
-        """Read what the replicas reported (waiting up to ``wait_s`` for the first message)."""
-        try:
-            while True:
-                rank, status, payload = self.results.get(timeout=wait_s)
-                wait_s = 0.0
-                if rank >= len(self.ranks):  # a spare: activated (reports as its slot) or not (ignored)
-                    if rank not in self.slot_rank:
-                        log.warning("in-place: a spare process ended before it was activated (%s)", status)
-                        continue
-                    rank = self.slot_rank[rank]
-                if status == "ok":
-                    self.values[rank] = payload
-                    self.live.pop(rank, None)
-                else:
-                    self.errors[rank] = payload
-        except queue.Empty:
-            return
+        """Read what the replicas reported (waiting up to ``wait_s`` for the first message). A process ended by
+        a signal is not read: it may have died in the middle of a message."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            got = False
+            for p, q in list(self.queues.items()):
+                if p.exitcode is not None and p.exitcode < 0:
+                    continue
+                try:
+                    while True:
+                        self.take(*q.get_nowait())
+                        got = True
+                except queue.Empty:
+                    pass
+            if got or time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
+    def take(self, rank: int, status: str, payload: Any) -> None:
+        """One report of a process (its result or its error)."""
+        if rank >= len(self.ranks):  # a spare: activated (reports as its slot) or not (ignored)
+            if rank not in self.slot_rank:
+                log.warning("in-place: a spare process ended before it was activated (%s)", status)
+                return
+            rank = self.slot_rank[rank]
+        if status == "ok":
+            self.values[rank] = payload
+            self.live.pop(rank, None)
+        else:
+            self.errors[rank] = payload
 
     @property
     def finished(self) -> bool:
