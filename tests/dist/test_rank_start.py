@@ -128,3 +128,11 @@ def test_no_rank_outlives_a_launcher_killed_with_sigkill(tmp_path, method):
         if server is not None:  # never leave a stopped server behind
             with contextlib.suppress(ProcessLookupError):
                 os.kill(server, signal.SIGKILL)
+
+
+def test_the_servers_fast_exit_is_inert_outside_the_server():
+    """``forkserver_exit`` ends the server with ``os._exit`` at shutdown; imported anywhere else it must do nothing
+    (an ``os._exit`` registered with atexit would skip the process's earlier exit handlers, like this one)."""
+    code = "import atexit; atexit.register(print, 'atexit ran'); import starverse.providers.forkserver_exit"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "atexit ran\n"), out.stderr

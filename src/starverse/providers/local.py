@@ -68,7 +68,8 @@ START_METHOD_ENV = "STARVERSE_START_METHOD"
 """``forkserver`` (the default on Linux) or ``spawn`` (the default elsewhere): how rank processes start."""
 _START_METHODS = ("forkserver", "spawn")
 
-_PRELOAD = ("torch", "torch.distributed", "starverse.providers.local", "starverse.runtime.rank_loop")
+_PRELOAD = ("starverse.providers.forkserver_exit", "torch", "torch.distributed", "starverse.providers.local",
+            "starverse.runtime.rank_loop")
 """What the fork server imports before it forks the first rank."""
 _PRELOAD_IF_LOADED = ("starverse.", "torch.distributed.checkpoint", "transformers")
 """Prefixes of modules the fork server also imports when the launcher has them loaded when it starts the server
