@@ -107,7 +107,7 @@ def test_least_bottleneck_of_shared_columns_is_exact():
         inc = rng.integers(0, 3, size=(cols + rows, q_n - 1))
         tab = np.concatenate([np.zeros((cols + rows, 1)), np.cumsum(inc, axis=1)], axis=1).astype(np.float64)
         total = int(rng.integers(1, 12))
-        shared = pipebound.Shared.of(a[:cols], tab[:cols])
+        shared = pipebound.Shared.of(a[:cols], tab[:cols], total)
         got = shared.least_tau(a[cols:], tab[cols:], total)
         for i in range(rows):
             cs = [*range(cols), cols + i]

@@ -11,7 +11,7 @@ import numpy as np
 from pydantic import Field
 
 from starverse.config import FrozenModel, parse, read_yaml, where
-from starverse.costmodel.constants import RESERVED_GB
+from starverse.costmodel.constants import FRAGMENTATION_FRACTION, RESERVED_GB
 from starverse.errors import ConfigError, StarverseError
 from starverse.plan import Plan, _resolve_model_path
 
@@ -143,6 +143,17 @@ def load_case(path: Path) -> LoadedCase:
     return LoadedCase(path.stem, str(path), source_of(path), plan, spec, case.measured)
 
 
+def peak_reading_gb(need_gb: float, scope: str) -> float:
+    """What a memory reading of ``scope`` shows for an estimated need (tensors + ``RESERVED_GB``):
+    ``allocated`` (``torch.cuda.max_memory_allocated``) the tensors alone; ``device`` (NVML / nvidia-smi
+    ``memory.used``) the whole reserve plus the caching allocator's cached-but-free blocks, which grow with
+    what it hands out (``FRAGMENTATION_FRACTION`` of the tensors)."""
+    tensors = need_gb - RESERVED_GB
+    if scope == "allocated":
+        return tensors
+    return tensors * (1.0 + FRAGMENTATION_FRACTION) + RESERVED_GB
+
+
 def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
     """Estimate a loaded case and compare (see :func:`run_case`)."""
     from starverse.costmodel.step import estimate
@@ -154,9 +165,7 @@ def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
         return CaseResult(case.name, case.path, None, measured, False,
                           reason=f"{where(case.path, getattr(e, 'loc', None))}: {e}",
                           source=case.source)
-    peak = max(s.total_gb for g in est.groups for s in g.stages)
-    if case.measured.peak_memory_scope == "allocated":
-        peak -= RESERVED_GB
+    peak = peak_reading_gb(max(s.total_gb for g in est.groups for s in g.stages), case.measured.peak_memory_scope)
     oom = case.measured.out_of_memory
     result = CaseResult(case.name, case.path, est.tokens_per_s, measured, est.fits, source=case.source,
                         predicted_memory_gb=peak, measured_memory_gb=case.measured.peak_memory_gb,

@@ -149,41 +149,35 @@ def tau_lb(cap: Capacity, total: int) -> FloatArray:
 @dataclass(frozen=True)
 class Shared:
     """The columns all children of one node share (the blocks chosen, the open offers): per-layer time ``a``
-    (columns,), finite and positive, and capacity tables ``tab`` (columns, levels) as in :class:`Tables`;
-    their breakpoints ``pts`` (every ``q · a_c``, sorted) and their capacity there, ``held``. Set up once
-    per node, so that :meth:`least_tau` bounds its children (one more column each) in one gather."""
+    (columns,), finite and positive, and capacity tables ``tab`` (columns, levels) as in :class:`Tables`.
+    ``reach[c]`` is the least of their breakpoints (every ``q · a_c``) at which together they hold ``c``
+    layers (inf if none). Set up once per node, so that :meth:`least_tau` bounds its children (one more
+    column each) with one gather."""
 
     a: FloatArray
     tab: FloatArray
-    pts: FloatArray
-    held: FloatArray
+    reach: FloatArray
 
     @classmethod
-    def of(cls, a: FloatArray, tab: FloatArray) -> Shared:
-        """The shared columns ``a`` (columns,) with their tables ``tab`` (columns, levels)."""
-        pts = np.unique((a[:, None] * np.arange(1, tab.shape[1])[None, :]).ravel())
-        return cls(a, tab, pts, _held(a, tab, pts))
+    def of(cls, a: FloatArray, tab: FloatArray, total: int) -> Shared:
+        """The shared columns ``a`` (columns,) with their tables ``tab`` (columns, levels), up to ``total``."""
+        pts = np.unique((a[:, None] * np.arange(tab.shape[1])[None, :]).ravel()) if a.size else np.zeros(1)
+        held = _held(a, tab, pts)  # never falls along the sorted points
+        at = np.searchsorted(held, np.arange(total + 1, dtype=np.float64), side="left")
+        return cls(a, tab, np.r_[pts, np.inf][at])
 
     def least_tau(self, a: FloatArray, tab: FloatArray, total: int) -> FloatArray:
         """The least ``τ`` at which the shared columns and one more per row (per-layer time ``a`` (rows,),
-        finite and positive; table ``tab`` (rows, levels)) hold ``total`` layers (inf if never), exactly:
-        capacities only change at the breakpoints ``q · a`` of some column (where ``⌊τ / a + 10⁻⁹⌋`` steps,
-        at most ``10⁻⁹`` relatively before them), so the least breakpoint holding ``total``, lowered by
-        ``10⁻⁸`` relatively, is never above the least ``τ`` (and never below :func:`tau_lb`'s bracket)."""
-        n_q = tab.shape[1]
-        lift = np.arange(1, n_q, dtype=np.float64)
-        own = a[:, None] * lift[None, :]  # the row's column's breakpoints (rows, levels - 1)
-        at_shared = self.held[None, :] + _take(tab, self.pts[None, :] / a[:, None], n_q)
-        at_own = _held(self.a, self.tab, own) + _take(tab, own / a[:, None], n_q)
-        first = np.minimum(np.where(at_shared >= total, self.pts[None, :], np.inf).min(axis=1, initial=np.inf),
-                           np.where(at_own >= total, own, np.inf).min(axis=1, initial=np.inf))
+        finite and positive; table ``tab`` (rows, levels)) hold ``total`` layers (inf if never): from
+        ``τ ≥ q · a`` the row's column holds at least ``tab[q]`` and the shared ones the rest from
+        ``reach[total - tab[q]]``, so the least over ``q`` of the larger of the two holds ``total``, and the
+        least ``τ`` is one of them. Capacities step at ``⌊τ / a + 10⁻⁹⌋``, at most ``10⁻⁹`` relatively
+        before the breakpoints, so the result, lowered by ``10⁻⁸`` relatively, is never above the least ``τ``
+        (and never below :func:`tau_lb`'s bracket)."""
+        q = np.arange(tab.shape[1], dtype=np.float64)
+        rest = np.clip(total - tab, 0, total).astype(np.int64)
+        first = np.maximum(a[:, None] * q[None, :], self.reach[rest]).min(axis=1)
         return np.asarray(first * (1.0 - 1e-8), dtype=np.float64)
-
-
-def _take(tab: FloatArray, ratio: FloatArray, n_q: int) -> FloatArray:
-    """``tab[row, ⌊ratio + 10⁻⁹⌋]`` (saturating at the last level) for ``ratio`` (rows, points)."""
-    q = np.minimum(ratio + 1e-9, n_q - 1.0).astype(np.int64)
-    return np.asarray(np.take_along_axis(tab, q, axis=1), dtype=np.float64)
 
 
 def _held(a: FloatArray, tab: FloatArray, tau: FloatArray) -> FloatArray:

@@ -47,13 +47,20 @@ class Pipeline:
 
 
 def stage_rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, first: Any, last: Any,
-          stage_index: FloatArray, pp: float, r: int, mb: int, m: int, setting: int, sp: bool) -> StageRows:
+               stage_index: FloatArray, pp: float, r: Any, mb: Any, m: Any, setting: Any, sp: bool) -> StageRows:
+    """Cost-model rows of stages (``r``, ``mb``, ``m`` and the memory ``setting`` per row or for all)."""
     d = ctx.devices
     n = offer.shape[0]
-    st = ctx.settings[setting]
+    sets = ctx.settings
+    if isinstance(setting, int | np.integer):
+        st = sets[setting]
+        zero, rc, off = st.zero_stage, st.recompute, st.offload
+    else:
+        zero, rc, off = (np.array([getattr(x, f) for x in sets])[setting]
+                         for f in ("zero_stage", "recompute", "offload"))
 
-    def full(x: float) -> FloatArray:
-        return np.full(n, float(x))
+    def full(x: Any) -> FloatArray:
+        return np.array(np.broadcast_to(np.asarray(x, dtype=np.float64), (n,)))
 
     cand = Candidates.make(accelerator=offer, tp=tp.astype(np.int64), pp=int(pp), replicas=r, micro_batch=mb,
                            num_micro_batches=m)
@@ -67,8 +74,8 @@ def stage_rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, fi
         devices_per_node=d.devices_per_node[offer].astype(np.float64), inter_node_gbps=d.inter_node_gbps[offer],
         tp=tp, layers=layers, first=np.broadcast_to(np.asarray(first, dtype=bool), (n,)),
         last=np.broadcast_to(np.asarray(last, dtype=bool), (n,)), stage_index=stage_index, pp=full(pp),
-        replicas=full(r), micro_batch=full(mb), num_micro_batches=full(m), zero_stage=full(st.zero_stage),
-        recompute=full(st.recompute), offload=full(st.offload), sequence_parallel=np.full(n, sp),
+        replicas=full(r), micro_batch=full(mb), num_micro_batches=full(m), zero_stage=full(zero),
+        recompute=full(rc), offload=full(off), sequence_parallel=np.full(n, sp),
         pipeline_devices=full(1.0),
         flash_attention=np.ones(n, dtype=bool) if d.flash_attention is None else d.flash_attention[offer],
         attention_tflops=None if d.attention_tflops is None else d.attention_tflops[offer],
@@ -116,8 +123,14 @@ class Kinds:
 
 
 def family_kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: list[list[int]], total: int,
-           max_stages: int) -> Kinds:
-    """The stage kinds of a family with their bounds.
+                 max_stages: int) -> Kinds:
+    """The stage kinds of a family with their bounds (:func:`families_kinds` of one family)."""
+    return families_kinds(ctx, [(r, mb, setting)], caps, tps, total, max_stages)[0]
+
+
+def families_kinds(ctx: Any, fams: list[tuple[int, int, int]], caps: list[int], tps: list[list[int]], total: int,
+                   max_stages: int) -> list[Kinds]:
+    """The stage kinds of each family ``(r, mb, setting)`` with their bounds (one cost-model call for all).
 
     Memory caps by place: under 1F1B the stage ``i`` places from the end keeps ``min(i, m)`` micro-batches
     of activations, so the ``k`` stages of one kind, wherever they stand, keep at least ``min(1, m), …,
@@ -127,44 +140,53 @@ def family_kinds(ctx: Any, r: int, mb: int, setting: int, caps: list[int], tps: 
     ``k`` with ``cap(min(k, m)) ≥ 1``."""
     offer = np.array([o for o, ts in enumerate(tps) for _ in ts], dtype=np.int64)
     tp = np.array([t for ts in tps for t in ts], dtype=np.int64)
-    if offer.size == 0:
+    if offer.size == 0 or not fams:
         z = np.zeros(0, dtype=np.int64)
-        return Kinds(z, z, np.zeros(0), np.zeros((0, 1), dtype=np.int64), z, np.zeros(0), np.zeros(0),
-                      np.zeros(0))
+        return [Kinds(z, z, np.zeros(0), np.zeros((0, 1), dtype=np.int64), z, np.zeros(0), np.zeros(0),
+                      np.zeros(0)) for _ in fams]
+    nf, n = len(fams), offer.size
+    r, mb, si = (np.array([f[i] for f in fams], dtype=np.int64) for i in range(3))
     m = ctx.batch // (r * mb)
     sp = bool((tp > 1).any())
-    n = offer.size
     lmax = total - 1
-    # rows: (L, in flight) = (1, 1), (2, 1), (lmax, 1), (1, 2): a middle stage (index 1) of a pp-deep pipeline
-    three = np.repeat(np.array([1.0, 2.0, float(lmax), 1.0]), n)
-    pp = np.repeat(np.array([2.0, 2.0, 2.0, 3.0]), n)
-    o3, t3 = np.tile(offer, 4), np.tile(tp, 4).astype(np.float64)
-    rows = stage_rows(ctx, o3, t3, three, False, False, np.ones(4 * n), 2.0, r, mb, m, setting, sp)
-    rows = replace(rows, pp=pp)
-    c = stage_costs(model_numbers_1f1b(ctx), rows)
-    s = c["stage_mb"].reshape(4, n)
-    mem = c["memory_gb"].reshape(4, n)
-    capacity = c["capacity_gb"][:n]
-    a = np.minimum(s[0], s[2] / lmax)
-    act = mem[3] - mem[0] if m >= 2 else np.zeros(n)  # one more micro-batch in flight, per layer
-    w = mem[1] - mem[0] - act  # per layer at no activation
-    base = mem[0] - w - act
-    kk = np.minimum(np.arange(1, min(total, max_stages) + 1, dtype=np.float64), float(m))  # in flight
-    slope = w[:, None] + kk[None, :] * act[:, None]
+    # rows (family, row, kind); per family the rows (L, in flight) = (1, 1), (2, 1), (lmax, 1), (1, 2): a middle
+    # stage (index 1) of a pp-deep pipeline
+    shape = (nf, 4, n)
+    lay = np.broadcast_to(np.array([1.0, 2.0, float(lmax), 1.0])[None, :, None], shape).ravel()
+    pp = np.broadcast_to(np.array([2.0, 2.0, 2.0, 3.0])[None, :, None], shape).ravel()
+    o3 = np.broadcast_to(offer, shape).ravel()
+    t3 = np.broadcast_to(tp, shape).ravel().astype(np.float64)
+
+    def per_family(x: IntArray) -> IntArray:
+        return np.broadcast_to(x[:, None, None], shape).ravel()
+
+    rows = stage_rows(ctx, o3, t3, lay, False, False, np.ones(o3.size), 2.0, per_family(r), per_family(mb),
+                      per_family(m), per_family(si), sp)
+    c = stage_costs(model_numbers_1f1b(ctx), replace(rows, pp=pp))
+    s = c["stage_mb"].reshape(shape)
+    mem = c["memory_gb"].reshape(shape)
+    capacity = c["capacity_gb"].reshape(shape)[:, 0]
+    a = np.minimum(s[:, 0], s[:, 2] / lmax)  # (families, kinds)
+    act = np.where((m >= 2)[:, None], mem[:, 3] - mem[:, 0], 0.0)  # one more micro-batch in flight, per layer
+    w = mem[:, 1] - mem[:, 0] - act  # per layer at no activation
+    base = mem[:, 0] - w - act
+    kk = np.minimum(np.arange(1, min(total, max_stages) + 1, dtype=np.float64)[None, :], m[:, None])  # in flight
+    slope = w[:, :, None] + kk[:, None, :] * act[:, :, None]  # (families, kinds, stages)
     with np.errstate(divide="ignore", invalid="ignore"):
-        room = capacity[:, None] - base[:, None]
+        room = (capacity - base)[:, :, None]
         cap_f = np.where(slope > 0, np.floor(room / np.where(slope > 0, slope, 1.0) + 1e-6),
                          np.where(room >= 0, lmax, 0))
     per = np.clip(np.nan_to_num(cap_f, nan=0.0, posinf=lmax, neginf=0.0), 0, lmax).astype(np.int64)
-    longest = (per >= 1).cumprod(axis=1).sum(axis=1)  # caps never grow with j
+    longest = (per >= 1).cumprod(axis=2).sum(axis=2)  # caps never grow with j
     cnt = np.array([caps[o] for o in offer], dtype=np.int64)
-    kmax = np.minimum(np.minimum(cnt // (r * tp), min(total, max_stages)), longest)
+    kmax = np.minimum(np.minimum(cnt[None, :] // (r[:, None] * tp[None, :]), min(total, max_stages)), longest)
     ok = (kmax >= 1) & np.isfinite(a) & (a > 0)
-    p2p = c["p2p"][:n]
-    o4 = c["optimizer_s"].reshape(4, n)
-    opt = o4[0]
-    opt_layer = np.minimum(o4[0], o4[2] / lmax)
-    return Kinds(offer[ok], tp[ok], a[ok], per[ok], kmax[ok], p2p[ok], opt[ok], opt_layer[ok])
+    p2p = c["p2p"].reshape(shape)[:, 0]
+    o4 = c["optimizer_s"].reshape(shape)
+    opt = o4[:, 0]
+    opt_layer = np.minimum(o4[:, 0], o4[:, 2] / lmax)
+    return [Kinds(offer[k], tp[k], a[f][k], per[f][k], kmax[f][k], p2p[f][k], opt[f][k], opt_layer[f][k])
+            for f, k in enumerate(ok)]
 
 
 def reach(kinds: Kinds) -> FloatArray:

@@ -129,20 +129,21 @@ def _empty(g: int, need: int) -> FloatArray:
 
 
 def _add(f: FloatArray, cur: FloatArray, must: bool) -> FloatArray:
-    """One more group (:func:`price_curve` ``cur``) in the knapsack ``f`` (mandatory: its block is used)."""
+    """One more group (:func:`price_curve` ``cur``) in the knapsack ``f`` (from :func:`_empty` and
+    :func:`_add`; mandatory: its block is used)."""
     g, n = f.shape[1], f.shape[2]
     new = np.full_like(f, np.inf) if must else f.copy()
-    rev = cur[:, None, ::-1]  # (G, 1, d): cur[n - 1 - j]
-    buf = np.full((g, 2 * n - 1), np.inf)
-    s0, s1 = buf.strides
+    # with no block before, only capacity 0 is held (f[0] is inf beyond it): one block alone is its curve
+    new[1] = np.minimum(new[1], f[0, :, :1] + cur)
     # this block at capacity ≥ d, the rest holding ≥ c - d (d > c adds nothing: an inf pad); the min-plus
     # convolution distributes over min, so the 1- and 2+-block states join before it (both give 2+)
-    for t, src in ((1, f[0]), (2, np.minimum(f[1], f[2]))):
-        if not np.isfinite(src[:, 0]).any():
-            continue
+    src = np.minimum(f[1], f[2])
+    if np.isfinite(src[:, 0]).any():
+        buf = np.full((g, 2 * n - 1), np.inf)
+        s0, s1 = buf.strides
         buf[:, n - 1:] = src
         win = np.lib.stride_tricks.as_strided(buf, (g, n, n), (s0, s1, s1), writeable=False)  # [c, j]: buf[c + j]
-        new[t] = np.minimum(new[t], (win + rev).min(axis=2))
+        new[2] = np.minimum(new[2], (win + cur[:, None, ::-1]).min(axis=2))  # cur[n - 1 - j]
     return np.asarray(np.minimum.accumulate(new[:, :, ::-1], axis=2)[:, :, ::-1])  # ≥ c implies ≥ c - 1
 
 

@@ -11,22 +11,22 @@ The space (every point of it is either evaluated exactly or cut by a proven boun
 - every memory setting a pipeline can use (ZeRO ≤ 1, recompute, optimizer offload).
 
 Branch and bound, per (``r``, ``mb``, setting) family: a depth-first walk over the offers (the most promising
-first) decides for each whether it is left out or which ``(t, k)`` block it contributes; a block's stage count
-is first a range ``1..k_max``, split in halves while its bound beats the best plan known (best first). The
+first) decides for each whether it is left out or which ``(t, k)`` block it contributes; all of a node's
+children (every kind at every stage count) are bounded in one vectorised call, on what they share set up
+once (:class:`.pipebound.Shared`), and walked best first while their bound beats the best plan known. The
 bound of a node (:mod:`.pipebound`): each stage kind has a per-layer time ``a`` (a lower bound of ``S(L) / L``)
 and memory caps *by place* — under 1F1B the ``k`` stages of a block keep at least ``1, 2, …, k`` micro-batches
 of activations in flight, so together they hold at most ``Σ_{j ≤ k} min(⌊τ / a⌋, cap_j)`` layers under a
 bottleneck ``τ`` (:func:`.pipekinds.family_kinds`); an open offer holds at most what its best block holds.
-From these capacities come the least bottleneck ``τ_lb`` and a bound of ``(m - 1) max S + Σ S`` per interval
+From these capacities come the least bottleneck ``τ_lb`` (exactly, from their breakpoints) and a bound of ``(m - 1) max S + Σ S`` per interval
 of ``τ`` (the bubble included); the sends (at least one crosses two kinds) and the optimizer step
 (``max O ≥ L / Σ 1/o``) are added, and with the price and power of what is chosen (lower bounds) every
 objective is bounded (``policy.score`` grows with throughput and falls with price, cost and hours). The money
 objectives are also capped by tokens/s per unit of price, twice: from layer rates per price, and per interval
 of ``τ`` from the layers the open offers must still hold at their best layers per unit of price
 (:func:`.pipebound.price_step_lb`), and, tighter, from the least price of blocks holding the model with one
-block per offer (a multiple-choice knapsack: :mod:`.pipeprice`; per family first its fractional relaxation,
-then the exact one when the family comes up best). A child's bound is never above its parent's. A leaf is evaluated exactly
-(:mod:`.pipeleaf`): every order of its blocks, the exact layer split, the cost model's stage costs, the spot
+block per offer (a multiple-choice knapsack: :mod:`.pipeprice`; per family when it comes up best on the
+cheaper bounds). A child's bound is never above its parent's. A leaf is evaluated exactly (:mod:`.pipeleaf`): every order of its blocks, the exact layer split, the cost model's stage costs, the spot
 factor and the constraints.
 """
 
@@ -43,7 +43,14 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.planner import pipebound, pipeprice, space
-from starverse.planner.pipekinds import Kinds, Pipeline, capacity_tables, family_kinds, interleave_vmax, reach
+from starverse.planner.pipekinds import (
+    Kinds,
+    Pipeline,
+    capacity_tables,
+    families_kinds,
+    interleave_vmax,
+    reach,
+)
 from starverse.planner.pipeleaf import LeafEvaluator
 from starverse.planner.policy import paid_cost, score, within
 from starverse.planner.result import SearchStats
@@ -54,8 +61,9 @@ IntArray = npt.NDArray[np.int64]
 MAX_LEAVES = 8_000
 """Exact leaf evaluations (block orders) per search; when reached, the search stops with the bound gap
 reported and ``SearchStats.pipelines_proven`` False."""
-MAX_NODES = 8_000
-"""Branch-and-bound children bounded per search; reaching it stops the search as ``MAX_LEAVES`` does."""
+MAX_NODES = 250_000
+"""Branch-and-bound children bounded per search (every stage count of every kind of a node's offer: a few
+hundred per node, a few microseconds each); reaching it stops the search as ``MAX_LEAVES`` does."""
 
 class _Search(LeafEvaluator):
     """One search over heterogeneous pipelines (shared incumbent across families)."""
@@ -65,7 +73,7 @@ class _Search(LeafEvaluator):
         return self.leaves >= MAX_LEAVES or self.nodes >= MAX_NODES
 
     # ---- bounds -------------------------------------------------------------------------------------
-    def bound(self, m: int, mb: int, core: FloatArray, stages: FloatArray, p2p: FloatArray, opt: FloatArray,
+    def bound(self, m: Any, mb: Any, core: FloatArray, stages: FloatArray, p2p: FloatArray, opt: FloatArray,
               price: FloatArray, power: FloatArray, per_price: FloatArray | None = None) -> FloatArray:
         """Objective bound from ``core`` (a lower bound of ``(m - 1) max S + Σ S``), the stages known to be in
         the pipeline, the largest point-to-point time and optimizer step known (lower bounds of the maxima),
@@ -95,11 +103,11 @@ class _Search(LeafEvaluator):
         """The objective falls with the price (tokens per unit of price, or total cost)."""
         return self.ctx.job.objective in ("cost-performance", "cost")
 
-    def family_price_ub(self, r: int, mb: int, m: int, kinds: Kinds, tau0: float, exact: bool = True
+    def family_price_ub(self, r: int, mb: int, m: int, kinds: Kinds, tau0: float
                         ) -> tuple[float, FloatArray, FloatArray]:
         """Tokens/s per unit of price at most for a family (``tau0``: a lower bound of its bottleneck):
-        :func:`.pipeprice.per_price_ub` over every offer, at least two blocks (``exact``: the knapsack, else
-        its fractional relaxation), and its intervals of bottlenecks."""
+        :func:`.pipeprice.per_price_ub` over every offer, at least two blocks (the knapsack), and its intervals
+        of bottlenecks."""
         # (the rows it needs only: most families never build their full capacity tables)
         kt = pipeprice.KindTables(kinds.a, None, r * kinds.tp * self.price[kinds.offer], kinds.per, self.total + 1)
         groups = [pipeprice.Group(ks, np.ones(ks.size, dtype=np.int64), kinds.kmax[ks])
@@ -109,7 +117,36 @@ class _Search(LeafEvaluator):
         vmax = interleave_vmax(self.total, m, 2, self.ctx.job.search.max_virtual_stages)
         return pipeprice.per_price_ub(self.ctx.batch * self.ctx.seq_len, m, tau0,
                                       float(kinds.a.min()) * self.total / vmax,
-                                      extra, kt, groups, self.total, 2, self.per_price_target(), exact)
+                                      extra, kt, groups, self.total, 2, self.per_price_target())
+
+    def family_bounds(self, fams: list[tuple[tuple[int, int, int], Kinds]]) -> tuple[FloatArray, FloatArray]:
+        """Each family's bound (every offer at its best block) and least bottleneck, all families at once:
+        rows of offers' envelopes (an offer a family lacks holds nothing), the core grid per micro-batch count."""
+        n, n_off, total = len(fams), self.price.size, self.total
+        if not n:
+            return np.zeros(0), np.zeros(0)
+        sl, li, cost = np.zeros((n, n_off)), np.zeros((n, n_off)), np.full((n, n_off), 1e300)
+        per_price = np.zeros(n)
+        for i, ((ri, _, _), kinds) in enumerate(fams):
+            np.maximum.at(sl[i], kinds.offer, kinds.kmax / kinds.a)
+            np.maximum.at(li[i], kinds.offer, reach(kinds))
+            np.minimum.at(cost[i], kinds.offer, kinds.a)
+            with np.errstate(divide="ignore"):
+                per_price[i] = float((1.0 / (kinds.a * ri * kinds.tp * self.price[kinds.offer])).max())
+        r, mb = (np.array([key[j] for key, _ in fams]) for j in (0, 1))
+        m = self.ctx.batch // (r * mb)
+        per_price *= r * mb * self.ctx.seq_len / total
+        env = pipebound.Envelope(sl, li, np.zeros_like(sl))
+        tau = pipebound.tau_lb(env, total)
+        core = np.zeros(n)
+        for mi in np.unique(m):
+            rows = np.flatnonzero(m == mi)
+            vmax = interleave_vmax(total, int(mi), 2, self.ctx.job.search.max_virtual_stages)
+            sub = pipebound.Envelope(sl[rows], li[rows], np.zeros((rows.size, n_off)))
+            core[rows] = pipebound.core_grid_schedules(int(mi), vmax, tau[rows], cost[rows], sub,
+                                                       np.zeros((rows.size, n_off)), total)[1].min(axis=1)
+        z = np.zeros(n)
+        return self.bound(m, mb, core, z, z, z, z, z, per_price), tau
 
     def tables(self, kinds: Kinds) -> FloatArray:
         """:func:`.pipekinds.capacity_tables` of a family's kinds, computed once per search."""
@@ -216,7 +253,7 @@ class _Search(LeafEvaluator):
         vmax_of = functools.lru_cache(maxsize=None)(
             lambda p: interleave_vmax(self.total, m, p, self.ctx.job.search.max_virtual_stages))
 
-        def node(level: int, chosen: Chosen) -> Callable[[IntArray, IntArray, IntArray], FloatArray]:
+        def node(level: int, chosen: Chosen) -> Callable[[IntArray, IntArray], FloatArray]:
             """The bounds of a node's children (what they share is set up once, here)."""
             o = offers[level]
             open_ = offers[level + 1:]
@@ -228,7 +265,7 @@ class _Search(LeafEvaluator):
             op_a = np.array([amin_open[q] for q in open_])
             fixed_tab = np.stack([tab[c[4], c[2], :] for c in chosen] + [open_tab[q] for q in open_]) \
                 if chosen or open_ else np.zeros((0, self.total + 1))
-            shared = pipebound.Shared.of(np.concatenate([ch_a, op_a]), fixed_tab)
+            shared = pipebound.Shared.of(np.concatenate([ch_a, op_a]), fixed_tab, self.total)
             a_chosen = max([c[3] for c in chosen], default=0.0)
             price0 = sum(r * t * k * self.price[q] for q, t, k, *_ in chosen)
             power0 = sum(r * t * k * self.power[q] for q, t, k, *_ in chosen)
@@ -244,22 +281,22 @@ class _Search(LeafEvaluator):
             else:
                 open_kinds = np.concatenate([kinds_of[q] for q in open_]) if open_ else np.zeros(0, dtype=np.int64)
 
-            def bounds(kj: IntArray, klo: IntArray, khi: IntArray) -> FloatArray:
-                """Bounds of the children ``kind kj[i]`` with ``klo[i]..khi[i]`` stages (``klo = 0``: the offer
-                left out): fewest stages for the price, power and sends, most stages for the layers held."""
+            def bounds(kj: IntArray, k: IntArray) -> FloatArray:
+                """Bounds of the children: a block of kind ``kj[i]`` with ``k[i]`` stages (0: the offer left
+                out)."""
                 nk = kj.size
-                on = klo > 0
-                kk, kmost = klo.astype(np.float64), khi.astype(np.float64)
+                on = k > 0
+                kk = k.astype(np.float64)
                 jj = np.where(on, kj, 0)
                 kt = np.where(on, kinds.tp[jj], 0)
                 ka = np.where(on, kinds.a[jj], np.inf)
                 kp, ko = np.where(on, kinds.p2p[jj], 0.0), np.where(on, kinds.opt[jj], 0.0)
                 child_a = np.where(on, ka, 1.0)
-                kid_tab = np.where(on[:, None], tab[jj, khi, :], 0.0)
+                kid_tab = np.where(on[:, None], tab[jj, k, :], 0.0)
                 tau = shared.least_tau(child_a, kid_tab, self.total)
                 tau = np.maximum(tau, np.where(on, np.maximum(a_chosen, ka), a_chosen))
-                # the smallest bubble of any schedule the leaves may take (at least max(used + klo, 2) stages)
-                vmax = vmax_of(used + int(klo.min()))
+                # the smallest bubble of any schedule the leaves may take (at least max(used + k, 2) stages)
+                vmax = vmax_of(used + int(k.min()))
                 if not knap:
                     cost = np.hstack([np.tile(ch_a, (nk, 1)), child_a[:, None], np.tile(op_a, (nk, 1))])
                     tables = np.concatenate([np.broadcast_to(fixed_tab[None, :nch], (nk, nch, self.total + 1)),
@@ -277,10 +314,10 @@ class _Search(LeafEvaluator):
                 power = power0 + np.where(on, r * kt * kk * self.power[o], 0.0)
                 p2p = np.maximum(p2p0, kp)
                 opt = np.maximum(opt0, ko)
-                inv = inv0 + np.where(on, kmost * inv_o[jj], 0.0)
+                inv = inv0 + np.where(on, kk * inv_o[jj], 0.0)
                 with np.errstate(divide="ignore", invalid="ignore"):
                     opt = np.maximum(opt, np.where(np.isfinite(inv) & (inv > 0), self.total / inv, 0.0))
-                rate_c = rate0 + np.where(on, kmost / child_a, 0.0)
+                rate_c = rate0 + np.where(on, kk / child_a, 0.0)
                 rest = opt + 2.0 * (m + np.maximum(used + kk, 2.0) - 1.0) * np.maximum(
                     mb * self.hop_s_per_sequence, p2p)
                 # 1F1B and interleaved with vmax chunks: the bound is linear in 1 / v, so the ends cover every v
@@ -288,7 +325,7 @@ class _Search(LeafEvaluator):
                     m, self.total, k_rate * self.total, rate_c, price, self.total * a_least / v + rest, r_open,
                     e_open, m - 1.0 / v) for v in {1, vmax}])
                 if knap:
-                    have = have0 + np.where(on[:, None], tab[jj[:, None], khi[:, None], q_hi[jj]], 0.0)
+                    have = have0 + np.where(on[:, None], tab[jj[:, None], k[:, None], q_hi[jj]], 0.0)
                     per_price = np.minimum(per_price, pipeprice.node_per_price(
                         self.ctx.batch * self.ctx.seq_len, m, lo_t, hi_t, suffix[level + 1], tau,
                         self.total * a_least / vmax, rest, price, have, self.total,
@@ -309,38 +346,25 @@ class _Search(LeafEvaluator):
                 return
             o = offers[level]
             used = sum(c[2] for c in chosen)
-            # children: leave the offer out, or one of its blocks; a block's stage count is first a range
-            # (1..most), split in halves while its bound beats the best plan known
-            kids = [(-1, 0, 0)]
+            # children: leave the offer out, or one of its blocks: every kind at every stage count, at once
+            kj, kk = [-1], [0]
             if self.accs[o] not in accs:
-                kids += [(int(j), 1, min(int(kinds.kmax[j]), max_stages - used)) for j in kinds_of[o]]
-                kids = [k for k in kids if k[2] >= k[1]]
-            heap: list[tuple[float, int, tuple[int, int, int]]] = []
-            seq = itertools.count()
-            bounds = node(level, chosen)
-
-            def push(batch: list[tuple[int, int, int]]) -> None:
-                arr = np.array(batch, dtype=np.int64).reshape(-1, 3)
-                # a child's bound never exceeds its parent's (both are valid for all it leads to)
-                got = np.minimum(bounds(arr[:, 0], arr[:, 1], arr[:, 2]), bound)
-                for kid, bv in zip(batch, got, strict=True):
-                    heapq.heappush(heap, (-float(bv), next(seq), kid))
-
-            push(kids)
-            while heap:
-                nb, _, (j, lo, hi) = heapq.heappop(heap)
-                if -nb <= self.best_value:
+                for j in kinds_of[o]:
+                    most = min(int(kinds.kmax[j]), max_stages - used)
+                    kj += [int(j)] * max(most, 0)
+                    kk += range(1, most + 1)
+            # a child's bound never exceeds its parent's (both are valid for all it leads to)
+            got = np.minimum(node(level, chosen)(np.array(kj), np.array(kk)), bound)
+            for i in np.argsort(-got, kind="stable"):  # best first
+                if got[i] <= self.best_value:
                     break
                 if self.full():
-                    self.gap_bound = max(self.gap_bound, -nb)
+                    self.gap_bound = max(self.gap_bound, float(got[i]))
                     return
-                if hi > lo:
-                    mid = (lo + hi) // 2
-                    push([(j, lo, mid), (j, mid + 1, hi)])
-                    continue
-                nxt = chosen if lo == 0 else [*chosen, (o, int(kinds.tp[j]), lo, float(kinds.a[j]), j,
-                                                        float(kinds.p2p[j]), float(kinds.opt[j]))]
-                walk(level + 1, nxt, -nb)
+                j, k = kj[i], kk[i]
+                nxt = chosen if k == 0 else [*chosen, (o, int(kinds.tp[j]), k, float(kinds.a[j]), j,
+                                                       float(kinds.p2p[j]), float(kinds.opt[j]))]
+                walk(level + 1, nxt, float(got[i]))
 
         walk(0, [], bound)
 
@@ -361,51 +385,33 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
     sets = [i for i, st in enumerate(ctx.settings) if st.zero_stage <= 1 and st.virtual_stages == 1]
     max_stages = min(total, so.max_pipeline_stages or total)
     s = _Search(ctx, incumbent, stats)
-    fams: list[tuple[float, int, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = []
-    for mb in mbs:
-        for r in range(1, ctx.batch // mb + 1):
-            if (ctx.batch // mb) % r or r > max(caps):
-                continue
-            for si in sets:
-                kinds = family_kinds(ctx, r, mb, si, caps, tps, total, max_stages)
-                if len({s.accs[int(o)] for o in kinds.offer}) < 2:
-                    continue
-                # the family's bound: every offer at its best block
-                offers = np.unique(kinds.offer)
-                sl = np.array([[float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers]])
-                li = np.array([[float(reach(kinds)[kinds.offer == o].max()) for o in offers]])
-                env = pipebound.Envelope(sl, li, np.zeros_like(sl))
-                tau = pipebound.tau_lb(env, total)
-                cost = np.array([[float(kinds.a[kinds.offer == o].min()) for o in offers]])
-                m = ctx.batch // (r * mb)
-                vmax = interleave_vmax(total, m, 2, so.max_virtual_stages)
-                core = pipebound.core_grid_schedules(m, vmax, tau, cost, env, np.zeros_like(sl), total)[1].min(axis=1)
-                with np.errstate(divide="ignore"):
-                    per_price = r * mb * ctx.seq_len / total * float(
-                        (1.0 / (kinds.a * r * kinds.tp * s.price[kinds.offer])).max())
-                fb = s.bound(m, mb, core, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1),
-                             np.array([per_price]))
-                fams.append((-float(fb[0]), len(fams), 0, None, r, mb, si, float(tau[0]), kinds))
+    keys = [(r, mb, si) for mb in mbs for r in range(1, ctx.batch // mb + 1)
+            if not (ctx.batch // mb) % r and r <= max(caps) for si in sets]
+    found = [(key, kinds) for key, kinds in zip(keys, families_kinds(ctx, keys, caps, tps, total, max_stages),
+                                                 strict=True) if len({s.accs[int(o)] for o in kinds.offer}) >= 2]
+    bounds, taus = s.family_bounds(found)
+    fams: list[tuple[float, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = [
+        (-float(fb), i, None, r, mb, si, float(tau), kinds)
+        for i, (((r, mb, si), kinds), fb, tau) in enumerate(zip(found, bounds, taus, strict=True))]
     stats.pipeline_families += len(fams)
     # best bound first; for the money objectives a family's bound is first the cheap one above, tightened
-    # when it comes up by the least price of its blocks (:mod:`.pipeprice`; first the knapsack's fractional
-    # relaxation, then the knapsack itself), then put back
+    # by the least price of its blocks (:mod:`.pipeprice`) when it comes up, then put back (the knapsack's
+    # fractional relaxation as a tier between them would cost more than the knapsacks it saves)
     heapq.heapify(fams)
     while fams:
-        neg, i, tier, grid, r, mb, si, tau0, kinds = heapq.heappop(fams)
+        neg, i, grid, r, mb, si, tau0, kinds = heapq.heappop(fams)
         bound = -neg
         if bound <= s.best_value:
             break
         if s.full():
             s.gap_bound = max(s.gap_bound, bound)
             break
-        if s.money and tier < 2:
+        if s.money and grid is None:
             m = ctx.batch // (r * mb)
-            per_price, lo, hi = s.family_price_ub(r, mb, m, kinds, tau0, exact=tier == 1)
+            per_price, lo, hi = s.family_price_ub(r, mb, m, kinds, tau0)
             limit = per_price * 3600.0 if job.objective == "cost-performance" else (
                 -s.tokens / (3600.0 * per_price) if per_price > 0 else -math.inf)
-            heapq.heappush(fams, (-min(bound, limit), i, tier + 1, (lo, hi) if tier else None, r, mb, si, tau0,
-                                  kinds))
+            heapq.heappush(fams, (-min(bound, limit), i, (lo, hi), r, mb, si, tau0, kinds))
             continue
         s.family(r, mb, si, kinds, bound, grid)
     stats.pipeline_leaves += s.leaves
