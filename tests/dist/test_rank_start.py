@@ -85,10 +85,19 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE  # a rank of a stopped server stays a zombie: it is dead
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _left(procs: list[psutil.Process]) -> list[psutil.Process]:
     """Those of ``procs`` still running after up to 30 s."""
-    _, alive = psutil.wait_procs(procs, timeout=30)
-    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    deadline = time.monotonic() + 30
+    while (alive := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
 
 
 @pytest.mark.skipif(not LINUX, reason="a rank's death with its parent is Linux's PR_SET_PDEATHSIG")
