@@ -297,6 +297,15 @@ RESERVED_GB = 2.0
 """Fixed device memory not available to tensors: CUDA context (~0.5-1 GB), NCCL buffers, cuBLAS/cuDNN
 workspaces."""
 
+NCCL_NVLINK_COMMUNICATOR_GB = {2: 0.544, 3: 0.688}
+"""Device memory one NCCL communicator takes on a GPU whose peers in it sit on the same NVLink node, by the
+number of ranks in it (2, or 3 and more): measured through PyTorch on 4 x A100 with NVLink after a 4 MB
+all-reduce in every possible group (NVIDIA/nccl#964: 544 MB for two ranks, 688 MB for more). NCCL's buffers grow
+with its channels (NCCL_BUFFSIZE 4 MiB Simple + LL128 + LL per channel and peer; NVIDIA/nccl#986: "linearly tied
+to the number of channels", many more over NVLink than over PCIe), so PCIe and network communicators stay
+within :data:`RESERVED_GB`. Hopper runs as many channels or more, so this is a lower bound there. Counted only
+where a reading covers the whole device (``validate.device_extra_gb``)."""
+
 FRAGMENTATION_FRACTION = 0.06
 """Caching-allocator fragmentation and transient buffers, as a fraction of device memory (PyTorch reports
 reserved - allocated of 5-10 % in long LLM runs); a device-wide reading (nvidia-smi, NVML) of a run is compared
