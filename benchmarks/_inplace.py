@@ -16,6 +16,8 @@
   computation ended within WINDOW_S of the first fit start and that the run kept: a step a restart computes
   again counts when it is done again, one rolled back and never redone does not) with one SIGKILL of rank 1 at LOSS_AT_S, in-place vs
   checkpoint-restart, 3 ranks each, same checkpoint interval, no replacement. Expect >= 1.5.
+  ``inplace_step_s`` / ``restart_step_s``: the median step time of those runs before the loss (3 replicas), and
+  ``inplace_vs_restart_step`` their ratio: torchft's per-step cost against the restart path's DDP-style step.
 - ``inplace_pp_recovery_s``: the same loss when each replica is a pipeline (2 replicas x 2 stages on 4 CPU
   ranks, GPipe): SIGKILL of replica 1's last stage mid-step -> the launcher stops its first stage, the other
   replica completes that step with the whole global batch. ``inplace_pp_vs_dp_recovery``: that over
@@ -25,6 +27,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -189,8 +192,13 @@ def _goodput(tmp: Path, recovery: str) -> dict[str, Any]:
             last[st["step"]] = max(last.get(st["step"], 0.0), st["time"])
     # steps past the run's final step were lost to a restart (computed once, then rolled back): not useful
     useful = sum(1 for step, t in last.items() if t <= start + WINDOW_S and step <= out.final_step)
+    # the steady step time of 3 replicas: the median interval between the leader's step records before the loss
+    # (the first attempt, its first two steps left out: warm-up)
+    before = [s["time"] for s in stamps if s["event"] == "step" and s["attempt"] == 1 and s["time"] < start + LOSS_AT_S]
+    gaps = sorted(b - a for a, b in itertools.pairwise(before[2:]))
     return {"steps": useful, "window_s": WINDOW_S, "final_step": out.final_step, "attempts": len(out.attempts),
-            "lost_steps": out.lost_steps, "total_s": time.time() - t0}
+            "lost_steps": out.lost_steps, "total_s": time.time() - t0,
+            "step_s": round(gaps[len(gaps) // 2], 4) if gaps else None}
 
 
 class _Deferred(Callback):
@@ -239,6 +247,12 @@ def bench_inplace(tmp: Path) -> dict[str, Any]:
         "inplace_goodput_steps_per_s": round(inplace["steps"] / inplace["window_s"], 3),
         "restart_goodput_steps_per_s": round(restart["steps"] / restart["window_s"], 3),
         "goodput_detail": {"inplace": inplace, "restart": restart},
+        # the per-step cost of torchft (quorum, commit vote, the all-reduce through the Manager) against the
+        # restart path's DDP-style step, same model, 3 replicas, no loss yet
+        "inplace_step_s": inplace["step_s"],
+        "restart_step_s": restart["step_s"],
+        "inplace_vs_restart_step": round(inplace["step_s"] / restart["step_s"], 3)
+        if inplace["step_s"] and restart["step_s"] else None,
     })
     # None: the restart run kept no step in the window (seen at load ~12 on 2 cores: the loss came before its
     # first checkpoint and the restart did not get back there in time); the detail says so

@@ -18,7 +18,11 @@
   KILL_STEP while the node of rank 1 is removed -> the leader completes the next step without it (detection by
   Ray and torchft's Lighthouse, the new quorum, the step with the whole global batch). No restart
   (``ray_inplace_attempts``), ``ray_inplace_lost_steps`` 0; ``ray_inplace_vs_restart``: its ratio to
-  ``ray_node_loss_recovery_s``.
+  ``ray_node_loss_recovery_s``. A replacement starts 2 s after the loss (``replace_after_s``): in that run a new actor
+  (on a raylet added before it), which starts, imports and loads the model; ``ray_join_cold_s``: its start -> the
+  first step it trained in. A run before it has a warm spare actor on the third raylet (``warm_spares=True``):
+  ``ray_join_s``, the spare activated at the loss -> the first step it trained in (as ``join_s`` below);
+  ``ray_inplace_recovery_warm_s``: that run's recovery.
 - in-place recovery on torchft (``inplace_recovery_s``, ``inplace_lost_steps``, ``join_s``,
   ``inplace_vs_restart_goodput``): see ``benchmarks/_inplace.py``; ``restart_recovery_s`` is ``recovery_s``.
 - ``save_vs_disk_ratio``: synchronous save throughput (bytes / time to a committed checkpoint, fsync,
@@ -273,12 +277,18 @@ def bench_ray_node_loss(tmp: Path) -> dict[str, float] | None:
             rc.add_node(num_cpus=1, node_ip_address="127.0.0.1")
         ray.init(address=rc.address, logging_level="WARNING")
         try:
-            inplace = _ray_inplace(tmp, rc)
+            warm = _ray_inplace(tmp, rc, warm=True)
+            rc.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # room for the cold replacement
+            rc.wait_for_nodes()
+            cold = _ray_inplace(tmp, rc, warm=False)
             restart = _ray_restart(tmp, rc)
         finally:
             ray.shutdown()
             rc.shutdown()
-    return {**restart, **inplace}
+    return {**restart, **cold, "ray_inplace_recovery_warm_s": warm["ray_inplace_recovery_s"],
+            **{k: warm[k] for k in ("ray_join_s", "ray_join_breakdown_s", "ray_join_warm")},
+            "ray_join_cold_s": cold["ray_join_s"], "ray_join_cold_breakdown_s": cold["ray_join_breakdown_s"],
+            "ray_join_cold_warm": cold["ray_join_warm"]}
 
 
 def _ray_restart(tmp: Path, rc) -> dict[str, float]:
@@ -325,23 +335,26 @@ def _ray_restart(tmp: Path, rc) -> dict[str, float]:
     }
 
 
-def _ray_inplace(tmp: Path, rc) -> dict[str, float]:
+def _ray_inplace(tmp: Path, rc, warm: bool) -> dict[str, float]:
     """The demo job in place (torchft replicas as Ray actors): the leader holds after step KILL_STEP while the node
-    of rank 1 is removed; recovery = removal -> the leader's next step, trained without rank 1."""
+    of rank 1 is removed; recovery = removal -> the leader's next step. A replacement 2 s later: the warm spare actor
+    (``warm``; the removal waits until it runs) or a new actor; join = its start (activation) -> its first step."""
     import threading
 
     from starverse.checkpoint import CheckpointCallback
     from starverse.elastic.supervisor import Supervisor, replan_local
     from starverse.providers.ray import RayLauncher
     from starverse.providers.ray_inplace import RayInplaceLauncher
-    from starverse.testing import HOLD_FILE, HoldAfterStep
+    from starverse.runtime.ft import INPLACE_LOG
+    from starverse.testing import HOLD_FILE, HoldAfterStep, WaitForReplicas
 
-    cluster, data, factory, run_dir = _ray_demo(tmp, "run-ray-inplace")
-    launcher = RayInplaceLauncher(ray=RayLauncher(placement_timeout_s=120))
+    cluster, data, factory, run_dir = _ray_demo(tmp, f"run-ray-inplace-{'warm' if warm else 'cold'}")
+    # the replacement 2 s after the loss (as join_s's): it joins the survivor's quorum, not the requorum of the loss
+    launcher = RayInplaceLauncher(replace_after_s=2.0, warm_spares=warm, ray=RayLauncher(placement_timeout_s=120))
     removed: dict[str, float] = {}
 
     def remove() -> None:
-        while not ((run_dir / HOLD_FILE).exists() and 1 in launcher.nodes()):
+        while not ((run_dir / HOLD_FILE).exists() and 1 in launcher.nodes() and (launcher.spare_nodes() or not warm)):
             time.sleep(0.02)
         [node] = [n for n in rc.worker_nodes if n.node_id == launcher.nodes()[1]]
         removed["time"] = time.time()
@@ -350,16 +363,28 @@ def _ray_inplace(tmp: Path, rc) -> dict[str, float]:
 
     sup = Supervisor(
         cluster, run_dir, checkpoint=CheckpointCallback(interval_steps=INTERVAL),
-        callbacks=lambda n: [Stamps(n), HoldAfterStep(KILL_STEP)],
+        # the run lasts until the replacement trained (a step of the survivor alone is 0.2 s per micro-batch longer)
+        callbacks=lambda n: [Stamps(n), HoldAfterStep(KILL_STEP), WaitForReplicas(2, KILL_STEP, pause_s=0.2)],
         trainer_options={"rebalance_every": 0, "collective_timeout_s": 120.0, "launcher": launcher,
                          "recovery": "in-place"},
         replan=replan_local,
     )
     threading.Thread(target=remove, daemon=True).start()
-    out = sup.run(factory, data, resume_from=None, per_device_batch_size=2, max_steps=KILL_STEP + 3, seq_len=64)
+    out = sup.run(factory, data, resume_from=None, per_device_batch_size=2, max_steps=KILL_STEP + 12, seq_len=64)
     stamps = [json.loads(line) for line in (run_dir / "stamps.jsonl").read_text().splitlines()]
     after = next(s for s in stamps if s["event"] == "step" and s["step"] == KILL_STEP + 1)
+    events = [json.loads(line) for line in (run_dir / INPLACE_LOG).read_text().splitlines()]
+    healed = next((e for e in events if e["event"] == "healed"), None)
+    ready = healed["ready_at"] if healed else None
+    # the step the healed replacement trained in first: the one ending after it was healed (a warm spare may be
+    # healed into the quorum that drops the lost replica: no membership change is logged then)
+    joined = next((s["time"] for s in stamps if healed and s["event"] == "step" and s["time"] > healed["time"]), None)
+    join = launcher.joins[0] if launcher.joins else None
     return {
+        "ray_join_s": round(joined - join.at, 2) if join and joined else None,
+        "ray_join_breakdown_s": {"start_or_activation_s": round(ready - join.at, 2),
+                                 "heal_and_first_step_s": round(joined - ready, 2)} if join and joined and ready else None,
+        "ray_join_warm": [j.warm for j in launcher.joins],
         "ray_inplace_recovery_s": after["time"] - removed["time"],
         "ray_inplace_attempts": [a.outcome for a in out.attempts],
         "ray_inplace_lost_steps": out.lost_steps,
@@ -413,6 +438,9 @@ def main() -> None:
             "ray_inplace_attempts": node["ray_inplace_attempts"],
             "ray_inplace_lost_steps": node["ray_inplace_lost_steps"],
             "ray_inplace_replicas_lost": node["ray_inplace_replicas_lost"],
+            "ray_inplace_recovery_warm_s": round(node["ray_inplace_recovery_warm_s"], 2),
+            **{k: node[k] for k in ("ray_join_s", "ray_join_breakdown_s", "ray_join_warm", "ray_join_cold_s",
+                                    "ray_join_cold_breakdown_s", "ray_join_cold_warm")},
         })
     out["restart_recovery_s"] = out["recovery_s"]
     out.update(inplace)

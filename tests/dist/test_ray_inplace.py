@@ -178,13 +178,12 @@ def test_a_job_file_on_ray_survives_a_removed_node_a_spare_takes_over_and_the_lo
     job.write_text("model: tiny.json\ndataset: corpus.txt\nrun_dir: run\n"
                    "train: {steps: 12, seq_len: 32, global_batch: 8, micro_batch: 2, rebalance_every: 0}\n"
                    "devices: {cpu_ranks: 2, launcher: ray}\ncheckpoint: {interval_steps: 5, keep_last: 2}\n"
-                   "recovery: in-place\nreplace_after_s: 0\n")
+                   "recovery: in-place\nreplace_after_s: 0\nwarm_spares: true\n")
     prepared = prepare_job(job, resume_from=None)
     sup = prepared.supervisor
     launcher, base = sup.launcher, sup.callbacks
     sup.callbacks = lambda n: [*(base(n) if callable(base) else base), HoldAfterStep(LOSE_AT)]
-    assert isinstance(launcher, RayInplaceLauncher)
-    launcher.warm_spares = True  # a library option (job files have no field for it)
+    assert isinstance(launcher, RayInplaceLauncher) and launcher.warm_spares
     training, box = _in_thread(prepared.run)
     _lose_node_of_rank_1(cluster, tmp_path / "run", launcher, training, add_back=False)
     res = _result(training, box)

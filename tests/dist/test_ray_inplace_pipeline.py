@@ -26,7 +26,8 @@ def test_a_lost_stage_actor_loses_its_replica_and_a_replacement_replica_joins_on
                                        WaitForReplicas(replicas=2, after_step=2, pause_s=1.0)])
     assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(3, LossCause.ACTOR_DIED),
                                                                         (2, LossCause.REPLICA)]
-    assert [(j.rank, j.warm) for j in launcher.joins] == [(2, False), (3, False)]
+    # each actor's join is recorded once Ray placed it: the two may come in either order
+    assert sorted((j.rank, j.warm) for j in launcher.joins) == [(2, False), (3, False)]
     sizes = [len(s) for _, s in res.shares_history]
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, res.shares_history
     assert res.ranks[2].tokens > 0 and res.ranks[3].tokens > 0  # the replacement's actors trained

@@ -42,8 +42,9 @@ def test_estimate_json_is_consistent(tmp_path: Path) -> None:
                                      "cross_group_sync"}
 
 
-KNOWN_REFUSED = {"sailor-mit-n2-d2"}
-"""Measured runs the estimator says do not fit (open misses of issue 9, item 4; see data/validation/README.md)."""
+KNOWN_REFUSED: set[str] = set()
+"""Measured runs the estimator says do not fit (open misses of issue 9, item 4; see data/validation/README.md):
+none since Sailor's OPT is read as its Megatron-DeepSpeed builds it (sailor-mit-n2-d2 was refused before)."""
 
 
 def test_validate_json_has_exactly_the_documented_shape() -> None:
@@ -67,7 +68,7 @@ def test_validate_json_has_exactly_the_documented_shape() -> None:
     # the cases the estimator refuses although they ran (data/validation/README.md says why) fail the run
     refused = {c["name"] for c in doc["cases"] if not c["fits"]}
     assert refused == KNOWN_REFUSED
-    assert res.returncode == 1
+    assert res.returncode == (1 if KNOWN_REFUSED else 0), res.stderr
     for name in refused:
         assert f"case {name} failed: estimator says the plan does not fit" in res.stderr
 

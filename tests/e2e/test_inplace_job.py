@@ -14,17 +14,15 @@ import pytest
 from test_survive import _bill_check, _env, _job, _listening, _loopback, _wait_step
 
 from helpers import CLI
+from starverse.providers.local import RANK_PROCESS_NAME
 
 pytestmark = pytest.mark.slow
 
 
 def _ranks(pid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.Process(pid).children(recursive=True):
-        cmd = " ".join(p.cmdline())
-        if "spawn_main" in cmd and "resource_tracker" not in cmd:
-            out.append(p)
-    return out
+    """The replica processes under the supervisor ``pid`` (spawned, or forked from a fork server): by name."""
+    prefix = RANK_PROCESS_NAME.format(rank="")
+    return [p for p in psutil.Process(pid).children(recursive=True) if p.name().startswith(prefix)]
 
 
 @pytest.mark.timeout(600)

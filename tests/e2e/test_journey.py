@@ -22,6 +22,7 @@ import pytest
 from helpers import CLI
 from helpers import new_user_env as _env
 from starverse.providers.local import RANK_PROCESS_NAME
+from starverse.providers.reaper import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -39,25 +40,14 @@ def _run(args: list[str], tmp: Path, timeout: float = 120) -> subprocess.Complet
 def _rank_processes(launcher: int) -> list[int]:
     """The rank processes under the ``launcher`` process, oldest first (rank 0 starts first): its descendants
     named ``sv-rank<N>`` (children of the fork server the launcher started, or of the launcher with ``spawn``)."""
-    table = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    found = []
+    for pid, start in descendants(launcher).items():
         try:
-            stat = (d / "stat").read_text()
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        table[int(d.name)] = (int(fields[1]), comm, int(fields[19]))  # parent, name, starttime (field 22)
-
-    def under(pid: int) -> bool:
-        while pid in table and pid != launcher:
-            pid = table[pid][0]
-        return pid == launcher
-
-    found = [(start, pid) for pid, (_, comm, start) in table.items()
-             if comm.startswith(RANK_PROCESS_NAME.format(rank="")) and under(pid)]
+        if comm.startswith(RANK_PROCESS_NAME.format(rank="")):
+            found.append((start, pid))
     return [pid for _, pid in sorted(found)]
 
 

@@ -40,7 +40,7 @@ def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> No
     # the PCIe collective fraction is identified by two clusters of different cards (AMP's T4 nodes on AWS G
     # instances, Sailor's GeForce nodes; neither has PCIe peer-to-peer) and both give the same value
     # (within 0.045: since fp32 eager attention pays the unfused softmax's passes, Sailor's fp32 GeForce
-    # pipelines want a little more of the link than AMP's T4 nodes: 0.515 with both, 0.475 without Sailor)
+    # pipelines want a little more of the link than AMP's T4 nodes: 0.505 with both, 0.475 without Sailor)
     pcie = loso["fitted"]["PCIE_COLLECTIVE_FRACTION"]
     assert all(abs(v - pcie["all"]) < 0.045 for v in pcie["without"].values()), pcie
 
@@ -59,14 +59,16 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert nemolong["n"] == 9 and nemolong["meets"]["spearman"] is True
     assert nemolong["median_abs_error"] <= 0.19
     assert nemolong["meets"]["median_abs_error"] is False
-    # the mixed consumer cluster: ranking meets the target, the errors do not (open miss, reported as such;
-    # the median, 10.0 % before Sailor's GH200 runs moved the joint fit, is 13.0 % now: the Megatron-Core cases'
-    # TP overlap moved the sustained fraction, and with it the joint fit of the PCIe fraction)
+    # the mixed consumer cluster: ranking, median and p90 meet the targets since the OPT model is read as Sailor's
+    # OPTModelPipe builds it (no dropout, ReLU, untied head: 12.9 % / 26.3 % before); every run that ran fits
+    # (item 4; sailor-mit-n2-d2 was refused while dropout masks were charged); peak memory misses (open)
     sailor = held["sailor"]
     assert sailor["meets"]["spearman"] is True
-    assert sailor["median_abs_error"] <= 0.135
-    assert sailor["meets"]["p90_abs_error"] is False
-    assert set(sailor["failed_cases"]) == {"sailor-mit-n2-d2"}
+    assert sailor["median_abs_error"] <= 0.11
+    assert sailor["meets"]["p90_abs_error"] is True
+    assert sailor["failed_cases"] == [] and sailor["meets"]["fits_as_reported"] is True
+    assert sailor["meets"]["peak_memory"] is False and sailor["memory_median_abs_error"] <= 0.11
+    assert held["sailor_gh200"]["memory_max_abs_error"] <= 0.31  # 52 % with dropout masks charged
     # AMP's clusters held out (before the host-overhead, PCIe and gradient-reduce terms: medians 24 % / 17 %,
     # Spearman 0.56 / 0.35): 16 x T4 meets every target since Sailor's GH200 runs also identify the host's
     # launch time (4.5 % / 16 % / 0.97; 13.0 % / 27.5 % / 0.86 before), V100 + T4 the median (7.7 %); its p90

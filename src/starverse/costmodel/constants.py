@@ -67,7 +67,7 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.4353
+PRE_AMPERE_EFFICIENCY = 0.4408
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
@@ -130,7 +130,7 @@ of read 4 B + write 4 B than the one fused kernel (Sailor's Megatron-DeepSpeed r
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
 
-HOST_OVERHEAD_PER_LAYER_S = 3.779e-3
+HOST_OVERHEAD_PER_LAYER_S = 3.829e-3
 """Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
 hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
 server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
@@ -237,7 +237,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.5151
+PCIE_COLLECTIVE_FRACTION = 0.5057
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
@@ -297,9 +297,19 @@ RESERVED_GB = 2.0
 """Fixed device memory not available to tensors: CUDA context (~0.5-1 GB), NCCL buffers, cuBLAS/cuDNN
 workspaces."""
 
+NCCL_NVLINK_COMMUNICATOR_GB = {2: 0.544, 3: 0.688}
+"""Device memory one NCCL communicator takes on a GPU whose peers in it sit on the same NVLink node, by the
+number of ranks in it (2, or 3 and more): measured through PyTorch on 4 x A100 with NVLink after a 4 MB
+all-reduce in every possible group (NVIDIA/nccl#964: 544 MB for two ranks, 688 MB for more). NCCL's buffers grow
+with its channels (NCCL_BUFFSIZE 4 MiB Simple + LL128 + LL per channel and peer; NVIDIA/nccl#986: "linearly tied
+to the number of channels", many more over NVLink than over PCIe), so PCIe and network communicators stay
+within :data:`RESERVED_GB`. Hopper runs as many channels or more, so this is a lower bound there. Counted only
+where a reading covers the whole device (``validate.device_extra_gb``)."""
+
 FRAGMENTATION_FRACTION = 0.06
 """Caching-allocator fragmentation and transient buffers, as a fraction of device memory (PyTorch reports
-reserved - allocated of 5-10 % in long LLM runs)."""
+reserved - allocated of 5-10 % in long LLM runs); a device-wide reading (nvidia-smi, NVML) of a run is compared
+with the tensors times 1 + this fraction plus :data:`RESERVED_GB` (``validate.peak_reading_gb``)."""
 
 # --- precision ------------------------------------------------------------------------------------------
 

@@ -56,6 +56,50 @@ def uses_dropout(spec: Any) -> bool:
     return getattr(spec, "family", "") == "gpt2"
 
 
+def uses_attention_dropout(spec: Any) -> bool:
+    """Whether a model config drops attention probabilities (a 1-byte mask per s x s score is then stored):
+    its attention dropout field (``attn_pdrop``, ``attention_dropout``, ``attention_probs_dropout_prob``...)
+    > 0; without one, GPT-2's default (0.1) for a GPT-2 config, else :func:`uses_dropout`."""
+    cfg = dict(getattr(spec, "hf_config", {}) or {})
+    values = [float(v) for k, v in cfg.items()
+              if "drop" in str(k) and "att" in str(k) and isinstance(v, int | float) and not isinstance(v, bool)]
+    if values:
+        return any(v > 0 for v in values)
+    return uses_dropout(spec)
+
+
+RELU_NAMES = frozenset({"relu", "relu2", "reglu"})
+"""MLP activations whose backward needs only their output (``threshold_backward(grad, result)`` in PyTorch's
+``derivatives.yaml``): the output is also the down projection's saved input, so one ffn-wide tensor is stored
+per token instead of GELU/SiLU's two (input and output)."""
+
+
+LM_HEAD_ARCHITECTURE_MARKS = ("LMHead", "ForCausalLM", "ForConditionalGeneration", "ForMaskedLM")
+"""Parts of a transformers class name whose model ends in a vocabulary projection (``GPT2LMHeadModel``,
+``GPTNeoForCausalLM``); the bare models (``GPT2Model``, ``GPTNeoModel``) return the final hidden states."""
+
+
+def uses_lm_head(spec: Any) -> bool:
+    """Whether the model projects its final hidden states onto the vocabulary: yes unless the config's
+    ``architectures`` names only bare models (``GPT2Model``, ``GPTNeoModel``: no LM head, the loss then sees
+    the hidden states, as Sailor's Megatron-DeepSpeed ``GPTNeoModelPipe``, whose last layers are the final
+    LayerNorm and the loss)."""
+    cfg = dict(getattr(spec, "hf_config", {}) or {})
+    archs = [str(a) for a in cfg.get("architectures") or ()]
+    return not archs or any(mark in a for a in archs for mark in LM_HEAD_ARCHITECTURE_MARKS)
+
+
+def uses_relu(spec: Any) -> bool:
+    """Whether the (non-gated) MLP activation is ReLU (``activation_function``, ``hidden_act`` or
+    ``hidden_activation`` of the config)."""
+    cfg = dict(getattr(spec, "hf_config", {}) or {})
+    for key in ("activation_function", "hidden_act", "hidden_activation"):
+        value = cfg.get(key)
+        if isinstance(value, str):
+            return value.lower() in RELU_NAMES
+    return False
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a ``models.ModelSpec`` the cost model needs (plain ints, built once per search)."""
@@ -94,6 +138,13 @@ class ModelShape:
     """Rotary position embeddings (adds elementwise work on q and k)."""
     dropout: bool = True
     """Trains with dropout (1-byte masks stored per hidden activation)."""
+    attention_dropout: bool = True
+    """Drops attention probabilities (eager attention then stores a 1-byte mask and the dropped copy per score)."""
+    relu: bool = False
+    """The MLP activation is ReLU (one ffn-wide tensor stored per token, not two)."""
+    lm_head: bool = True
+    """The model ends in a vocabulary projection (:func:`uses_lm_head`); without one the last stage holds no
+    head weights, runs no head matmul and its loss covers the hidden states (time and memory alike)."""
 
     @classmethod
     def from_spec(cls, spec: Any) -> ModelShape:
@@ -113,9 +164,12 @@ class ModelShape:
             params_per_layer=int(spec.params_per_layer),
             active_params_per_layer=int(spec.active_params_per_layer),
             embedding_params=int(spec.embedding_params),
-            lm_head_params=int(spec.lm_head_params),
+            lm_head_params=int(spec.lm_head_params) if uses_lm_head(spec) else 0,
             rope=getattr(spec, "position", "") == "rope",
             dropout=uses_dropout(spec),
+            attention_dropout=uses_attention_dropout(spec),
+            relu=uses_relu(spec) and not spec.gated_mlp,
+            lm_head=uses_lm_head(spec),
         )
 
     @property

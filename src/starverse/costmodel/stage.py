@@ -146,6 +146,12 @@ class ModelNumbers:
     overlap_grad_reduce: bool = True
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
+    attention_dropout: bool = True
+    """Attention probabilities are dropped (``ModelShape.attention_dropout``)."""
+    relu: bool = False
+    """ReLU MLP (``ModelShape.relu``): one ffn-wide tensor stored per token."""
+    head: bool = True
+    """The model has an LM head (``ModelShape.lm_head``); without one the loss covers the hidden states."""
     cp: float = 1.0
     """Context-parallel degree: each rank holds ``seq_len / cp`` tokens of every sequence (``Group.cp``)."""
 
@@ -161,12 +167,18 @@ class ModelNumbers:
 
     def model_flops_per_token(self) -> float:
         """Model FLOPs per trained token (forward + backward = 3x forward, no recompute), incl. LM head."""
-        head = 2.0 * self.h * self.vocab
+        head = 2.0 * self.h * self.vocab if self.head else 0.0
         per_token = self.num_layers * self.layer_matmul_flops_per_token() + head
         if self.mode == "full":
             return 3.0 * per_token
         # frozen base: backward computes input gradients only (adapters are negligible)
         return 2.0 * per_token
+
+
+def loss_width(mn: ModelNumbers, t: FloatArray) -> FloatArray:
+    """Values per token and device the loss reads: the vocabulary's TP shard of the logits, or without an LM
+    head (``ModelNumbers.head``) the final hidden states, which every TP rank holds whole."""
+    return mn.vocab / t if mn.head else np.full_like(t, mn.h, dtype=np.float64)
 
 
 def attention_is_eager(mn: ModelNumbers, rows: StageRows) -> BoolArray:
@@ -230,7 +242,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         # the constants count 16-bit scores; fp32 training moves each score value in 4 bytes
         value_scale = bv / 2.0
         score_bytes = C.EAGER_SCORE_BYTES * value_scale + (
-            (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.dropout else 0.0)
+            (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.attention_dropout else 0.0)
         if bv >= 4.0:
             # fp32 scores: the fused softmax kernel is fp16/bf16 only; the torch path scales and masks apart
             score_bytes = score_bytes + C.EAGER_UNFUSED_SOFTMAX_BYTES
@@ -288,8 +300,8 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         # time to issue its kernels (launch-bound small layers and micro-batches)
         gemm_layer = gemm_layer + np.maximum(host_issue - (gemm_layer + elem_layer + tp_layer), 0.0)
 
-    head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm)
-    head_elem = tokens * (mn.vocab * C.CROSS_ENTROPY_BYTES_PER_LOGIT) / t / bw
+    head_gemm = gemm_time_s(tokens, mn.vocab / t, _f(h), rows, bv) * (1.0 + bwd_gemm) * float(mn.head)
+    head_elem = tokens * (loss_width(mn, t) * C.CROSS_ENTROPY_BYTES_PER_LOGIT) / bw
     emb_elem = tokens * (3.0 * h * bv) / bw
     if rows.measured_layer_s is not None and rows.measured_head_s is not None \
             and rows.measured_layer_forward_s is not None:
@@ -306,15 +318,20 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # stores no s x s scores, so selective recompute keeps the same bytes as none) -----------------
     # 2 norm inputs, QKV and MLP inputs (16 bit), 2 dropout masks (1 byte each, only with dropout)
     rep_act = 4.0 * h * bv + (2.0 * h if mn.dropout else 0.0)
-    split_act = ((mn.q_dim + 2.0 * mn.kv_dim) + mn.q_dim) * bv + (3.0 if mn.gated else 2.0) * mn.ffn * bv * max(
-        mn.top_k, 1.0)
+    # the MLP stores its activation's input and output (ReLU: the output only, also the down projection's input)
+    mlp_tensors = 3.0 if mn.gated else (1.0 if mn.relu else 2.0)
+    split_act = ((mn.q_dim + 2.0 * mn.kv_dim) + mn.q_dim) * bv + mlp_tensors * mn.ffn * bv * max(mn.top_k, 1.0)
     layer_act = tokens * (rep_act / tp_rep + split_act / t)
     if eager.any():
         # Korthikanti's 5as^2b: softmax output (2 B), dropout mask (1 B) and output (2 B) per score at
         # 16 bit (bv each for the two values in fp32); selective recompute drops exactly these
-        per_score = bv + (1.0 + bv if mn.dropout else 0.0)
+        per_score = bv + (1.0 + bv if mn.attention_dropout else 0.0)
         layer_act = layer_act + np.where(eager & (rows.recompute < 1),
                                          rows.micro_batch * heads * s * s / mn.cp * per_score, 0.0)
+    # backward of an eager attention materialises two more s x s tensors of one layer and micro-batch (the
+    # gradient of the probabilities from the context matmul and the softmax's input gradient) while the
+    # stored probabilities are still held (PyTorch: bmm and _softmax_backward_data allocate their outputs)
+    attn_transient = np.where(eager, 2.0 * rows.micro_batch * heads * s * s / mn.cp * bv, 0.0)
     layer_input = tokens * (h * bv) / tp_rep
     stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
 
@@ -359,6 +376,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         "emb_elem": emb_elem,
         "layer_act": layer_act,
         "stored_per_layer": stored_per_layer,
+        "attn_transient": attn_transient,
         "rc_full": rc_full,
         "bw": bw,
         "dp_bus": dp_bus,
@@ -435,7 +453,10 @@ def stage_totals(
     # recomputing a layer materialises its full activations for one micro-batch
     activations = activations + lc["rc_full"] * lc["layer_act"]
     activations = activations + fi * tokens * (h * bv) * in_flight
-    activations = activations + la * tokens * (mn.vocab * (bv + 4.0)) / t
+    # the peak: the last stage at the end of its forward holds the logits and the loss's fp32 softmax; once
+    # the head's backward has run they are freed, before the attention backward's transients of a layer
+    logits = la * tokens * (loss_width(mn, t) * (bv + 4.0))
+    activations = activations + np.maximum(logits, lc["attn_transient"])
 
     # ---- per-step work -----------------------------------------------------------------------------
     opt_params = trainable / shard_o

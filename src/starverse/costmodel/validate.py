@@ -11,7 +11,7 @@ import numpy as np
 from pydantic import Field
 
 from starverse.config import FrozenModel, parse, read_yaml, where
-from starverse.costmodel.constants import RESERVED_GB
+from starverse.costmodel.constants import FRAGMENTATION_FRACTION, NCCL_NVLINK_COMMUNICATOR_GB, RESERVED_GB
 from starverse.errors import ConfigError, StarverseError
 from starverse.plan import Plan, _resolve_model_path
 
@@ -143,6 +143,47 @@ def load_case(path: Path) -> LoadedCase:
     return LoadedCase(path.stem, str(path), source_of(path), plan, spec, case.measured)
 
 
+def peak_reading_gb(need_gb: float, scope: str) -> float:
+    """What a memory reading of ``scope`` shows for an estimated need (tensors + ``RESERVED_GB``):
+    ``allocated`` (``torch.cuda.max_memory_allocated``) the tensors alone; ``device`` (NVML / nvidia-smi
+    ``memory.used``) the whole reserve plus the caching allocator's cached-but-free blocks, which grow with
+    what it hands out (``FRAGMENTATION_FRACTION`` of the tensors)."""
+    tensors = need_gb - RESERVED_GB
+    if scope == "allocated":
+        return tensors
+    return tensors * (1.0 + FRAGMENTATION_FRACTION) + RESERVED_GB
+
+
+def nvlink_communicators(tp: int, replicas: int, stages: int, devices_per_node: int) -> list[int]:
+    """Ranks of each NCCL communicator that one device of a Megatron-DeepSpeed pipeline stage shares with
+    NVLink peers on its node (ranks laid out TP fastest, then data parallel, then pipeline): Megatron's
+    tensor-parallel group (all-reduces every layer); DeepSpeed's pipeline grid's model-parallel group
+    (tp x stages ranks: the engine all-reduces the parameter count over it at start, ``pipe/engine.py``);
+    the world group (the pipe engine's ``dist.barrier()`` after the tied-gradient reduce of every step in
+    Sailor's ``deepspeed/pipe_engine.py``); the data-parallel group and the pipeline neighbours' groups when
+    their ranks share the node. Each appears where it holds at least two of the node's ranks."""
+    world = tp * replicas * stages
+    on_node = min(world, devices_per_node)
+    groups = [(tp, tp), (tp * stages, min(tp * stages, on_node)), (world, on_node),
+              (replicas, min(replicas, max(devices_per_node // tp, 1))),
+              (2, 2 if stages > 1 and tp * replicas * 2 <= devices_per_node else 1)]
+    return [size for size, local in groups if size >= 2 and local >= 2]
+
+
+def device_extra_gb(case: LoadedCase, group: int, stage: int, catalog: Any) -> float:
+    """Device memory a whole-device reading holds beyond the estimate's need: the buffers of the NCCL
+    communicators the stage's device shares with NVLink peers (``NCCL_NVLINK_COMMUNICATOR_GB`` each; none
+    on PCIe or single-device nodes)."""
+    g = case.plan.groups[group]
+    st = g.expanded_stages()[stage]
+    acc = catalog.accelerator(st.accelerator)
+    if acc.intra_node_link != "nvlink":
+        return 0.0
+    dpn = case.plan.network.devices_per_node.get(acc.id, acc.devices_per_node)
+    sizes = nvlink_communicators(st.tp, g.replicas, len(g.expanded_stages()), dpn)
+    return sum(NCCL_NVLINK_COMMUNICATOR_GB[min(n, 3)] for n in sizes)
+
+
 def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
     """Estimate a loaded case and compare (see :func:`run_case`)."""
     from starverse.costmodel.step import estimate
@@ -154,9 +195,14 @@ def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
         return CaseResult(case.name, case.path, None, measured, False,
                           reason=f"{where(case.path, getattr(e, 'loc', None))}: {e}",
                           source=case.source)
-    peak = max(s.total_gb for g in est.groups for s in g.stages)
-    if case.measured.peak_memory_scope == "allocated":
-        peak -= RESERVED_GB
+    need, gi, si = max((s.total_gb, gi, si) for gi, g in enumerate(est.groups) for si, s in enumerate(g.stages))
+    peak = peak_reading_gb(need, case.measured.peak_memory_scope)
+    if case.measured.peak_memory_scope == "device":
+        if catalog is None:
+            from starverse.catalog import load_catalog
+
+            catalog = load_catalog()
+        peak += device_extra_gb(case, gi, si, catalog)
     oom = case.measured.out_of_memory
     result = CaseResult(case.name, case.path, est.tokens_per_s, measured, est.fits, source=case.source,
                         predicted_memory_gb=peak, measured_memory_gb=case.measured.peak_memory_gb,

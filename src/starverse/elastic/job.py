@@ -196,6 +196,10 @@ class TrainJob(FrozenModel):
     replace_after_s: float | None = Field(default=None, ge=0)
     """``recovery: in-place``: start a replacement for a lost replica (same device) after this many seconds; it
     joins at a step boundary with the live state of a peer (null: the survivors go on alone)."""
+    warm_spares: bool | None = None
+    """``recovery: in-place`` with ``replace_after_s``: keep a warm spare (a started replica process or Ray actor that
+    loaded the model) per device kind, activated on a loss (null: on with the local launcher, off on Ray, where a
+    spare holds a bundle of the cluster for the whole run). See docs/ray.md."""
     billing: BillingSettings = Field(default_factory=BillingSettings)
     """Ledger and budgets."""
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)

@@ -146,13 +146,14 @@ class PreparedJob:
         :class:`~starverse.jobs.ledger.InplaceAccounting`)."""
         job = self.job
         # a plan in-place recovery does not run falls back to checkpoint-restart with one line (Trainer.fit)
+        # warm spares unless the job says no locally; on Ray only when it says yes (a spare holds a bundle)
         if launcher == "local":
-            launcher = InplaceLauncher(replace_after_s=job.replace_after_s)
+            launcher = InplaceLauncher(replace_after_s=job.replace_after_s, warm_spares=job.warm_spares is not False)
         else:
             from starverse.providers.ray import RayLauncher
             from starverse.providers.ray_inplace import RayInplaceLauncher
 
-            launcher = RayInplaceLauncher(replace_after_s=job.replace_after_s,
+            launcher = RayInplaceLauncher(replace_after_s=job.replace_after_s, warm_spares=bool(job.warm_spares),
                                           ray=launcher if isinstance(launcher, RayLauncher) else RayLauncher())
         billing = self.callbacks.billing
         if billing is not None and billing.ledger_path is not None:

@@ -143,6 +143,13 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
+def _started_by(server: int, launcher_pid: int) -> bool:
+    """Whether process ``server`` (a rank's parent) is a child of the launcher; without ``/proc`` (not Linux):
+    whether it is a parent at all (not init, which adopted the rank of a launcher that died)."""
+    parent = _parent_of(server)
+    return parent == launcher_pid if parent is not None else server != 1
+
+
 def _drop_server_pipe() -> None:
     """In a rank forked from the server: close its copy of the server's "alive" pipe, so that the server sees
     the end of the pipe -- and exits, taking the ranks with it -- once the launcher is gone."""
@@ -174,7 +181,7 @@ def die_with_parent(launcher_pid: int) -> int:
             log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); the heartbeat still ends this rank",
                         ctypes.get_errno())
     # the parent died between the fork and the prctl, or it is a fork server whose launcher is gone
-    if os.getppid() != parent or (parent != launcher_pid and _parent_of(parent) not in (launcher_pid, None)):
+    if os.getppid() != parent or (parent != launcher_pid and not _started_by(parent, launcher_pid)):
         os._exit(1)
     return parent
 
@@ -247,9 +254,9 @@ def _main_is_guarded(path: str) -> bool:
 
 @contextlib.contextmanager
 def _main_reimport_guard() -> Iterator[None]:
-    """Keep spawned ranks from re-running an unguarded user script.
+    """Keep ranks from re-running an unguarded user script.
 
-    ``spawn`` re-imports the parent's main script in every child (to find classes defined there). A
+    ``spawn`` and the fork server re-import the parent's main script in every child (to find classes defined there). A
     script written without ``if __name__ == "__main__":`` -- like the product brief's five lines --
     would then start training again inside each rank. For such scripts the main module is hidden while
     the ranks start; classes defined in them are then not importable in the ranks (define them in a
@@ -269,7 +276,7 @@ def _main_reimport_guard() -> Iterator[None]:
 
 @dataclass
 class LocalLauncher:
-    """Runs ``fn(rank_env, *args)`` in one spawned process per rank on this machine (``launcher="local"``)."""
+    """Runs ``fn(rank_env, *args)`` in one process per rank on this machine (``launcher="local"``)."""
 
     heartbeat_s: float = 1.0
     """How often each rank stamps its heartbeat (and checks that its parent is alive)."""

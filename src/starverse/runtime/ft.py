@@ -14,13 +14,16 @@ One step, on every replica (:meth:`ReplicaTrainer.try_step`):
    joins late (a replacement, a device back) has a lower step; torchft *heals* it here: it receives the
    live weights, optimizer, schedule, sampler position and shares from a peer (``PGTransport``: over the
    process group, no extra listener) and joins at this step boundary.
-2. **roster**: one small all-reduce: every participant's replica index and measured time per micro-batch,
-   so every participant computes the same shares (:func:`replica_shares`: the current ones while the
+2. **roster**, only when the membership changed (a new quorum id: a loss, a join, a failed step; else the last
+   step's members and shares stand): one small all-reduce of every participant's replica index and measured
+   time per micro-batch, so every participant computes the same shares (:func:`replica_shares`: the current ones while the
    membership is unchanged, the rebalancer's split of the *whole* global batch over the participants when it
    changed, so a lost replica's share is redistributed and the global batch stays exact).
 3. **forward/backward** of this replica's slice of the global batch, each micro-batch's loss scaled by
    ``micro_batch / global_batch``; the gradients and every participant's loss part and times are summed in
-   one all-reduce (``Manager.allreduce``, SUM).
+   one all-reduce (``Manager.allreduce``, SUM) in the gradients' dtype (fp32), as the restart path sums them.
+   A replica whose all-reduce failed aborts its process group at once (:meth:`TorchftSync.allreduce_sum`), so
+   a survivor waiting on it fails too instead of at the collective timeout.
 4. **commit** (``Manager.should_commit``): if any participant failed the step (a peer died mid-collective),
    no one applies it: the sampler is rewound and the same global batch is redone with the new quorum's
    shares. Else clip, AdamW, schedule: the update equals a single process's step on the same global batch.
@@ -38,6 +41,7 @@ This module imports only torch, torchft and the runtime (never elastic, provider
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -148,6 +152,8 @@ class ReplicaTrainer:
     """Started after the job began (a replacement): it must receive the live state from a peer."""
     failed_at: float | None = None
     """When this replica's last attempt at a step failed (None: the last one committed)."""
+    committed_quorum: int = -1
+    """The quorum id of the last step this replica committed (-1: none yet; a joiner's first step has a new one)."""
     ready_at: float = 0.0
     """When this replica's torchft manager was up (process started or spare activated, model built)."""
 
@@ -244,14 +250,17 @@ class ReplicaTrainer:
                 self.note({"event": "requorum", "step": ctx.step + 1, "members_before": self.members,
                            "participants": q.size, "failed_at": self.failed_at})
         self.failed_at = None
-        roster_t = torch.zeros(q.size, 2, dtype=torch.float64)
-        tpm = float(np.median(self.my_times)) if self.my_times else 0.0
-        roster_t[q.rank] = torch.tensor([float(self.replica_index), tpm], dtype=torch.float64)
-        if not sync.allreduce_sum(roster_t):  # a peer died before the step began: new quorum, same step
-            return self.redo(sync)
-        roster = [(round(float(r[0])), float(r[1])) for r in roster_t]
-        members = [r for r, _ in roster]
-        shares = replica_shares(self.num_micro, roster, ctx.shares, self.members, self.min_share)
+        if self.members is not None and q.quorum_id >= 0 and q.quorum_id == self.committed_quorum:
+            members, shares = self.members, list(ctx.shares)  # the last step's members: no roster needed
+        else:
+            roster_t = torch.zeros(q.size, 2, dtype=torch.float64)
+            tpm = float(np.median(self.my_times)) if self.my_times else 0.0
+            roster_t[q.rank] = torch.tensor([float(self.replica_index), tpm], dtype=torch.float64)
+            if not sync.allreduce_sum(roster_t):  # a peer died before the step began: new quorum, same step
+                return self.redo(sync)
+            roster = [(round(float(r[0])), float(r[1])) for r in roster_t]
+            members = [r for r, _ in roster]
+            shares = replica_shares(self.num_micro, roster, ctx.shares, self.members, self.min_share)
         sampler_state = ctx.sampler.state_dict()
         batch_idx = ctx.sampler.next_indices(job.global_batch)
         start = sum(shares[: q.rank]) * job.micro_batch
@@ -264,10 +273,13 @@ class ReplicaTrainer:
         compute_s = time.perf_counter() - tc
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        stats = torch.zeros(q.size, 4, dtype=torch.float64)
+        # one buffer in the gradients' dtype (at least fp32), as the restart path's buckets; each stats row has one
+        # non-zero contributor, so its sum is exact
+        dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads], torch.float32)
+        stats = torch.zeros(q.size, 4, dtype=dtype)
         stats[q.rank] = torch.tensor([loss_part, compute_s, time.perf_counter() - t0,
-                                      0.0 if ctx.stop_reason is None else 1.0], dtype=torch.float64)
-        flat = torch.cat([torch.cat([g.reshape(-1).double() for g in grads]), stats.reshape(-1)])
+                                      0.0 if ctx.stop_reason is None else 1.0], dtype=dtype)
+        flat = torch.cat([*(g.reshape(-1).to(dtype) for g in grads), stats.reshape(-1)])
         sync.allreduce_sum(flat)
         if not sync.commit():
             ctx.sampler.load_state_dict(sampler_state)
@@ -282,7 +294,7 @@ class ReplicaTrainer:
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = summed[offset: offset + n].view_as(p).to(p.dtype).clone()
+            p.grad = summed[offset: offset + n].view_as(p).to(p.dtype)  # a view of the sum when the dtypes agree
             offset += n
         norm = self.clip(params)
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -297,6 +309,7 @@ class ReplicaTrainer:
         if shares[q.rank]:
             self.my_times.append(compute_s / shares[q.rank])
         self.record(q, shares, members, stats, lr, float(norm), loss)
+        self.committed_quorum = q.quorum_id
         return True
 
     def redo(self, sync: ReplicaSync) -> bool:

@@ -106,6 +106,9 @@ class Quorum:
     """This replica's position among the participants (0: the leader)."""
     size: int
     """Number of participants."""
+    quorum_id: int = -1
+    """The Lighthouse's id of this membership: it changes whenever the members change or a step failed, so a step
+    whose id is the last committed step's has the same members in the same order (-1: unknown)."""
 
 
 class ReplicaSync(Protocol):
@@ -170,7 +173,8 @@ class TorchftSync:
         rank = m.participating_rank()
         if rank is None:
             raise ConfigError("torchft put this replica outside the quorum (spare replicas are not used).")
-        return Quorum(rank=rank, size=m.num_participants())
+        # torchft 0.2.0 keeps the id private (_quorum_id: set by every quorum, the process group reconfigured on change)
+        return Quorum(rank=rank, size=m.num_participants(), quorum_id=int(m._quorum_id))
 
     def allreduce_sum(self, t: torch.Tensor) -> bool:
         """See :class:`ReplicaSync`."""

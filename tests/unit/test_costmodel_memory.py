@@ -1,0 +1,117 @@
+"""Peak memory terms of the cost model: what the model config says is stored (attention dropout, ReLU) and the
+transients at the peak (issue 9: peak memory; a plan flagged as fitting must fit)."""
+
+from __future__ import annotations
+
+import pytest
+
+from starverse.catalog import load_catalog
+from starverse.config import parse
+from starverse.costmodel import ModelShape, estimate
+from starverse.models import load_model
+from starverse.plan import Plan
+
+CAT = load_catalog()
+H, S, HEADS, F, V = 1024, 2048, 16, 4096, 50272
+
+
+def raw(layers: int, **cfg: object) -> dict[str, object]:
+    return {"model_type": "gpt2", "n_embd": H, "n_layer": layers, "n_head": HEADS, "n_inner": F, "vocab_size": V,
+            "n_positions": S} | cfg
+
+
+def opt(layers: int, **cfg: object) -> ModelShape:
+    return ModelShape.from_spec(load_model(raw(layers, **cfg)))
+
+
+SAILOR_OPT = {"activation_function": "relu", "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+              "tie_word_embeddings": False}
+"""OPT-350M as Sailor's Megatron-DeepSpeed ``OPTModelPipe`` builds it (no dropout call, F.relu, its own head)."""
+
+
+def activations(model: dict[str, object], tp: int, b: int, stage_layers: list[int], precision: str = "fp32",
+                attention: str = "eager") -> list[float]:
+    """Activation bytes of each stage of one pipeline of two micro-batches per step (1F1B)."""
+    spec = load_model(model)
+    stages = [{"accelerator": "rtx-3090", "tp": tp, "layers": n} for n in stage_layers]
+    plan = parse(Plan, {"model": "x", "train": {"seq_len": S, "global_batch": 2 * b, "precision": precision,
+                                                "attention": attention, "schedule": "1f1b"},
+                        "groups": [{"replicas": 1, "micro_batch": b, "stages": stages}]}, "t.yaml")
+    return [st.activations_gb * 1e9 for st in estimate(plan, CAT, spec).groups[0].stages]
+
+
+def test_the_config_says_what_dropout_and_activation_store() -> None:
+    plain = opt(2)
+    assert plain.dropout and plain.attention_dropout and not plain.relu  # GPT-2's defaults: 0.1, gelu_new
+    sailor = opt(2, **SAILOR_OPT)
+    assert not sailor.dropout and not sailor.attention_dropout and sailor.relu
+    neo = opt(2, attn_pdrop=0.0, resid_pdrop=0.1)  # Sailor's GPT-Neo: residual dropout only
+    assert neo.dropout and not neo.attention_dropout
+    llama = ModelShape.from_spec(load_model("llama-2-7b"))
+    assert not llama.relu and llama.gated_mlp
+
+
+def test_relu_without_dropout_stores_what_pytorch_saves_per_layer() -> None:
+    # per token and layer, fp32: the two norm inputs and outputs (4h, replicated under TP); q, k, v and the
+    # context (4h / t); ReLU's output only (f / t: threshold_backward needs the result, which is also the down
+    # projection's input); eager attention: the softmax output, one value per score (b a s^2 / t)
+    tp, b, bv = 2, 2, 4.0
+    per_layer = activations(raw(3, **SAILOR_OPT), tp, b, [3])[0] - activations(raw(2, **SAILOR_OPT), tp, b, [2])[0]
+    tokens = b * S
+    expected = tokens * (4 * H * bv + (4 * H + F) * bv / tp) + b * HEADS * S * S / tp * bv
+    assert per_layer == pytest.approx(expected)
+    # GPT-2's defaults add the GELU input, two hidden dropout masks and, per score, a mask and the dropped copy
+    per_layer_gpt2 = activations(raw(3), tp, b, [3])[0] - activations(raw(2), tp, b, [2])[0]
+    assert per_layer_gpt2 - per_layer == pytest.approx(tokens * (F * bv / tp + 2 * H)
+                                                       + b * HEADS * S * S / tp * (1 + bv))
+
+
+def test_the_peak_holds_one_layers_attention_backward_or_the_logits() -> None:
+    # a stage without the LM head peaks in a layer's eager attention backward: two more s x s tensors of one
+    # micro-batch (the probabilities' gradient and the softmax's input gradient); with flash attention none
+    tp, b, bv = 4, 8, 4.0
+    tokens = b * S
+    scores = b * HEADS * S * S / tp * bv
+
+    def layer(value_bytes: float) -> float:
+        return tokens * (4 * H + (4 * H + F) / tp) * value_bytes
+
+    first, last = activations(raw(4, **SAILOR_OPT), tp, b, [2, 2])
+    embedding_out = 2 * tokens * H * bv  # two micro-batches in flight on the first stage
+    assert first == pytest.approx(2 * 2 * (layer(bv) + scores) + embedding_out + 2 * scores)
+    first_flash = activations(raw(4, **SAILOR_OPT), tp, b, [2, 2], precision="bf16", attention="flash")[0]
+    assert first_flash == pytest.approx(2 * 2 * layer(2.0) + 2 * tokens * H * 2.0)
+    # the last stage: the logits and the loss's fp32 softmax are freed before the attention backward starts, so
+    # the peak is the larger of the two, not their sum
+    logits = tokens * V / tp * (bv + 4)
+    assert logits > 2 * scores
+    assert last == pytest.approx(2 * (layer(bv) + scores) + logits)
+
+
+def test_a_model_without_lm_head_has_no_head_weights_matmul_or_vocabulary_logits() -> None:
+    # Sailor's GPTNeoModelPipe ends in the final LayerNorm and the loss (no head): its config names the bare
+    # GPT2Model; GPT2LMHeadModel (or no architectures at all) keeps the head
+    assert opt(2).lm_head and opt(2, architectures=["GPT2LMHeadModel"]).lm_head
+    bare = opt(2, architectures=["GPT2Model"], **SAILOR_OPT)
+    assert not bare.lm_head and bare.lm_head_params == 0
+    assert opt(2, **SAILOR_OPT).lm_head_params == V * H
+    tp, b = 4, 8
+    tokens = b * S
+    headed = activations(raw(4, **SAILOR_OPT), tp, b, [2, 2], precision="bf16", attention="flash")[1]
+    headless = activations(raw(4, architectures=["GPT2Model"], **SAILOR_OPT), tp, b, [2, 2], precision="bf16",
+                           attention="flash")[1]
+    # the loss reads the whole hidden state on every TP rank instead of the vocabulary's shard of the logits
+    assert headed - headless == pytest.approx(tokens * (V / tp - H) * (2.0 + 4.0))
+
+    def last_stage(model: dict[str, object]) -> tuple[float, float]:
+        plan = parse(Plan, {"model": "x", "train": {"seq_len": S, "global_batch": 2 * b, "precision": "bf16"},
+                            "groups": [{"replicas": 1, "micro_batch": b, "stages": [
+                                {"accelerator": "h100-80gb-sxm", "tp": tp, "layers": 2},
+                                {"accelerator": "h100-80gb-sxm", "tp": tp, "layers": 2}]}]}, "t.yaml")
+        est = estimate(plan, CAT, load_model(model))
+        return est.groups[0].stages[1].weights_gb, est.tokens_per_s
+
+    (w_head, t_head), (w_bare, t_bare) = last_stage(raw(4, **SAILOR_OPT)), last_stage(
+        raw(4, architectures=["GPT2Model"], **SAILOR_OPT))
+    assert w_head - w_bare == pytest.approx(V * H / tp * 2.0 / 1e9)  # the head's bf16 shard
+    assert t_bare > t_head  # no head matmul (forward and backward): more tokens per second
