@@ -61,7 +61,7 @@ IntArray = npt.NDArray[np.int64]
 MAX_LEAVES = 8_000
 """Exact leaf evaluations (block orders) per search; when reached, the search stops with the bound gap
 reported and ``SearchStats.pipelines_proven`` False."""
-MAX_NODES = 250_000
+MAX_NODES = 400_000
 """Branch-and-bound children bounded per search (every stage count of every kind of a node's offer: a few
 hundred per node, a few microseconds each); reaching it stops the search as ``MAX_LEAVES`` does."""
 
