@@ -1,11 +1,13 @@
 """How ranks start (providers/local.py): forked from a fork server by default on Linux, ``spawn`` on request.
 
 A forked rank runs with the launcher's environment of the moment (not the server's, frozen when it started),
-never outlives a launcher killed with SIGKILL (nor does the server), and a bad start method is one clear error.
+never outlives a launcher killed with SIGKILL (nor does the server; the ranks do not wait for the server's exit),
+and a bad start method is one clear error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -83,6 +85,21 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE  # a rank of a stopped server stays a zombie: it is dead
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _left(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` still running after up to 30 s."""
+    deadline = time.monotonic() + 30
+    while (alive := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
 @pytest.mark.skipif(not LINUX, reason="a rank's death with its parent is Linux's PR_SET_PDEATHSIG")
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_no_rank_outlives_a_launcher_killed_with_sigkill(tmp_path, method):
@@ -91,6 +108,7 @@ def test_no_rank_outlives_a_launcher_killed_with_sigkill(tmp_path, method):
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, START_METHOD_ENV: method}
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path)
+    server = None
     try:
         deadline = time.monotonic() + 240
         while not all((tmp_path / f"rank{r}").is_file() for r in range(2)):
@@ -105,12 +123,25 @@ def test_no_rank_outlives_a_launcher_killed_with_sigkill(tmp_path, method):
         else:  # both ranks were forked by the one server, a child of the launcher
             (server,) = parents
             assert server != proc.pid and psutil.Process(server).ppid() == proc.pid
-            procs.append(psutil.Process(server))
+            # a stopped server cannot exit: the ranks' heartbeats must see the launcher gone by themselves
+            os.kill(server, signal.SIGSTOP)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        _, alive = psutil.wait_procs(procs, timeout=30)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert alive == [], f"outlived their launcher: {alive}"
+        assert _left(procs) == [], "ranks outlived their launcher"
+        if method == "forkserver":
+            os.kill(server, signal.SIGCONT)
+            assert _left([psutil.Process(server)]) == [], "the fork server outlived its launcher"
     finally:
         if proc.poll() is None:
             proc.kill()
+        if server is not None:  # never leave a stopped server behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server, signal.SIGKILL)
+
+
+def test_the_servers_fast_exit_is_inert_outside_the_server():
+    """``forkserver_exit`` ends the server with ``os._exit`` at shutdown; imported anywhere else it must do nothing
+    (an ``os._exit`` registered with atexit would skip the process's earlier exit handlers, like this one)."""
+    code = "import atexit; atexit.register(print, 'atexit ran'); import starverse.providers.forkserver_exit"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "atexit ran\n"), out.stderr

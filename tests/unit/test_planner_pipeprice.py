@@ -99,9 +99,12 @@ def test_per_price_bound_is_never_below_a_pipeline_of_those_blocks(seed):
     m = rng.randint(1, 16)
     tau0 = rng.uniform(0.1, 2.0)
     work, extra, sum_lb = 1000.0, rng.uniform(0.0, 2.0), rng.uniform(0.0, 5.0)
+    kept: list[np.ndarray] = []
     ub, lo, hi = pipeprice.per_price_ub(work, m, tau0, sum_lb, extra, kt, groups, total, 2,
-                                        target=rng.choice([np.inf, rng.uniform(1.0, 200.0)]))
+                                        target=rng.choice([np.inf, rng.uniform(1.0, 200.0)]), suffix=kept)
     suffix = pipeprice.suffix_tables(hi, kt, groups, total)
+    if lo.size:  # the knapsack's states on the way are the suffix tables (all but groups[0:], never read)
+        assert np.array_equal(kept[0][1:], suffix[1:])
     node = pipeprice.node_per_price(work, m, lo, hi, suffix[0], np.array([tau0]), sum_lb, np.array([extra]),
                                     np.zeros(1), np.zeros((1, lo.size)), total, np.array([2]))[0]
     for _ in range(12):

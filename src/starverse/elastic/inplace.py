@@ -28,7 +28,6 @@ Lighthouse. Unlike the local launcher it does not fail fast on a lost replica:
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -43,6 +42,7 @@ from starverse.providers.local import (
     _main_reimport_guard,
     _rank_entry,
     _stop_all,
+    rank_context,
     signal_processes,
 )
 from starverse.runtime.ft_group import (
@@ -200,7 +200,7 @@ class InplaceLauncher:
         ranks = self._begin(ranks)
         members = replica_members(ranks)
         lighthouse, barrier, extra = self._coordination(len(ranks), collective_timeout_s)
-        run = _Run(self, ranks, fn, args, collective_timeout_s, mp.get_context("spawn"), extra, barrier, members)
+        run = _Run(self, ranks, fn, args, collective_timeout_s, rank_context(), extra, barrier, members)
         multi = any(len(m) > 1 for m in members.values())
         try:
             with _main_reimport_guard():

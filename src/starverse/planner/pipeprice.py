@@ -105,13 +105,20 @@ def price_curves(taus: FloatArray, kt: KindTables, groups: list[Group], need: in
             else np.full((g, n), np.inf) for e, m in zip(ends, ok, strict=True)]
 
 
-def least_price(curves: list[FloatArray], mandatory: list[bool], need: int, min_blocks: int) -> FloatArray:
+def least_price(curves: list[FloatArray], mandatory: list[bool], need: int, min_blocks: int,
+                keep: list[FloatArray] | None = None) -> FloatArray:
     """(G,): the least total price of one block per mandatory curve and at most one per other curve
-    (:func:`price_curve`) holding ``need`` layers together, with at least ``min_blocks`` (≤ 2) blocks."""
+    (:func:`price_curve`) holding ``need`` layers together, with at least ``min_blocks`` (≤ 2) blocks.
+    ``keep``: receives the tables of :func:`suffix_tables` on the way (with no curve, then after each but
+    the last: the least prices of the curves added so far, with at least 0, 1, 2 blocks)."""
     g = curves[0].shape[0] if curves else 1
     f = _empty(g, need)
     for cur, must in zip(curves[:-1], mandatory[:-1], strict=True):
+        if keep is not None:
+            keep.append(_at_least(f))
         f = _add(f, cur, must)
+    if keep is not None:
+        keep.append(_at_least(f))
     last = f[:, :, need]
     if curves:  # the last group only at ``need``: its block at capacity ≥ d, the rest holding ≥ need - d
         with_ = (f[:, :, ::-1] + curves[-1][None, :, :]).min(axis=2)  # (states before it, G)
@@ -147,14 +154,19 @@ def _add(f: FloatArray, cur: FloatArray, must: bool) -> FloatArray:
     return np.asarray(np.minimum.accumulate(new[:, :, ::-1], axis=2)[:, :, ::-1])  # ≥ c implies ≥ c - 1
 
 
+def _at_least(f: FloatArray) -> FloatArray:
+    """The knapsack's states with at least 0, 1, 2 blocks (from exactly 0, 1, 2+)."""
+    return np.asarray(np.minimum.accumulate(f[::-1], axis=0)[::-1])
+
+
 def suffix_tables(taus: FloatArray, kt: KindTables, groups: list[Group], need: int) -> FloatArray:
     """(groups + 1, 3, G, need + 1): ``out[l, k]`` is the least price of optional blocks of ``groups[l:]``
     holding at least ``c`` layers with at least ``k`` (0, 1, 2) blocks under each bottleneck of ``taus``."""
     f = _empty(taus.shape[0], need)
-    out = [np.minimum.accumulate(f[::-1], axis=0)[::-1]]
+    out = [_at_least(f)]
     for cur in price_curves(taus, kt, groups, need)[::-1]:
         f = _add(f, cur, False)
-        out.append(np.minimum.accumulate(f[::-1], axis=0)[::-1])  # at least k blocks
+        out.append(_at_least(f))
     return np.stack(out[::-1])
 
 
@@ -167,24 +179,36 @@ UNITS = 80
 
 
 def _refine(work: float, m: int, tau0: float, sum_lb: float, extra: float, kt: KindTables,
-            groups: list[Group], need: int, min_blocks: int, target: float, exact: bool = True
-            ) -> tuple[FloatArray, FloatArray, FloatArray, float]:
+            groups: list[Group], need: int, min_blocks: int, target: float, exact: bool = True,
+            suffix: list[FloatArray] | None = None) -> tuple[FloatArray, FloatArray, FloatArray, float]:
     """:func:`per_price_ub`'s intervals (the last one ``[τ_end, ∞]``), the least price at their upper ends,
     and the least step × price over them (inf: nothing fits). ``exact``: the knapsack's least price, else
-    its fractional relaxation (:func:`fractional_price`, about a hundred times cheaper)."""
+    its fractional relaxation (:func:`fractional_price`, about a hundred times cheaper). ``suffix``: where
+    the knapsack counts whole layers over optional groups, receives :func:`suffix_tables` at the upper ends
+    (the knapsack runs the groups last first, so its states on the way are those tables)."""
     mand = [gr.mandatory for gr in groups]
     unit = max(1, -(-need // UNITS))
     units = -(-need // unit)
+    keep = suffix is not None and exact and unit == 1 and not any(mand)
+    tabs: list[FloatArray] = []  # per call of ``prices``: (groups + 1, 3, points, need + 1)
 
     def prices(taus: FloatArray) -> FloatArray:
         if not exact:
             return fractional_price(taus, kt, groups, np.full(taus.shape, float(need)))
-        return least_price(price_curves(taus, kt, groups, units, unit), mand, units, min_blocks)
+        curves = price_curves(taus, kt, groups, units, unit)
+        if not keep:
+            return least_price(curves, mand, units, min_blocks)
+        got: list[FloatArray] = []
+        p = least_price(curves[::-1], mand[::-1], units, min_blocks, got)
+        # ``got``: groups[n:], groups[n - 1:], …, groups[1:]; groups[0:] is never read (a placeholder)
+        tabs.append(np.stack([np.full_like(got[0], np.inf), *got[::-1]]))
+        return p
 
     def step(tau: FloatArray) -> FloatArray:
         return fill_steps(m, tau) + np.maximum(tau, sum_lb) + extra
 
     p_inf = float(prices(np.array([np.inf]))[0])
+    t_inf = tabs[-1] if keep else None
     if not np.isfinite(p_inf) or not np.isfinite(tau0):
         return np.zeros(0), np.zeros(0), np.zeros(0), np.inf
     tau0 = max(tau0, 1e-12)
@@ -195,6 +219,7 @@ def _refine(work: float, m: int, tau0: float, sum_lb: float, extra: float, kt: K
     edges = tau0 * (tau_end / tau0) ** (np.arange(9) / 8.0)
     lo, hi = edges[:-1], edges[1:]
     p_hi = prices(hi)
+    t_hi = tabs[-1] if keep else None
     used = hi.size
     while True:
         lb = step(lo) * p_hi
@@ -212,14 +237,21 @@ def _refine(work: float, m: int, tau0: float, sum_lb: float, extra: float, kt: K
         new_hi = np.concatenate([inner, s_hi[:, None]], axis=1).ravel()
         new_p = np.concatenate([p_in, p_hi[sel][:, None]], axis=1).ravel()
         lo, hi, p_hi = np.r_[lo[~sel], new_lo], np.r_[hi[~sel], new_hi], np.r_[p_hi[~sel], new_p]
+        if t_hi is not None:  # the same rows as ``p_hi``
+            t_in = tabs[-1].reshape(*t_hi.shape[:2], k, 3, t_hi.shape[3])
+            t_new = np.concatenate([t_in, t_hi[:, :, sel][:, :, :, None]], axis=3).reshape(
+                *t_hi.shape[:2], 4 * k, t_hi.shape[3])
+            t_hi = np.concatenate([t_hi[:, :, ~sel], t_new], axis=2)
         used += 3 * k
     ps = min(float((step(lo) * p_hi).min()), tail)
+    if suffix is not None and t_hi is not None:
+        suffix.append(np.concatenate([t_hi, t_inf], axis=2))
     return np.r_[lo, tau_end], np.r_[hi, np.inf], np.r_[p_hi, p_inf], ps
 
 
 def per_price_ub(work: float, m: int, tau0: float, sum_lb: float, extra: float, kt: KindTables,
-                 groups: list[Group], need: int, min_blocks: int, target: float = np.inf, exact: bool = True
-                 ) -> tuple[float, FloatArray, FloatArray]:
+                 groups: list[Group], need: int, min_blocks: int, target: float = np.inf, exact: bool = True,
+                 suffix: list[FloatArray] | None = None) -> tuple[float, FloatArray, FloatArray]:
     """Tokens/s per unit of price at most (``work``: tokens per step) of a pipeline of one block per
     mandatory group and at most one per other group, at least ``min_blocks``, holding ``need`` layers, whose
     bottleneck is at least ``tau0``, ``Σ S`` at least ``sum_lb`` and step at least ``extra`` more.
@@ -231,8 +263,10 @@ def per_price_ub(work: float, m: int, tau0: float, sum_lb: float, extra: float, 
     the bound could still exceed ``target`` (tokens/s per price to beat; inf: around the least), down to
     ``GRID_RATIO``; beyond the last, ``τ ≥ τ_end``, the price is at least the least at any bottleneck.
     Also returns the intervals (sorted; the last ``[τ_end, ∞]``), for :func:`node_per_price`."""
-    lo, hi, _, ps = _refine(work, m, tau0, sum_lb, extra, kt, groups, need, min_blocks, target, exact)
+    lo, hi, _, ps = _refine(work, m, tau0, sum_lb, extra, kt, groups, need, min_blocks, target, exact, suffix)
     order = np.argsort(lo)
+    if suffix:  # :func:`suffix_tables` at ``hi`` (of ``groups`` in their order), when the knapsack gave them
+        suffix[0] = suffix[0][:, :, order]
     return (work / ps if ps > 0 else np.inf), lo[order], hi[order]
 
 

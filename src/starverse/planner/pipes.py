@@ -61,7 +61,7 @@ IntArray = npt.NDArray[np.int64]
 MAX_LEAVES = 8_000
 """Exact leaf evaluations (block orders) per search; when reached, the search stops with the bound gap
 reported and ``SearchStats.pipelines_proven`` False."""
-MAX_NODES = 250_000
+MAX_NODES = 400_000
 """Branch-and-bound children bounded per search (every stage count of every kind of a node's offer: a few
 hundred per node, a few microseconds each); reaching it stops the search as ``MAX_LEAVES`` does."""
 
@@ -104,20 +104,33 @@ class _Search(LeafEvaluator):
         return self.ctx.job.objective in ("cost-performance", "cost")
 
     def family_price_ub(self, r: int, mb: int, m: int, kinds: Kinds, tau0: float
-                        ) -> tuple[float, FloatArray, FloatArray]:
+                        ) -> tuple[float, FloatArray, FloatArray, FloatArray | None]:
         """Tokens/s per unit of price at most for a family (``tau0``: a lower bound of its bottleneck):
-        :func:`.pipeprice.per_price_ub` over every offer, at least two blocks (the knapsack), and its intervals
-        of bottlenecks."""
+        :func:`.pipeprice.per_price_ub` over every offer, at least two blocks (the knapsack), its intervals
+        of bottlenecks, and :func:`.pipeprice.suffix_tables` of the walk's offers at their upper ends when
+        the knapsack gave them on the way (None otherwise)."""
         # (the rows it needs only: most families never build their full capacity tables)
         kt = pipeprice.KindTables(kinds.a, None, r * kinds.tp * self.price[kinds.offer], kinds.per, self.total + 1)
         groups = [pipeprice.Group(ks, np.ones(ks.size, dtype=np.int64), kinds.kmax[ks])
-                  for ks in (np.flatnonzero(kinds.offer == o) for o in np.unique(kinds.offer))]
+                  for ks in (np.flatnonzero(kinds.offer == o) for o in self.walk_order(r, kinds))]
         extra = 2.0 * (m + 1.0) * mb * self.hop_s_per_sequence
         # Σ S ≥ L · min a, and interleaved 1F1B with v chunks counts Σ S / v in its core (at most vmax)
         vmax = interleave_vmax(self.total, m, 2, self.ctx.job.search.max_virtual_stages)
-        return pipeprice.per_price_ub(self.ctx.batch * self.ctx.seq_len, m, tau0,
-                                      float(kinds.a.min()) * self.total / vmax,
-                                      extra, kt, groups, self.total, 2, self.per_price_target())
+        suffix: list[FloatArray] = []
+        ub, lo, hi = pipeprice.per_price_ub(self.ctx.batch * self.ctx.seq_len, m, tau0,
+                                            float(kinds.a.min()) * self.total / vmax,
+                                            extra, kt, groups, self.total, 2, self.per_price_target(), suffix=suffix)
+        return ub, lo, hi, suffix[0] if suffix else None
+
+    def walk_order(self, r: int, kinds: Kinds) -> list[int]:
+        """The family's offers in the order the walk decides them (any order is exact; this one prunes
+        soonest): the most promising first, per unit of price for the money objectives, by layer rate
+        otherwise."""
+        offers = [int(o) for o in np.unique(kinds.offer)]
+        with np.errstate(divide="ignore"):
+            key = (1.0 / (kinds.a * r * kinds.tp * self.price[kinds.offer])) if self.money else kinds.kmax / kinds.a
+        best = {o: float(key[kinds.offer == o].max()) for o in offers}
+        return sorted(offers, key=lambda o: -best[o])
 
     def family_bounds(self, fams: list[tuple[tuple[int, int, int], Kinds]]) -> tuple[FloatArray, FloatArray]:
         """Each family's bound (every offer at its best block) and least bottleneck, all families at once:
@@ -200,10 +213,11 @@ class _Search(LeafEvaluator):
 
     # ---- the walk over offers ----------------------------------------------------------------------------
     def family(self, r: int, mb: int, setting: int, kinds: Kinds, bound: float = math.inf,
-               grid: tuple[FloatArray, FloatArray] | None = None) -> None:
-        """Branch and bound over one family (``bound``: the family's own, which caps every node's)."""
+               grid: tuple[FloatArray, FloatArray, FloatArray | None] | None = None) -> None:
+        """Branch and bound over one family (``bound``: the family's own, which caps every node's; ``grid``:
+        :meth:`family_price_ub`'s intervals and suffix tables)."""
         m = self.ctx.batch // (r * mb)
-        offers = [int(o) for o in np.unique(kinds.offer)]
+        offers = self.walk_order(r, kinds)
         # per open offer: its best layer rate (stages per unit τ) and most layers, over its kinds
         rate = {o: float((kinds.kmax / kinds.a)[kinds.offer == o].max()) for o in offers}
         amin_open = {o: float(kinds.a[kinds.offer == o].min()) for o in offers}
@@ -214,10 +228,7 @@ class _Search(LeafEvaluator):
         with np.errstate(divide="ignore"):
             eff = {o: float((1.0 / (kinds.a * r * kinds.tp * self.price[o]))[kinds.offer == o].max()) for o in offers}
         max_stages = min(self.total, self.ctx.job.search.max_pipeline_stages or self.total)
-        # the most promising offer is decided first (any order is exact; this one prunes soonest): per unit
-        # of price for the money objectives, by layer rate otherwise
-        money = self.ctx.job.objective in ("cost-performance", "cost")
-        offers.sort(key=lambda o: -(eff[o] if money else rate[o]))
+        money = self.money
 
         tab = self.tables(kinds)
         kinds_of = {o: np.flatnonzero(kinds.offer == o) for o in offers}
@@ -241,8 +252,8 @@ class _Search(LeafEvaluator):
         groups = [pipeprice.Group(kinds_of[o], np.ones(kinds_of[o].size, dtype=np.int64), kinds.kmax[kinds_of[o]])
                   for o in offers]
         if money:
-            lo_t, hi_t = grid if grid is not None else (np.zeros(0), np.zeros(0))
-            suffix = pipeprice.suffix_tables(hi_t, kt, groups, self.total)
+            lo_t, hi_t, given = grid if grid is not None else (np.zeros(0), np.zeros(0), None)
+            suffix = given if given is not None else pipeprice.suffix_tables(hi_t, kt, groups, self.total)
             with np.errstate(divide="ignore", invalid="ignore"):
                 q_hi = np.minimum(np.nan_to_num(hi_t[None, :] / kinds.a[:, None] + 1e-9, posinf=self.total),
                                   self.total).astype(np.int64)  # (kinds, intervals)
@@ -390,7 +401,8 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
     found = [(key, kinds) for key, kinds in zip(keys, families_kinds(ctx, keys, caps, tps, total, max_stages),
                                                  strict=True) if len({s.accs[int(o)] for o in kinds.offer}) >= 2]
     bounds, taus = s.family_bounds(found)
-    fams: list[tuple[float, int, tuple[FloatArray, FloatArray] | None, int, int, int, float, Kinds]] = [
+    fams: list[tuple[float, int, tuple[FloatArray, FloatArray, FloatArray | None] | None, int, int, int, float,
+                     Kinds]] = [
         (-float(fb), i, None, r, mb, si, float(tau), kinds)
         for i, (((r, mb, si), kinds), fb, tau) in enumerate(zip(found, bounds, taus, strict=True))]
     stats.pipeline_families += len(fams)
@@ -408,10 +420,11 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
             break
         if s.money and grid is None:
             m = ctx.batch // (r * mb)
-            per_price, lo, hi = s.family_price_ub(r, mb, m, kinds, tau0)
+            per_price, lo, hi, suffix = s.family_price_ub(r, mb, m, kinds, tau0)
             limit = per_price * 3600.0 if job.objective == "cost-performance" else (
                 -s.tokens / (3600.0 * per_price) if per_price > 0 else -math.inf)
-            heapq.heappush(fams, (-min(bound, limit), i, (lo, hi), r, mb, si, tau0, kinds))
+            keep = suffix if min(bound, limit) > s.best_value else None  # (a family cut here is never walked)
+            heapq.heappush(fams, (-min(bound, limit), i, (lo, hi, keep), r, mb, si, tau0, kinds))
             continue
         s.family(r, mb, si, kinds, bound, grid)
     stats.pipeline_leaves += s.leaves

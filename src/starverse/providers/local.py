@@ -18,7 +18,8 @@ starts), applied before the rank's function and arguments are loaded.
 A rank never outlives its launcher. Its parent is the launcher (spawn) or the fork server, whose parent is the
 launcher and which exits once the launcher is gone (the ranks close their copy of the server's "alive" pipe,
 so the launcher holds its last write end). The rank asks the kernel for SIGKILL when its parent dies
-(``PR_SET_PDEATHSIG``) and its heartbeat thread exits it when its parent changes; the launcher, in turn,
+(``PR_SET_PDEATHSIG``) and its heartbeat thread exits it when its parent changes or (a server) is no longer the
+launcher's child, which is at once when the launcher dies; the launcher, in turn,
 declares a rank whose heartbeat stops (a stopped or hung process) lost.
 """
 
@@ -67,7 +68,8 @@ START_METHOD_ENV = "STARVERSE_START_METHOD"
 """``forkserver`` (the default on Linux) or ``spawn`` (the default elsewhere): how rank processes start."""
 _START_METHODS = ("forkserver", "spawn")
 
-_PRELOAD = ("torch", "torch.distributed", "starverse.providers.local", "starverse.runtime.rank_loop")
+_PRELOAD = ("starverse.providers.forkserver_exit", "torch", "torch.distributed", "starverse.providers.local",
+            "starverse.runtime.rank_loop")
 """What the fork server imports before it forks the first rank."""
 _PRELOAD_IF_LOADED = ("starverse.", "torch.distributed.checkpoint", "transformers")
 """Prefixes of modules the fork server also imports when the launcher has them loaded when it starts the server
@@ -180,17 +182,22 @@ def die_with_parent(launcher_pid: int) -> int:
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); the heartbeat still ends this rank",
                         ctypes.get_errno())
-    # the parent died between the fork and the prctl, or it is a fork server whose launcher is gone
-    if os.getppid() != parent or (parent != launcher_pid and not _started_by(parent, launcher_pid)):
+    if not _parent_alive(parent, launcher_pid):  # it died between the fork and the prctl, or the launcher did
         os._exit(1)
     return parent
 
 
-def _heartbeat(beats: Any, rank: int, parent_pid: int, period_s: float) -> None:
-    """Rank side: stamp ``beats[rank]`` every ``period_s``; exit the process once the parent is gone."""
+def _parent_alive(parent: int, launcher_pid: int) -> bool:
+    """Whether this rank's ``parent`` is still its parent and, if it is a fork server, still the launcher's child
+    (a dead launcher's server is adopted at once, while its own exit may take a while on a loaded machine)."""
+    return os.getppid() == parent and (parent == launcher_pid or _started_by(parent, launcher_pid))
+
+
+def _heartbeat(beats: Any, rank: int, parent: int, launcher_pid: int, period_s: float) -> None:
+    """Rank side: stamp ``beats[rank]`` every ``period_s``; exit the process once the launcher is gone."""
     while True:
         beats[rank] = time.monotonic()
-        if os.getppid() != parent_pid:
+        if not _parent_alive(parent, launcher_pid):
             os._exit(1)
         time.sleep(period_s)
 
@@ -212,7 +219,7 @@ def _rank_entry(
 
     _name_process(RANK_PROCESS_NAME.format(rank=env.rank))
     parent = die_with_parent(parent_pid)
-    threading.Thread(target=_heartbeat, args=(beats, env.rank, parent, heartbeat_s), name="heartbeat",
+    threading.Thread(target=_heartbeat, args=(beats, env.rank, parent, parent_pid, heartbeat_s), name="heartbeat",
                      daemon=True).start()
     spec = env.spec
     rank_environ(env, LOOPBACK, store_port or 0)
