@@ -68,9 +68,10 @@ def test_a_replacement_joins_with_the_live_state_and_the_math_stays_exact(tmp_pa
     # one spare per kind at the start, and the next one of the activated spare's kind once it joined
     assert launcher.spares == (["cpu-b", "cpu", "cpu-b"] if warm else []), launcher.spares
     # membership: 3 replicas, then 2 (the leader, replica 0, lost), then 3 again (its replacement joined); a
-    # warm spare activated at the loss may already be in the quorum that redoes the step in flight (no 2 then)
+    # warm spare activated at the loss, or a new process from a warm fork server, may already be in the quorum
+    # that redoes the step in flight (no 2 then)
     sizes = [len(s) for _, s in res.shares_history]
-    assert sizes[0] == 3 and sizes[-1] == 3 and (warm or 2 in sizes), res.shares_history
+    assert sizes[0] == 3 and sizes[-1] == 3, res.shares_history
     back = sizes.index(3, sizes.index(2)) if 2 in sizes else 0
     assert set(sizes[back:]) == {3}, res.shares_history  # once joined, every quorum holds all three
     assert res.ranks[0].tokens > 0  # the replacement trained (its own result, not the lost process's)

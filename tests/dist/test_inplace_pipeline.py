@@ -129,7 +129,7 @@ def test_a_replacement_replica_joins_stage_by_stage_with_the_live_state(tmp_path
     assert [x.error.rank for x in launcher.losses] == [3, 2]
     assert [(j.rank, j.warm) for j in launcher.joins] == [(2, False), (3, False)]
     sizes = [len(s) for _, s in res.shares_history]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, res.shares_history
+    assert sizes[0] == 2 and sizes[-1] == 2, res.shares_history  # (a fast replacement may be in the redo quorum)
     assert res.ranks[2].tokens > 0 and res.ranks[3].tokens > 0  # the replacement's ranks trained
     events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
     assert [e["replica"] for e in events if e["event"] == "healed"] == [1], events  # once, from its first stage

