@@ -99,8 +99,17 @@ def test_overlapping_lease_is_refused_and_nothing_recorded_is_lost(ledger: Ledge
                                            r"new lease from 1700000050"):
         ledger.open_lease(job, "dev2", "cpu", od("1"), at_s=T0 + 50)
     ledger.close_lease(ledger.open_lease(job, "dev3", "cpu", od("1"), at_s=T0), T0 + 60)
-    assert [le.id for le in ledger.leases(job)] == [a.id, b.id, c.id, d.id, e.id, 6]
-    assert ledger.spent_ticks(job, at_s=T0 + 200) == 1_000_000 * (200 + 10 + 180 + 100 + 60)
+    # leases are half-open in whole seconds: one that started and ended within a second (a run of under a second,
+    # then its rerun) does not overlap the next lease from that second; a lease from an earlier second does
+    ledger.close_lease(ledger.open_lease(job, "dev4", "cpu", od("1"), at_s=T0 + 300), T0 + 300)
+    with pytest.raises(BillingError, match=r"lease 7 \(job 1\) from 1700000300 until 1700000300, overlapping"):
+        ledger.open_lease(job, "dev4", "cpu", od("1"), at_s=T0 + 299)
+    g = ledger.open_lease(job, "dev4", "cpu", od("1"), at_s=T0 + 300)
+    with pytest.raises(BillingError, match=r"device 'dev4' already has lease 8 \(job 1\) from 1700000300 still open"):
+        ledger.open_lease(job, "dev4", "cpu", od("1"), at_s=T0 + 300)
+    ledger.close_lease(g, T0 + 310)
+    assert [le.id for le in ledger.leases(job)] == [a.id, b.id, c.id, d.id, e.id, 6, 7, g.id]
+    assert ledger.spent_ticks(job, at_s=T0 + 200) == 1_000_000 * (200 + 10 + 180 + 100 + 60 + 0 + 10)
     assert check_ledger(ledger).ok
 
 

@@ -138,10 +138,12 @@ class Ledger(LedgerFile):
             rate = fx_rate(offer_ccy, j.currency)
             offer_micros = price_to_micros(pricing.price, "price")
             micros = price_to_micros((pricing.price * rate).quantize(Decimal("0.000001"), ROUND_HALF_EVEN))
-            # leases of a device never overlap: only the one that starts last can overlap a new open lease
+            # leases of a device never overlap: only the one that starts last can overlap a new open lease.
+            # Leases are half-open [start_s, end_s) in whole seconds (as `bill --check` reads them): a lease
+            # that started and ended within the second the new one starts in does not overlap it.
             clash = c.execute("SELECT id, job_id, start_s, end_s FROM leases WHERE device = ? "
-                              "ORDER BY start_s DESC LIMIT 1", (device,)).fetchone()
-            if clash is not None and (clash[2] >= start or clash[3] is None or clash[3] > start):
+                              "ORDER BY start_s DESC, id DESC LIMIT 1", (device,)).fetchone()
+            if clash is not None and (clash[3] is None or clash[3] > start):
                 until = "still open" if clash[3] is None else f"until {clash[3]}"
                 raise BillingError(f"device {device!r} already has lease {clash[0]} (job {clash[1]}) from "
                                    f"{clash[2]} {until}, overlapping a new lease from {start}. To fix: close "
@@ -258,8 +260,11 @@ class Ledger(LedgerFile):
         segs = self.segments(le.id)
         if segs and segs[-1].start_s > end:
             raise BillingError(f"lease {le.id}: end {end} is before its last price change ({segs[-1].start_s})")
-        later = c.execute("SELECT id, start_s FROM leases WHERE device = ? AND id != ? AND start_s >= ? AND "
-                          "start_s < ? LIMIT 1", (le.device, le.id, le.start_s, end)).fetchone()
+        # a lease of the device that starts after this one (or in its second, opened after it) before `end`;
+        # one that started and ended within this lease's first second, before it was opened, is not later
+        later = c.execute("SELECT id, start_s FROM leases WHERE device = ? AND (start_s > ? OR (start_s = ? AND "
+                          "id > ?)) AND start_s < ? LIMIT 1",
+                          (le.device, le.start_s, le.start_s, le.id, end)).fetchone()
         if later is not None:
             raise BillingError(f"lease {le.id} of {le.device!r} cannot end at {end}: lease {later[0]} of the same "
                                f"device starts at {later[1]}")
