@@ -133,7 +133,7 @@ def reference_training(
 
     model = copy.deepcopy(model)
     sampler = DeterministicSampler(len(data), seed=trainer.seed)
-    opt = make_optimizer(model, trainer.lr, trainer.weight_decay)
+    opt = make_optimizer(model, trainer.lr, trainer.weight_decay, eps=trainer.adam_eps)
     sched = make_schedule(opt, trainer.warmup_steps or 1, steps, trainer.min_lr_ratio)
     losses = []
     for _ in range(steps):

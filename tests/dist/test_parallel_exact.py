@@ -19,6 +19,9 @@ from starverse.runtime.modeling import build_model
 
 STEPS, GB, SEQ, MICRO = 2, 8, 16, 2
 LR, CLIP = 1e-2, 0.5
+# AdamW's epsilon in both: with 1e-8, a near-cancelling gradient element's update depends on the summation order
+# (CPU vector width); 1e-6 keeps the comparison on the gradients (tests/dist/test_pipeline.py, EPS)
+EPS = 1e-6
 CFG = {
     "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64,
@@ -58,7 +61,7 @@ def _model(variant: dict) -> torch.nn.Module:
 def _reference(variant: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     cfg = FAMILIES[variant.get("family", "llama")]
     model = _model(variant)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS, foreach=False)
     losses = []
     for x in _batches(cfg):
         loss = model(input_ids=x, labels=x).loss
@@ -85,7 +88,7 @@ def _train(env, variants):
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         pm = parallelize(_model(variant), config, mesh)
         model = pm.model
-        opt = pm.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False))
+        opt = pm.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS, foreach=False))
         per_replica = GB // dp
         mb = per_replica // MICRO
         losses = []

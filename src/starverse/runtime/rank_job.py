@@ -42,6 +42,8 @@ class FitJob:
     """Cosine decay floor as a fraction of ``lr``."""
     weight_decay: float
     """AdamW weight decay."""
+    adam_eps: float
+    """AdamW's epsilon (added to the root of the second moment)."""
     grad_clip: float
     """Global gradient-norm clip (0: none)."""
     seed: int

@@ -121,7 +121,8 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
 
 
 def make_optimizer(
-    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
+    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases, norms and other 1-D parameters."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -130,7 +131,7 @@ def make_optimizer(
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     # foreach=False: the same kernel on every device kind, so ranks compute bit-identical updates.
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
 
 
 def make_schedule(

@@ -167,6 +167,9 @@ class Trainer:
     """Cosine decay ends at this fraction of ``lr``."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases and norms)."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon (transformers' ``adam_epsilon``): added to the root of the second moment, it bounds the
+    update of a parameter whose gradients are tiny."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
     rebalance_every: int = 10
@@ -202,6 +205,8 @@ class Trainer:
         resolve_launcher(self.launcher)  # an unknown name or a missing Ray fails here, before data is prepared
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0 (got {self.lr}).")
+        if not self.adam_eps > 0:
+            raise ConfigError(f"adam_eps must be > 0 (got {self.adam_eps}).")
         if self.grad_clip < 0:
             raise ConfigError(f"grad_clip must be >= 0 (got {self.grad_clip}).")
         if self.rebalance_every < 0:
@@ -339,7 +344,8 @@ class Trainer:
             plan=plan, run_dir=run_dir, model_path=model_path, tokens_path=tokens_path, seq_len=seq_len,
             micro_batch=per_device_batch_size, global_batch=gb, shares=tuple(init_shares), max_steps=max_steps,
             lr=self.lr, warmup_steps=self.warmup_steps if self.warmup_steps is not None else max(1, max_steps // 20),
-            min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+            min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, adam_eps=self.adam_eps,
+            grad_clip=self.grad_clip,
             seed=self.seed, rebalance_every=self.rebalance_every, hysteresis=self.hysteresis, precision=prec,
             callbacks=tuple(callbacks), loss_fn=loss_fn, labels_path=labels_path, weights_folder=weights,
             resume_from=Path(resume_from).resolve() if resume_from is not None else None,
