@@ -10,6 +10,7 @@ replica 0 and trains the rest. Losses and final weights equal one process's on t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -17,13 +18,18 @@ import numpy as np
 import pytest
 import torch
 
+import starverse
 from helpers import SEQ, TinyLM, reference_training
 from helpers import ramp_tokens as _tokens
+from starverse.catalog import load_catalog
+from starverse.checkpoint import CheckpointCallback
 from starverse.elastic.inplace import InplaceLauncher
-from starverse.errors import LossCause
+from starverse.elastic.supervisor import Supervisor
+from starverse.errors import InfeasiblePlanError, LossCause
 from starverse.plan import Group, Plan, Stage, TrainSpec
 from starverse.runtime.callbacks import Callback, TrainContext
-from starverse.runtime.cluster import Cluster
+from starverse.planner.devices import plan_for_devices
+from starverse.runtime.cluster import Cluster, executable_caps
 from starverse.runtime.data import PackedDataset
 from starverse.runtime.ft import INPLACE_LOG
 from starverse.runtime.launch import RankSpec
@@ -104,3 +110,73 @@ def test_a_replacement_sharded_replica_heals_shard_by_shard(tmp_path):
     assert sizes[0] == 2 and sizes[-1] == 2, res.shares_history  # (a fast replacement may be in the redo quorum)
     assert res.ranks[2].tokens > 0 and res.ranks[3].tokens > 0  # the replacement's two shards trained
     assert [e["replica"] for e in events if e["event"] == "healed"] == [1], events  # once, from its first shard
+
+
+ONE_LAYER = {
+    "model_type": "llama", "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 256,
+}
+"""One layer: no pipeline can hold it in less memory, so what fits where ZeRO-0 replicas do not must shard."""
+PLANNED_GB = 8
+PLANNED_RANKS = tuple(RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(4))
+
+
+def _zero0_inplace_fits(memory_gb: float) -> bool:
+    """Whether the in-place planner without sharded replicas (ZeRO-0 replicas of one rank or one pipeline,
+    recompute searched) finds a plan when a ``cpu`` rank has ``memory_gb``."""
+    caps = dataclasses.replace(executable_caps(PLANNED_RANKS, "in-place"), sharded_replicas=False)
+    catalog = load_catalog().with_overrides({"cpu": {"memory_gb": memory_gb}})
+    try:
+        plan_for_devices(ONE_LAYER, {"cpu": 4}, train={"seq_len": SEQ, "global_batch": PLANNED_GB, "precision": "fp32"},
+                         runtime_caps=caps, catalog=catalog, cpu_threads=1, model_name="one-layer")
+    except InfeasiblePlanError:
+        return False
+    return True
+
+
+def test_the_planner_proposes_sharded_replicas_where_zero0_replicas_do_not_fit_and_one_survives_a_sigkill(tmp_path):
+    # the memory cap of test_accelerate_caps: the catalog's cpu memory just below what ZeRO-0 replicas need
+    lo, hi = 0.5, 64.0
+    assert not _zero0_inplace_fits(lo) and _zero0_inplace_fits(hi)
+    while hi - lo > 1e-4:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if _zero0_inplace_fits(mid) else (mid, hi)
+    tight = load_catalog().with_overrides({"cpu": {"memory_gb": lo}})
+    cluster = starverse.accelerate(model_id=ONE_LAYER, ranks=PLANNED_RANKS, recovery="in-place", catalog=tight,
+                                   seq_len=SEQ, global_batch=PLANNED_GB)
+    plan = cluster.plan
+    assert not any(n.startswith("planner: not used") for n in cluster.notes), cluster.notes
+    assert plan.train.zero_stage == 1 and len(plan.groups) >= 2, cluster.notes
+    assert len({g.replicas for g in plan.groups}) == 1 and plan.groups[0].replicas >= 2
+    assert inplace_refusal(plan) is None and cluster.estimate is not None and cluster.estimate.fits
+    # with room for ZeRO-0 replicas the planner keeps them (the simplest setting within 5 %)
+    roomy = starverse.accelerate(model_id=ONE_LAYER, ranks=PLANNED_RANKS, recovery="in-place", seq_len=SEQ,
+                                 global_batch=PLANNED_GB)
+    assert roomy.plan.train.zero_stage == 0 and len(roomy.plan.groups) == 1, roomy.notes
+
+    torch.manual_seed(0)
+    with cluster.mixed_mesh():
+        model = starverse.build_model(cluster.model_config)
+    initial = copy.deepcopy(model)
+    launcher = InplaceLauncher()
+    opts = {"lr": 2e-2, "warmup_steps": 2, "grad_clip": 0.5, "timeout_s": 180, "collective_timeout_s": 30,
+            "recovery": "in-place", "launcher": launcher, "progress": False, "tensorboard": False}
+    sup = Supervisor(cluster, tmp_path, checkpoint=CheckpointCallback(interval_steps=100),
+                     callbacks=lambda attempt: [KillReplicaMidStep(replica=3, step=3)] if attempt == 1 else [],
+                     trainer_options=opts)
+    out = sup.run(lambda c: model, _tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
+                  global_batch=PLANNED_GB)
+    [attempt] = out.attempts  # survived in place: no restart
+    assert attempt.outcome == "completed" and out.final_step == STEPS, out.attempts
+    # rank 3 (replica 1, shard 1) killed; the launcher stopped its partner, rank 2; replica 0 finished alone
+    assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(3, LossCause.SIGNAL), (2, LossCause.REPLICA)]
+    assert out.fit.shares_history[-1][1] == (PLANNED_GB // MB,), out.fit.shares_history
+    tokens = np.concatenate([t.numpy() for t in _tokens()]).astype(np.int32)
+    trainer = Trainer(cluster, **{k: v for k, v in opts.items() if k != "launcher"})
+    ref_losses, ref_state = reference_training(initial, trainer, PackedDataset(tokens, SEQ), STEPS, PLANNED_GB,
+                                               batch_loss)
+    torch.testing.assert_close(torch.tensor(out.fit.losses), torch.tensor(ref_losses))
+    state = model.state_dict()
+    assert any((state[k] - initial.state_dict()[k]).abs().max() > 1e-3 for k in state)  # it trained
+    for name, value in state.items():
+        torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=5e-5, msg=name)

@@ -30,6 +30,7 @@ from starverse.planner.pool import Pool
 from starverse.planner.result import RankedPlan
 from starverse.planner.space import RECOMPUTE_CODES, Setting
 
+
 def group_sizes(devices: Mapping[str, int]) -> list[int]:
     """Replica-group sizes ``G >= 2`` dividing every kind's count and leaving at least two groups, smallest first."""
     counts = [int(n) for n in devices.values()]
