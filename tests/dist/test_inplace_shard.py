@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import starverse
-from helpers import SEQ, TinyLM, reference_training
+from helpers import SEQ, VOCAB, TinyLM, reference_training
 from helpers import ramp_tokens as _tokens
 from starverse.catalog import load_catalog
 from starverse.checkpoint import CheckpointCallback
@@ -48,29 +48,51 @@ class _Moments(Callback):
     """Each rank of the leader replica writes how many optimizer-state numbers it holds at the end."""
 
     def on_fit_end(self, ctx: TrainContext) -> None:
-        n = sum(t.numel() for st in ctx.optimizer.state.values() for t in st.values() if t.dim())
+        n = sum((t.to_local() if hasattr(t, "to_local") else t).numel()  # a DTensor (FSDP2): its local shard
+                for st in ctx.optimizer.state.values() for t in st.values() if t.dim())
         (ctx.run_dir / f"moments{ctx.rank}.json").write_text(json.dumps(n))
+        blocks = [type(b).__name__ for b in getattr(ctx.model, "layers", ())]  # recompute wraps them
+        (ctx.run_dir / f"blocks{ctx.rank}.json").write_text(json.dumps(blocks))
 
 
-def _plan(zero: int = 1, sizes: tuple[int, ...] = (2, 2)) -> Plan:
-    return Plan(model="tiny", train=TrainSpec(seq_len=SEQ, global_batch=GB, precision="fp32", zero_stage=zero),
+class BlockLM(torch.nn.Module):
+    """TinyLM with its hidden layers in an ``nn.ModuleList`` (FSDP2's units: ZeRO-2/3 need blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(32)
+        self.out = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.out(self.norm(h))
+
+
+def _plan(zero: int = 1, sizes: tuple[int, ...] = (2, 2), offload: str = "none", recompute: str = "none") -> Plan:
+    return Plan(model="tiny", train=TrainSpec(seq_len=SEQ, global_batch=GB, precision="fp32", zero_stage=zero,
+                                              offload=offload, recompute=recompute),  # type: ignore[arg-type]
                 groups=[Group(replicas=n, stages=[Stage(accelerator="cpu", layers=1)]) for n in sizes])
 
 
-def test_zero1_groups_run_in_place_and_other_sharded_plans_fall_back_with_one_line():
-    assert inplace_refusal(_plan()) is None and _recovery_for("in-place", _plan()) == "in-place"
-    assert inplace_refusal(_plan(2)) == "ZeRO-2 inside a replica (sharded replicas are built for ZeRO-1)"
+def test_sharded_groups_run_in_place_and_other_sharded_plans_fall_back_with_one_line():
+    for zero in (1, 2, 3):
+        assert inplace_refusal(_plan(zero)) is None and _recovery_for("in-place", _plan(zero)) == "in-place"
+    assert inplace_refusal(_plan(3, offload="optimizer+params")) == "offload optimizer+params inside a replica"
     assert inplace_refusal(_plan(1, (4,))) == (
         "ZeRO over one group (each group is a sharded replica: a loss would leave none)")
     assert inplace_refusal(_plan(1, (2, 1))) == "sharded replicas (groups) of different sizes"
 
 
-def _fit(tmp_path, launcher, callbacks):
+def _fit(tmp_path, launcher, callbacks, zero: int = 1, recompute: str = "none"):
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM() if zero == 1 else BlockLM()
     initial = copy.deepcopy(model)
     ranks = tuple(RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(4))
-    trainer = Trainer(Cluster(plan=_plan(), ranks=ranks), run_dir=tmp_path, lr=2e-2, warmup_steps=2, grad_clip=0.5,
+    trainer = Trainer(Cluster(plan=_plan(zero, recompute=recompute), ranks=ranks), run_dir=tmp_path, lr=2e-2, warmup_steps=2, grad_clip=0.5,
                       timeout_s=120, collective_timeout_s=30, recovery="in-place", launcher=launcher,
                       callbacks=[*callbacks, _Moments()], progress=False, tensorboard=False)
     res = trainer.fit(model, dataset=_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
@@ -83,7 +105,8 @@ def _fit(tmp_path, launcher, callbacks):
     assert any((state[k] - initial.state_dict()[k]).abs().max() > 1e-3 for k in state)  # it trained
     for name, value in state.items():
         torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=5e-5, msg=name)
-    # ZeRO-1: each rank of the leader replica held AdamW's moments of a part of the parameters, the parts the whole
+    # each rank of the leader replica held AdamW's moments of a part of the parameters (ZeRO-1) or a shard of every
+    # parameter's (FSDP2), the parts the whole
     held = [json.loads((tmp_path / f"moments{r}.json").read_text()) for r in (0, 1)]
     assert all(held) and sum(held) == 2 * sum(p.numel() for p in model.parameters()), held
     events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
@@ -100,10 +123,23 @@ def test_a_lost_rank_loses_its_sharded_replica_the_other_finishes_exact(tmp_path
     assert res.ranks[0].tokens > 0 and res.ranks[1].tokens > 0  # both shards of the survivor computed
 
 
-def test_a_replacement_sharded_replica_heals_shard_by_shard(tmp_path):
+def test_a_lost_rank_loses_its_zero2_replica_the_other_finishes_exact(tmp_path):
+    # FSDP2 inside each replica (its blocks recomputed): gradients reduce-scattered in the replica, each shard
+    # summed across replicas; 3 micro-batches a replica over 2 ranks: one rank pads with a zero-weight pass
+    launcher = InplaceLauncher()
+    res, events = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=3)], zero=2, recompute="full")
+    assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(3, LossCause.SIGNAL), (2, LossCause.REPLICA)]
+    assert res.shares_history[-1][1] == (GB // MB,), res.shares_history
+    assert [e["lost"] for e in events if e["event"] == "members"] == [[1]], events
+    blocks = json.loads((tmp_path / "blocks0.json").read_text())
+    assert len(blocks) == 2 and all("CheckpointWrapper" in b and b.startswith("FSDP") for b in blocks), blocks
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_replacement_sharded_replica_heals_shard_by_shard(tmp_path, zero):
     launcher = InplaceLauncher(replace_after_s=0.0)
     res, events = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=2),
-                                            WaitForReplicas(replicas=2, after_step=2, pause_s=1.5)])
+                                            WaitForReplicas(replicas=2, after_step=2, pause_s=1.5)], zero)
     assert [x.error.rank for x in launcher.losses] == [3, 2]
     assert [(j.rank, j.warm) for j in launcher.joins] == [(2, False), (3, False)]
     sizes = [len(s) for _, s in res.shares_history]
