@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -157,27 +158,43 @@ PLANNED_GB = 8
 PLANNED_RANKS = tuple(RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(4))
 
 
-def _zero0_inplace_fits(memory_gb: float) -> bool:
-    """Whether the in-place planner without sharded replicas (ZeRO-0 replicas of one rank or one pipeline,
-    recompute searched) finds a plan when a ``cpu`` rank has ``memory_gb``."""
-    caps = dataclasses.replace(executable_caps(PLANNED_RANKS, "in-place"), sharded_replicas=False)
+def _inplace_fits(memory_gb: float, **caps: Any) -> bool:
+    """Whether the in-place planner with its caps changed by ``caps`` finds a plan when a ``cpu`` rank has
+    ``memory_gb``."""
+    narrowed = dataclasses.replace(executable_caps(PLANNED_RANKS, "in-place"), **caps)
     catalog = load_catalog().with_overrides({"cpu": {"memory_gb": memory_gb}})
     try:
         plan_for_devices(ONE_LAYER, {"cpu": 4}, train={"seq_len": SEQ, "global_batch": PLANNED_GB, "precision": "fp32"},
-                         runtime_caps=caps, catalog=catalog, cpu_threads=1, model_name="one-layer")
+                         runtime_caps=narrowed, catalog=catalog, cpu_threads=1, model_name="one-layer")
     except InfeasiblePlanError:
         return False
     return True
 
 
-def test_the_planner_proposes_sharded_replicas_where_zero0_replicas_do_not_fit_and_one_survives_a_sigkill(tmp_path):
-    # the memory cap of test_accelerate_caps: the catalog's cpu memory just below what ZeRO-0 replicas need
+def _tight_catalog(**caps: Any) -> Any:
+    """The memory cap of test_accelerate_caps: the catalog's ``cpu`` memory just below what the in-place planner
+    with ``caps`` needs (bisection on the planner's own answers)."""
     lo, hi = 0.5, 64.0
-    assert not _zero0_inplace_fits(lo) and _zero0_inplace_fits(hi)
+    assert not _inplace_fits(lo, **caps) and _inplace_fits(hi, **caps)
     while hi - lo > 1e-4:
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if _zero0_inplace_fits(mid) else (mid, hi)
-    tight = load_catalog().with_overrides({"cpu": {"memory_gb": lo}})
+        lo, hi = (lo, mid) if _inplace_fits(mid, **caps) else (mid, hi)
+    return load_catalog().with_overrides({"cpu": {"memory_gb": lo}})
+
+
+def test_the_planner_proposes_fsdp_replica_groups_where_zero1_groups_do_not_fit():
+    # below what ZeRO-0 replicas and ZeRO-1 groups need: ZeRO-2/3 groups (FSDP2 inside each replica)
+    tight = _tight_catalog(max_zero_stage=1)
+    cluster = starverse.accelerate(model_id=ONE_LAYER, ranks=PLANNED_RANKS, recovery="in-place", catalog=tight,
+                                   seq_len=SEQ, global_batch=PLANNED_GB)
+    plan = cluster.plan
+    assert plan.train.zero_stage in (2, 3) and [g.replicas for g in plan.groups] == [2, 2], cluster.notes
+    assert inplace_refusal(plan) is None and cluster.estimate is not None and cluster.estimate.fits
+
+
+def test_the_planner_proposes_sharded_replicas_where_zero0_replicas_do_not_fit_and_one_survives_a_sigkill(tmp_path):
+    # the catalog's cpu memory just below what ZeRO-0 replicas (of one rank or one pipeline) need
+    tight = _tight_catalog(sharded_replicas=False)
     cluster = starverse.accelerate(model_id=ONE_LAYER, ranks=PLANNED_RANKS, recovery="in-place", catalog=tight,
                                    seq_len=SEQ, global_batch=PLANNED_GB)
     plan = cluster.plan

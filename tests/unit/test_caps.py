@@ -111,6 +111,14 @@ def test_sharded_replicas_are_priced_and_lose_to_zero0_replicas_that_fit_and_are
 
     again = estimate(sharded.plan, cpu_rank_catalog(load_catalog(), 1), load_model(MODEL))
     assert again.step_time_s == pytest.approx(split.step_time_s)
+    # ZeRO-2 inside the groups (FSDP2): gradients on a 1/2 shard too
+    [fsdp] = [rp for rp in result.plans if rp.plan.train.zero_stage == 2]
+    assert [g.replicas for g in fsdp.plan.groups] == [2, 2]
+    assert fsdp.estimate.groups[0].stages[0].grads_gb == pytest.approx(plain.groups[0].stages[0].grads_gb / 2)
+    # a model without blocks (max_zero_stage 1: no FSDP2 unit) gets ZeRO-1 groups only
+    ones = plan_for_devices(MODEL, {"cpu": 4}, train=TRAIN, runtime_caps=dataclasses.replace(caps, max_zero_stage=1),
+                            cpu_threads=1, model_name="m")
+    assert {rp.plan.train.zero_stage for rp in ones.plans} == {0, 1}
     # the plain search's caps never see them
     assert all(rp.plan.train.zero_stage == 0 for rp in plan_for_devices(
         MODEL, {"cpu": 4}, train=TRAIN, runtime_caps=RUNTIME_CAPS, cpu_threads=1, model_name="m").plans)

@@ -52,8 +52,9 @@ class RuntimeCaps:
     """Highest ZeRO stage searched when ``zero_stage`` is None."""
     sharded_replicas: bool = False
     """True when it also runs *sharded replicas*: a kind's devices split into equal replica groups (each plan
-    group one replica), ZeRO-1 inside each (in-place recovery, ``runtime.ft_shard``); proposed beside the
-    search's plans by :func:`~starverse.planner.replicas.sharded_replica_plans` whatever ``zero_stage`` says."""
+    group one replica), ZeRO 1 to ``max_zero_stage`` inside each (in-place recovery, ``runtime.ft_shard``; ZeRO-2/3
+    on FSDP2); proposed beside the search's plans by :func:`~starverse.planner.replicas.sharded_replica_plans`
+    whatever ``zero_stage`` says."""
 
     def search_options(self, num_kinds: int) -> dict[str, Any]:
         """The ``search:`` section of the job these caps give, for ``num_kinds`` device kinds."""
@@ -85,7 +86,7 @@ class RuntimeCaps:
         if self.use_all_devices:
             parts.append("every device used")
         if self.sharded_replicas:
-            parts.append("or equal replica groups with ZeRO-1 inside each")
+            parts.append(f"or equal replica groups with ZeRO 1-{self.max_zero_stage} inside each")
         return ", ".join(parts)
 
     def train_fixes(self) -> dict[str, Any]:
@@ -287,9 +288,10 @@ def plan_for_devices(
             from starverse.planner.replicas import sharded_replica_plans
 
             recomputes = (caps.recompute,) if caps.recompute is not None else ("none", "selective", "full")
+            zeros = range(1, caps.max_zero_stage + 1)
             for rp in sharded_replica_plans(
-                    lambda rc: job_for(dataclasses.replace(caps, zero_stage=1, recompute=rc, offload="none")),  # type: ignore[arg-type]
-                    pool, catalog, spec, devices, recomputes):
+                    lambda z, rc: job_for(dataclasses.replace(caps, zero_stage=z, recompute=rc, offload="none")),  # type: ignore[arg-type]
+                    pool, catalog, spec, devices, [(z, rc) for z in zeros for rc in recomputes]):
                 found.setdefault(f"{rp.layout()} {rp.mode}", rp)
         if widest is None:
             assert infeasible is not None

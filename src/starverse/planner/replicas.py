@@ -1,23 +1,24 @@
-"""Sharded replicas for in-place recovery: a device kind's devices split into equal replica groups, ZeRO-1 inside
-each (what ``starverse.runtime.ft_shard`` runs: each plan group one torchft replica).
+"""Sharded replicas for in-place recovery: a device kind's devices split into equal replica groups, ZeRO 1-3 inside
+each (what ``starverse.runtime.ft_shard`` runs: each plan group one torchft replica; ZeRO-2/3 with FSDP2).
 
-The search makes one group per device kind, and a group with ZeRO-1 is one replica to in-place recovery (its loss
+The search makes one group per device kind, and a sharded group is one replica to in-place recovery (its loss
 would leave none). When the runtime recovers in place (:attr:`~starverse.planner.devices.RuntimeCaps.sharded_replicas`),
 :func:`sharded_replica_plans` proposes, for every group size ``G >= 2`` that divides every kind's count and leaves
-at least two groups, the plan of ``count / G`` groups of ``G`` replicas per kind, ZeRO-1, one stage, TP 1, for each
-recompute setting the caps allow. Each is priced by the scalar cost model like any plan (``rank_plan``): inside a
-group, its own gradient ring and ZeRO-1's 1/G optimizer shard (memory and step) with its parameter broadcast;
+at least two groups, the plan of ``count / G`` groups of ``G`` replicas per kind, one stage, TP 1, no offload, for
+each ZeRO stage (1 up to the caps' ``max_zero_stage``) and recompute setting the caps allow. Each is priced by the
+scalar cost model like any plan (``rank_plan``): inside a group, ZeRO over ``G`` ranks (ZeRO-1: its gradient ring,
+a 1/G optimizer shard and the parameter broadcast; ZeRO-2/3: FSDP2's per-micro-batch collectives and 1/G shards);
 across groups, the joint ring of the whole gradient over every rank of every group
-(:func:`~starverse.costmodel.batch.joint_sync_s`), the same volume as the runtime's all-reduce inside the replica
-followed by each shard's all-reduce across replicas (``2(G-1)/G + 2(R-1)/(RG) = 2(N-1)/N`` of the gradient
-bytes). ``plan_for_devices`` ranks them with the search's plans, so the simplest-within-5 % rule keeps ZeRO-0
-replicas unless they do not fit or are slower.
+(:func:`~starverse.costmodel.batch.joint_sync_s`) minus the group's own, the same volume as the runtime's sum
+inside the replica followed by each shard's all-reduce across replicas (``2(G-1)/G + 2(R-1)/(RG) = 2(N-1)/N`` of
+the gradient bytes). ``plan_for_devices`` ranks them with the search's plans, so the simplest-within-5 % rule keeps
+ZeRO-0 replicas unless they do not fit or are slower.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import reduce
 from typing import Any
 
@@ -39,17 +40,18 @@ def group_sizes(devices: Mapping[str, int]) -> list[int]:
     return [g for g in range(2, common + 1) if common % g == 0 and total // g >= 2]
 
 
-def sharded_replica_plans(job_for: Callable[[str], Job], pool: Pool, catalog: Any, spec: Any,
-                          devices: Mapping[str, int], recomputes: tuple[str, ...]) -> list[RankedPlan]:
-    """The ranked sharded-replica plans on exactly ``devices`` (see the module docstring); those that do not fit or
-    break a constraint are left out. ``job_for(recompute)``: the job with ZeRO-1 and that recompute fixed."""
+def sharded_replica_plans(job_for: Callable[[int, str], Job], pool: Pool, catalog: Any, spec: Any,
+                          devices: Mapping[str, int], settings: Sequence[tuple[int, str]]) -> list[RankedPlan]:
+    """The ranked sharded-replica plans on exactly ``devices`` (see the module docstring) for each ``(ZeRO stage,
+    recompute)`` of ``settings``; those that do not fit or break a constraint are left out. ``job_for(zero,
+    recompute)``: the job with that setting fixed."""
     offers = {o.accelerator: o.name for o in pool.offers}
     names = [offers[acc] for acc in devices]
     out: list[RankedPlan] = []
     for size in group_sizes(devices):
-        for rc in recomputes:
-            job, _ = resolve_objective(job_for(rc), pool)
-            setting = Setting(zero_stage=1, recompute=RECOMPUTE_CODES[rc], offload=0)
+        for zero, rc in settings:
+            job, _ = resolve_objective(job_for(zero, rc), pool)
+            setting = Setting(zero_stage=zero, recompute=RECOMPUTE_CODES[rc], offload=0)
             groups = [Group(replicas=size, stages=[Stage(accelerator=acc, layers=int(spec.num_layers))])
                       for acc, n in devices.items() for _ in range(int(n) // size)]
             plan = Plan(model=job.model, train=train_spec(job, job.train.mode, setting, False), groups=groups,
@@ -76,8 +78,8 @@ def _ranked(job: Job, pool: Pool, catalog: Any, spec: Any, plan: Plan, devices: 
               for g, e in zip(plan.groups, est.groups, strict=True)]
     plan = plan.model_copy(update={"groups": groups})
     kind = "single" if len(devices) == 1 else "hetero-dp"
-    note = (f"sharded replicas for in-place recovery: {num_groups} groups of {size} ranks, ZeRO-1 inside each "
-            "(each group one torchft replica)")
+    note = (f"sharded replicas for in-place recovery: {num_groups} groups of {size} ranks, "
+            f"ZeRO-{plan.train.zero_stage} inside each (each group one torchft replica)")
     return rank_plan(job, pool, catalog, spec, plan, {offers[a]: int(n) for a, n in devices.items()}, kind,
                      alternative=False, notes=(note,))
 

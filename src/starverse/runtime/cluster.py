@@ -185,9 +185,10 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
     differently is kept out by the planner's rule (``planner.policy.runtime_layout_rule``) and
     :func:`check_runnable`. ``recovery="in-place"``: replicas of one rank, or of one pipeline when the ranks are
     of one kind, TP 1, ZeRO-0, no offload, or (``sharded_replicas``, ranks of one torch device type) equal replica
-    groups with ZeRO-1 inside each (``runtime.ft_shard``): what torchft's in-place recovery runs; recompute is
-    searched; a given plan it cannot run — interleaved, groups cut differently, ZeRO-2/3 — falls back to restart
-    with one line: ``trainer.inplace_refusal``).
+    groups with ZeRO 1-3 inside each (``runtime.ft_shard``; ZeRO-2/3 on FSDP2, up to ``max_zero_stage``): what
+    torchft's in-place recovery runs; recompute is searched; a given plan it cannot run — interleaved, groups cut
+    differently, offload, recompute in a pipeline — falls back to restart with one line:
+    ``trainer.inplace_refusal``).
     ``pipelines=False``: one stage per group (a model that cannot be cut); ``blocks=False``: a model without an
     ``nn.ModuleList`` of blocks, so no FSDP2 unit (ZeRO ≤ 1) and nothing to recompute."""
     import dataclasses
@@ -242,7 +243,7 @@ def check_runnable(plan: Plan, ranks: Sequence[RankSpec], model_config: dict[str
         why = inplace_refusal(plan)
         if why is not None:
             raise ConfigError(f"{source}: in-place recovery does not run this plan ({why}). To fix: replicas "
-                              "of one rank, one pipeline or one ZeRO-1 group (docs/insurance.md).")
+                              "of one rank, one pipeline or one ZeRO group (docs/insurance.md).")
     ordered = order_ranks_like_plan(plan, list(ranks))
     if PipelineLayout.from_plan(plan).is_pipelined:
         check_pipeline_parallel(plan, rebalance_every, [1], None, source,

@@ -1,9 +1,9 @@
 """In-place recovery of data-parallel replicas on torchft: survivors keep training when a replica dies.
 
 Opt-in (``recovery: in-place`` in a job file, ``Trainer(recovery="in-place")``), for plans whose replicas
-are single ranks (this module), pipelines (:mod:`starverse.runtime.ft_pipe`) or ZeRO-1 groups
-(:mod:`starverse.runtime.ft_shard`), the last two reusing this loop with a replica group of several ranks
-(:mod:`starverse.runtime.ft_multi`; ZeRO-2/3 and offload keep checkpoint-restart). A single rank is
+are single ranks (this module), pipelines (:mod:`starverse.runtime.ft_pipe`) or sharded groups (ZeRO-1, or
+ZeRO-2/3 on FSDP2: :mod:`starverse.runtime.ft_shard`), the last two reusing this loop with a replica group of
+several ranks (:mod:`starverse.runtime.ft_multi`; offload keeps checkpoint-restart). A single rank is
 one torchft *replica group* of size 1: it owns a :class:`torchft.Manager` that talks to the launcher's
 Lighthouse (``env.extra["lighthouse"]``), and a reconfigurable :class:`torchft.ProcessGroupGloo` that torchft
 rebuilds for every new quorum. No ``torch.distributed`` default group is used: a dead peer can only fail

@@ -1,4 +1,4 @@
-"""In-place recovery when a replica is sharded inside: ZeRO-1 over the ranks of one replica (torchft's HSDP way).
+"""In-place recovery when a replica is sharded inside: ZeRO 1-3 over the ranks of one replica (torchft's HSDP way).
 
 Each *group* of the plan is one torchft replica (a replica group: :mod:`starverse.runtime.ft_multi`); its ranks
 hold the whole model and shard the optimizer state among themselves (ZeRO-1:
@@ -17,7 +17,16 @@ Every rank has a torchft ``Manager`` with the replica's id and ``rank`` = its sh
 A lost rank loses its replica (the launcher stops its other ranks); the other replicas redo the step in flight
 with the whole global batch. A replacement replica's shard ``s`` heals from a peer's shard ``s``: the whole
 weights, the partition's optimizer state (:meth:`ShardedOptimizer.state_dict` is local), schedule, sampler and
-step. ZeRO-2/3 and offload inside a replica are not built (:func:`shard_replica_error`).
+step.
+
+ZeRO-2/3 (:class:`FsdpReplicaTrainer`): FSDP2 ``fully_shard`` over the replica's world (each block a unit, the
+plan's recompute wrapped first), so a rank holds a shard of every parameter (and, ZeRO-3, gathers the whole layer
+only while it computes). Its micro-batches run in lockstep with its replica's other ranks (a rank with one fewer
+runs a zero-weight pass: FSDP2's collectives pair up); FSDP2 reduce-scatters and *sums* the gradients inside the
+replica; rank ``s`` sums its local shards over the replicas on torchft's group of shard ``s`` (FSDP2's ``Shard(0)``
+split is alike in replicas of one size), the norm is taken over the replica's shards and AdamW steps the shards.
+A replacement's shard ``s`` heals from a peer's shard ``s``: the live state crosses as local tensors, wrapped
+back as DTensors on the joiner's own mesh. Offload inside a replica is not built (:func:`shard_replica_error`).
 """
 
 from __future__ import annotations
