@@ -30,7 +30,7 @@ from starverse.errors import InfeasiblePlanError, LossCause
 from starverse.plan import Group, Plan, Stage, TrainSpec
 from starverse.runtime.callbacks import Callback, TrainContext
 from starverse.planner.devices import plan_for_devices
-from starverse.runtime.cluster import Cluster, executable_caps
+from starverse.runtime.cluster import Cluster, executable_caps, local_plan
 from starverse.runtime.data import PackedDataset
 from starverse.runtime.ft import INPLACE_LOG
 from starverse.runtime.launch import RankSpec
@@ -111,12 +111,12 @@ def _fit(tmp_path, launcher, callbacks, zero: int = 1, recompute: str = "none"):
     held = [json.loads((tmp_path / f"moments{r}.json").read_text()) for r in (0, 1)]
     assert all(held) and sum(held) == 2 * sum(p.numel() for p in model.parameters()), held
     events = [json.loads(line) for line in (tmp_path / INPLACE_LOG).read_text().splitlines()]
-    return res, events
+    return res, events, ref_state
 
 
 def test_a_lost_rank_loses_its_sharded_replica_the_other_finishes_exact(tmp_path):
     launcher = InplaceLauncher()
-    res, events = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=3)])
+    res, events, _ = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=3)])
     # rank 3 (replica 1, shard 1) killed; the launcher stopped its partner, rank 2
     assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(3, LossCause.SIGNAL), (2, LossCause.REPLICA)]
     assert res.shares_history[-1][1] == (GB // MB,), res.shares_history  # the survivor took the whole batch
@@ -124,22 +124,34 @@ def test_a_lost_rank_loses_its_sharded_replica_the_other_finishes_exact(tmp_path
     assert res.ranks[0].tokens > 0 and res.ranks[1].tokens > 0  # both shards of the survivor computed
 
 
-def test_a_lost_rank_loses_its_zero2_replica_the_other_finishes_exact(tmp_path):
+def test_a_lost_rank_loses_its_zero2_replica_the_other_finishes_exact_and_its_checkpoint_resumes(tmp_path):
     # FSDP2 inside each replica (its blocks recomputed): gradients reduce-scattered in the replica, each shard
     # summed across replicas; 3 micro-batches a replica over 2 ranks: one rank pads with a zero-weight pass
-    launcher = InplaceLauncher()
-    res, events = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=3)], zero=2, recompute="full")
+    launcher, ckpt = InplaceLauncher(), tmp_path / "ckpt"
+    res, events, ref_state = _fit(tmp_path / "run", launcher, [
+        KillReplicaMidStep(replica=3, step=3), CheckpointCallback(ckpt, interval_steps=100, async_save=False)],
+        zero=2, recompute="full")
     assert [(x.error.rank, x.error.cause) for x in launcher.losses] == [(3, LossCause.SIGNAL), (2, LossCause.REPLICA)]
     assert res.shares_history[-1][1] == (GB // MB,), res.shares_history
     assert [e["lost"] for e in events if e["event"] == "members"] == [[1]], events
-    blocks = json.loads((tmp_path / "blocks0.json").read_text())
+    blocks = json.loads((tmp_path / "run" / "blocks0.json").read_text())
     assert len(blocks) == 2 and all("CheckpointWrapper" in b and b.startswith("FSDP") for b in blocks), blocks
+    # the leader replica's final checkpoint (a 2-rank DCP checkpoint of FSDP2 shards) resumes on one plain rank
+    model, ranks = BlockLM(), (RankSpec(0, "cpu", "cpu", num_threads=1),)
+    trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
+                      run_dir=tmp_path / "dp", callbacks=[CheckpointCallback(tmp_path / "dp" / "ckpt", final_save=False)],
+                      timeout_s=120, progress=False, tensorboard=False)
+    res = trainer.fit(model, dataset=_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
+                      global_batch=GB, resume_from=ckpt)
+    assert res.steps == STEPS  # resumed at the last step: nothing left to train
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=5e-5, msg=name)
 
 
 @pytest.mark.parametrize("zero", [1, 3])
 def test_a_replacement_sharded_replica_heals_shard_by_shard(tmp_path, zero):
     launcher = InplaceLauncher(replace_after_s=0.0)
-    res, events = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=2),
+    res, events, _ = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=2),
                                             WaitForReplicas(replicas=2, after_step=2, pause_s=1.5)], zero)
     assert [x.error.rank for x in launcher.losses] == [3, 2]
     assert [(j.rank, j.warm) for j in launcher.joins] == [(2, False), (3, False)]
