@@ -184,7 +184,7 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
     gloo for CPU ranks, NCCL for CUDA kinds); ZeRO-2/3 or offload over groups whose pipelines split the layers
     differently is kept out by the planner's rule (``planner.policy.runtime_layout_rule``) and
     :func:`check_runnable`. ``recovery="in-place"``: replicas of one rank, or of one pipeline when the ranks are
-    of one kind, TP 1, ZeRO-0, no offload, or (``sharded_replicas``, ranks of one torch device type) equal replica
+    of one kind, TP 1, ZeRO-0, no offload, or (``sharded_replicas``, CPU ranks) equal replica
     groups with ZeRO 1-3 inside each (``runtime.ft_shard``; ZeRO-2/3 on FSDP2, up to ``max_zero_stage``): what
     torchft's in-place recovery runs; recompute is searched; a given plan it cannot run — interleaved, groups cut
     differently, offload, recompute in a pipeline — falls back to restart with one line:
@@ -200,7 +200,10 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
         # pipelines only over one device kind: the planner cuts groups of several kinds differently and interleaves
         # pipelines across kinds, which in-place recovery refuses (a joiner heals stage by stage from a peer)
         one_kind = len({r.device_kind for r in ranks}) == 1
-        caps = dataclasses.replace(caps, max_tp=1, zero_stage=0, offload="none", sharded_replicas=True,
+        # sharded replicas on CPU ranks only: a replica's own world is gloo (runtime.ft_multi), which has no
+        # reduce-scatter for FSDP2 on CUDA tensors; in place they ran on CPU ranks only
+        caps = dataclasses.replace(caps, max_tp=1, zero_stage=0, offload="none",
+                                   sharded_replicas=all(r.device == "cpu" for r in ranks),
                                    max_pipeline_stages=caps.max_pipeline_stages if one_kind else 1)
     if any(r.device == "cpu" for r in ranks):
         caps = dataclasses.replace(caps, offload="none")
