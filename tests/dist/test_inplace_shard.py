@@ -152,7 +152,7 @@ def test_a_lost_rank_loses_its_zero2_replica_the_other_finishes_exact_and_its_ch
 def test_a_replacement_sharded_replica_heals_shard_by_shard(tmp_path, zero):
     launcher = InplaceLauncher(replace_after_s=0.0)
     res, events, _ = _fit(tmp_path, launcher, [KillReplicaMidStep(replica=3, step=2),
-                                            WaitForReplicas(replicas=2, after_step=2, pause_s=1.5)], zero)
+                                              WaitForReplicas(replicas=2, after_step=2, pause_s=3.0)], zero)
     assert [x.error.rank for x in launcher.losses] == [3, 2]
     assert [(j.rank, j.warm) for j in launcher.joins] == [(2, False), (3, False)]
     sizes = [len(s) for _, s in res.shares_history]
