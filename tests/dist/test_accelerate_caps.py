@@ -1,6 +1,7 @@
 """``accelerate()`` and the supervisor's re-plan plan with what the runtime executes (TP, ZeRO, recompute,
 pipelines; issue 10 item 7): a model that does not fit plain data parallelism gets a sharded plan that trains,
-the demo's plan stays plain data parallelism, in-place recovery keeps ZeRO-0 / TP 1, and a re-plan after a loss
+the demo's plan stays plain data parallelism, in-place recovery keeps ZeRO-0 / TP 1 (ZeRO-1 only inside equal
+replica groups: tests/dist/test_inplace_shard.py), and a re-plan after a loss
 may change layout and resumes from the checkpoint.
 
 "Does not fit" is made on purpose: the catalog's ``cpu`` memory is set (``Catalog.with_overrides``) between what
@@ -83,6 +84,11 @@ def test_in_place_recovery_keeps_zero0_and_tp1():
         (1, everything.max_pipeline_stages, 0, "none")
     mixed = executable_caps([RankSpec(0, "cpu", "cpu", 1), RankSpec(1, "cpu-b", "cpu", 1)], recovery="in-place")
     assert (mixed.max_tp, mixed.max_pipeline_stages, mixed.zero_stage) == (1, 1, 0)
+    # ZeRO only inside equal replica groups (runtime/ft_shard.py), on CPU ranks (a replica's own world is gloo)
+    assert caps.sharded_replicas and mixed.sharded_replicas and not everything.sharded_replicas
+    types = executable_caps([RankSpec(0, "cpu", "cpu", 1), RankSpec(1, "rtx-4090", "cuda:0", 1)], recovery="in-place")
+    gpus = executable_caps([RankSpec(i, "rtx-4090", f"cuda:{i}", 1) for i in range(4)], recovery="in-place")
+    assert not types.sharded_replicas and not gpus.sharded_replicas
     caps = executable_caps([RankSpec(i, "cpu", "cpu", 1) for i in range(2)])
     assert (caps.max_tp, caps.zero_stage, caps.recompute, caps.offload) == (None, None, None, "none")
     train = {"seq_len": 32, "global_batch": 8}

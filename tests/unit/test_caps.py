@@ -84,3 +84,41 @@ def test_ties_go_to_the_simplest_setting_and_refused_plans_are_left_out():
 def test_fixed_caps_search_once_as_before():
     result = plan_for_devices(MODEL, {"cpu": 2}, train=TRAIN, runtime_caps=RUNTIME_CAPS, model_name="m")
     assert simplicity(result.best.plan) == (0, 0, 0, 0) and len(result.plans) == 1
+
+
+def test_sharded_replica_group_sizes_divide_every_kind_and_leave_two_groups():
+    from starverse.planner.replicas import group_sizes
+
+    assert group_sizes({"cpu": 4}) == [2] and group_sizes({"cpu": 6}) == [2, 3] and group_sizes({"cpu": 8}) == [2, 4]
+    assert group_sizes({"cpu": 3}) == [] and group_sizes({"cpu": 2}) == []  # a group of all would be one replica
+    assert group_sizes({"cpu": 4, "cpu-b": 2}) == [2]
+
+
+def test_sharded_replicas_are_priced_and_lose_to_zero0_replicas_that_fit_and_are_faster():
+    caps = dataclasses.replace(RUNTIME_CAPS, sharded_replicas=True)
+    result = plan_for_devices(MODEL, {"cpu": 4}, train=TRAIN, runtime_caps=caps, cpu_threads=1, model_name="m")
+    best = result.best
+    assert best.plan.train.zero_stage == 0 and [g.replicas for g in best.plan.groups] == [4]
+    [sharded] = [rp for rp in result.plans if rp.plan.train.zero_stage == 1]
+    assert [g.replicas for g in sharded.plan.groups] == [2, 2] and sharded.objective_value < best.objective_value
+    assert any("sharded replicas for in-place recovery: 2 groups of 2 ranks" in n for n in sharded.notes)
+    # the cost model prices it: a 1/2 optimizer shard, ZeRO-1's broadcast inside the group, the joint ring of the
+    # whole gradient over all 4 ranks across groups; the plan as written estimates to the same figures
+    plain, split = best.estimate, sharded.estimate
+    assert split.groups[0].stages[0].optimizer_gb == pytest.approx(plain.groups[0].stages[0].optimizer_gb / 2)
+    assert split.breakdown["cross_group_sync"] > 0 and split.step_time_s > plain.step_time_s
+    from starverse.models import load_model
+
+    again = estimate(sharded.plan, cpu_rank_catalog(load_catalog(), 1), load_model(MODEL))
+    assert again.step_time_s == pytest.approx(split.step_time_s)
+    # ZeRO-2 inside the groups (FSDP2): gradients on a 1/2 shard too
+    [fsdp] = [rp for rp in result.plans if rp.plan.train.zero_stage == 2]
+    assert [g.replicas for g in fsdp.plan.groups] == [2, 2]
+    assert fsdp.estimate.groups[0].stages[0].grads_gb == pytest.approx(plain.groups[0].stages[0].grads_gb / 2)
+    # a model without blocks (max_zero_stage 1: no FSDP2 unit) gets ZeRO-1 groups only
+    ones = plan_for_devices(MODEL, {"cpu": 4}, train=TRAIN, runtime_caps=dataclasses.replace(caps, max_zero_stage=1),
+                            cpu_threads=1, model_name="m")
+    assert {rp.plan.train.zero_stage for rp in ones.plans} == {0, 1}
+    # the plain search's caps never see them
+    assert all(rp.plan.train.zero_stage == 0 for rp in plan_for_devices(
+        MODEL, {"cpu": 4}, train=TRAIN, runtime_caps=RUNTIME_CAPS, cpu_threads=1, model_name="m").plans)

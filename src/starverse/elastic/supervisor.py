@@ -182,7 +182,7 @@ def replan_with_planner(cluster: Cluster, survivors: Sequence[RankSpec], lost: S
     try:
         result = plan_on_ranks(model, old.model, ranks, cluster.policy, train,
                                executable_caps(ranks, recovery, pipelines, blocks), catalog=cluster.catalog,
-                               rebalance_every=rebalance_every)
+                               rebalance_every=rebalance_every, recovery=recovery)
         best = result.best
     except StarverseError as e:
         reason = " ".join(str(e).split())

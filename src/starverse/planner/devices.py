@@ -50,6 +50,11 @@ class RuntimeCaps:
     """True when every given device becomes a rank (the plan must use them all)."""
     max_zero_stage: int = 3
     """Highest ZeRO stage searched when ``zero_stage`` is None."""
+    sharded_replicas: bool = False
+    """True when it also runs *sharded replicas*: a kind's devices split into equal replica groups (each plan
+    group one replica), ZeRO 1 to ``max_zero_stage`` inside each (in-place recovery, ``runtime.ft_shard``; ZeRO-2/3
+    on FSDP2); proposed beside the search's plans by :func:`~starverse.planner.replicas.sharded_replica_plans`
+    whatever ``zero_stage`` says."""
 
     def search_options(self, num_kinds: int) -> dict[str, Any]:
         """The ``search:`` section of the job these caps give, for ``num_kinds`` device kinds."""
@@ -80,6 +85,8 @@ class RuntimeCaps:
             parts.append("full training")
         if self.use_all_devices:
             parts.append("every device used")
+        if self.sharded_replicas:
+            parts.append(f"or equal replica groups with ZeRO 1-{self.max_zero_stage} inside each")
         return ", ".join(parts)
 
     def train_fixes(self) -> dict[str, Any]:
@@ -90,9 +97,9 @@ class RuntimeCaps:
 
     @property
     def open_settings(self) -> bool:
-        """True when TP, ZeRO, recompute or offload is left to the search."""
+        """True when TP, ZeRO, recompute or offload is left to the search, or sharded replicas are proposed too."""
         return (self.max_tp is None or self.max_tp > 1 or self.zero_stage is None or self.recompute is None
-                or self.offload is None)
+                or self.offload is None or self.sharded_replicas)
 
     def settings(self) -> list[RuntimeCaps]:
         """One caps per setting these allow (TP 1 or TP open, each ZeRO stage, recompute, offload), fixed."""
@@ -257,18 +264,42 @@ def plan_for_devices(
             return search(job_for(caps), pool, catalog, top, spec=spec)
         # the widest search first: its best plan bounds the settings worth searching one by one (only the
         # simpler ones can win a tie), unless the runtime refuses it (then every setting is searched)
-        widest = search(job_for(caps), pool, catalog, top, spec=spec)
-        found: dict[str, Any] = {f"{rp.layout()} {rp.mode}": rp for rp in widest.plans}
-        bound = simplicity(widest.best.plan) if _refusal(widest.best.plan, runnable) is None else None
-        for c in caps.settings():
-            if bound is not None and _setting_key(c) >= bound:
-                continue
-            try:
-                r = search(job_for(c), pool, catalog, top, spec=spec)
-            except InfeasiblePlanError:
-                continue
-            for rp in r.plans:
+        try:
+            widest: PlanResult | None = search(job_for(caps), pool, catalog, top, spec=spec)
+            infeasible = None
+        except InfeasiblePlanError as e:  # sharded replicas may still fit
+            if not caps.sharded_replicas:
+                raise
+            widest, infeasible = None, e
+        found: dict[str, Any] = {}
+        if widest is not None:
+            found.update((f"{rp.layout()} {rp.mode}", rp) for rp in widest.plans)
+            bound = simplicity(widest.best.plan) if _refusal(widest.best.plan, runnable) is None else None
+            for c in caps.settings():
+                if bound is not None and _setting_key(c) >= bound:
+                    continue
+                try:
+                    r = search(job_for(c), pool, catalog, top, spec=spec)
+                except InfeasiblePlanError:
+                    continue
+                for rp in r.plans:
+                    found.setdefault(f"{rp.layout()} {rp.mode}", rp)
+        if caps.sharded_replicas:
+            from starverse.planner.replicas import sharded_replica_plans
+
+            recomputes = (caps.recompute,) if caps.recompute is not None else ("none", "selective", "full")
+            zeros = range(1, caps.max_zero_stage + 1)
+            for rp in sharded_replica_plans(
+                    lambda z, rc: job_for(dataclasses.replace(caps, zero_stage=z, recompute=rc, offload="none")),  # type: ignore[arg-type]
+                    pool, catalog, spec, devices, [(z, rc) for z in zeros for rc in recomputes]):
                 found.setdefault(f"{rp.layout()} {rp.mode}", rp)
+        if widest is None:
+            assert infeasible is not None
+            if not found:
+                raise infeasible
+            first = max(found.values(), key=lambda rp: rp.objective_value)
+            widest = PlanResult(plans=(first,), objective=_resolved_objective(job_for(caps), pool), currency=currency,
+                                model=model_name, per_job=job_for(caps).train.total_tokens is not None)
         ranked = sorted(found.values(), key=lambda rp: -rp.objective_value)
         picked = pick_simplest(dataclasses.replace(widest, plans=tuple(ranked)), runnable)
         return dataclasses.replace(picked, plans=picked.plans[:max(top, 1)])
@@ -280,6 +311,13 @@ def plan_for_devices(
         err = InfeasiblePlanError(f"{e} (searched only what the runtime executes: {limits})")
         err.reasons = e.reasons
         raise err from None
+
+
+def _resolved_objective(job: Any, pool: Any) -> Objective:
+    """The objective the search ranks ``job`` by on ``pool`` (``policy.resolve_objective``)."""
+    from starverse.planner.policy import resolve_objective
+
+    return resolve_objective(job, pool)[0].objective
 
 
 CATALOG_CPU_CORES = 5

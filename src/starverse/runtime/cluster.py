@@ -184,8 +184,10 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
     gloo for CPU ranks, NCCL for CUDA kinds); ZeRO-2/3 or offload over groups whose pipelines split the layers
     differently is kept out by the planner's rule (``planner.policy.runtime_layout_rule``) and
     :func:`check_runnable`. ``recovery="in-place"``: replicas of one rank, or of one pipeline when the ranks are
-    of one kind, TP 1, ZeRO-0, no offload (what torchft's in-place recovery runs; recompute is searched; a given
-    plan it cannot run — interleaved, groups cut differently — falls back to restart with one line:
+    of one kind, TP 1, ZeRO-0, no offload, or (``sharded_replicas``, CPU ranks) equal replica
+    groups with ZeRO 1-3 inside each (``runtime.ft_shard``; ZeRO-2/3 on FSDP2, up to ``max_zero_stage``): what
+    torchft's in-place recovery runs; recompute is searched; a given plan it cannot run — interleaved, groups cut
+    differently, offload, recompute in a pipeline — falls back to restart with one line:
     ``trainer.inplace_refusal``).
     ``pipelines=False``: one stage per group (a model that cannot be cut); ``blocks=False``: a model without an
     ``nn.ModuleList`` of blocks, so no FSDP2 unit (ZeRO ≤ 1) and nothing to recompute."""
@@ -198,12 +200,15 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
         # pipelines only over one device kind: the planner cuts groups of several kinds differently and interleaves
         # pipelines across kinds, which in-place recovery refuses (a joiner heals stage by stage from a peer)
         one_kind = len({r.device_kind for r in ranks}) == 1
+        # sharded replicas on CPU ranks only: a replica's own world is gloo (runtime.ft_multi), which has no
+        # reduce-scatter for FSDP2 on CUDA tensors; in place they ran on CPU ranks only
         caps = dataclasses.replace(caps, max_tp=1, zero_stage=0, offload="none",
+                                   sharded_replicas=all(r.device == "cpu" for r in ranks),
                                    max_pipeline_stages=caps.max_pipeline_stages if one_kind else 1)
     if any(r.device == "cpu" for r in ranks):
         caps = dataclasses.replace(caps, offload="none")
     if len({r.device.split(":", 1)[0] for r in ranks}) > 1:
-        caps = dataclasses.replace(caps, zero_stage=0, offload="none")
+        caps = dataclasses.replace(caps, zero_stage=0, offload="none", sharded_replicas=False)
     if not pipelines:
         caps = dataclasses.replace(caps, max_pipeline_stages=1)
     if not blocks:
@@ -223,17 +228,25 @@ def has_blocks(model: Any) -> bool:
 
 
 def check_runnable(plan: Plan, ranks: Sequence[RankSpec], model_config: dict[str, Any] | None = None,
-                   source: str = "the planner's plan", rebalance_every: int = 0) -> None:
+                   source: str = "the planner's plan", rebalance_every: int = 0, recovery: str = "restart") -> None:
     """Raise a StarverseError unless this runtime runs ``plan`` on ``ranks``: :func:`check_plan_fits_ranks`, the
     in-stage parallelism checks ``Trainer.fit`` applies (ZeRO over one device type, over groups split alike, LoRA x TP
     inside pipelines, ...; with equal shares, as accelerate's plans start, and the Trainer's ``rebalance_every``),
     the training mode on these devices (QLoRA needs CUDA), and TP against the model (a family with a split table,
-    heads and MLP width divisible)."""
+    heads and MLP width divisible). ``recovery="in-place"``: also in-place recovery's own check
+    (``trainer.inplace_refusal``: a plan it refuses would run with checkpoint-restart)."""
     from starverse.runtime.lora import check_mode
     from starverse.runtime.parallel.parallelize import check_parallel_plan
     from starverse.runtime.parallel.pipeline_parallel import check_pipeline_parallel
 
     check_plan_fits_ranks(plan, list(ranks), source)
+    if recovery == "in-place":
+        from starverse.runtime.trainer import inplace_refusal
+
+        why = inplace_refusal(plan)
+        if why is not None:
+            raise ConfigError(f"{source}: in-place recovery does not run this plan ({why}). To fix: replicas "
+                              "of one rank, one pipeline or one ZeRO group (docs/insurance.md).")
     ordered = order_ranks_like_plan(plan, list(ranks))
     if PipelineLayout.from_plan(plan).is_pipelined:
         check_pipeline_parallel(plan, rebalance_every, [1], None, source,
@@ -346,7 +359,7 @@ def accelerate(
         train = {"seq_len": seq_len, "global_batch": gb, "precision": precision, "mode": mode, "lora_rank": lora_rank}
         planned = _planner_plan(plan_cfg, plan_model, ordered, policy, max_budget, train, notes,
                                 caps=executable_caps(ordered, recovery), catalog=catalog,
-                                rebalance_every=rebalance_every or 0)
+                                rebalance_every=rebalance_every or 0, recovery=recovery)
         if planned is not None:
             the_plan, estimate = planned
             ordered = order_ranks_like_plan(the_plan, list(ordered))
@@ -461,6 +474,7 @@ def _choose_model(
 def _planner_plan(
     model_cfg: dict[str, Any], plan_model: str, ranks: tuple[RankSpec, ...], policy: str, max_budget: float | None,
     train: dict[str, Any], notes: list[str], *, caps: Any = None, catalog: Any = None, rebalance_every: int = 0,
+    recovery: str = "restart",
 ) -> tuple[Plan, Any] | None:
     """The planner's best plan on exactly these devices within what this runtime executes, and its estimate;
     None (with the planner's one-line reason in ``notes``) when the planner fails.
@@ -473,7 +487,7 @@ def _planner_plan(
     try:
         result = plan_on_ranks(model_cfg, plan_model, ranks, policy, train, caps if caps is not None
                                else executable_caps(ranks), max_budget=max_budget, catalog=catalog,
-                               rebalance_every=rebalance_every)
+                               rebalance_every=rebalance_every, recovery=recovery)
         best = result.best
     except StarverseError as e:  # unknown device, nothing fits, ...: the per-kind plan, and why
         reason = " ".join(str(e).split())
@@ -495,7 +509,7 @@ def _planner_plan(
 
 def plan_on_ranks(model_cfg: dict[str, Any] | str, plan_model: str, ranks: Sequence[RankSpec], policy: str,
                   train: dict[str, Any], caps: Any, *, max_budget: float | None = None, catalog: Any = None,
-                  rebalance_every: int = 0) -> Any:
+                  rebalance_every: int = 0, recovery: str = "restart") -> Any:
     """The planner's ranked plans (``PlanResult``) on exactly these ranks within ``caps``, the runnable ones
     only (:func:`check_runnable`), the simplest within 5 % of the best first; CPU ranks priced with their
     thread count. Raises the planner's StarverseError."""
@@ -507,7 +521,7 @@ def plan_on_ranks(model_cfg: dict[str, Any] | str, plan_model: str, ranks: Seque
     return plan_for_devices(
         model_cfg, dict(Counter(r.device_kind for r in ranks)), policy=policy, max_budget_per_hour=max_budget,
         model_name=plan_model, train=train, runtime_caps=caps, top=5, catalog=catalog,
-        runnable=lambda plan: check_runnable(plan, ranks, cfg, rebalance_every=rebalance_every),
+        runnable=lambda plan: check_runnable(plan, ranks, cfg, rebalance_every=rebalance_every, recovery=recovery),
         cpu_threads=min(cpu_threads) if cpu_threads else None,
     )
 

@@ -1,9 +1,9 @@
 """In-place recovery of data-parallel replicas on torchft: survivors keep training when a replica dies.
 
 Opt-in (``recovery: in-place`` in a job file, ``Trainer(recovery="in-place")``), for plans whose replicas
-are single ranks (this module), pipelines (:mod:`starverse.runtime.ft_pipe`) or ZeRO-1 groups
-(:mod:`starverse.runtime.ft_shard`), the last two reusing this loop with a replica group of several ranks
-(:mod:`starverse.runtime.ft_multi`; ZeRO-2/3 and offload keep checkpoint-restart). A single rank is
+are single ranks (this module), pipelines (:mod:`starverse.runtime.ft_pipe`) or sharded groups (ZeRO-1, or
+ZeRO-2/3 on FSDP2: :mod:`starverse.runtime.ft_shard`), the last two reusing this loop with a replica group of
+several ranks (:mod:`starverse.runtime.ft_multi`; offload keeps checkpoint-restart). A single rank is
 one torchft *replica group* of size 1: it owns a :class:`torchft.Manager` that talks to the launcher's
 Lighthouse (``env.extra["lighthouse"]``), and a reconfigurable :class:`torchft.ProcessGroupGloo` that torchft
 rebuilds for every new quorum. No ``torch.distributed`` default group is used: a dead peer can only fail
@@ -160,9 +160,13 @@ class ReplicaTrainer:
 
     @classmethod
     def build(cls, env: RankEnv, job: FitJob, model: torch.nn.Module | None = None,
-              shard: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None) -> Self:
-        """Create this replica's model (``model``: already loaded on the CPU, a warm spare's), optimizer
-        (``shard``: wraps it, ZeRO-1 inside a replica), schedule and data (no collectives)."""
+              shard: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
+              prepare: Callable[[torch.nn.Module], object] | None = None) -> Self:
+        """Create this replica's model (``model``: already loaded on the CPU, a warm spare's; its blocks wrapped for
+        the plan's recompute, then ``prepare``: FSDP2 inside a replica), optimizer (``shard``: wraps it, ZeRO-1
+        inside a replica), schedule and data (no collectives but ``prepare``'s)."""
+        from starverse.runtime.parallel.recompute import apply_recompute
+
         device = torch.device(env.spec.device)
         torch.manual_seed(job.seed)
         np.random.seed(job.seed)
@@ -170,6 +174,9 @@ class ReplicaTrainer:
             model = load_model(job)
         model = model.to(device)
         model.train()
+        apply_recompute(model, job.plan.train.recompute)
+        if prepare is not None:
+            prepare(model)
         optimizer, scheduler, data, sampler = training_parts(model, job, shard)
         ctx = TrainContext(
             rank=0, world_size=1, plan=job.plan, run_dir=job.run_dir, step=0, model=model, optimizer=optimizer,
@@ -221,6 +228,18 @@ class ReplicaTrainer:
     def synced_params(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradients this rank sums over the replicas and updates (one rank: all)."""
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def grad_tensors(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """The gradients of ``params`` this rank sums over the replicas (zeros where a parameter has none)."""
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    def set_grads(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor], summed: torch.Tensor) -> None:
+        """Make ``summed`` (the replicas' sum of ``grads``, flattened in order) the gradients of ``params``."""
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = summed[offset: offset + n].view_as(p).to(p.dtype)  # a view of the sum when the dtypes agree
+            offset += n
 
     def clip(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """Clip the summed gradients to ``grad_clip``; the gradient norm before clipping."""
@@ -278,7 +297,7 @@ class ReplicaTrainer:
         self.replica_sum()
         compute_s = time.perf_counter() - tc
         params = self.synced_params()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = self.grad_tensors(params)
         # one buffer in the gradients' dtype (at least fp32), as the restart path's buckets; each stats row has one
         # non-zero contributor, so its sum is exact
         dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads], torch.float32)
@@ -295,13 +314,8 @@ class ReplicaTrainer:
             log.warning("replica %d: step %d failed on a peer; redoing it with the new quorum",
                         self.replica_index, ctx.step + 1)
             return False
-        summed = flat[: -stats.numel()]
         stats = flat[-stats.numel():].reshape(q.size, 4)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = summed[offset: offset + n].view_as(p).to(p.dtype)  # a view of the sum when the dtypes agree
-            offset += n
+        self.set_grads(params, grads, flat[: -stats.numel()])
         norm = self.clip(params)
         lr = float(self.optimizer.param_groups[0]["lr"])
         loss = self.step_loss(stats)

@@ -382,7 +382,7 @@ def _recovery_for(recovery: str, plan: Plan) -> str:
     refusal = inplace_refusal(plan) if recovery == "in-place" else None
     if refusal is None:
         return recovery
-    log.warning("recovery: in-place recovers replicas of one rank, one pipeline or one ZeRO-1 group each; this plan "
+    log.warning("recovery: in-place recovers replicas of one rank, one pipeline or one ZeRO group each; this plan "
                 "(%s) has %s, so it runs with checkpoint-restart", ", ".join(
                     f"{g.replicas} replica(s) of {g.devices_per_replica} {g.stages[0].accelerator}" for g in plan.groups),
                 refusal)
@@ -400,24 +400,29 @@ def inplace_supported(plan: Plan) -> bool:
 
 def inplace_refusal(plan: Plan) -> str | None:
     """Why in-place recovery cannot run ``plan`` (None: it can): every replica one rank holding the whole model,
-    or one pipeline (a stage per rank, no TP, every replica cut alike, GPipe or 1F1B); no ZeRO, no offload."""
+    or one pipeline (a stage per rank, no TP, every replica cut alike, GPipe or 1F1B, no recompute: its stage
+    chunks are not wrapped for it in place), or a sharded group (``ft_shard.shard_replica_error``); no offload."""
     t = plan.train
     if t.zero_stage:
         from starverse.runtime.ft_shard import shard_replica_error
 
         return shard_replica_error(plan)
     if t.offload != "none":
-        return f"offload {t.offload} (sharded replicas are built for ZeRO-1 only)"
+        return f"offload {t.offload} (sharded replicas are built without offload)"
     if all(g.devices_per_replica == 1 for g in plan.groups):
         return None
     from starverse.runtime.ft_pipe import pipeline_replica_error
 
     layout = PipelineLayout.from_plan(plan)
-    return pipeline_replica_error(layout) if layout.is_pipelined else "replicas of several ranks without a pipeline"
+    if not layout.is_pipelined:
+        return "replicas of several ranks without a pipeline"
+    if t.recompute != "none":
+        return f"recompute {t.recompute} inside a pipelined replica"
+    return pipeline_replica_error(layout)
 
 
 def tag_replicas(ranks: list[RankSpec], plan: Plan, layout: PipelineLayout) -> list[RankSpec]:
-    """The ranks of an in-place run with replicas of several ranks (a pipeline; a ZeRO-1 group), each told its
+    """The ranks of an in-place run with replicas of several ranks (a pipeline; a ZeRO group), each told its
     replica (the launcher starts, loses and replaces a replica's ranks together: ``REPLICA_ENV``)."""
     from starverse.runtime.ft_group import REPLICA_ENV
     from starverse.runtime.ft_shard import shard_replicas
