@@ -317,6 +317,13 @@ BYTES_PER_VALUE: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 2.0, "fp32
 """Bytes of a stored activation/weight/gradient value by compute precision (fp8 training keeps bf16
 weights and activations and casts per matmul, as Transformer Engine does)."""
 
+GEMM_OPERAND_BYTES: dict[str, float] = {"fp8": 1.0}
+"""Bytes per input element of the linear layers' GEMMs, by training precision, where they differ from
+:data:`BYTES_PER_VALUE`: Transformer Engine casts both operands of an FP8 GEMM to E4M3 (forward) or E5M2
+(gradients), 1 byte each, and writes the output in bf16 (``te.Linear`` under ``fp8_autocast``: the FP8 GEMM
+``general_gemm`` / cuBLASLt with FP8 A and B, bf16 D). The matmul shape term (``stage.gemm_half_dim``) and
+the GEMM's HBM traffic use it."""
+
 QLORA_BYTES_PER_PARAM = 0.5 + 0.127 / 8
 """NF4 base weights: 4 bits plus double-quantised constants (0.127 bits/param, Dettmers et al. 2023 §2)."""
 
@@ -374,8 +381,30 @@ only with ``fp8_dot_product_attention``, off in its recipes). So at long sequenc
 dominates, FP8 training runs at the bf16 rate."""
 
 
+FUSED_ATTENTION_EFFICIENCY: dict[str, float] = {
+    # Transformer Engine docs/examples/attention/attention.ipynb, benchmarks/attention/benchmark_attention.py
+    # on "NVIDIA H100 80GB HBM3": test_3 (batch 2, 32 heads, head dim 128, 8192 tokens, causal), forward +
+    # backward 7.4875 ms with cuDNN attention: 4*2*32*8192^2*128/2 FLOPs forward x 3.5 = 3.85e12 FLOPs,
+    # 514 TFLOP/s = 0.520 of the 989.4 bf16 peak (flash-attn 2 in the same run: 11.89 ms, 0.327)
+    "h100-80gb-sxm": 0.520,
+    "h200-141gb-sxm": 0.520,  # the same SMs and clocks (attention at long sequences is compute-bound)
+}
+"""Measured fraction of the dense 16-bit peak that the fused attention kernel Transformer Engine selects
+(cuDNN on sm90: ``DotProductAttention`` "Select FusedAttention on sm90 and FlashAttention on others for
+performance") reaches, forward + backward at head dim 128, where one is published. Elsewhere fused
+attention runs at the MAMF x ``d / (d + ATTENTION_HEAD_DIM_HALF)`` (FlashAttention-2 on A100, which reaches
+0.63 of peak at d = 128 there, the same as this table would give). FlashAttention-2 reaches much less of
+the H100 than of the A100 (0.327 above; FlashAttention-3, Shah et al. 2024: "only 35% utilization on the
+H100")."""
+
+
 def attention_tflops(acc: Any, precision: str) -> float:
-    """Sustained TFLOP/s of large matmuls at the precision the attention core runs in
-    (:data:`ATTENTION_PRECISION`): the bf16 peak x bf16 efficiency under fp8 training, else the GEMMs'."""
+    """Sustained TFLOP/s of the attention core's matmuls at the precision it runs in
+    (:data:`ATTENTION_PRECISION`: bf16 under fp8 training): at head dim 128 the measured fused kernel's
+    fraction of peak (:data:`FUSED_ATTENTION_EFFICIENCY`) where published, x the sustained fraction, expressed
+    as the large-matmul rate that ``d / (d + ATTENTION_HEAD_DIM_HALF)`` scales by head dim; else the GEMMs'."""
     p = ATTENTION_PRECISION.get(precision, precision)
+    if acc.id in FUSED_ATTENTION_EFFICIENCY and p in ("bf16", "fp16"):
+        at_128 = 128.0 / (128.0 + ATTENTION_HEAD_DIM_HALF)
+        return peak_tflops(acc, p) * FUSED_ATTENTION_EFFICIENCY[acc.id] / at_128 * SUSTAINED_FRACTION
     return peak_tflops(acc, p) * gemm_efficiency(acc, p)

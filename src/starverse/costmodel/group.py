@@ -66,6 +66,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         seq_len=float(train.seq_len),
         bytes_per_value=C.BYTES_PER_VALUE[train.precision],
         grad_bytes_per_value=4.0 if train.grad_reduce_fp32 else C.BYTES_PER_VALUE[train.precision],
+        gemm_operand_bytes=C.GEMM_OPERAND_BYTES.get(train.precision, 0.0),
         mode=train.mode,
         schedule=train.schedule,
         virtual_stages=float(train.virtual_stages),
