@@ -100,6 +100,7 @@ def _uniform(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, **kw: o
         ("h100-80gb-sxm", 4, 4, 2, 1, 8, {"schedule": "interleaved", "virtual_stages": 5, "recompute": "selective"}),
         ("v100-32gb-sxm", 8, 8, 1, 2, 8, {"schedule": "gpipe", "recompute": "selective", "precision": "fp16"}),
         ("h100-80gb-sxm", 4, 2, 2, 1, 8, {"precision": "fp8", "recompute": "full"}),  # attention in bf16
+        ("h100-80gb-sxm", 8, 1, 8, 1, 2, {"attention": "flash2", "seq_len": 32768, "zero_stage": 3}),
     ],
 )
 def test_scalar_and_batch_agree(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, kw: dict) -> None:
@@ -517,3 +518,24 @@ def test_fp8_gemm_shape_term_is_per_operand_byte() -> None:
     t_fp8_per_2_bytes = gemm_time_s(n, n, n, fp8, 2.0)[0]
     assert t_bf16 / t_fp8 == pytest.approx(2.0)  # the peaks' ratio at the same efficiency
     assert t_bf16 / t_fp8_per_2_bytes < 1.85
+
+
+def test_flash_attention_2_is_slower_on_hopper_only() -> None:
+    # FlashAttention-2 (flash-attn 2, PyTorch SDPA's flash backend) is written for Ampere: on an H100 it reaches
+    # 0.327 of the peak against cuDNN's 0.520 (Transformer Engine's attention benchmark), on an A100 it is the
+    # fused kernel the model already describes; the step grows with attention's share (the sequence)
+    from starverse.costmodel.constants import FLASH2_ATTENTION_EFFICIENCY, FUSED_ATTENTION_EFFICIENCY
+
+    shape = ModelShape.from_spec(load_model("llama-2-7b"))
+    cand = Candidates.make(accelerator=0, tp=1, pp=1, replicas=8, micro_batch=1, num_micro_batches=1,
+                           zero_stage=3, recompute=2)
+
+    def step(acc: str, attention: str, seq: int) -> float:
+        dev = DeviceTable.from_catalog(CAT, [acc], "bf16")
+        return float(estimate_batch(shape, TrainShape(seq_len=seq, attention=attention), dev, cand).step_time_s[0])
+
+    ratio = FUSED_ATTENTION_EFFICIENCY["h100-80gb-sxm"] / FLASH2_ATTENTION_EFFICIENCY["h100-80gb-sxm"]
+    slow = {seq: step("h100-80gb-sxm", "flash2", seq) / step("h100-80gb-sxm", "flash", seq) for seq in (2048, 65536)}
+    assert 1.0 < slow[2048] < slow[65536] < ratio
+    assert slow[65536] > 1.3
+    assert step("a100-80gb-sxm", "flash2", 65536) == pytest.approx(step("a100-80gb-sxm", "flash", 65536))

@@ -205,7 +205,7 @@ def attention_is_eager(mn: ModelNumbers, rows: StageRows) -> BoolArray:
     accelerators without a fused attention kernel (``StageRows.flash_attention``)."""
     if mn.attention == "eager":
         return np.ones(rows.tp.shape, dtype=np.bool_)
-    if mn.attention == "flash":
+    if mn.attention in ("flash", "flash2"):
         return np.zeros(rows.tp.shape, dtype=np.bool_)
     return np.asarray(~rows.flash_attention, dtype=np.bool_)
 
