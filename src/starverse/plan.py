@@ -30,7 +30,7 @@ Mode = Literal["full", "lora", "qlora"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
-Attention = Literal["auto", "flash", "eager"]
+Attention = Literal["auto", "flash", "flash2", "eager"]
 PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
@@ -61,9 +61,11 @@ class TrainSpec(FrozenModel):
     sequence_parallel: bool = False
     """Megatron-style sequence parallelism inside TP groups."""
     attention: Attention = "auto"
-    """Attention kernel: flash (fused, FlashAttention-style), eager (scores materialised in memory:
-    softmax/dropout kernels over s x s per head, as Megatron-LM before 2022), or auto (flash where the
-    accelerator has a fused kernel, eager on Volta/Turing-class devices)."""
+    """Attention kernel: flash (the platform's fused kernel: cuDNN attention, which Transformer Engine selects
+    on Hopper, FlashAttention-2 on Ampere), flash2 (FlashAttention-2 itself — flash-attn 2, PyTorch SDPA's
+    flash backend — written for Ampere: on an H100 about 60 % of cuDNN's rate, ``FLASH2_ATTENTION_EFFICIENCY``),
+    eager (scores materialised in memory: softmax/dropout kernels over s x s per head, as Megatron-LM before
+    2022), or auto (flash where the accelerator has a fused kernel, eager on Volta/Turing-class devices)."""
     grad_reduce_fp32: bool = False
     """Gradients are accumulated and all-reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``,
     the default of its bf16 runs): twice the data-parallel traffic of 16-bit reduction."""

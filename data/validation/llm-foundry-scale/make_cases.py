@@ -69,7 +69,7 @@ def main() -> None:
         stage = 3 if shard == "FULL_SHARD" else 2
         where = WHERE.format(table=table, model=model, seq=2048, gpus=gpus)
         train = (f"seq_len: 2048, global_batch: {mbs * accum * gpus}, precision: bf16, mode: full, "
-                 f"zero_stage: {stage}, recompute: {'full' if ac else 'none'}")
+                 f"zero_stage: {stage}, recompute: {'full' if ac else 'none'}, attention: flash2")
         source = (f"\"{where}: {shard}, activation checkpointing {ac}, micro-batch {mbs}, grad accum {accum}, "
                   f"Throughput (T/s) {tps}\"")
         text = fsdp_case_yaml(f"../models/mpt-{model}.json", train, gpus, mbs, acc, LAYERS[model], gbps, tps, source)

@@ -29,21 +29,23 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.7492
+SUSTAINED_FRACTION = 0.7383
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.7492 makes the mean over sources of each source's mean tokens/s error
+FITTED (``costmodel.fit.FITTED``): 0.7383 makes the mean over sources of each source's mean tokens/s error
 zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
-2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs, NeMo FP8 on H100, fms-fsdp; 0.7596
+2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs and at 8K-64K tokens, NeMo FP8 on
+H100, fms-fsdp; 0.7491 before llm-foundry's long-sequence rows ``mptlong`` and the FlashAttention-2 rate of the
+llm-foundry / fms-fsdp H100 runs, 0.7492 before the FP8 shape term per operand byte and the H100's measured
+fused-attention rate, 0.7596
 before the Megatron-Core cases stated the TP overlap their README gives, 0.7705 before llm-foundry's
 128-512-GPU FSDP rows, ``mptscale``); until issue 9
 Sailor's fp32 runs were in this fit too (0.74), and it was 0.769 before the NeMo and fms-fsdp sources.
-Leave-one-source-out refits 0.73-0.77 (0.7625 without NeMo's long-sequence runs, whose context-parallel
-32K-1M runs the model predicts too fast, pulling it down: docs/costmodel.md), i.e. it is not
-specific to one software stack
+Leave-one-source-out refits 0.729-0.755 (0.7553 without ``mptlong``, which the model predicts too fast,
+pulling it down; 0.7288 without fms-fsdp: docs/costmodel.md), i.e. it is not specific to one software stack
 (``scripts/loso.py``; held-out figures in docs/costmodel.md). For comparison, Bekman quotes ~150-180
 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training reached; 0.8 x MAMF is
 the matmul-only part of that."""
@@ -67,13 +69,13 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.4408
+PRE_AMPERE_EFFICIENCY = 0.4465
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
 :data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs
 that use such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, fp16); leave-one-source-out refits
-0.41-0.45. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
+0.43-0.49. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
 time and made large matmuls too slow (AMP's LM head reaches ~35 % of the T4 peak). Physically: the T4's
 65 TFLOP/s fp16 peak is a 70 W part's boost figure it does not sustain, Turing GeForce/Titan peaks are
 boost-clock figures, and 2020-era kernels reach less of the tensor cores than today's. A measured profile (``starverse probe``) replaces it for the cards a
@@ -130,7 +132,7 @@ of read 4 B + write 4 B than the one fused kernel (Sailor's Megatron-DeepSpeed r
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
 
-HOST_OVERHEAD_PER_LAYER_S = 3.829e-3
+HOST_OVERHEAD_PER_LAYER_S = 3.830e-3
 """Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
 hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
 server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
@@ -237,7 +239,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.5057
+PCIE_COLLECTIVE_FRACTION = 0.5075
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
@@ -245,7 +247,7 @@ parallelism are a few MB (below NCCL's bandwidth plateau on PCIe, nccl-tests all
 third to a half of its large-message busbw at 1-4 MB on PCIe systems), and small-message protocols (LL/LL128)
 trade bandwidth for latency. FITTED (``costmodel.fit.FITTED``) jointly on all runs; identified by the runs
 that use TP or data parallelism inside PCIe nodes (AMP's T4 nodes, Sailor's consumer nodes, both without
-PCIe peer-to-peer); leave-one-source-out 0.45-0.49."""
+PCIe peer-to-peer); leave-one-source-out 0.48-0.52."""
 
 
 def intra_node_gb_per_s(acc: Any, peer_to_peer: bool | None = None) -> float:
@@ -317,6 +319,13 @@ BYTES_PER_VALUE: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 2.0, "fp32
 """Bytes of a stored activation/weight/gradient value by compute precision (fp8 training keeps bf16
 weights and activations and casts per matmul, as Transformer Engine does)."""
 
+GEMM_OPERAND_BYTES: dict[str, float] = {"fp8": 1.0}
+"""Bytes per input element of the linear layers' GEMMs, by training precision, where they differ from
+:data:`BYTES_PER_VALUE`: Transformer Engine casts both operands of an FP8 GEMM to E4M3 (forward) or E5M2
+(gradients), 1 byte each, and writes the output in bf16 (``te.Linear`` under ``fp8_autocast``: the FP8 GEMM
+``general_gemm`` / cuBLASLt with FP8 A and B, bf16 D). The matmul shape term (``stage.gemm_half_dim``) and
+the GEMM's HBM traffic use it."""
+
 QLORA_BYTES_PER_PARAM = 0.5 + 0.127 / 8
 """NF4 base weights: 4 bits plus double-quantised constants (0.127 bits/param, Dettmers et al. 2023 §2)."""
 
@@ -374,8 +383,62 @@ only with ``fp8_dot_product_attention``, off in its recipes). So at long sequenc
 dominates, FP8 training runs at the bf16 rate."""
 
 
-def attention_tflops(acc: Any, precision: str) -> float:
-    """Sustained TFLOP/s of large matmuls at the precision the attention core runs in
-    (:data:`ATTENTION_PRECISION`): the bf16 peak x bf16 efficiency under fp8 training, else the GEMMs'."""
+FUSED_ATTENTION_EFFICIENCY: dict[str, float] = {
+    # Transformer Engine docs/examples/attention/attention.ipynb, benchmarks/attention/benchmark_attention.py
+    # on "NVIDIA H100 80GB HBM3": test_3 (batch 2, 32 heads, head dim 128, 8192 tokens, causal), forward +
+    # backward 7.4875 ms with cuDNN attention: 4*2*32*8192^2*128/2 FLOPs forward x 3.5 = 3.85e12 FLOPs,
+    # 514 TFLOP/s = 0.520 of the 989.4 bf16 peak (flash-attn 2 in the same run: 11.89 ms, 0.327)
+    "h100-80gb-sxm": 0.520,
+    "h200-141gb-sxm": 0.520,  # the same SMs and clocks (attention at long sequences is compute-bound)
+}
+"""Measured fraction of the dense 16-bit peak that the fused attention kernel Transformer Engine selects
+(cuDNN on sm90: ``DotProductAttention`` "Select FusedAttention on sm90 and FlashAttention on others for
+performance") reaches, forward + backward at head dim 128, where one is published. Elsewhere fused
+attention runs at the MAMF x ``d / (d + ATTENTION_HEAD_DIM_HALF)`` (FlashAttention-2 on A100, which reaches
+0.63 of peak at d = 128 there, the same as this table would give). FlashAttention-2 reaches much less of
+the H100 than of the A100 (0.327 above; FlashAttention-3, Shah et al. 2024: "only 35% utilization on the
+H100")."""
+
+
+FLASH2_ATTENTION_EFFICIENCY: dict[str, float] = {
+    # the same Transformer Engine benchmark run (test_3, H100 80GB HBM3): flash-attn 2, 11.8879 ms forward +
+    # backward for 3.85e12 FLOPs = 324 TFLOP/s, 0.327 of the bf16 peak
+    "h100-80gb-sxm": 0.327,
+    "h200-141gb-sxm": 0.327,
+}
+"""Measured fraction of the dense 16-bit peak that FlashAttention-2 reaches (``train.attention: flash2``),
+where it differs from :data:`FUSED_ATTENTION_EFFICIENCY`: its kernels are written for Ampere (mma.sync, no
+Hopper wgmma / TMA), so on the H100 it reaches about a third of the peak (FlashAttention-3, Shah et al. 2024:
+"FlashAttention-2 achieving only 35% utilization on the H100 GPU"); on the A100 it is the fused kernel
+``d / (d + ATTENTION_HEAD_DIM_HALF)`` describes."""
+
+
+def _attention_tflops(acc: Any, precision: str, measured: dict[str, float]) -> float:
     p = ATTENTION_PRECISION.get(precision, precision)
+    if acc.id in measured and p in ("bf16", "fp16"):
+        # the measured fraction at head dim 128, as the large-matmul rate d / (d + 48) scales by head dim
+        at_128 = 128.0 / (128.0 + ATTENTION_HEAD_DIM_HALF)
+        return peak_tflops(acc, p) * measured[acc.id] / at_128 * SUSTAINED_FRACTION
     return peak_tflops(acc, p) * gemm_efficiency(acc, p)
+
+
+def attention_tflops(acc: Any, precision: str) -> float:
+    """Sustained TFLOP/s of the attention core's matmuls at the precision it runs in
+    (:data:`ATTENTION_PRECISION`: bf16 under fp8 training): at head dim 128 the measured fused kernel's
+    fraction of peak (:data:`FUSED_ATTENTION_EFFICIENCY`) where published, x the sustained fraction, expressed
+    as the large-matmul rate that ``d / (d + ATTENTION_HEAD_DIM_HALF)`` scales by head dim; else the GEMMs'."""
+    return _attention_tflops(acc, precision, FUSED_ATTENTION_EFFICIENCY)
+
+
+def flash2_attention_tflops(acc: Any, precision: str) -> float:
+    """:func:`attention_tflops` of FlashAttention-2 (``train.attention: flash2``): its measured fraction of peak
+    (:data:`FLASH2_ATTENTION_EFFICIENCY`) where published, else the same as :func:`attention_tflops`."""
+    if acc.id in FLASH2_ATTENTION_EFFICIENCY:
+        return _attention_tflops(acc, precision, FLASH2_ATTENTION_EFFICIENCY)
+    return attention_tflops(acc, precision)
+
+
+def attention_tflops_for(acc: Any, precision: str, attention: str) -> float:
+    """The attention core's rate for a plan's ``train.attention``: FlashAttention-2's for ``flash2``, else the
+    platform's fused kernel's."""
+    return flash2_attention_tflops(acc, precision) if attention == "flash2" else attention_tflops(acc, precision)

@@ -49,9 +49,9 @@ FITTED: tuple[FittedConstant, ...] = (
     FittedConstant(
         name="SUSTAINED_FRACTION", lower=0.3, upper=1.0, joint=False,
         fitted_on="the runs of data/validation on tensor cores with a measured MAMF: korthikanti2022, megatron "
-                  "(Megatron-Core H100), megatron2021, mpt, mptscale (llm-foundry FSDP, 64-512 GPUs), nemo2412, "
-                  "nemolong (NeMo FP8 on H100), fmsfsdp (A100/H100, 75 runs); mean over sources of the mean "
-                  "signed error zero",
+                  "(Megatron-Core H100), megatron2021, mpt, mptscale (llm-foundry FSDP, 64-512 GPUs), mptlong "
+                  "(llm-foundry, 8 H100s, 8K-64K tokens), nemo2412, nemolong (NeMo FP8 on H100), fmsfsdp "
+                  "(A100/H100, 89 runs); mean over sources of the mean signed error zero",
     ),
     FittedConstant(
         name="PRE_AMPERE_EFFICIENCY", lower=0.05, upper=1.0,

@@ -66,6 +66,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         seq_len=float(train.seq_len),
         bytes_per_value=C.BYTES_PER_VALUE[train.precision],
         grad_bytes_per_value=4.0 if train.grad_reduce_fp32 else C.BYTES_PER_VALUE[train.precision],
+        gemm_operand_bytes=C.GEMM_OPERAND_BYTES.get(train.precision, 0.0),
         mode=train.mode,
         schedule=train.schedule,
         virtual_stages=float(train.virtual_stages),
@@ -180,9 +181,17 @@ def measured_times(devices: DeviceTable, cand: Candidates, train: TrainShape) ->
     return _measured(devices, cand, train)
 
 
+def attention_rates(devices: DeviceTable, attention: str, k: np.ndarray) -> FloatArray | None:
+    """The rows' attention-core TFLOP/s for ``train.attention`` (``flash2``: FlashAttention-2's)."""
+    rates = devices.attention_tflops
+    if attention == "flash2" and devices.flash2_attention_tflops is not None:
+        rates = devices.flash2_attention_tflops
+    return None if rates is None else rates[k]
+
+
 def _rows_for(
     devices: DeviceTable, cand: Candidates, layers: FloatArray, first: bool | np.ndarray, last: np.ndarray,
-    stage_index: FloatArray, measured: dict[str, FloatArray] | None = None,
+    stage_index: FloatArray, measured: dict[str, FloatArray] | None = None, attention: str = "auto",
 ) -> StageRows:
     k = cand.accelerator
     f = np.float64
@@ -211,7 +220,7 @@ def _rows_for(
         offload=cand.offload.astype(f),
         sequence_parallel=cand.sequence_parallel,
         pipeline_devices=tp * pp,
-        attention_tflops=None if devices.attention_tflops is None else devices.attention_tflops[k],
+        attention_tflops=attention_rates(devices, attention, k),
         flash_attention=(np.ones(n, dtype=np.bool_) if devices.flash_attention is None
                          else devices.flash_attention[k]),
         host_collectives=None if devices.host_collectives is None else devices.host_collectives[k],
@@ -234,7 +243,8 @@ def evaluate_uniform(model: ModelShape, train: TrainShape, devices: DeviceTable,
     n_heavy_mid = np.clip(rem - 1.0, 0.0, np.maximum(pp - 2.0, 0.0))
     n_light_mid = np.maximum(pp - 2.0 - n_heavy_mid, 0.0)
     first_layers = np.where(rem > 0, base + 1.0, base)
-    rows = _rows_for(devices, cand, first_layers, True, single, np.zeros(n), _measured(devices, cand, train))
+    rows = _rows_for(devices, cand, first_layers, True, single, np.zeros(n), _measured(devices, cand, train),
+                     train.attention)
     lc = layer_costs(mn, rows)
     specs = [
         (first_layers, np.ones(n, dtype=np.bool_), single, np.zeros(n), np.ones(n)),

@@ -17,6 +17,7 @@ import numpy.typing as npt
 from starverse.costmodel.constants import (
     LINK_EFFICIENCY,
     attention_tflops,
+    flash2_attention_tflops,
     gemm_efficiency,
     has_flash_attention,
     host_collectives,
@@ -258,6 +259,9 @@ class DeviceTable:
     """Price per device-hour (NaN = unknown)."""
     attention_tflops: FloatArray | None = None
     """Sustained TFLOP/s of the attention core (``constants.attention_tflops``); None = peak x efficiency."""
+    flash2_attention_tflops: FloatArray | None = None
+    """The same under ``TrainShape.attention == "flash2"`` (``constants.flash2_attention_tflops``); None =
+    ``attention_tflops``."""
     flash_attention: BoolArray | None = None
     """Has a fused attention kernel (used by ``TrainShape.attention == "auto"``); None = all do."""
     host_collectives: BoolArray | None = None
@@ -308,6 +312,8 @@ class DeviceTable:
             tdp_w=np.array([a.tdp_w for a in accelerators], dtype=np.float64),
             price_per_hour=np.array([np.nan if p is None else p for p in price], dtype=np.float64),
             attention_tflops=np.array([attention_tflops(a, precision) for a in accelerators], dtype=np.float64),
+            flash2_attention_tflops=np.array([flash2_attention_tflops(a, precision) for a in accelerators],
+                                             dtype=np.float64),
             flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
             host_collectives=np.array([host_collectives(a) for a in accelerators], dtype=np.bool_),
             profiles=profs,

@@ -100,14 +100,30 @@ def _f(x: object) -> FloatArray:
     return np.asarray(x, dtype=np.float64)
 
 
+def gemm_half_dim(rows: StageRows, operand_scale: float = 1.0) -> FloatArray:
+    """D of the matmul shape term: ``GEMM_HALF_DIM_PER_FLOP_PER_BYTE`` x the machine balance in FLOPs per
+    operand byte. The constant is stated for the 16-bit operands of the datasheet peak; a GEMM whose operands
+    are ``operand_scale`` times as wide (FP8: 0.5, at twice the 16-bit peak) has the same arithmetic
+    intensity per tile edge relative to its peak, hence the same D as a 16-bit GEMM (NVIDIA, "Matrix
+    Multiplication Background User's Guide": arithmetic intensity 2MNK / (bytes per element x (MK + NK + MN)))."""
+    return np.asarray(C.GEMM_HALF_DIM_PER_FLOP_PER_BYTE * operand_scale * rows.peak_tflops * 1e3
+                      / rows.memory_bw_gb_per_s, dtype=np.float64)
+
+
 def gemm_time_s(m: FloatArray, n: FloatArray, k: FloatArray, rows: StageRows, bytes_per_value: float,
-                count: FloatArray | float = 1.0) -> FloatArray:
-    """Time of ``count`` matmuls (M x K) @ (K x N): roofline of shape-dependent compute and HBM traffic."""
+                count: FloatArray | float = 1.0, operand_bytes: float | None = None) -> FloatArray:
+    """Time of ``count`` matmuls (M x K) @ (K x N): roofline of shape-dependent compute and HBM traffic.
+
+    ``operand_bytes``: bytes per element of the two inputs where the GEMM reads them in another format than
+    the stored ``bytes_per_value`` (FP8 GEMMs: ``constants.GEMM_OPERAND_BYTES``); the output keeps
+    ``bytes_per_value``. The shape term's machine balance is per operand byte (:func:`gemm_half_dim`)."""
+    ob = bytes_per_value if operand_bytes is None else operand_bytes
     flops = 2.0 * m * n * k
-    d = C.GEMM_HALF_DIM_PER_FLOP_PER_BYTE * rows.peak_tflops * 1e3 / rows.memory_bw_gb_per_s
+    d = gemm_half_dim(rows, ob / bytes_per_value)
     eff = rows.gemm_efficiency / (1.0 + d / np.maximum(m, 1e-9) + d / np.maximum(n, 1e-9) + d / np.maximum(k, 1e-9))
     t_compute = flops / (rows.peak_tflops * 1e12 * eff)
-    t_memory = bytes_per_value * (m * k + k * n + m * n) / (rows.memory_bw_gb_per_s * 1e9 * C.MEMORY_BW_EFFICIENCY)
+    t_memory = (ob * (m * k + k * n) + bytes_per_value * m * n) / (
+        rows.memory_bw_gb_per_s * 1e9 * C.MEMORY_BW_EFFICIENCY)
     return np.asarray(np.maximum(t_compute, t_memory) * count, dtype=np.float64)
 
 
@@ -154,6 +170,9 @@ class ModelNumbers:
     """The model has an LM head (``ModelShape.lm_head``); without one the loss covers the hidden states."""
     cp: float = 1.0
     """Context-parallel degree: each rank holds ``seq_len / cp`` tokens of every sequence (``Group.cp``)."""
+    gemm_operand_bytes: float = 0.0
+    """Bytes per input element of the linear layers' GEMMs where they differ from ``bytes_per_value`` (FP8
+    training: 1, ``constants.GEMM_OPERAND_BYTES``); 0 = ``bytes_per_value``."""
 
     def layer_matmul_flops_per_token(self) -> float:
         """Forward matmul FLOPs per token of one layer, exact (causal attention over the sequence)."""
@@ -186,7 +205,7 @@ def attention_is_eager(mn: ModelNumbers, rows: StageRows) -> BoolArray:
     accelerators without a fused attention kernel (``StageRows.flash_attention``)."""
     if mn.attention == "eager":
         return np.ones(rows.tp.shape, dtype=np.bool_)
-    if mn.attention == "flash":
+    if mn.attention in ("flash", "flash2"):
         return np.zeros(rows.tp.shape, dtype=np.bool_)
     return np.asarray(~rows.flash_attention, dtype=np.bool_)
 
@@ -206,17 +225,18 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     sp = rows.sequence_parallel & (t > 1)
 
     # ---- matmuls of one layer, forward, per device --------------------------------------------------
-    g = gemm_time_s(tokens, (mn.q_dim + 2 * mn.kv_dim) / t, _f(h), rows, bv)
-    g = g + gemm_time_s(tokens, _f(h), mn.q_dim / t, rows, bv)
+    ob = mn.gemm_operand_bytes or bv  # FP8 GEMMs read 1-byte operands (constants.GEMM_OPERAND_BYTES)
+    g = gemm_time_s(tokens, (mn.q_dim + 2 * mn.kv_dim) / t, _f(h), rows, bv, operand_bytes=ob)
+    g = g + gemm_time_s(tokens, _f(h), mn.q_dim / t, rows, bv, operand_bytes=ob)
     up = (2.0 if mn.gated else 1.0) * mn.ffn / t
     if mn.num_experts > 0:
         per_expert = tokens * mn.top_k / mn.num_experts
-        g = g + gemm_time_s(per_expert, up, _f(h), rows, bv, mn.num_experts)
-        g = g + gemm_time_s(per_expert, _f(h), mn.ffn / t, rows, bv, mn.num_experts)
-        g = g + gemm_time_s(tokens, _f(mn.num_experts), _f(h), rows, bv)
+        g = g + gemm_time_s(per_expert, up, _f(h), rows, bv, mn.num_experts, ob)
+        g = g + gemm_time_s(per_expert, _f(h), mn.ffn / t, rows, bv, mn.num_experts, ob)
+        g = g + gemm_time_s(tokens, _f(mn.num_experts), _f(h), rows, bv, operand_bytes=ob)
     else:
-        g = g + gemm_time_s(tokens, up, _f(h), rows, bv)
-        g = g + gemm_time_s(tokens, _f(h), mn.ffn / t, rows, bv)
+        g = g + gemm_time_s(tokens, up, _f(h), rows, bv, operand_bytes=ob)
+        g = g + gemm_time_s(tokens, _f(h), mn.ffn / t, rows, bv, operand_bytes=ob)
     bwd_gemm = 2.0 if full_mode else 1.0  # frozen base weights: no weight gradients
     heads = mn.q_dim / mn.head_dim / t
     bw = rows.memory_bw_gb_per_s * (1e9 * C.MEMORY_BW_EFFICIENCY)

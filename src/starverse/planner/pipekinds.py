@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from starverse.costmodel.group import measured_times, model_numbers
+from starverse.costmodel.group import attention_rates, measured_times, model_numbers
 from starverse.costmodel.shapes import Candidates
 from starverse.costmodel.stage import ModelNumbers, StageRows, stage_costs
 from starverse.planner.policy import checkpoint_seconds, spot_factor
@@ -78,7 +78,7 @@ def stage_rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, fi
         recompute=full(rc), offload=full(off), sequence_parallel=np.full(n, sp),
         pipeline_devices=full(1.0),
         flash_attention=np.ones(n, dtype=bool) if d.flash_attention is None else d.flash_attention[offer],
-        attention_tflops=None if d.attention_tflops is None else d.attention_tflops[offer],
+        attention_tflops=attention_rates(d, ctx.train.attention, offer),
     )
 
 
