@@ -74,6 +74,11 @@ class TrainSpec(FrozenModel):
     pipeline engine with ``wall_clock_breakdown: true`` times each micro-step with ``torch.cuda.synchronize``):
     the host's kernel-launch time per layer is then not hidden behind the device's work
     (``constants.HOST_OVERHEAD_PER_LAYER_S``)."""
+    num_layer_forwards: int = Field(default=1, ge=1, le=4)
+    """Times the framework runs each transformer layer's forward per micro-batch (1 in every framework we know
+    of but one: AMP's released Megatron-LM 1.1.5, whose ``ParallelTransformerLayerPipe.forward`` calls the
+    layer's forward once to print its output's shape and once more for the result). Each extra forward costs
+    the layer's forward compute, TP collectives and kernel launches again, and stores nothing for backward."""
     tp_comm_overlap: bool = False
     """TP collectives run in chunks overlapped with the layer's GEMMs (Transformer Engine userbuffers:
     Megatron's ``--tp-comm-overlap``, NeMo's ``ub_tp_comm_overlap``; needs sequence parallelism): only the

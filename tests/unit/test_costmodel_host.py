@@ -8,6 +8,7 @@ from starverse.catalog import load_catalog
 from starverse.config import parse
 from starverse.costmodel import DeviceTable, estimate
 from starverse.costmodel import constants as C
+from starverse.errors import ConfigError
 from starverse.models import load_model
 from starverse.plan import Plan
 
@@ -61,3 +62,28 @@ def test_tf32_runs_fp32_values_on_half_the_tensor_core_peak_where_the_card_has_t
                                                                 "layers": 24}]}]}, "t.yaml")
     assert estimate(p, CAT, SPEC).memory_gb == pytest.approx(estimate(q, CAT, SPEC).memory_gb)
     assert step(8, 4, "tf32", "v100-16gb-sxm", 1) == pytest.approx(step(8, 4, "fp32", "v100-16gb-sxm", 1))
+
+
+def _plan(train: dict) -> Plan:
+    return parse(Plan, {"model": "x", "train": {"seq_len": 1024, "global_batch": 8, "precision": "fp16"} | train,
+                        "groups": [{"micro_batch": 1, "stages": [{"accelerator": "v100-16gb-sxm", "tp": 2,
+                                                                   "layers": 24}]}]}, "t.yaml")
+
+
+def test_a_second_forward_of_each_layer_costs_a_recomputed_forward_in_time_not_in_memory() -> None:
+    """AMP's Megatron-LM 1.1.5 runs each layer's forward twice (``train.num_layer_forwards: 2``): the step
+    takes as long as with full recompute (the same forward again, its launches too) and holds what a run
+    without recompute holds."""
+    for sync in (False, True):
+        once = estimate(_plan({"sync_micro_steps": sync}), CAT, SPEC)
+        twice = estimate(_plan({"sync_micro_steps": sync, "num_layer_forwards": 2}), CAT, SPEC)
+        full = estimate(_plan({"sync_micro_steps": sync, "recompute": "full"}), CAT, SPEC)
+        assert twice.step_time_s > once.step_time_s * 1.1
+        assert twice.step_time_s == pytest.approx(full.step_time_s, rel=1e-12)
+        assert twice.memory_gb == pytest.approx(once.memory_gb, rel=1e-12)
+        assert full.memory_gb < once.memory_gb
+
+
+def test_num_layer_forwards_is_checked() -> None:
+    with pytest.raises(ConfigError, match="num_layer_forwards"):
+        _plan({"num_layer_forwards": 0})

@@ -8,7 +8,10 @@ Each "Simulating result" line of those files is one real DeepSpeed run of AMP's 
 16 heads, sequence 1024, global batch 32, fp16 with ``fp32_allreduce``, no activation checkpointing;
 examples/ds_pretrain_gpt2_pipe.sh and examples/ds_config.json of that repository; the config's
 ``wall_clock_breakdown: true`` makes DeepSpeed's pipeline engine time every micro-step with
-``torch.cuda.synchronize``, hence ``sync_micro_steps: true``) on 4 AWS nodes of 4 GPUs:
+``torch.cuda.synchronize``, hence ``sync_micro_steps: true``; its
+``megatron/model/transformer.py`` ``ParallelTransformerLayerPipe.forward`` runs the layer's forward twice,
+``print((super().forward(*args)).shape)`` before ``return super().forward(*args), attention_mask``, hence
+``num_layer_forwards: 2``) on 4 AWS nodes of 4 GPUs:
 ``r_cost`` is the measured seconds per iteration (``inf``: the run did not complete; left out, the source
 does not say why). Ranks follow DeepSpeed's pipe/data/model topology (rank = pp·dp·mp index order) over
 the hostfile's nodes of 4 ranks; the heterogeneous cluster's last node is the T4 node (het_cluster.py).
@@ -68,7 +71,7 @@ def case_yaml(setting: str, bounds: list[int], mbs: int, mp: int, dp: int, pp: i
     return (f"model: ../models/gpt2-medium-megatron.json\n"
             f"train: {{seq_len: {SEQ}, global_batch: {GBS}, precision: fp16, mode: full, zero_stage: 0, "
             f"recompute: none, schedule: 1f1b, grad_reduce_fp32: true, sync_micro_steps: true, "
-            f"overlap_grad_reduce: false}}\n"
+            f"overlap_grad_reduce: false, num_layer_forwards: 2}}\n"
             f"groups:\n" + "\n".join(groups) + "\nnetwork:\n" + SETTINGS[setting]["network"] +
             f"measured: {{tokens_per_s: {tokens:.2f}, step_time_s: {seconds}}}\n"
             f"source: 'AMP (Li et al., NeurIPS 2022, arXiv:2210.07297) {SETTINGS[setting]['source']}; "

@@ -69,14 +69,16 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.4465
+PRE_AMPERE_EFFICIENCY = 0.7456
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
 :data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs
 that use such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, fp16); leave-one-source-out refits
-0.43-0.49. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
-time and made large matmuls too slow (AMP's LM head reaches ~35 % of the T4 peak). Physically: the T4's
+0.65-0.77. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
+time and made large matmuls too slow (AMP's LM head reaches ~35 % of the T4 peak); and 0.44 before AMP's
+cases said that its Megatron-LM runs every layer's forward twice (``train.num_layer_forwards``): that value
+absorbed the second forward's work. Physically: the T4's
 65 TFLOP/s fp16 peak is a 70 W part's boost figure it does not sustain, Turing GeForce/Titan peaks are
 boost-clock figures, and 2020-era kernels reach less of the tensor cores than today's. A measured profile (``starverse probe``) replaces it for the cards a
 user has."""
@@ -132,7 +134,7 @@ of read 4 B + write 4 B than the one fused kernel (Sailor's Megatron-DeepSpeed r
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
 
-HOST_OVERHEAD_PER_LAYER_S = 3.830e-3
+HOST_OVERHEAD_PER_LAYER_S = 3.732e-3
 """Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
 hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
 server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
@@ -239,7 +241,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.5075
+PCIE_COLLECTIVE_FRACTION = 0.6036
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
@@ -247,7 +249,8 @@ parallelism are a few MB (below NCCL's bandwidth plateau on PCIe, nccl-tests all
 third to a half of its large-message busbw at 1-4 MB on PCIe systems), and small-message protocols (LL/LL128)
 trade bandwidth for latency. FITTED (``costmodel.fit.FITTED``) jointly on all runs; identified by the runs
 that use TP or data parallelism inside PCIe nodes (AMP's T4 nodes, Sailor's consumer nodes, both without
-PCIe peer-to-peer); leave-one-source-out 0.48-0.52."""
+PCIe peer-to-peer); leave-one-source-out 0.53-0.77 (docs/costmodel.md: AMP's T4 TP 2/4 and Sailor's TP 8
+nodes disagree on it since AMP's second forward is counted)."""
 
 
 def intra_node_gb_per_s(acc: Any, peer_to_peer: bool | None = None) -> float:

@@ -66,7 +66,8 @@ FITTED: tuple[FittedConstant, ...] = (
     FittedConstant(
         name="HOST_OVERHEAD_PER_LAYER_S", lower=0.0, upper=0.02,
         fitted_on="all runs; identified by how step time changes with the micro-batch size at a fixed layout "
-                  "(amp_t4, amp_mixed: micro-batch 1-32 of the same TP x PP x DP, added per micro-step) and by "
+                  "(amp_t4, amp_mixed: micro-batch 1-32 of the same TP x PP x DP, added per micro-step, two "
+                  "forwards per layer: num_layer_forwards 2) and by "
                   "launch-bound small layers (sailor_gh200: OPT-350M / GPT-Neo-2.7B at micro-batch 1 on 4 GH200s, "
                   "a floor under each layer's time)",
     ),

@@ -204,6 +204,8 @@ class TrainShape:
     """The framework synchronises the device per micro-step (``TrainSpec.sync_micro_steps``)."""
     overlap_grad_reduce: bool = True
     """The gradient all-reduce overlaps the last backward (``TrainSpec.overlap_grad_reduce``)."""
+    num_layer_forwards: int = 1
+    """Forwards of each layer per micro-batch (``TrainSpec.num_layer_forwards``)."""
     tp_comm_overlap: bool = False
     """TP collectives overlapped with the GEMMs (``TrainSpec.tp_comm_overlap``)."""
     overlap_p2p_comm: bool = False
@@ -222,6 +224,7 @@ class TrainShape:
             attention=train.attention,
             grad_reduce_fp32=train.grad_reduce_fp32,
             sync_micro_steps=train.sync_micro_steps,
+            num_layer_forwards=train.num_layer_forwards,
             overlap_grad_reduce=train.overlap_grad_reduce,
             tp_comm_overlap=train.tp_comm_overlap,
             overlap_p2p_comm=train.overlap_p2p_comm,

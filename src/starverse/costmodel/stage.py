@@ -159,6 +159,9 @@ class ModelNumbers:
     schedule: str
     virtual_stages: float
     sync_micro_steps: bool = False
+    extra_forwards: float = 0.0
+    """Forwards of each layer per micro-batch beyond the one backward uses (``TrainSpec.num_layer_forwards``
+    - 1): compute, TP collectives and launches as a recomputed forward, no stored activations."""
     overlap_grad_reduce: bool = True
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
@@ -210,6 +213,14 @@ def attention_is_eager(mn: ModelNumbers, rows: StageRows) -> BoolArray:
     return np.asarray(~rows.flash_attention, dtype=np.bool_)
 
 
+def forwards_again(mn: ModelNumbers, rows: StageRows) -> FloatArray:
+    """Forwards of each layer per micro-batch beyond the one whose activations backward uses: the recomputed
+    one under full recompute and any extra forward the framework runs (``ModelNumbers.extra_forwards``:
+    AMP's Megatron-LM 1.1.5 runs every layer twice). They cost the forward's compute, TP collectives and
+    kernel launches again, not stored activations."""
+    return np.asarray((rows.recompute == 2).astype(np.float64) + mn.extra_forwards, dtype=np.float64)
+
+
 def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     """Costs that do not depend on where a stage sits or how many layers it holds: per layer, per
     micro-batch, per device (the batch path computes these once per candidate)."""
@@ -222,6 +233,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     full_mode = mn.mode == "full"
     rc_full = (rows.recompute == 2).astype(np.float64)
     rc_any = (rows.recompute >= 1).astype(np.float64)
+    fw_again = forwards_again(mn, rows)
     sp = rows.sequence_parallel & (t > 1)
 
     # ---- matmuls of one layer, forward, per device --------------------------------------------------
@@ -250,9 +262,9 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # host-side launch time of the layer's kernels (forward, backward, recomputed forward), exposed where
     # the framework synchronises the device per micro-step; counted with the matmuls (a measured profile
     # below includes it)
-    host_issue = C.HOST_OVERHEAD_PER_LAYER_S * (1.0 + rc_full / 3.0)
+    host_issue = C.HOST_OVERHEAD_PER_LAYER_S * (1.0 + fw_again / 3.0)
     host = host_issue if mn.sync_micro_steps else 0.0 * rc_full
-    gemm_layer = g * (1.0 + bwd_gemm + rc_full) + a * (1.0 + 2.5 + rc_any) + host
+    gemm_layer = g * (1.0 + bwd_gemm + fw_again) + a * (1.0 + 2.5 + rc_any + mn.extra_forwards) + host
     attn_elem = np.zeros_like(a)
     if eager.any():
         # materialised s x s scores per head: two batched matmuls over the full square (masked after),
@@ -267,8 +279,10 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
             # fp32 scores: the fused softmax kernel is fp16/bf16 only; the torch path scales and masks apart
             score_bytes = score_bytes + C.EAGER_UNFUSED_SOFTMAX_BYTES
         softmax = rows.micro_batch * heads * s * s / mn.cp * score_bytes / bw
-        gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + rc_full) + a_e * (1.0 + 2.0 + rc_any) + host, gemm_layer)
-        attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any), attn_elem)
+        gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + fw_again)
+                              + a_e * (1.0 + 2.0 + rc_any + mn.extra_forwards) + host, gemm_layer)
+        attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any + mn.extra_forwards),
+                             attn_elem)
 
     # ---- memory-bound elementwise work of one layer ------------------------------------------------
     # per token, values moved forward: 2 norms (read+write h) and 2 residual adds (read 2, write 1);
@@ -285,7 +299,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     if mn.mode == "qlora":
         # dequantise the 4-bit base to 16 bit for every use (read 0.5 B, write 2 B per parameter)
         fwd_bytes = fwd_bytes + (mn.params_per_layer / t) * 2.5
-    elem_layer = fwd_bytes / bw * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_full) + attn_elem
+    elem_layer = fwd_bytes / bw * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + fw_again) + attn_elem
 
     # ---- TP collectives of one layer: 2 all-reduces forward, 2 backward (+2 recomputed forward) ----
     same_node = rows.tp <= rows.devices_per_node
@@ -293,13 +307,13 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
                                 rows.devices_per_node, rows.inter_node_gbps)
     ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus, 1.0, collective_latency_s(rows.host_collectives, True))
     latency = collective_latency_s(rows.host_collectives)
-    tp_layer = ar * (4.0 + 2.0 * rc_full)
+    tp_layer = ar * (4.0 + 2.0 * fw_again)
     if mn.tp_comm_overlap:
         # TP all-gathers / reduce-scatters split into chunks pipelined with the linear layers' GEMMs
         # (Transformer Engine userbuffers; Wang et al. ASPLOS'23 "Overlap communication with dependent
         # computation via decomposition"): exposed only where longer than those GEMMs; while overlapped
         # it still occupies SMs (OVERLAP_SM_FRACTION of its duration, as the overlapped DP collectives)
-        tp_layer = np.maximum(tp_layer - g * (1.0 + bwd_gemm + rc_full), 0.0) + C.OVERLAP_SM_FRACTION * tp_layer
+        tp_layer = np.maximum(tp_layer - g * (1.0 + bwd_gemm + fw_again), 0.0) + C.OVERLAP_SM_FRACTION * tp_layer
     if mn.cp > 1.0:
         # ring attention (Megatron context parallelism; Liu et al. 2023, "Ring Attention with Blockwise
         # Transformers"): cp - 1 steps pass each rank's K and V chunk around the CP ring forward, K, V and
@@ -327,7 +341,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
             and rows.measured_layer_forward_s is not None:
         # a measured profile replaces the compute terms it contains (matmuls, attention, elementwise)
         has = np.isfinite(rows.measured_layer_s)
-        gemm_layer = np.where(has, rows.measured_layer_s + rc_full * rows.measured_layer_forward_s, gemm_layer)
+        gemm_layer = np.where(has, rows.measured_layer_s + fw_again * rows.measured_layer_forward_s, gemm_layer)
         elem_layer = np.where(has, 0.0, elem_layer)
         has_head = np.isfinite(rows.measured_head_s)
         head_gemm = np.where(has_head, rows.measured_head_s, head_gemm)
