@@ -69,7 +69,7 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.7456
+PRE_AMPERE_EFFICIENCY = 0.7548
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
@@ -241,7 +241,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.6036
+PCIE_COLLECTIVE_FRACTION = 0.6057
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
