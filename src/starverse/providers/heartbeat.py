@@ -43,16 +43,19 @@ class Beat:
 
 
 def start_beating(beat: Beat, timeout_s: float = 60.0) -> threading.Thread:
-    """In an actor: a daemon thread adding 1 to ``beat.key`` every ``beat.period_s`` (it stops with the process,
-    and ends quietly if the driver's store goes away: the job is over then)."""
+    """In an actor: beat once now (so the actor is watched from here on, even if it stops at once), then a daemon
+    thread adds 1 to ``beat.key`` every ``beat.period_s`` (it stops with the process, and ends quietly if the
+    driver's store goes away: the job is over then)."""
     import torch.distributed as dist
+
+    store = dist.TCPStore(beat.host, beat.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    store.add(beat.key, 1)
 
     def run() -> None:
         try:
-            store = dist.TCPStore(beat.host, beat.port, is_master=False, timeout=timedelta(seconds=timeout_s))
             while True:
-                store.add(beat.key, 1)
                 time.sleep(beat.period_s)
+                store.add(beat.key, 1)
         except Exception as e:  # the driver ended the job (its store is gone)
             log.debug("heartbeat %s ended: %s", beat.key, e)
 

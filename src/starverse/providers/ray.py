@@ -364,9 +364,9 @@ class _RankActor:
         Exceptions are caught and reported as data (text, traceback, the error itself if a StarverseError),
         the same triple the local launcher sends, so the driver applies the same rules to both.
         """
-        if beat is not None:
-            start_beating(beat, env.collective_timeout_s)
         try:
+            if beat is not None:
+                start_beating(beat, env.collective_timeout_s)
             return ("ok", _run_rank(fn, env, args, master_addr, port))
         except BaseException as e:
             return ("error", error_report(e))
@@ -377,9 +377,9 @@ class _RankActor:
         """Run ``fn`` without a ``torch.distributed`` world (an in-place replica forms its own torchft groups);
         report as :meth:`run`. ``bind_node``: the replica binds and advertises this node's IP (``bind_host``, replicas
         on several hosts), not 127.0.0.1. ``beat``: its heartbeat, as :meth:`run`."""
-        if beat is not None:
-            start_beating(beat, env.collective_timeout_s)
         try:
+            if beat is not None:
+                start_beating(beat, env.collective_timeout_s)
             host = LOOPBACK
             if bind_node:
                 from starverse.runtime.ft_group import EXTRA_BIND_HOST
