@@ -325,14 +325,15 @@ class TorchftSync:
         self.manager.wait_quorum()
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp(ReduceOp.SUM)
-        self._wake.clear()
+        wake = threading.Event()  # this call's: an abandoned operation's late end must not wake a later one
+        self._wake = wake
         if self._lost_peer is not None:
             raise PeerLostError(f"replica {self._lost_peer} of this quorum was lost (announced by the launcher)")
         group = self._pg._pg
         work = self._pg.allreduce([t], opts)
         done = work.get_future()
-        done.add_done_callback(lambda _: self._wake.set())
-        if not self._wake.wait(self._timeout_s + 5.0) or not done.done():
+        done.add_done_callback(lambda _: wake.set())
+        if not wake.wait(self._timeout_s + 5.0) or not done.done():
             self._orphans.append((done, (work, group)))  # it ends by itself later (a closed socket, gloo's own timeout)
             lost = self._lost_peer
             raise PeerLostError(f"replica {lost} of this quorum was lost (announced by the launcher)" if lost is not None
