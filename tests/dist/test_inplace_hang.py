@@ -4,7 +4,7 @@ collective timeout (issue 11, items 1 and 2).
 Replica 1 of 3 stops itself in the middle of step 3, after forking a child that holds copies of its sockets and stops
 too (``HangReplicaMidStep(keep_connections=True)``): when the launcher kills the replica, its connections stay open,
 as a host lost off the network leaves them, so a survivor blocked in the all-reduce gets no error from gloo. The
-launcher finds the stopped replica by its heartbeat (3 s), kills it (a typed ``LostRankError``, cause ``heartbeat
+launcher finds the stopped replica by its heartbeat (8 s), kills it (a typed ``LostRankError``, cause ``heartbeat
 timeout``) and announces the loss on its store; the survivors give up the collective at once, redo the step in a
 quorum of two and finish. The collective timeout is 120 s and the job's 100 s: without the announcement the survivors
 wait for the collective timeout and the job overruns. The final weights equal one process's training on the same
@@ -31,7 +31,8 @@ from starverse.runtime.trainer import Trainer
 from starverse.testing import HUNG_FILE, HangReplicaMidStep
 
 MB, GB, STEPS, HANG_AT = 2, 12, 6, 3
-COLLECTIVE_S, JOB_S, HEARTBEAT_S = 120.0, 100.0, 3.0
+COLLECTIVE_S, JOB_S, HEARTBEAT_S = 120.0, 100.0, 8.0
+"""HEARTBEAT_S: with 3 s, 2 of 9 runs at load 12-14 on 2 cores overran the job (cause not confirmed; docs/insurance.md)."""
 
 
 def _release_holder(run_dir: Path) -> list[int]:

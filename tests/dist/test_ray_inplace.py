@@ -208,13 +208,13 @@ def test_a_job_file_on_ray_survives_a_removed_node_a_spare_takes_over_and_the_lo
 
 def test_a_stopped_replica_actor_is_lost_by_its_heartbeat_and_the_survivor_goes_on(cluster, tmp_path):
     """Rank 1's actor process stops itself (SIGSTOP) mid-step: Ray sees a live actor; its heartbeat stops. After
-    3 s the launcher loses it (cause ``heartbeat timeout``, its node), kills it and the survivor goes on alone, long
+    8 s the launcher loses it (cause ``heartbeat timeout``, its node), kills it and the survivor goes on alone, long
     before the 120 s collective timeout; the math equals one process's."""
     ranks = tuple(RankSpec(r, KIND, "cpu", num_threads=1) for r in range(2))
     torch.manual_seed(0)
     model = TinyLM()
     initial = copy.deepcopy(model)
-    launcher = RayInplaceLauncher(heartbeat_s=0.2, heartbeat_timeout_s=3.0,
+    launcher = RayInplaceLauncher(heartbeat_s=0.5, heartbeat_timeout_s=8.0,
                                   ray=RayLauncher(kind_resources={KIND: KIND}, placement_timeout_s=120))
     trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
                       callbacks=[HangReplicaMidStep(replica=1, step=LOSE_AT)], run_dir=tmp_path, lr=2e-2,
