@@ -23,10 +23,18 @@
   replica completes that step with the whole global batch. ``inplace_pp_vs_dp_recovery``: that over
   ``inplace_recovery_s`` (same run). ``inplace_pp_lost_steps`` as above; ``inplace_pp_join_s``: the lost
   replica's replacement (both ranks, new processes, ``replace_after_s`` 2) -> the first step it trained in.
+- ``inplace_hang_recovery_s``: one of 3 replicas *stops* mid-step (SIGSTOP; its sockets held open by a stopped
+  child, as a host lost off the network leaves them: ``testing.HangReplicaMidStep(keep_connections=True)``) ->
+  the survivors complete that step. Measured against ``inplace_hang_heartbeat_timeout_s`` (the launcher's
+  heartbeat timeout of that run): ``inplace_hang_breakdown_s`` splits it into the stop -> the launcher declaring
+  the loss (the heartbeat timeout and the launcher's poll) and the loss -> the step done (the survivors give up
+  their collective on the launcher's announcement, re-quorum, redo the step). Without the announcement the
+  survivors would wait for the collective timeout (60 s here). A short run (KILL_STEP + 2 steps, no replacement).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -107,7 +115,7 @@ def _pipelined(cluster: Any) -> Any:
 
 
 def _supervisor(run_dir: Path, callbacks: Any, recovery: str, replace_after_s: float | None = None,
-                warm: bool = True, pipeline: bool = False) -> Any:
+                warm: bool = True, pipeline: bool = False, heartbeat_timeout_s: float = 60.0) -> Any:
     import starverse
     from starverse.checkpoint import CheckpointCallback
     from starverse.elastic.inplace import InplaceLauncher
@@ -118,7 +126,9 @@ def _supervisor(run_dir: Path, callbacks: Any, recovery: str, replace_after_s: f
         cluster = _pipelined(cluster)
     options: dict[str, Any] = {"rebalance_every": 0, "collective_timeout_s": 60.0, "recovery": recovery}
     if recovery == "in-place":
-        options["launcher"] = InplaceLauncher(replace_after_s=replace_after_s, warm_spares=warm)
+        options["launcher"] = InplaceLauncher(replace_after_s=replace_after_s, warm_spares=warm,
+                                              heartbeat_s=min(1.0, heartbeat_timeout_s / 10),
+                                              heartbeat_timeout_s=heartbeat_timeout_s)
     return cluster, Supervisor(cluster, run_dir, checkpoint=CheckpointCallback(interval_steps=INTERVAL),
                                callbacks=callbacks, trainer_options=options)
 
@@ -173,6 +183,37 @@ def bench_inplace_loss(tmp: Path, warm: bool = True, pipeline: bool = False) -> 
         "join_breakdown_s": {"start_or_activation_s": round(healed[0]["ready_at"] - joins[0].at, 2),
                              "heal_and_first_step_s": round(joined[0]["time"] - healed[0]["ready_at"], 2)}
         if joined and joins and healed else None,
+    }
+
+
+HANG_HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def bench_inplace_hang(tmp: Path) -> dict[str, Any]:
+    """One replica of 3 stopped mid-step with its connections held open (see the module docstring)."""
+    from starverse.testing import HUNG_FILE, HangReplicaMidStep
+
+    run_dir = tmp / "inplace-hang"
+    hang = HangReplicaMidStep(1, step=KILL_STEP, keep_connections=True)
+    cluster, sup = _supervisor(run_dir, lambda n: [LeaderStamps(n), hang], "in-place",
+                               heartbeat_timeout_s=HANG_HEARTBEAT_TIMEOUT_S)
+    hung = run_dir / HUNG_FILE.format(rank=1)
+    try:
+        sup.run(_factory, _data(cluster), resume_from=None, per_device_batch_size=2, max_steps=KILL_STEP + 2,
+                seq_len=64)
+    finally:
+        for pid in hung.read_text().split()[1:] if hung.exists() else []:  # the socket holder
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    stopped = hung.stat().st_mtime
+    done = next(s for s in _stamps(run_dir) if s["event"] == "step" and s["step"] == KILL_STEP)
+    [loss] = sup.launcher.losses
+    return {
+        "inplace_hang_recovery_s": round(done["time"] - stopped, 2),
+        "inplace_hang_heartbeat_timeout_s": HANG_HEARTBEAT_TIMEOUT_S,
+        "inplace_hang_breakdown_s": {"detect_s": round(loss.at - stopped, 2),
+                                     "abort_requorum_and_step_s": round(done["time"] - loss.at, 2)},
+        "inplace_hang_cause": loss.error.cause.value,
     }
 
 
@@ -233,6 +274,7 @@ def bench_inplace(tmp: Path) -> dict[str, Any]:
     loss = bench_inplace_loss(tmp)
     cold = bench_inplace_loss(tmp, warm=False)
     pp = bench_inplace_loss(tmp, warm=False, pipeline=True)
+    hang = bench_inplace_hang(tmp)
     inplace = _goodput(tmp, "in-place")
     restart = _goodput(tmp, "restart")
     out: dict[str, Any] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in loss.items()}
@@ -267,5 +309,6 @@ def bench_inplace(tmp: Path) -> dict[str, Any]:
         "inplace_pp_redone_steps": pp["inplace_redone_steps"],
         "inplace_pp_attempts": pp["inplace_attempts"],
         "inplace_pp_join_s": round(pp["join_s"], 2) if pp["join_s"] is not None else None,
+        **hang,
     })
     return out

@@ -146,3 +146,34 @@ def reference_training(
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, model.state_dict()
+
+
+def process_gone(pid: int, wait_s: float = 15.0) -> bool:
+    """Whether process ``pid`` stops running within ``wait_s`` (gone, or a zombie its parent has not reaped yet)."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+
+
+def assert_same_as_one_process(res: Any, model: torch.nn.Module, initial: torch.nn.Module, trainer: Any, steps: int,
+                               global_batch: int) -> None:
+    """The fit's losses and ``model``'s final weights equal one process's training of ``initial`` on the same global
+    batches of :func:`ramp_tokens` (``assert_close``)."""
+    import numpy as np
+
+    from starverse.runtime.data import PackedDataset
+    from starverse.runtime.steps import batch_loss
+
+    tokens = np.concatenate([t.numpy() for t in ramp_tokens()]).astype(np.int32)
+    ref_losses, ref_state = reference_training(initial, trainer, PackedDataset(tokens, SEQ), steps, global_batch,
+                                               batch_loss)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], msg=name)

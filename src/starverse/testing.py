@@ -76,6 +76,43 @@ class KillReplicaMidStep(Callback):
             os.kill(os.getpid(), _signal.SIGKILL)
 
 
+HUNG_FILE = "hung-{rank}.pid"
+"""Run-directory file :class:`HangReplicaMidStep` writes: the stopped replica's pid, and its socket holder's."""
+
+
+@dataclass
+class HangReplicaMidStep(Callback):
+    """In-place recovery runs: SIGSTOP replica ``replica`` in the middle of step ``step`` (where
+    :class:`KillReplicaMidStep` kills): the process lives, silent, its connections open, until someone kills it.
+
+    ``keep_connections``: first fork a child that holds copies of every socket of the replica and stops itself
+    too, so that killing the replica does not close its connections: its peers see what they see of a host lost
+    off the network (connections that stay open and carry nothing), not a closed socket. The pids (replica,
+    then holder) are written to ``run_dir/hung-<rank>.pid``; the test kills the holder."""
+
+    replica: int
+    """The replica (rank) to stop."""
+    step: int
+    """The step (1-based) during which it stops."""
+    keep_connections: bool = False
+    """Leave its connections open after it is killed (a socket-holding child, see above)."""
+
+    def on_micro_batch_end(self, ctx: TrainContext, compute_s: float) -> None:
+        """Stop when the chosen replica is computing the chosen step."""
+        if (int(os.environ.get("RANK", "-1")) != self.replica or ctx.step + 1 != self.step
+                or os.environ.get("STARVERSE_JOINER")):
+            return
+        pids = [os.getpid()]
+        if self.keep_connections:
+            holder = os.fork()
+            if holder == 0:  # the child: only async-signal-safe calls (a fork of a threaded process)
+                os.kill(os.getpid(), _signal.SIGSTOP)
+                os._exit(0)
+            pids.append(holder)
+        (Path(ctx.run_dir) / HUNG_FILE.format(rank=self.replica)).write_text(" ".join(map(str, pids)))
+        os.kill(os.getpid(), _signal.SIGSTOP)
+
+
 @dataclass
 class WaitForReplicas(Callback):
     """In-place recovery runs: after step ``after_step``, slow every micro-batch (``pause_s``) while fewer than

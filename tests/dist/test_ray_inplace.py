@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import CLI, SEQ, TINY, TinyLM, ramp_tokens, reference_training
+from helpers import CLI, SEQ, TINY, TinyLM, assert_same_as_one_process, process_gone, ramp_tokens, reference_training
 from starverse.errors import LossCause
 from starverse.runtime.cluster import Cluster, local_plan
 from starverse.runtime.data import PackedDataset
@@ -28,7 +28,7 @@ from starverse.runtime.ft import INPLACE_LOG
 from starverse.runtime.launch import RankSpec
 from starverse.runtime.steps import batch_loss
 from starverse.runtime.trainer import Trainer
-from starverse.testing import HOLD_FILE, HoldAfterStep, WaitForReplicas
+from starverse.testing import HOLD_FILE, HUNG_FILE, HangReplicaMidStep, HoldAfterStep, WaitForReplicas
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402  (needs ray)
@@ -204,3 +204,33 @@ def test_a_job_file_on_ray_survives_a_removed_node_a_spare_takes_over_and_the_lo
     check = subprocess.run([*CLI, "bill", "run", "--check"], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_stopped_replica_actor_is_lost_by_its_heartbeat_and_the_survivor_goes_on(cluster, tmp_path):
+    """Rank 1's actor process stops itself (SIGSTOP) mid-step: Ray sees a live actor; its heartbeat stops. After
+    8 s the launcher loses it (cause ``heartbeat timeout``, its node), kills it and the survivor goes on alone, long
+    before the 120 s collective timeout; the math equals one process's."""
+    ranks = tuple(RankSpec(r, KIND, "cpu", num_threads=1) for r in range(2))
+    torch.manual_seed(0)
+    model = TinyLM()
+    initial = copy.deepcopy(model)
+    launcher = RayInplaceLauncher(heartbeat_s=0.5, heartbeat_timeout_s=8.0,
+                                  ray=RayLauncher(kind_resources={KIND: KIND}, placement_timeout_s=120))
+    trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
+                      callbacks=[HangReplicaMidStep(replica=1, step=LOSE_AT)], run_dir=tmp_path, lr=2e-2,
+                      warmup_steps=2, grad_clip=0.5, timeout_s=400, collective_timeout_s=120, recovery="in-place",
+                      launcher=launcher, progress=False, tensorboard=False)
+    res = trainer.fit(model, dataset=ramp_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,
+                      global_batch=GB)
+    done = time.time()
+    [loss] = launcher.losses
+    assert (loss.error.rank, loss.error.cause, loss.error.node) == (1, LossCause.HEARTBEAT, "127.0.0.1")
+    hung = tmp_path / HUNG_FILE.format(rank=1)
+    assert done - hung.stat().st_mtime < 30, done - hung.stat().st_mtime  # not the collective timeout
+    pid = int(hung.read_text())
+    assert process_gone(pid), pid  # killed, not left stopped
+    sizes = [len(s) for _, s in res.shares_history]
+    assert sizes[0] == 2 and sizes[-1] == 1 and all(sum(s) == GB // MB for _, s in res.shares_history)
+    assert res.steps == STEPS
+    assert_same_as_one_process(res, model, initial, trainer, STEPS, GB)
+

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 # TinyLM lives in tests/helpers.py, not an installed module: the Ray ranks must import it as spawn would.
-from helpers import SEQ, TinyLM
+from helpers import SEQ, TinyLM, process_gone
 from helpers import ramp_tokens as _tokens
 from starverse.errors import ConfigError, DistributedError, JobTimeoutError, LossCause, LostRankError, RankCodeError
 from starverse.runtime.callbacks import Callback
@@ -348,3 +348,31 @@ def test_an_argument_the_ranks_cannot_unpickle_names_the_cause(ray_session):
         launch(_sum_ranks, _ranks(2), timeout_s=60, args=(_Unshippable(),), launcher="ray")
     assert err.value.failed_rank == 0
     assert _wait_until(_all_cpus_free), ray.available_resources()
+
+
+def _stop_rank_1(env, pid_file):
+    import torch.distributed as dist
+
+    if env.rank == 1:
+        Path(pid_file).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive but silent: its actor is not dead, only its heartbeat stops
+    dist.all_reduce(torch.ones(1))  # the survivor waits on it until the heartbeat ends the job
+    time.sleep(60)
+
+
+def test_a_stopped_ray_actor_is_lost_by_its_heartbeat_and_killed(tmp_path, ray_session):
+    fast = RayLauncher(heartbeat_s=0.2, heartbeat_timeout_s=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(LostRankError, match=r"rank 1 \(cpu, cpu\) on node 127\.0\.0\.1 sent no heartbeat for \d+ s; "
+                       r"it was stopped with the other ranks") as err:
+        launch(_stop_rank_1, _ranks(2), timeout_s=100, args=(str(tmp_path / "pid"),), collective_timeout_s=60,
+               launcher=fast)
+    e = err.value
+    assert (e.rank, e.device_kind, e.node, e.cause) == (1, "cpu", "127.0.0.1", LossCause.HEARTBEAT)
+    assert time.monotonic() - t0 < 40  # the heartbeat, not the survivor's collective timeout (60 s)
+    pid = int((tmp_path / "pid").read_text())
+    assert process_gone(pid), pid  # killed, not left stopped
+    assert _wait_until(_all_cpus_free), ray.available_resources()
+    with pytest.raises(ConfigError, match=r"RayLauncher: need 0 < heartbeat_s < heartbeat_timeout_s \(got 2, 1\)"):
+        RayLauncher(heartbeat_s=2, heartbeat_timeout_s=1)
+

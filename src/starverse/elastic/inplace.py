@@ -55,6 +55,7 @@ from starverse.runtime.ft_group import (
     JOINED_KEY,
     REPLICA_ENV,
     SPARE_KEY,
+    announce_loss,
     quiet_torchft,
 )
 from starverse.runtime.launch import (
@@ -429,9 +430,12 @@ class _Run:
                 lost = lost_process(self.ranks[rank], p.exitcode)
             elif p.exitcode is None and last > 0 and now - last > launcher.heartbeat_timeout_s:
                 p.kill()
-                lost = lost_heartbeat(self.ranks[rank], now - last)
+                lost = lost_heartbeat(self.ranks[rank], now - last, survived=True)
             if lost is None:
                 continue
+            # the survivors give up their collectives with it now: its connections may stay open (a stopped process
+            # whose sockets another holds, a host off the network), and gloo would wait for the collective timeout
+            announce_loss(self.store, self.replica_of(rank))
             for err in [lost, *self.stop_partners(lost)]:
                 gone.add(err.rank)
                 loss = Loss(err, time.time())

@@ -43,12 +43,16 @@ def lost_process(spec: RankSpec, exitcode: int, *, node: str | None = None) -> L
     )
 
 
-def lost_heartbeat(spec: RankSpec, silent_s: float, *, node: str | None = None) -> LostRankError:
-    """A rank whose process is alive but has not sent a heartbeat for ``silent_s`` (stopped, or its host hung)."""
+def lost_heartbeat(spec: RankSpec, silent_s: float, *, node: str | None = None,
+                   survived: bool = False) -> LostRankError:
+    """A rank whose process is alive but has not sent a heartbeat for ``silent_s`` (stopped, or its host hung); it is
+    killed. ``survived``: the other ranks went on (in-place recovery) instead of being stopped."""
     where = f" on node {node}" if node else ""
+    others = "it was killed and the other replicas went on without it" if survived else \
+        "it was stopped with the other ranks"
     return LostRankError(
-        f"rank {spec.rank} ({spec.device_kind}, {spec.device}){where} sent no heartbeat for {silent_s:.0f} s; it was "
-        "stopped with the other ranks. To fix: check that rank's host (a stopped process, swapping, a hung device).",
+        f"rank {spec.rank} ({spec.device_kind}, {spec.device}){where} sent no heartbeat for {silent_s:.0f} s; {others}. "
+        "To fix: check that rank's host (a stopped process, swapping, a hung device).",
         rank=spec.rank, device_kind=spec.device_kind, device=spec.device, node=node, cause=LossCause.HEARTBEAT,
     )
 

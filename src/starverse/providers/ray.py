@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starverse.errors import ConfigError, DistributedError, JobTimeoutError, LossCause, LostRankError
-from starverse.providers.failures import code_error, lost_actor, overrun, user_error
+from starverse.providers.failures import code_error, lost_actor, lost_heartbeat, overrun, user_error
+from starverse.providers.heartbeat import Beat, BeatWatch, driver_host, start_beating
 from starverse.providers.reaper import start_reaper, stop_reaper
 from starverse.runtime.launch import (
     LOOPBACK,
@@ -132,8 +133,16 @@ class RayLauncher:
     detects, e.g. ``{"h100-80gb-sxm": "accelerator_type:H100"}``, or a label given at ``ray start
     --resources='{"rtx-4090": 8}'``). Each rank of that kind then reserves a sliver of it, so on a mixed
     cluster it lands on a node of its kind. None: any node with a free CPU (and GPU for CUDA ranks)."""
+    heartbeat_s: float = 1.0
+    """How often each rank's actor adds to its heartbeat counter in the driver's store."""
+    heartbeat_timeout_s: float = 60.0
+    """A rank whose actor lives but whose heartbeat stood still this long is lost (``LossCause.HEARTBEAT``): its
+    process is killed and the job fails with that cause, as under the local launcher."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.heartbeat_timeout_s:
+            raise ConfigError(f"RayLauncher: need 0 < heartbeat_s < heartbeat_timeout_s (got {self.heartbeat_s}, "
+                              f"{self.heartbeat_timeout_s}).")
         if self.num_cpus_per_rank < 0:
             raise ConfigError(f"RayLauncher.num_cpus_per_rank must be >= 0 (got {self.num_cpus_per_rank}).")
         if self.placement_timeout_s <= 0:
@@ -154,29 +163,7 @@ class RayLauncher:
         An actor runs one call at a time in its main thread (where Python handles signals, so the rank's
         notice handler sees it): the signal is sent to its process directly on this node, and by a
         zero-CPU task pinned to its node elsewhere."""
-        where = list(self._procs)
-        if not where:
-            return 0
-        ray = import_ray()
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        here = ray.get_runtime_context().get_node_id()
-        n, refs = 0, []
-        for node_id, pid in where:
-            if node_id == here:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-                    n += 1
-            else:
-                strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-                refs.append(ray.remote(num_cpus=0)(_send_signal).options(scheduling_strategy=strategy)
-                            .remote(pid, int(signum)))
-        if refs:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10.0)
-            for ref in ready:
-                with contextlib.suppress(Exception):
-                    n += int(ray.get(ref))
-        return n
+        return signal_ranks(import_ray(), list(self._procs), signum)
 
     def launch(
         self,
@@ -200,6 +187,50 @@ class RayLauncher:
         ray = import_ray()
         with ray_session(ray, self, ranks):
             return _run_job(ray, self, fn, ranks, timeout_s, args, collective_timeout_s, grace_s)
+
+
+def signal_ranks(ray: Any, where: Sequence[tuple[str, int]], signum: int) -> int:
+    """Send ``signum`` to the rank processes ``where`` ((Ray node id, pid) each): directly on this node, by a
+    zero-CPU task pinned to the rank's node elsewhere; returns how many were reached."""
+    if not where:
+        return 0
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    n, refs = 0, []
+    for node_id, pid in where:
+        if node_id == here:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+                n += 1
+        else:
+            strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            refs.append(ray.remote(num_cpus=0)(_send_signal).options(scheduling_strategy=strategy)
+                        .remote(pid, int(signum)))
+    if refs:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10.0)
+        for ref in ready:
+            with contextlib.suppress(Exception):
+                n += int(ray.get(ref))
+    return n
+
+
+def kill_hung(ray: Any, actor: Any, where: tuple[str, int] | None) -> None:
+    """Kill the actor of a rank whose heartbeat stopped, at once: ``ray.kill`` asks its worker to exit, which a
+    stopped process does not do until the raylet's grace period ends (seconds), so its process is SIGKILLed too
+    (``where``: its (node id, pid), when known). It cannot come back: the actors are never restarted."""
+    with contextlib.suppress(Exception):  # already gone
+        ray.kill(actor, no_restart=True)
+    if where is not None:
+        signal_ranks(ray, [where], signal.SIGKILL)
+
+
+def beat_watch(ray: Any, store_timeout_s: float, period_s: float, timeout_s: float) -> BeatWatch:
+    """A heartbeat store for a job's actors, in the driver: on 127.0.0.1 when every live node is on 127.x, else on
+    the driver's node IP (actors on other hosts reach it)."""
+    host = driver_host("auto", [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")],
+                       str(ray.util.get_node_ip_address())) or LOOPBACK
+    return BeatWatch(store_server(host, 1, store_timeout_s), host, period_s, timeout_s)
 
 
 @contextlib.contextmanager
@@ -324,25 +355,31 @@ class _RankActor:
         return str(ray.get_runtime_context().get_node_id()), os.getpid()
 
     def run(
-        self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], master_addr: str, port: int
+        self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], master_addr: str, port: int,
+        beat: Beat | None = None,
     ) -> tuple[str, Any]:
-        """Set up the environment and process group, run ``fn``; report ``("ok", value)`` or ``("error", ...)``.
+        """Start the heartbeat (``beat``), set up the environment and process group, run ``fn``; report
+        ``("ok", value)`` or ``("error", ...)``.
 
         Exceptions are caught and reported as data (text, traceback, the error itself if a StarverseError),
         the same triple the local launcher sends, so the driver applies the same rules to both.
         """
         try:
+            if beat is not None:
+                start_beating(beat, env.collective_timeout_s)
             return ("ok", _run_rank(fn, env, args, master_addr, port))
         except BaseException as e:
             return ("error", error_report(e))
 
 
     def run_replica(self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...],
-                    bind_node: bool = False) -> tuple[str, Any]:
+                    bind_node: bool = False, beat: Beat | None = None) -> tuple[str, Any]:
         """Run ``fn`` without a ``torch.distributed`` world (an in-place replica forms its own torchft groups);
         report as :meth:`run`. ``bind_node``: the replica binds and advertises this node's IP (``bind_host``, replicas
-        on several hosts), not 127.0.0.1."""
+        on several hosts), not 127.0.0.1. ``beat``: its heartbeat, as :meth:`run`."""
         try:
+            if beat is not None:
+                start_beating(beat, env.collective_timeout_s)
             host = LOOPBACK
             if bind_node:
                 from starverse.runtime.ft_group import EXTRA_BIND_HOST
@@ -429,21 +466,51 @@ def _run_job(
             timeout_s, "open the rendezvous store",
         )[0]
         log.info("launched %d ranks as Ray actors (store %s:%d, nodes %s)", world, master_addr, port, sorted(set(node_ips)))
-        refs = []
+        beats = beat_watch(ray, collective_timeout_s, opts.heartbeat_s, opts.heartbeat_timeout_s)
+        refs, keys = [], []
         for i, (spec, actor) in enumerate(zip(ranks, actors, strict=True)):
             local_rank = node_ips[:i].count(node_ips[i])
             env = RankEnv(
                 spec=actor_spec(spec), ranks=tuple(ranks), collective_timeout_s=collective_timeout_s,
                 extra={"launcher": "ray", "node_ip": node_ips[i], "local_rank": local_rank},
             )
-            refs.append(actor.run.remote(fn, env, args, master_addr, port))
-        values, errors, dead = _collect(ray, refs, ranks, deadline, timeout_s)
+            beat = beats.new_beat()
+            keys.append(beat.key)
+            refs.append(actor.run.remote(fn, env, args, master_addr, port, beat))
+        hung = _Hung(ray, beats, keys, actors, opts._procs)
+        values, errors, dead = _collect(ray, refs, ranks, deadline, timeout_s, hung)
     finally:
         opts._procs = []
         release(ray, actors, pg)
     if len(values) < world:
-        raise _failure(ranks, node_ips, values, errors, dead)
+        raise _failure(ranks, node_ips, values, errors, dead, hung.silent)
     return [values[r] for r in range(world)]
+
+
+@dataclass
+class _Hung:
+    """The restart launcher's heartbeat check: a rank whose counter stood still is silent, and its actor killed."""
+
+    ray: Any
+    beats: BeatWatch
+    keys: list[str]
+    """Rank -> its heartbeat key."""
+    actors: list[Any]
+    where: list[tuple[str, int]]
+    """Rank -> (node id, pid) of its actor."""
+    silent: dict[int, float] = field(default_factory=dict)
+    """Rank -> how long it was silent (the ranks found hung)."""
+
+    def check(self, pending: set[int]) -> bool:
+        """Look at the heartbeats of the ranks still running; True if one stopped (its actor is killed)."""
+        now = time.monotonic()
+        for rank in sorted(pending):
+            quiet = self.beats.silent_s(self.keys[rank], now)
+            if quiet is not None:
+                log.warning("rank %d sent no heartbeat for %.0f s; killing its actor", rank, quiet)
+                self.silent[rank] = quiet
+                kill_hung(self.ray, self.actors[rank], self.where[rank] if rank < len(self.where) else None)
+        return bool(self.silent)
 
 
 def place_ranks(ray: Any, bundles: list[dict[str, float]], wait_s: float) -> Any:
@@ -530,9 +597,10 @@ def _get_before(ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: floa
 
 
 def _collect(
-    ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: float, timeout_s: float
+    ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: float, timeout_s: float, hung: _Hung | None = None,
 ) -> tuple[dict[int, Any], dict[int, RankError], dict[int, str]]:
-    """Wait for every rank; stop waiting shortly after the first failure (see ``ROOT_CAUSE_WAIT_S``)."""
+    """Wait for every rank; stop waiting shortly after the first failure (see ``ROOT_CAUSE_WAIT_S``), at once
+    when a rank's heartbeat stopped (``hung``: its peers wait on it in a collective)."""
     from ray.exceptions import RayActorError, RayTaskError
 
     values: dict[int, Any] = {}
@@ -558,6 +626,8 @@ def _collect(
                 values[rank] = payload
             else:
                 errors[rank] = payload
+        if hung is not None and hung.check({rank_of[ref] for ref in pending}):
+            break
         now = time.monotonic()
         if (errors or dead) and failed_at is None:
             failed_at = now
@@ -574,16 +644,21 @@ def _failure(
     values: dict[int, Any],
     errors: dict[int, RankError],
     dead: dict[int, str],
+    silent: dict[int, float] | None = None,
 ) -> BaseException:
     """The error for a failed job, root cause first, with the local launcher's priorities.
 
-    Bad input found in a rank (a ConfigError) is re-raised as itself; then a rank whose actor died (its peers'
-    errors, a failed checkpoint collective included, are only consequences of the lost connection); then another
-    typed error raised in a rank, as itself; then the lowest rank that reported an exception.
+    Bad input found in a rank (a ConfigError) is re-raised as itself; then a rank whose heartbeat stopped (it
+    hung; its peers wait on it); then a rank whose actor died (its peers' errors, a failed checkpoint collective
+    included, are only consequences of the lost connection); then another typed error raised in a rank, as
+    itself; then the lowest rank that reported an exception.
     """
     user = user_error(errors, ConfigError)
     if user is not None:
         return user
+    if silent:
+        rank = min(silent)
+        return lost_heartbeat(ranks[rank], silent[rank], node=node_ips[rank])
     if dead:
         rank = min(dead)
         return lost_actor(ranks[rank], dead[rank], node=node_ips[rank])

@@ -37,9 +37,16 @@ world; survivors finish the step in flight with the lost replica's share redistr
   addresses the Lighthouse and the stores listen on the driver's node IP and each replica's ``Manager`` and store
   on its own node's IP (``ray.util.get_node_ip_address()``), so replicas on other hosts reach them.
 
-Not built: a hung actor (alive, not stepping) is only caught by the job's timeout (the local launcher's heartbeat
-has no Ray counterpart here). Replicas on more than one machine have not run here (one machine only: the tests run
-the loopback binding and, with ``bind="node"``, the node-IP path on a cluster whose node IPs are 127.0.0.1).
+A hung actor (alive, not stepping: SIGSTOPped, its host stuck) is found by its heartbeat
+(:mod:`starverse.providers.heartbeat`: a thread of the actor adds to its counter on the launcher's store every
+``heartbeat_s``): silent for ``heartbeat_timeout_s``, it is a :class:`~starverse.errors.LostRankError` with cause
+``heartbeat timeout`` and its node; the launcher kills it (``ray.kill`` and a SIGKILL of its process, so it cannot
+come back) and goes on as for an actor's death (``on_loss``, a replacement). Every loss is also announced on the
+launcher's store (:func:`starverse.runtime.ft_group.announce_loss`): the survivors give up their collective with the
+lost replica at once instead of waiting for the collective timeout when its connections stay open.
+
+Replicas on more than one machine have not run here (one machine only: the tests run the loopback binding and, with
+``bind="node"``, the node-IP path on a cluster whose node IPs are 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ from starverse.elastic.inplace import (
     stopped_with_replica,
 )
 from starverse.errors import ConfigError, LossCause, LostRankError
-from starverse.providers.failures import code_error, lost_actor, overrun, user_error
+from starverse.providers.failures import code_error, lost_actor, lost_heartbeat, overrun, user_error
+from starverse.providers.heartbeat import BeatWatch, driver_host
 from starverse.providers.ray import (
     ROOT_CAUSE_WAIT_S,
     RayLauncher,
@@ -69,6 +77,7 @@ from starverse.providers.ray import (
     actor_spec,
     first_line,
     import_ray,
+    kill_hung,
     place_ranks,
     rank_actor_class,
     rank_bundle,
@@ -81,6 +90,7 @@ from starverse.runtime.ft_group import (
     EXTRA_SPARE,
     JOINED_KEY,
     SPARE_KEY,
+    announce_loss,
     ft_host,
 )
 from starverse.runtime.launch import (
@@ -98,21 +108,15 @@ log = logging.getLogger(__name__)
 BINDS = ("auto", "loopback", "node")
 """Values of :attr:`RayInplaceLauncher.bind`."""
 
-
-def driver_host(bind: str, node_ips: Sequence[str], driver_ip: str) -> str | None:
-    """Where the Lighthouse and the launcher's stores listen: 127.0.0.1 (``loopback``, or ``auto`` on a cluster
-    whose live nodes are all on 127.x), else the driver's node IP (``node``, or ``auto`` with a node elsewhere);
-    None for the loopback, where the replicas bind 127.0.0.1 too (else each binds its node's IP)."""
-    if bind == "loopback" or (bind == "auto" and all(ip.startswith("127.") for ip in node_ips)):
-        return None
-    return driver_ip
+__all__ = ["BINDS", "RayInplaceLauncher", "driver_host"]
 
 
 @dataclass
 class RayInplaceLauncher(InplaceLauncher):
     """Runs torchft replicas as Ray actors; survives lost actors (see the module docstring).
 
-    ``heartbeat_s`` and ``heartbeat_timeout_s`` are not used (Ray reports a dead actor)."""
+    ``heartbeat_s`` and ``heartbeat_timeout_s`` are each actor's heartbeat period and the silence after which it is
+    lost (a hung actor; Ray reports a dead one)."""
 
     ray: RayLauncher = field(default_factory=RayLauncher)
     """Where and how the actors run: ``address``, ``num_cpus_per_rank``, ``kind_resources``, ``placement_timeout_s``
@@ -206,6 +210,10 @@ class _RayRun:
     """The launcher's store (start barrier, spare activation, the joined signal)."""
     bind_node: bool = False
     """Each replica binds and advertises its node's IP (not 127.0.0.1)."""
+    beats: BeatWatch | None = None
+    """The actors' heartbeats, on the launcher's store (set at the start)."""
+    beat_key: dict[int, str] = field(default_factory=dict)
+    """Actor key (a rank, or a spare's slot) -> the heartbeat key of its current actor."""
     pg: Any = None
     actor_cls: Any = None
     bundles: list[dict[str, float]] = field(default_factory=list)
@@ -240,6 +248,10 @@ class _RayRun:
     joining: set[int] = field(default_factory=set)
     """Ranks of replacement actors started but not yet placed on a node (no Join, no lease yet)."""
     done_at: float | None = None
+
+    def __post_init__(self) -> None:
+        launcher = self.launcher
+        self.beats = BeatWatch(self.store, ft_host(self.extra), launcher.heartbeat_s, launcher.heartbeat_timeout_s)
 
     def place(self, wait_s: float) -> None:
         """Reserve one bundle per replica."""
@@ -283,7 +295,10 @@ class _RayRun:
         # an actor runs its calls one at a time, in order: ask where it runs before the replica's long call
         self.where[key] = (actor.where.remote(), actor.node_ip.remote())
         self.located.pop(key, None)
-        return actor.run_replica.remote(self.fn, env, self.args, self.bind_node)
+        assert self.beats is not None
+        beat = self.beats.new_beat()
+        self.beat_key[key] = beat.key
+        return actor.run_replica.remote(self.fn, env, self.args, self.bind_node, beat)
 
     def spare_bundle(self, kind: str) -> tuple[Any, int, dict[str, float]]:
         """A placement group of its own (not waited for) with one bundle like a rank of ``kind``'s."""
@@ -324,6 +339,7 @@ class _RayRun:
         self.running[ref] = spec.rank
         self.actor_of[spec.rank] = self.actor_of.pop(slot)
         self.located[spec.rank] = self.located.pop(slot)
+        self.beat_key[spec.rank] = self.beat_key.pop(slot)
         self.refill[spec.rank] = (spec.device_kind, self.placement[spec.rank])
         self.placement[spec.rank] = self.placement.pop(slot)
         self.joined(spec, warm=True)
@@ -408,11 +424,34 @@ class _RayRun:
         self.joining.discard(rank)  # a replacement lost before it got a node: it never joined
         return self.located.pop(rank, ("", 0, None))[2]
 
-    def lose(self, rank: int, detail: str) -> None:
-        """Record the loss of ``rank``'s actor (and stop the other ranks of its replica); schedule a replacement."""
+    def find_hung(self) -> None:
+        """Lose the replicas whose heartbeat stood still for ``heartbeat_timeout_s`` (their actor is killed, its ref
+        dropped: no actor death is reported for it again); a spare that hung is dropped."""
+        assert self.beats is not None
+        now = time.monotonic()
+        for ref, key in [*[(r, k) for r, k in self.running.items()], *self.spare_refs.items()]:
+            quiet = self.beats.silent_s(self.beat_key[key], now) if key in self.beat_key else None
+            if quiet is None or (ref not in self.running and ref not in self.spare_refs):
+                continue
+            located = self.located.get(key)
+            kill_hung(self.ray, self.actor_of[key], located[:2] if located else None)
+            self.beats.forget(self.beat_key.pop(key))
+            if self.spare_refs.pop(ref, None) is not None:
+                log.warning("in-place: the spare actor of slot %d sent no heartbeat for %.0f s; dropped", key, quiet)
+                self.forget(key)
+                self.spares = {k: s for k, s in self.spares.items() if s != key}
+                continue
+            del self.running[ref]
+            node = located[2] if located else None
+            self.lose(key, error=lost_heartbeat(self.ranks[key], quiet, node=node, survived=True))
+
+    def lose(self, rank: int, detail: str = "", error: LostRankError | None = None) -> None:
+        """Record the loss of ``rank``'s actor (``error``: why; else its death, ``detail`` from Ray), stop the other
+        ranks of its replica, tell the survivors (their collectives with it end now); schedule a replacement."""
         launcher = self.launcher
         node = self.forget(rank)
-        lost: LostRankError = lost_actor(self.ranks[rank], detail, node=node, survived=True)
+        lost = error or lost_actor(self.ranks[rank], detail, node=node, survived=True)
+        announce_loss(self.store, self.replica_of(rank))
         for err in [lost, *self.stop_partners(lost)]:
             loss = Loss(err, time.time())
             launcher.losses.append(loss)
@@ -474,6 +513,7 @@ class _RayRun:
         while self.running or self.pending:
             self.collect(0.05)
             self.locate()
+            self.find_hung()
             now = time.monotonic()
             if self.errors:
                 # a stage's partners fail on the lost connection before Ray declares its actor dead: wait for that

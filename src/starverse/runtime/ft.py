@@ -24,7 +24,9 @@ One step, on every replica (:meth:`ReplicaTrainer.try_step`):
    ``micro_batch / global_batch``; the gradients and every participant's loss part and times are summed in
    one all-reduce (``Manager.allreduce``, SUM) in the gradients' dtype (fp32), as the restart path sums them.
    A replica whose all-reduce failed aborts its process group at once (:meth:`TorchftSync.allreduce_sum`), so
-   a survivor waiting on it fails too instead of at the collective timeout.
+   a survivor waiting on it fails too instead of at the collective timeout; and when the launcher announces a
+   loss (a replica that died, or stopped: its heartbeat), every survivor gives up its collective with it at once
+   (:class:`~starverse.runtime.ft_group.LossWatch`), even if the lost peer's connections stay open.
 4. **commit** (``Manager.should_commit``): if any participant failed the step (a peer died mid-collective),
    no one applies it: the sampler is rewound and the same global batch is redone with the new quorum's
    shares. Else clip, AdamW, schedule: the update equals a single process's step on the same global batch.
@@ -70,6 +72,7 @@ from starverse.runtime.ft_group import (
     TorchftSync,
     bind_host,
     loopback_manager_server,
+    loss_notices,
 )
 from starverse.runtime.ft_join import announce_joined, load_model, start_barrier, wait_for_activation
 from starverse.runtime.hetero_dp import balanced_shares
@@ -468,7 +471,8 @@ def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     trainer = ReplicaTrainer.build(env, job, model)
     trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
     sync = TorchftSync(f"replica{env.rank:04d}", str(lighthouse), env.collective_timeout_s,
-                       trainer.live_state, trainer.load_live_state, host=bind_host(env.extra))
+                       trainer.live_state, trainer.load_live_state, host=bind_host(env.extra),
+                       losses=loss_notices(env.extra))
     trainer.ready_at = time.time()
     start_barrier(env)  # after the Manager: every initial replica heartbeats, so the first quorum waits for all
     try:

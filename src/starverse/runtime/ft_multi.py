@@ -34,6 +34,7 @@ from starverse.runtime.ft_group import (
     TorchftSync,
     bind_host,
     ft_host,
+    loss_notices,
 )
 from starverse.runtime.ft_join import start_barrier
 from starverse.runtime.launch import RankEnv
@@ -94,7 +95,8 @@ def train_group_replica(env: RankEnv, job: FitJob, replica: int, members: Sequen
         trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
         sync = TorchftSync(f"replica{replica:04d}", str(lighthouse), env.collective_timeout_s, trainer.live_state,
                            trainer.load_live_state, trainer.group_rank, trainer.group_size, port,
-                           host=bind_host(env.extra), store_host=ft_host(env.extra))
+                           host=bind_host(env.extra), store_host=ft_host(env.extra),
+                           losses=loss_notices(env.extra))
         trainer.ready_at = time.time()
         start_barrier(env)
         try:
