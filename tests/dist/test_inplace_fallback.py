@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_pipeline import MB, SEQ, _blocks, _plan, _reference, _state
+from test_pipeline import EPS, MB, SEQ, _blocks, _plan, _reference, _state
 
 from helpers import ramp_tokens
 from starverse.elastic.inplace import InplaceLauncher
@@ -31,7 +31,7 @@ def test_a_refused_plan_under_the_inplace_launcher_trains_as_one_job(tmp_path):
     data = PackedDataset(np.concatenate([t.numpy() for t in ramp_tokens()]).astype(np.int32), SEQ)
     ref_losses, ref_state = _reference(torch.nn.Sequential(*model), steps=STEPS, data=data)
     ranks = tuple(RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(2))
-    trainer = Trainer(Cluster(plan=plan, ranks=ranks), run_dir=tmp_path, lr=2e-2, warmup_steps=2, grad_clip=0.5,
+    trainer = Trainer(Cluster(plan=plan, ranks=ranks), run_dir=tmp_path, lr=2e-2, adam_eps=EPS, warmup_steps=2, grad_clip=0.5,
                       weight_decay=0.1, timeout_s=180, collective_timeout_s=30, recovery="in-place",
                       launcher=InplaceLauncher(), progress=False, tensorboard=False)
     res = trainer.fit(model, dataset=ramp_tokens(), per_device_batch_size=MB, max_steps=STEPS, seq_len=SEQ,

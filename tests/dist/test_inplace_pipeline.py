@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_pipeline import GB, MB, SEQ, _blocks, _plan, _reference, _state
+from test_pipeline import EPS, GB, MB, SEQ, _blocks, _plan, _reference, _state
 
 from helpers import ramp_tokens
 from starverse.checkpoint.callback import CheckpointCallback
@@ -49,7 +49,7 @@ def _fit(tmp_path, launcher, callbacks, eval_fraction=0.0):
         data, held_out = data.split(math.ceil(len(data) * eval_fraction))
     ref_losses, ref_state = _reference(torch.nn.Sequential(*model), steps=STEPS, data=data)
     ranks = tuple(RankSpec(r, "cpu", "cpu", num_threads=1) for r in range(4))
-    trainer = Trainer(Cluster(plan=PLAN, ranks=ranks), run_dir=tmp_path, lr=2e-2, warmup_steps=2, grad_clip=0.5,
+    trainer = Trainer(Cluster(plan=PLAN, ranks=ranks), run_dir=tmp_path, lr=2e-2, adam_eps=EPS, warmup_steps=2, grad_clip=0.5,
                       weight_decay=0.1, timeout_s=180, collective_timeout_s=30, recovery="in-place",
                       launcher=launcher, callbacks=list(callbacks), progress=False, tensorboard=False,
                       eval_fraction=eval_fraction)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_pipeline import CLIP, GB, LR, WARMUP, WD, _assert_same, _fit, _llama, _plan, _reference, _state
+from test_pipeline import CLIP, EPS, GB, LR, WARMUP, WD, _assert_same, _fit, _llama, _plan, _reference, _state
 
 from helpers import SEQ, reference_training
 from helpers import ramp_tokens as _tokens
@@ -62,7 +62,8 @@ def test_custom_loss_fn_through_a_pipeline_equals_single_process(tmp_path):
     model = _llama(4)
     initial = _state(model)
     data = PackedDataset(np.concatenate([t.numpy() for t in _tokens()]).astype(np.int32), SEQ)
-    settings = SimpleNamespace(seed=0, lr=LR, weight_decay=WD, warmup_steps=WARMUP, min_lr_ratio=0.1, grad_clip=CLIP)
+    settings = SimpleNamespace(seed=0, lr=LR, adam_eps=EPS, weight_decay=WD, warmup_steps=WARMUP, min_lr_ratio=0.1,
+                               grad_clip=CLIP)
     ref_losses, ref_state = reference_training(model, settings, data, STEPS, GB,
                                                lambda m, x: smoothed_loss(m(input_ids=x).logits, x))
     plain, _ = _reference(model, steps=1)
