@@ -540,3 +540,25 @@ def test_flash_attention_2_is_slower_on_hopper_only() -> None:
     assert 1.0 < slow[2048] < slow[65536] < ratio
     assert slow[65536] > 1.3
     assert step("a100-80gb-sxm", "flash2", 65536) == pytest.approx(step("a100-80gb-sxm", "flash", 65536))
+
+
+def test_zero3_per_gpu_rate_falls_when_a_fixed_batch_spreads_over_more_nodes() -> None:
+    # ZeRO-3 all-gathers every layer's parameters forward and backward and reduce-scatters its gradients each
+    # micro-step: traffic per step per GPU is ~3x the model whatever the GPU count, so with a fixed global batch
+    # (512 sequences) over 128 -> 512 A100s the micro-batch per GPU shrinks (4 -> 1) and the time the node's
+    # NIC needs stops hiding under compute; the fall is a network effect (smaller at 3200 Gbit/s per node)
+    shape = ModelShape.from_spec(load_model("llama-2-70b"))
+
+    def per_gpu(gbps: float, gpus: int) -> float:
+        dev = DeviceTable.from_catalog(CAT, ["a100-80gb-sxm"], "bf16", inter_node_gbps={"a100-80gb-sxm": gbps})
+        cand = Candidates.make(accelerator=0, tp=1, pp=1, replicas=gpus, micro_batch=512 // gpus, num_micro_batches=1,
+                               zero_stage=3, recompute=2)
+        b = estimate_batch(shape, TrainShape(seq_len=4096), dev, cand)
+        assert bool(b.fits[0])
+        return float(b.tokens_per_s[0]) / gpus
+
+    slow = [per_gpu(400.0, n) for n in (128, 256, 512)]
+    fast = [per_gpu(3200.0, n) for n in (128, 256, 512)]
+    assert slow[0] > slow[1] > slow[2]
+    assert slow[2] / slow[0] < 0.92
+    assert 1.0 - slow[2] / slow[0] > 1.5 * (1.0 - fast[2] / fast[0])

@@ -15,6 +15,20 @@ FULL_SHARD = ``zero_stage: 3`` over the 8 GPUs (one node, NVLink), "Activation C
 ``recompute: full``, global batch = micro-batch x accumulation x GPUs. These are the runs issue 9 names
 ("a 7B model at 64K-token sequences on 8 H100s"): long sequences without context parallelism, where the
 attention core dominates (the README: "our models use Flash Attention"). Source id ``mptlong``.
+
+Attention kernel. The table was written by #543 (commit b2a43a14, 2023-10-19), whose ``sweep.sh`` runs
+``submit_benchmarks.py`` with no ``--attn_impl`` for these rows; its default is ``triton``
+(``parser.add_argument('--attn_impl', type=str, default='triton')``, also what ``yamls/pretrain/mpt-*.yaml``
+state), and each run installs llm-foundry v0.3.0 ``.[gpu]`` (flash-attn 1.0.9, ``triton-pre-mlir`` from
+``vchiley/triton@triton_pre_mlir_sm90``): llm-foundry's ``llmfoundry/models/layers/flash_attn_triton.py``,
+flash-attn's Triton FlashAttention ("Tested with triton==2.0.0.dev20221202", "only been tested on A100"), not
+flash-attn 2. No ALiBi: the table's NumParams grow with the sequence by (s - 2048) x d_model (1b:
+1,445,974,016 at 64K, 1,315,950,592 at 2K), learned positional embeddings (MPT's default ``learned_pos_emb``).
+The cases state ``attention: flash2`` (FlashAttention-2's rate): the one run of this kernel at a long sequence
+on the A100 (``../mpt-7b-a100-80gb-sxm-s32768-g8``, the same commit's A100 table) is predicted +7.6 % at that
+rate and -22.9 % with FlashAttention-2's published advantage over FlashAttention in Triton (Dao 2023, section
+4.1: 1.3-1.5x forward, 2x backward, on the A100), so that ratio does not describe this kernel as run; its H100
+rate is not published (docs/costmodel.md, ``mptlong``).
 """
 
 from __future__ import annotations
