@@ -505,7 +505,7 @@ def test_fp8_gemm_shape_term_is_per_operand_byte() -> None:
     # from the FP8 peak per 2-byte value (before) a 4k-wide FP8 GEMM lost twice as much as a bf16 one
     from types import SimpleNamespace
 
-    from starverse.costmodel.stage import gemm_half_dim, gemm_time_s
+    from starverse.costmodel.matmul import gemm_half_dim, gemm_time_s
 
     def rows(peak: float) -> SimpleNamespace:
         return SimpleNamespace(peak_tflops=np.array([peak]), memory_bw_gb_per_s=np.array([3350.0]),

@@ -326,7 +326,7 @@ GEMM_OPERAND_BYTES: dict[str, float] = {"fp8": 1.0}
 """Bytes per input element of the linear layers' GEMMs, by training precision, where they differ from
 :data:`BYTES_PER_VALUE`: Transformer Engine casts both operands of an FP8 GEMM to E4M3 (forward) or E5M2
 (gradients), 1 byte each, and writes the output in bf16 (``te.Linear`` under ``fp8_autocast``: the FP8 GEMM
-``general_gemm`` / cuBLASLt with FP8 A and B, bf16 D). The matmul shape term (``stage.gemm_half_dim``) and
+``general_gemm`` / cuBLASLt with FP8 A and B, bf16 D). The matmul shape term (``matmul.gemm_half_dim``) and
 the GEMM's HBM traffic use it."""
 
 QLORA_BYTES_PER_PARAM = 0.5 + 0.127 / 8

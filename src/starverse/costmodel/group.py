@@ -6,8 +6,9 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.costmodel import constants as C
+from starverse.costmodel.rows import ModelNumbers, StageRows
 from starverse.costmodel.shapes import BatchEstimate, Candidates, DeviceTable, ModelShape, TrainShape
-from starverse.costmodel.stage import ModelNumbers, StageRows, layer_costs, pipeline_step, stage_totals
+from starverse.costmodel.stage import layer_costs, pipeline_step, stage_totals
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -176,7 +177,7 @@ def _measured(devices: DeviceTable, cand: Candidates, train: TrainShape) -> dict
 
 
 def measured_times(devices: DeviceTable, cand: Candidates, train: TrainShape) -> dict[str, FloatArray]:
-    """The measured-profile fields of :class:`~starverse.costmodel.stage.StageRows` for ``cand`` (empty without
+    """The measured-profile fields of :class:`~starverse.costmodel.rows.StageRows` for ``cand`` (empty without
     profiles): the same lookup the batch estimator applies, for callers that build their own stage rows (the
     planner's heterogeneous pipelines)."""
     return _measured(devices, cand, train)

@@ -20,8 +20,9 @@ from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.group import PART_NAMES, combine, model_numbers
 from starverse.costmodel.pricing import cheapest_price_per_hour
 from starverse.costmodel.profile import ModelProfile, check_profile_fits, load_profile
+from starverse.costmodel.rows import StageRows
 from starverse.costmodel.shapes import OFFLOAD_CODES, RECOMPUTE_CODES, ModelShape, TrainShape
-from starverse.costmodel.stage import StageRows, stage_costs
+from starverse.costmodel.stage import stage_costs
 from starverse.errors import ConfigError, StarverseError
 from starverse.plan import Group, Plan
 

@@ -11,8 +11,9 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.costmodel.group import attention_rates, measured_times, model_numbers
+from starverse.costmodel.rows import ModelNumbers, StageRows
 from starverse.costmodel.shapes import Candidates
-from starverse.costmodel.stage import ModelNumbers, StageRows, stage_costs
+from starverse.costmodel.stage import stage_costs
 from starverse.planner.policy import checkpoint_seconds, spot_factor
 
 FloatArray = npt.NDArray[np.float64]

@@ -14,7 +14,8 @@ import numpy.typing as npt
 
 from starverse.costmodel import constants as C
 from starverse.costmodel.comm import ring_allreduce_s
-from starverse.costmodel.stage import ModelNumbers, stage_costs
+from starverse.costmodel.rows import ModelNumbers
+from starverse.costmodel.stage import stage_costs
 from starverse.planner import hostmem, pipesplit
 from starverse.planner.build import NOMINAL_TOKENS
 from starverse.planner.pipekinds import (
