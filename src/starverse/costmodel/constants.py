@@ -248,9 +248,10 @@ of all GPUs goes through the CPU's root complex (or a shared switch uplink), the
 parallelism are a few MB (below NCCL's bandwidth plateau on PCIe, nccl-tests all_reduce_perf reaches a
 third to a half of its large-message busbw at 1-4 MB on PCIe systems), and small-message protocols (LL/LL128)
 trade bandwidth for latency. FITTED (``costmodel.fit.FITTED``) jointly on all runs; identified by the runs
-that use TP or data parallelism inside PCIe nodes (AMP's T4 nodes, Sailor's consumer nodes, both without
-PCIe peer-to-peer); leave-one-source-out 0.53-0.77 (docs/costmodel.md: AMP's T4 TP 2/4 and Sailor's TP 8
-nodes disagree on it since AMP's second forward is counted)."""
+that use TP or data parallelism inside PCIe nodes without a measured figure (AMP's T4 nodes, without PCIe
+peer-to-peer). A node whose all-reduce bus bandwidth was measured per group size (``network.
+collective_gb_per_s``: Sailor's consumer nodes, docs/costmodel.md) uses that figure instead: their RTX 3090
+node reaches 35.8 GB/s for an NVLink-bridged pair and 1.35 for 8 GPUs, which no single fraction expresses."""
 
 
 def intra_node_gb_per_s(acc: Any, peer_to_peer: bool | None = None) -> float:
