@@ -163,6 +163,11 @@ class Network(FrozenModel):
     (default: the catalog rule, ``costmodel.constants.NO_PEER_TO_PEER``: GeForce/Titan cards do not). Cloud
     VMs often do not either (AWS G instances: no PCIe P2P); without it NCCL copies through host memory and a
     collective gets half the link."""
+    collective_gb_per_s: dict[str, dict[PositiveInt, PositiveFloat]] = Field(default_factory=dict)
+    """Measured all-reduce bus bandwidth (nccl-tests' busbw, GB/s) inside one node of an accelerator, by
+    accelerator id and group size (``{rtx-3090: {2: 35.8, 8: 1.35}}``): what NCCL reaches on that node's real
+    topology (NVLink bridges, PCIe switches, sockets, host-memory copies); overrides the catalog's link and
+    the PCIe fraction for a TP group (and the intra-node part of a DP ring) of that size."""
     usable_memory_gb: dict[str, PositiveFloat] = Field(default_factory=dict)
     """Device memory a job can use, GB (10^9 bytes), by accelerator id (ECC and driver reserve taken off);
     overrides the cost model's figure per accelerator."""

@@ -37,14 +37,14 @@ def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> No
     # the sustained matmul fraction is not specific to one software stack
     sustained = loso["fitted"]["SUSTAINED_FRACTION"]
     assert all(abs(v - sustained["all"]) < 0.03 for v in sustained["without"].values()), sustained
-    # the PCIe collective fraction is identified by two clusters of different cards (AMP's T4 nodes on AWS G
-    # instances, Sailor's GeForce nodes; neither has PCIe peer-to-peer). They agreed (0.475-0.52) until AMP's
-    # cases counted its second forward per layer (train.num_layer_forwards: 2) and with it 2 more TP
-    # all-reduces: AMP's TP 2/4 rows on the T4 nodes now want more of the link than Sailor's TP 8 rows
-    # (0.77 without Sailor, 0.53 without AMP's T4 runs; docs/costmodel.md: one fraction for every PCIe node)
+    # the PCIe collective fraction is identified by the PCIe nodes without a measured collective figure: AMP's T4
+    # nodes (AWS G instances, no PCIe peer-to-peer). Sailor's GeForce nodes state what NCCL reached on them per
+    # group size (network.collective_gb_per_s: the RTX 3090 node's NVLink-bridged pair 35.8 GB/s, 8 GPUs 1.35),
+    # which one fraction could not express (it was 0.53 without AMP's T4 runs, 0.77 without Sailor's)
     pcie = loso["fitted"]["PCIE_COLLECTIVE_FRACTION"]
-    assert pcie["without"]["sailor"] > pcie["all"] + 0.1 > pcie["without"]["amp_t4"] + 0.1, pcie
-    assert all(0.5 <= v <= 0.8 for v in pcie["without"].values()), pcie
+    assert abs(pcie["without"]["sailor"] - pcie["all"]) < 0.01, pcie
+    assert pcie["without"]["amp_t4"] < pcie["all"] - 0.1, pcie
+    assert all(0.5 <= v <= 0.86 for v in pcie["without"].values()), pcie
     # one host launch time serves AMP's 2020 V100/T4 hosts and the GH200 runs once AMP's second forward is
     # counted (3.75-5.16 ms held out before, 5.16 ms from AMP alone)
     host = loso["fitted"]["HOST_OVERHEAD_PER_LAYER_S"]
@@ -72,14 +72,15 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     long = held["mptlong"]
     assert long["n"] == 14 and long["spearman"] >= 0.95
     assert long["median_abs_error"] <= 0.21 and long["meets"]["median_abs_error"] is False
-    # the mixed consumer cluster: ranking and median meet the targets since the OPT model is read as Sailor's
-    # OPTModelPipe builds it (no dropout, ReLU, untied head: 12.9 % / 26.3 % before); every run that ran fits
-    # (item 4; sailor-mit-n2-d2 was refused while dropout masks were charged); peak memory misses (open); the
-    # p90 misses since the PCIe fraction fitted without it comes from AMP's TP 2/4 rows alone (0.77): its pure
-    # data-parallel TP 8 runs n4-d4 / n6-d6 are predicted 42-51 % too fast (21.3 % p90 before; open)
+    # the mixed consumer cluster: ranked in order since the OPT model is read as Sailor's OPTModelPipe builds it
+    # (no dropout, ReLU, untied head); every run that ran fits (item 4; sailor-mit-n2-d2 was refused while
+    # dropout masks were charged); peak memory misses (open). With the nodes' measured collectives the pure
+    # data-parallel TP 8 runs n4-d4 / n6-d6 (42-51 % too fast, p90 43 %) are within 14 %, but every run is now
+    # too slow, the RTX 3090-first pipelines by up to 31 %: p90 30 %, median 15 % (10.8 % before; open misses,
+    # docs/costmodel.md)
     sailor = held["sailor"]
     assert sailor["meets"]["spearman"] is True
-    assert sailor["median_abs_error"] <= 0.11
+    assert sailor["median_abs_error"] <= 0.16 and sailor["p90_abs_error"] <= 0.31
     assert sailor["meets"]["p90_abs_error"] is False
     assert sailor["failed_cases"] == [] and sailor["meets"]["fits_as_reported"] is True
     assert sailor["meets"]["peak_memory"] is False and sailor["memory_median_abs_error"] <= 0.11
@@ -96,7 +97,7 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     # and its micro-batch-1/2 OPT rows no longer pay AMP's second forward in the host constant: p90 34.6 % before
     # (the GPT-Neo micro-batch-1 rows, whose code prints its input tensors every micro-batch, and OPT at
     # micro-batch 2-4 with pipeline 1 remain: open, docs/costmodel.md)
-    assert held["sailor_gh200"]["p90_abs_error"] <= 0.28
+    assert held["sailor_gh200"]["p90_abs_error"] <= 0.25
     assert held["sailor_gh200"]["meets"]["median_abs_error"] is True
     assert held["sailor_gh200"]["meets"]["median_abs_error"] is True
     for src in ("amp_t4", "amp_mixed"):

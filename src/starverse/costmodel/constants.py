@@ -69,7 +69,7 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.7548
+PRE_AMPERE_EFFICIENCY = 0.6577
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
@@ -134,7 +134,7 @@ of read 4 B + write 4 B than the one fused kernel (Sailor's Megatron-DeepSpeed r
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
 
-HOST_OVERHEAD_PER_LAYER_S = 3.732e-3
+HOST_OVERHEAD_PER_LAYER_S = 3.776e-3
 """Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
 hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
 server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
@@ -241,16 +241,17 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.6057
+PCIE_COLLECTIVE_FRACTION = 0.7721
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
 parallelism are a few MB (below NCCL's bandwidth plateau on PCIe, nccl-tests all_reduce_perf reaches a
 third to a half of its large-message busbw at 1-4 MB on PCIe systems), and small-message protocols (LL/LL128)
 trade bandwidth for latency. FITTED (``costmodel.fit.FITTED``) jointly on all runs; identified by the runs
-that use TP or data parallelism inside PCIe nodes (AMP's T4 nodes, Sailor's consumer nodes, both without
-PCIe peer-to-peer); leave-one-source-out 0.53-0.77 (docs/costmodel.md: AMP's T4 TP 2/4 and Sailor's TP 8
-nodes disagree on it since AMP's second forward is counted)."""
+that use TP or data parallelism inside PCIe nodes without a measured figure (AMP's T4 nodes, without PCIe
+peer-to-peer). A node whose all-reduce bus bandwidth was measured per group size (``network.
+collective_gb_per_s``: Sailor's consumer nodes, docs/costmodel.md) uses that figure instead: their RTX 3090
+node reaches 35.8 GB/s for an NVLink-bridged pair and 1.35 for 8 GPUs, which no single fraction expresses."""
 
 
 def intra_node_gb_per_s(acc: Any, peer_to_peer: bool | None = None) -> float:

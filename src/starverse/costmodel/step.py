@@ -219,12 +219,16 @@ def _optimizer_s_per_param(profiles: dict[str, ModelProfile], acc_id: str) -> fl
     return np.nan if prof is None or prof.optimizer_s_per_param is None else prof.optimizer_s_per_param
 
 
-def _intra_node(plan: Plan, acc: Any, profiles: dict[str, ModelProfile]) -> float:
-    """Per-device intra-node bandwidth: a profile's measured bus bandwidth (divided by the efficiency the
-    model applies to datasheet links), else the catalog's."""
+def _intra_node(plan: Plan, acc: Any, tp: int, profiles: dict[str, ModelProfile]) -> float:
+    """Per-device intra-node bandwidth: a profile's or the plan's measured bus bandwidth (``network.
+    collective_gb_per_s`` for a group of ``tp``; divided by the efficiency the model applies to datasheet
+    links), else the catalog's."""
     prof = profiles.get(acc.id)
     if prof is not None and "intra_node" in prof.links_gb_per_s:
         return prof.links_gb_per_s["intra_node"] / C.LINK_EFFICIENCY
+    measured = plan.network.collective_gb_per_s.get(acc.id, {}).get(tp)
+    if measured is not None:
+        return measured / C.LINK_EFFICIENCY
     return C.intra_node_gb_per_s(acc, plan.network.peer_to_peer.get(acc.id))
 
 
@@ -253,7 +257,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         gemm_efficiency=col([C.gemm_efficiency(a, precision) for a in accs]),
         memory_gb=col([plan.network.usable_memory_gb.get(a.id, C.usable_memory_gb(a)) for a in accs]),
         memory_bw_gb_per_s=col([a.memory_bw_gb_per_s for a in accs]),
-        intra_node_gb_per_s=col([_intra_node(plan, a, profiles) for a in accs]),
+        intra_node_gb_per_s=col([_intra_node(plan, a, s.tp, profiles) for a, s in zip(accs, stages, strict=True)]),
         devices_per_node=col([float(d) for d in dpn]),
         inter_node_gbps=col([float(x) for x in nic]),
         tp=col([float(s.tp) for s in stages]),
