@@ -84,7 +84,7 @@ def test_pipelined_plans_run_in_place_and_the_rest_falls_back_to_restart_with_on
     assert inplace_refusal(cut_apart) == "replicas whose pipelines cut the layers differently"
     recomputed = PLAN.model_copy(update={"train": PLAN.train.model_copy(update={"recompute": "full"})})
     assert inplace_refusal(recomputed) == "recompute full inside a pipelined replica"  # run by restart only
-    with caplog.at_level("WARNING", logger="starverse.runtime.trainer"):
+    with caplog.at_level("WARNING", logger="starverse.runtime.recovery"):
         assert _recovery_for("in-place", interleaved) == "restart"
     assert [r.getMessage() for r in caplog.records if "checkpoint-restart" in r.getMessage()] == [
         "recovery: in-place recovers replicas of one rank, one pipeline or one ZeRO group each; this plan "

@@ -22,87 +22,62 @@ What differs is where processes come from and where they meet:
   initialised is left running; only this job's actors and placement group are removed.
 
 ``ray`` is an optional dependency (``pip install 'starverse[ray]'``); this module imports it lazily.
+
+This module is the launcher and its driver loop (start the actors, collect results, decide the failure); the
+session is :mod:`~starverse.providers.ray_session`, the actor :mod:`~starverse.providers.ray_actor`, placement,
+signals and clean-up :mod:`~starverse.providers.ray_placement` (their public names are importable from here too).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import math
-import os
-import re
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from starverse.errors import ConfigError, DistributedError, JobTimeoutError, LossCause, LostRankError
 from starverse.providers.failures import code_error, lost_actor, lost_heartbeat, overrun, user_error
-from starverse.providers.heartbeat import Beat, BeatWatch, driver_host, start_beating
-from starverse.providers.reaper import start_reaper, stop_reaper
-from starverse.runtime.launch import (
-    LOOPBACK,
-    RankEnv,
-    RankError,
-    RankSpec,
-    error_report,
-    join_world,
-    ordered_ranks,
-    rank_environ,
-    set_rank_device,
-    store_server,
+from starverse.providers.heartbeat import BeatWatch
+from starverse.providers.ray_actor import actor_spec, rank_actor_class
+from starverse.providers.ray_placement import (
+    actor_options,
+    beat_watch,
+    kill_hung,
+    place_ranks,
+    rank_bundle,
+    release,
+    signal_ranks,
 )
+from starverse.providers.ray_session import ERROR_LINE, first_line, import_ray, loopback_only, ray_session
+from starverse.runtime.launch import RankEnv, RankError, RankSpec, ordered_ranks
 
 log = logging.getLogger(__name__)
 
-# Ray maps a node IP of 127.0.0.1 to the machine's outward address and binds its servers on every
-# interface unless it believes clustering is off; this switch (Ray's own) keeps a private session on the
-# loopback interface. It is only set for a session this module starts, never for a cluster it joins.
-_RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+__all__ = [  # the launcher, and the names other modules and tests import from this path
+    "ROOT_CAUSE_WAIT_S",
+    "RayLauncher",
+    "_loopback_only",
+    "actor_options",
+    "actor_spec",
+    "beat_watch",
+    "first_line",
+    "import_ray",
+    "kill_hung",
+    "place_ranks",
+    "rank_actor_class",
+    "rank_bundle",
+    "ray_session",
+    "release",
+    "signal_ranks",
+]
+
+_loopback_only = loopback_only
 
 ROOT_CAUSE_WAIT_S = 3.0
 """After the first failure, how long to wait for the rank that caused it to report (peers fail first on a
 closed connection, the dead rank's actor is declared dead by Ray a moment later)."""
-
-
-def import_ray() -> Any:
-    """Import Ray, or raise a ConfigError saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError(
-            "launcher='ray' needs Ray, which is not installed. To fix: pip install 'starverse[ray]' "
-            "(or launcher='local' to run the ranks on this machine without Ray)."
-        ) from None
-    return ray
-
-
-@contextlib.contextmanager
-def _loopback_only(ray: Any) -> Iterator[None]:
-    """While a private session runs, make Ray keep it on 127.0.0.1; restore the caller's setting after.
-
-    Ray reads the switch at import (driver) and from the environment (its daemons and workers, which
-    inherit ours), so both are set.
-    """
-    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-    old_env = os.environ.get(_RAY_LOOPBACK_ENV)
-    old_const = getattr(constants, "ENABLE_RAY_CLUSTER", None)
-    os.environ[_RAY_LOOPBACK_ENV] = "0"
-    if old_const is not None:
-        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[union-attr]
-    try:
-        yield
-    finally:
-        if old_env is None:
-            os.environ.pop(_RAY_LOOPBACK_ENV, None)
-        else:
-            os.environ[_RAY_LOOPBACK_ENV] = old_env
-        if old_const is not None:
-            constants.ENABLE_RAY_CLUSTER = old_const  # type: ignore[union-attr]
 
 
 @dataclass
@@ -189,254 +164,6 @@ class RayLauncher:
             return _run_job(ray, self, fn, ranks, timeout_s, args, collective_timeout_s, grace_s)
 
 
-def signal_ranks(ray: Any, where: Sequence[tuple[str, int]], signum: int) -> int:
-    """Send ``signum`` to the rank processes ``where`` ((Ray node id, pid) each): directly on this node, by a
-    zero-CPU task pinned to the rank's node elsewhere; returns how many were reached."""
-    if not where:
-        return 0
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = ray.get_runtime_context().get_node_id()
-    n, refs = 0, []
-    for node_id, pid in where:
-        if node_id == here:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-                n += 1
-        else:
-            strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-            refs.append(ray.remote(num_cpus=0)(_send_signal).options(scheduling_strategy=strategy)
-                        .remote(pid, int(signum)))
-    if refs:
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10.0)
-        for ref in ready:
-            with contextlib.suppress(Exception):
-                n += int(ray.get(ref))
-    return n
-
-
-def kill_hung(ray: Any, actor: Any, where: tuple[str, int] | None) -> None:
-    """Kill the actor of a rank whose heartbeat stopped, at once: ``ray.kill`` asks its worker to exit, which a
-    stopped process does not do until the raylet's grace period ends (seconds), so its process is SIGKILLed too
-    (``where``: its (node id, pid), when known). It cannot come back: the actors are never restarted."""
-    with contextlib.suppress(Exception):  # already gone
-        ray.kill(actor, no_restart=True)
-    if where is not None:
-        signal_ranks(ray, [where], signal.SIGKILL)
-
-
-def beat_watch(ray: Any, store_timeout_s: float, period_s: float, timeout_s: float) -> BeatWatch:
-    """A heartbeat store for a job's actors, in the driver: on 127.0.0.1 when every live node is on 127.x, else on
-    the driver's node IP (actors on other hosts reach it)."""
-    host = driver_host("auto", [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")],
-                       str(ray.util.get_node_ip_address())) or LOOPBACK
-    return BeatWatch(store_server(host, 1, store_timeout_s), host, period_s, timeout_s)
-
-
-@contextlib.contextmanager
-def ray_session(ray: Any, opts: RayLauncher, ranks: Sequence[RankSpec]) -> Iterator[None]:
-    """A Ray session for one job: the caller's if it already initialised one (left running), else the cluster at
-    ``opts.address`` / ``$RAY_ADDRESS`` (this driver disconnects after), else a private one on 127.0.0.1 (shut
-    down after)."""
-    if ray.is_initialized():  # the caller's session: use it, leave it running
-        yield
-        return
-    address = opts.address or os.environ.get("RAY_ADDRESS") or None
-    if address is not None:
-        # A cluster on this machine's loopback (a local `ray start --head --node-ip-address=127.0.0.1`)
-        # must be joined as one: Ray would otherwise rewrite 127.0.0.1 to the outward address.
-        loopback = _is_loopback(address)
-        with _loopback_only(ray) if loopback else contextlib.nullcontext():
-            _join(ray, opts, address)
-            try:
-                yield
-            finally:
-                ray.shutdown()  # disconnects this driver; the cluster keeps running
-        return
-    with _loopback_only(ray):
-        # the session's daemons must not outlive this process, even when it is SIGKILLed
-        reaper = start_reaper()
-        try:
-            _start_private(ray, opts, ranks)
-            try:
-                yield
-            finally:
-                ray.shutdown()  # stops the private session's daemons and workers
-        finally:
-            stop_reaper(reaper)
-
-
-def _is_loopback(address: str) -> bool:
-    """True for ``127.x.x.x:port``, ``localhost:port`` (optionally ``ray://``)."""
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0]
-    return host == "localhost" or host.startswith("127.")
-
-
-@contextlib.contextmanager
-def _keep_sigterm_handler() -> Iterator[None]:
-    """Keep this process's SIGTERM handler across ``ray.init``: Ray's core worker installs its own (it dumps a
-    stack and aborts), which would turn the supervisor's SIGTERM -> emergency checkpoint -> exit 3 into a crash."""
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if in_main else None
-    try:
-        yield
-    finally:
-        if in_main and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _join(ray: Any, opts: RayLauncher, address: str) -> None:
-    """Connect this process to the Ray cluster at ``address`` as a driver."""
-    log.info("joining the Ray cluster at %s", address)
-    try:
-        with _keep_sigterm_handler():
-            ray.init(address=address, logging_level=logging.WARNING, runtime_env=opts.runtime_env)
-    except Exception as e:
-        raise DistributedError(
-            f"cannot join the Ray cluster at {address}: {_root_cause(e)}. To fix: start it with `ray start --head` "
-            "and pass its address (RAY_ADDRESS or RayLauncher(address=...)); if the cluster uses token "
-            "authentication (Ray's default once a token exists), set RAY_AUTH_MODE=token with its token in "
-            "~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; or unset RAY_ADDRESS to run on this machine "
-            "only."
-        ) from e
-
-
-def _start_private(ray: Any, opts: RayLauncher, ranks: Sequence[RankSpec]) -> None:
-    """Start a single-node session on 127.0.0.1 big enough for ``ranks``."""
-    want_cpus = math.ceil(opts.num_cpus_per_rank * len(ranks))
-    num_cpus = opts.local_num_cpus or max(os.cpu_count() or 1, want_cpus)
-    num_gpus = sum(1 for r in ranks if r.device.startswith("cuda"))
-    log.info("starting a private Ray session on %s (%d CPUs, %d GPUs)", LOOPBACK, num_cpus, num_gpus)
-    with _keep_sigterm_handler():
-        _init_private(ray, opts, num_cpus, num_gpus)
-
-
-def _init_private(ray: Any, opts: RayLauncher, num_cpus: int, num_gpus: int) -> None:
-    ray.init(
-        # "local": start a new session even where Ray would auto-join one (a `ray start` on this machine,
-        # or a stale record of one in /tmp/ray); joining is only ever asked for with an address.
-        address="local",
-        _node_ip_address=LOOPBACK,
-        include_dashboard=False,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        object_store_memory=opts.object_store_memory_mb * 1024 * 1024,
-        logging_level=logging.WARNING,
-        runtime_env=opts.runtime_env,
-    )
-
-
-class _RankActor:
-    """One rank's process. Methods run one at a time, in call order."""
-
-    def __init__(self, sys_path: list[str]) -> None:
-        # Like multiprocessing's spawn: let the rank import what the caller's process could (a test module
-        # or script directory holding the model class), before any argument is unpickled.
-        for p in reversed(sys_path):
-            if p not in sys.path and os.path.isdir(p):
-                sys.path.insert(0, p)
-        self._store: Any = None
-
-    def node_ip(self) -> str:
-        """The IP of the node this actor runs on (how the other ranks reach it)."""
-        import ray
-
-        return str(ray.util.get_node_ip_address())
-
-    def open_store(self, host: str, world: int, timeout_s: float) -> int:
-        """Rank 0 only: own the rendezvous store for the job, listening on ``host`` only; returns its port."""
-        self._store = store_server(host, world, timeout_s)
-        return int(self._store.port)
-
-    def where(self) -> tuple[str, int]:
-        """(Ray node id, process id) of this rank."""
-        import ray
-
-        return str(ray.get_runtime_context().get_node_id()), os.getpid()
-
-    def run(
-        self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], master_addr: str, port: int,
-        beat: Beat | None = None,
-    ) -> tuple[str, Any]:
-        """Start the heartbeat (``beat``), set up the environment and process group, run ``fn``; report
-        ``("ok", value)`` or ``("error", ...)``.
-
-        Exceptions are caught and reported as data (text, traceback, the error itself if a StarverseError),
-        the same triple the local launcher sends, so the driver applies the same rules to both.
-        """
-        try:
-            if beat is not None:
-                start_beating(beat, env.collective_timeout_s)
-            return ("ok", _run_rank(fn, env, args, master_addr, port))
-        except BaseException as e:
-            return ("error", error_report(e))
-
-
-    def run_replica(self, fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...],
-                    bind_node: bool = False, beat: Beat | None = None) -> tuple[str, Any]:
-        """Run ``fn`` without a ``torch.distributed`` world (an in-place replica forms its own torchft groups);
-        report as :meth:`run`. ``bind_node``: the replica binds and advertises this node's IP (``bind_host``, replicas
-        on several hosts), not 127.0.0.1. ``beat``: its heartbeat, as :meth:`run`."""
-        try:
-            if beat is not None:
-                start_beating(beat, env.collective_timeout_s)
-            host = LOOPBACK
-            if bind_node:
-                from starverse.runtime.ft_group import EXTRA_BIND_HOST
-
-                host = self.node_ip()
-                env = dataclasses.replace(env, extra={**env.extra, EXTRA_BIND_HOST: host})
-            rank_environ(env, host, 0)
-            set_rank_device(env)
-            return ("ok", fn(env, *args))
-        except BaseException as e:
-            return ("error", error_report(e))
-
-
-def _send_signal(pid: int, signum: int) -> int:
-    """A Ray task on a rank's node: deliver ``signum`` to the rank's process; 1 if it was there."""
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        return 0
-    return 1
-
-
-def _run_rank(fn: Callable[..., Any], env: RankEnv, args: tuple[Any, ...], master_addr: str, port: int) -> Any:
-    """Body of a rank inside its actor: the same set-up as the local launcher's ``_rank_entry``."""
-    import torch.distributed as dist
-
-    rank_environ(env, master_addr, port)
-    join_world(env, master_addr, port)
-    try:
-        return fn(env, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-# A rank pinned to a node kind reserves this much of the kind's resource: enough to require it, small
-# enough that any number of ranks fit on a node that has it (Ray resources have 1e-4 granularity).
-_PIN_AMOUNT = 0.001
-
-
-def rank_bundle(spec: RankSpec, opts: RayLauncher) -> dict[str, float]:
-    """What one rank reserves: CPUs, a GPU for a CUDA rank, a sliver of its kind's node resource if pinned."""
-    bundle = {"CPU": opts.num_cpus_per_rank}
-    if spec.device.startswith("cuda"):
-        bundle["GPU"] = 1.0
-    resource = (opts.kind_resources or {}).get(spec.device_kind)
-    if resource:
-        bundle[resource] = _PIN_AMOUNT
-    return bundle
-
-
-def actor_spec(spec: RankSpec) -> RankSpec:
-    """The spec as seen inside the actor: Ray shows a CUDA rank only its own GPU, as ``cuda:0``."""
-    if spec.device.startswith("cuda"):
-        return dataclasses.replace(spec, device="cuda:0")
-    return spec
-
-
 def _run_job(
     ray: Any,
     opts: RayLauncher,
@@ -513,64 +240,6 @@ class _Hung:
         return bool(self.silent)
 
 
-def place_ranks(ray: Any, bundles: list[dict[str, float]], wait_s: float) -> Any:
-    """Reserve one bundle per rank (a placement group, PACK: ranks share nodes where they fit, spread when they
-    must); raise :class:`DistributedError` saying what the cluster lacks if it cannot within ``wait_s``."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    pg = placement_group(bundles, strategy="PACK")
-    ready, _ = ray.wait([pg.ready()], timeout=wait_s)
-    if ready:
-        return pg
-    with contextlib.suppress(Exception):
-        remove_placement_group(pg)
-    need_cpu = sum(b["CPU"] for b in bundles)
-    need_gpu = sum(b.get("GPU", 0.0) for b in bundles)
-    have = ray.cluster_resources()
-    pinned = sorted({k for b in bundles for k in b if k not in ("CPU", "GPU")})
-    missing = [k for k in pinned if have.get(k, 0.0) <= 0]
-    lacking = f" No node has the resource(s) {missing} that kind_resources pins ranks to." if missing else ""
-    raise DistributedError(
-        f"the Ray cluster cannot place {len(bundles)} ranks within {wait_s:g} s: "
-        f"they need {need_cpu:g} CPUs and {need_gpu:g} GPUs, the cluster has "
-        f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs (some may be in use).{lacking} To fix: "
-        "add nodes (`ray start --address=...` on each), lower the number of ranks, lower "
-        "RayLauncher.num_cpus_per_rank, or correct RayLauncher.kind_resources."
-    )
-
-
-def release(ray: Any, actors: Sequence[Any], pg: Any) -> None:
-    """Kill a job's actors (those already gone are skipped) and free its placement group."""
-    from ray.util.placement_group import remove_placement_group
-
-    for a in actors:
-        try:
-            ray.kill(a, no_restart=True)
-        except Exception as e:  # already gone: nothing to stop
-            log.debug("ray.kill: %s", e)
-    try:
-        remove_placement_group(pg)
-    except Exception as e:
-        log.debug("remove_placement_group: %s", e)
-
-
-def rank_actor_class(ray: Any) -> Any:
-    """The Ray actor class of a rank: never restarted by Ray (a lost rank is the launcher's to handle)."""
-    return ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)
-
-
-def actor_options(pg: Any, index: int, bundle: dict[str, float]) -> dict[str, Any]:
-    """``.options(...)`` of the actor of the rank whose reservation is ``pg``'s bundle ``index``."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    return {
-        "num_cpus": bundle["CPU"],
-        "num_gpus": bundle.get("GPU", 0.0),
-        "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
-    }
-
-
 def _get_before(ray: Any, refs: list[Any], ranks: list[RankSpec], deadline: float, timeout_s: float,
                 what: str) -> list[Any]:
     """Rank by rank ``ray.get`` bounded by the job's deadline; a dead actor here is a start-up failure."""
@@ -619,7 +288,7 @@ def _collect(
                 dead[rank] = first_line(e)
                 continue
             except RayTaskError as e:  # the actor method itself failed outside fn (e.g. unpickling args)
-                named = [m.group(0).strip() for m in _ERROR_LINE.finditer(str(e))]
+                named = [m.group(0).strip() for m in ERROR_LINE.finditer(str(e))]
                 errors[rank] = (named[-1] if named else first_line(e), str(e), None)
                 continue
             if status == "ok":
@@ -668,27 +337,3 @@ def _failure(
     if errors:
         return code_error(ranks, errors, node=node_ips[min(errors)])
     return DistributedError("a rank ended without a result; the other ranks were stopped.")
-
-
-def first_line(e: BaseException) -> str:
-    """The first non-empty line of an error (Ray's messages run to many lines of advice)."""
-    for line in str(e).splitlines():
-        if line.strip():
-            return line.strip()[:300]
-    return type(e).__name__
-
-
-def _root_cause(e: BaseException) -> str:
-    """The most specific error line of a chain: Ray wraps the useful one (say an ``AuthenticationError``) in
-    generic ones, sometimes only as text inside their message."""
-    chain = [e]
-    while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and inner not in chain:
-        chain.append(inner)
-    for err in reversed(chain):
-        named = [m.group(0) for m in _ERROR_LINE.finditer(str(err))]
-        if named:
-            return named[-1].strip()[:300]
-    return f"{type(chain[-1]).__name__}: {first_line(chain[-1])}"
-
-
-_ERROR_LINE = re.compile(r"^\s*[\w.]+(?:Error|Exception): .+$", re.MULTILINE)

@@ -143,7 +143,7 @@ def _check_reachable(address: str, source: str) -> None:
 def ray_session(address: str, source: str) -> Iterator[Any]:
     """The ``ray`` module connected to the cluster: the session this process already has, else a driver joined
     to ``address`` (``auto``: ``$RAY_ADDRESS``) and disconnected after."""
-    from starverse.providers.ray import _is_loopback, _join, _loopback_only, import_ray
+    from starverse.providers.ray_session import import_ray, is_loopback, join_cluster, loopback_only
 
     ray = import_ray()
     if ray.is_initialized():
@@ -158,9 +158,9 @@ def ray_session(address: str, source: str) -> Iterator[Any]:
     _check_reachable(address, source)
     from starverse.providers.ray import RayLauncher
 
-    with _loopback_only(ray) if _is_loopback(address) else contextlib.nullcontext():
+    with loopback_only(ray) if is_loopback(address) else contextlib.nullcontext():
         try:
-            _join(ray, RayLauncher(address=address), address)
+            join_cluster(ray, RayLauncher(address=address), address)
         except Exception as e:  # a refused join (authentication) is the user's setting: one line
             raise ConfigError(f"{source}: {e}") from None
         try:

@@ -130,9 +130,9 @@ class Cluster:
 
 
 def _peak_or_none(kind: str, precision: str, device: str) -> float | None:
-    from starverse.runtime.trainer import _peak_tflops
+    from starverse.runtime.fit_result import peak_tflops
 
-    return _peak_tflops(kind, precision, device)
+    return peak_tflops(kind, precision, device)
 
 
 def _rank_groups(plan: Plan) -> list[int]:
@@ -188,7 +188,7 @@ def executable_caps(ranks: Sequence[RankSpec], recovery: str = "restart", pipeli
     groups with ZeRO 1-3 inside each (``runtime.ft_shard``; ZeRO-2/3 on FSDP2, up to ``max_zero_stage``): what
     torchft's in-place recovery runs; recompute is searched; a given plan it cannot run — interleaved, groups cut
     differently, offload, recompute in a pipeline — falls back to restart with one line:
-    ``trainer.inplace_refusal``).
+    ``recovery.inplace_refusal``).
     ``pipelines=False``: one stage per group (a model that cannot be cut); ``blocks=False``: a model without an
     ``nn.ModuleList`` of blocks, so no FSDP2 unit (ZeRO ≤ 1) and nothing to recompute."""
     import dataclasses
@@ -234,14 +234,14 @@ def check_runnable(plan: Plan, ranks: Sequence[RankSpec], model_config: dict[str
     inside pipelines, ...; with equal shares, as accelerate's plans start, and the Trainer's ``rebalance_every``),
     the training mode on these devices (QLoRA needs CUDA), and TP against the model (a family with a split table,
     heads and MLP width divisible). ``recovery="in-place"``: also in-place recovery's own check
-    (``trainer.inplace_refusal``: a plan it refuses would run with checkpoint-restart)."""
+    (``recovery.inplace_refusal``: a plan it refuses would run with checkpoint-restart)."""
     from starverse.runtime.lora import check_mode
     from starverse.runtime.parallel.parallelize import check_parallel_plan
     from starverse.runtime.parallel.pipeline_parallel import check_pipeline_parallel
 
     check_plan_fits_ranks(plan, list(ranks), source)
     if recovery == "in-place":
-        from starverse.runtime.trainer import inplace_refusal
+        from starverse.runtime.recovery import inplace_refusal
 
         why = inplace_refusal(plan)
         if why is not None:
