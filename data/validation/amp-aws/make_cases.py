@@ -11,7 +11,8 @@ examples/ds_pretrain_gpt2_pipe.sh and examples/ds_config.json of that repository
 ``torch.cuda.synchronize``, hence ``sync_micro_steps: true``; its
 ``megatron/model/transformer.py`` ``ParallelTransformerLayerPipe.forward`` runs the layer's forward twice,
 ``print((super().forward(*args)).shape)`` before ``return super().forward(*args), attention_mask``, hence
-``num_layer_forwards: 2``) on 4 AWS nodes of 4 GPUs:
+``num_layer_forwards: 2``) on 4 AWS nodes of 4 GPUs (one cluster placement group, torch 1.7.1+cu110,
+i.e. NCCL 2.7.8: AMP's README; its ``.deepspeed_env`` sets ``NCCL_ALGO=^tree,collnet``):
 ``r_cost`` is the measured seconds per iteration (``inf``: the run did not complete; left out, the source
 does not say why). Ranks follow DeepSpeed's pipe/data/model topology (rank = pp·dp·mp index order) over
 the hostfile's nodes of 4 ranks; the heterogeneous cluster's last node is the T4 node (het_cluster.py).
