@@ -10,6 +10,8 @@ targets apply to (``scripts/loso.py`` prints them).
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -267,14 +269,49 @@ def leave_one_source_out(cases: Sequence[LoadedCase], catalog: Any,
     fitted: dict[str, dict[str, Any]] = {name: {"all": v, "without": {}} for name, v in all_values.items()}
     held_out: dict[str, Any] = {}
     pooled: list[CaseResult] = []
-    for src in sources:
-        if progress is not None:
-            progress(src)
-        values = fit_all([c for c in cases if c.source != src], catalog)
+    for src, values, results in _held_out_fits(cases, catalog, sources, progress):
         for name, v in values.items():
             fitted[name]["without"][src] = v
-        with constants_set_to(values):
-            results = _score_all([c for c in cases if c.source == src], catalog)
         pooled.extend(results)
         held_out[src] = _held_out(results)
     return {"fitted": fitted, "held_out": held_out, "pooled": _held_out(pooled)}
+
+
+_LOSO_INPUT: tuple[Sequence[LoadedCase], Any] | None = None
+"""The cases and catalog a forked worker of :func:`_held_out_fits` reads (set before the fork, so that they
+are not pickled per task)."""
+
+
+def _fit_without(src: str) -> tuple[str, dict[str, float], list[CaseResult]]:
+    """Refit without ``src`` and score ``src`` with those values (one held-out source; a worker's task)."""
+    assert _LOSO_INPUT is not None
+    cases, catalog = _LOSO_INPUT
+    values = fit_all([c for c in cases if c.source != src], catalog)
+    with constants_set_to(values):
+        results = _score_all([c for c in cases if c.source == src], catalog)
+    return src, values, results
+
+
+def _held_out_fits(cases: Sequence[LoadedCase], catalog: Any, sources: list[str],
+                   progress: Callable[[str], None] | None) -> Iterator[tuple[str, dict[str, float], list[CaseResult]]]:
+    """:func:`_fit_without` for every source, in source order: on forked worker processes, one per CPU, where
+    the platform forks and there is more than one CPU (the fits are independent and deterministic, so the
+    figures are the same as in one process), else one after the other."""
+    global _LOSO_INPUT
+    _LOSO_INPUT = (cases, catalog)
+    try:
+        workers = min(len(sources), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else (os.cpu_count() or 1))
+        if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+            for src in sources:
+                if progress is not None:
+                    progress(src)
+                yield _fit_without(src)
+            return
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            for out in pool.imap(_fit_without, sources):
+                if progress is not None:
+                    progress(out[0])
+                yield out
+    finally:
+        _LOSO_INPUT = None
