@@ -110,3 +110,23 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert scale["n"] == 21 and scale["spearman"] >= 0.95
     assert scale["meets"]["p90_abs_error"] is True and scale["median_abs_error"] <= 0.14
     assert loso["pooled"]["n"] == 214
+
+
+def test_forked_held_out_fits_give_the_serial_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The held-out fits run on one forked worker per CPU; the figures are those of one process."""
+    import os
+
+    from starverse.catalog import load_catalog
+    from starverse.costmodel import fit
+    from starverse.costmodel.validate import find_cases, load_case
+
+    folder = REPO / "data" / "validation"
+    files = [p for p in find_cases([str(folder)]) if Path(p).name.startswith(("megatron-core", "fmsfsdp", "nemo"))]
+    cases = [load_case(p) for p in files][:12]
+    assert len({c.source for c in cases}) >= 2
+    catalog = load_catalog()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    forked = fit.leave_one_source_out(cases, catalog)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    serial = fit.leave_one_source_out(cases, catalog)
+    assert json.dumps(forked, sort_keys=True, default=str) == json.dumps(serial, sort_keys=True, default=str)
