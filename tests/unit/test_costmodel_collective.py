@@ -73,3 +73,17 @@ def test_batch_path_reads_the_measured_figure_as_the_scalar_estimate_does(tp: in
     assert (b.step_time_s[0] == unmeasured.step_time_s[0]) == (tp == 4)
     at = dev.intra_node_at(np.zeros(3, dtype=np.int64), np.array([2, 4, 8]))
     assert at.tolist() == pytest.approx([35.8 / LINK_EFFICIENCY, plain.intra_node_gb_per_s[0], 1.35 / LINK_EFFICIENCY])
+
+
+def test_a_profiles_measured_intra_node_link_keeps_precedence_in_the_batch_path() -> None:
+    """As in ``costmodel.step._intra_node``: a row's profile with ``links_gb_per_s.intra_node`` wins over the
+    offer's per-size figures; the other row keeps its measured figure."""
+    from starverse.costmodel.profile import ModelProfile
+
+    prof = ModelProfile(path="p.json", accelerator="rtx-3090", model={}, entries=(),
+                        links_gb_per_s={"intra_node": 12.5})
+    acc = CAT.accelerator("rtx-3090")
+    dev = DeviceTable.from_accelerators([acc, acc], "fp32", profiles=[prof, None],
+                                        collective_gb_per_s=[{2: 35.8}, {2: 35.8}])
+    at = dev.intra_node_at(np.array([0, 1]), np.array([2, 2]))
+    assert at.tolist() == pytest.approx([12.5 / LINK_EFFICIENCY, 35.8 / LINK_EFFICIENCY])
