@@ -79,6 +79,8 @@ def test_pool_resolves_prices_and_defaults(tmp_path, catalog):
          "two offers are called 'rtx-4090'; give each a distinct `name:`"),
         ("offers:\n  - {accelerator: rtx-4090, count: 2, price_per_hour: 1, currency: XXX}\n",
          "pool.yaml:2: offers[0].currency:"),
+        ("offers:\n  - {accelerator: rtx-3090, count: 2, price_per_hour: 1, collective_gb_per_s: {2: 0}}\n",
+         "pool.yaml:2: offers[0].collective_gb_per_s: 2: 0 GB/s; give the measured all-reduce bus bandwidth"),
         ("offers:\n  - {accelerator: tpu-v6e, count: 2, pricing: spot}\n",
          "no spot_price_per_hour given and the catalog has no spot price for 'tpu-v6e'"),
     ],

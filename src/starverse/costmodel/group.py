@@ -205,7 +205,7 @@ def _rows_for(
         gemm_efficiency=devices.gemm_efficiency[k],
         memory_gb=devices.memory_gb[k],
         memory_bw_gb_per_s=devices.memory_bw_gb_per_s[k],
-        intra_node_gb_per_s=devices.intra_node_gb_per_s[k],
+        intra_node_gb_per_s=devices.intra_node_at(k, cand.tp),
         devices_per_node=devices.devices_per_node[k].astype(f),
         inter_node_gbps=devices.inter_node_gbps[k],
         tp=tp,

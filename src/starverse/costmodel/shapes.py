@@ -274,6 +274,23 @@ class DeviceTable:
     None (analytic); a pool offer's ``profile``. Where one has an entry at a candidate's micro-batch,
     sequence length, TP and precision, its measured layer and head times replace the analytic ones, as in
     the scalar ``estimate``."""
+    collective_gb_per_s: FloatArray | None = None
+    """Shape (K, G): column ``n`` is a row's measured all-reduce bus bandwidth of a group of ``n`` devices
+    (a pool offer's or a plan's ``collective_gb_per_s``) over ``LINK_EFFICIENCY``, NaN where not measured (or
+    where the row's profile measured its intra-node link, which wins as in the scalar estimate); None = none
+    measured. Read it through :meth:`intra_node_at`."""
+
+    def intra_node_at(self, rows: Any, tp: Any) -> FloatArray:
+        """Per-device intra-node bandwidth (GB/s) of ``rows`` for TP groups of ``tp`` (broadcast): the measured
+        figure of that group size where there is one, else ``intra_node_gb_per_s`` (as the scalar
+        ``costmodel.step._intra_node``)."""
+        base = self.intra_node_gb_per_s[rows]
+        table = self.collective_gb_per_s
+        if table is None:
+            return base
+        t = np.asarray(tp, dtype=np.int64)
+        measured = table[rows, np.clip(t, 0, table.shape[1] - 1)]
+        return np.where((t < table.shape[1]) & ~np.isnan(measured), measured, base)
 
     @classmethod
     def from_accelerators(
@@ -287,17 +304,27 @@ class DeviceTable:
         usable_memory_gb: Sequence[float | None] | None = None,
         profiles: Sequence[Any] | None = None,
         peer_to_peer: Sequence[bool | None] | None = None,
+        collective_gb_per_s: Sequence[Mapping[int, float] | None] | None = None,
     ) -> DeviceTable:
         """One row per ``catalog.Accelerator``; optional per-row overrides (pool offers; a None entry keeps
         the accelerator's own figure). A row's measured profile also replaces its intra-node bandwidth by the
-        measured one (``links_gb_per_s["intra_node"]``, as the scalar estimate does)."""
+        measured one (``links_gb_per_s["intra_node"]``, as the scalar estimate does); else a row's measured
+        ``collective_gb_per_s`` ({group size: bus GB/s}) sets it for groups of those sizes."""
         k = len(accelerators)
         profs = None if profiles is None or all(p is None for p in profiles) else tuple(profiles)
         p2p = [None] * k if peer_to_peer is None else list(peer_to_peer)
         intra = [intra_node_gb_per_s(a, p) for a, p in zip(accelerators, p2p, strict=True)]
+        coll = [dict(c or {}) for c in collective_gb_per_s or [None] * k]
         for i, prof in enumerate(profs or ()):
             if prof is not None and "intra_node" in prof.links_gb_per_s:
                 intra[i] = prof.links_gb_per_s["intra_node"] / LINK_EFFICIENCY
+                coll[i] = {}
+        table = None
+        if any(coll):
+            table = np.full((k, max(n for c in coll for n in c) + 1), np.nan)
+            for i, c in enumerate(coll):
+                for n, gbps in c.items():
+                    table[i, n] = gbps / LINK_EFFICIENCY
         dpn = [a.devices_per_node for a in accelerators] if devices_per_node is None else list(devices_per_node)
         nic = [a.inter_node_gbps for a in accelerators] if inter_node_gbps is None else list(inter_node_gbps)
         price = [None] * k if price_per_hour is None else list(price_per_hour)
@@ -320,6 +347,7 @@ class DeviceTable:
             flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
             host_collectives=np.array([host_collectives(a) for a in accelerators], dtype=np.bool_),
             profiles=profs,
+            collective_gb_per_s=table,
         )
 
     @classmethod
@@ -334,6 +362,7 @@ class DeviceTable:
         price_per_hour: Mapping[str, float] | None = None,
         usable_memory_gb: Mapping[str, float] | None = None,
         peer_to_peer: Mapping[str, bool] | None = None,
+        collective_gb_per_s: Mapping[str, Mapping[int, float]] | None = None,
     ) -> DeviceTable:
         """Rows for catalog ids; per-id overrides as in a plan's ``network``/``pricing``.
 
@@ -352,6 +381,7 @@ class DeviceTable:
             price_per_hour=[prices[a.id] if a.id in prices else cheapest_price_per_hour(catalog, a.id) for a in accs],
             usable_memory_gb=[usable.get(a.id) for a in accs],
             peer_to_peer=[(peer_to_peer or {}).get(a.id) for a in accs],
+            collective_gb_per_s=[(collective_gb_per_s or {}).get(a.id) for a in accs],
         )
 
     def index(self, acc_id: str) -> int:

@@ -62,6 +62,7 @@ def network_for(pool: Pool, offer_names: Sequence[str]) -> Network:
         inter_node_gbps={o.accelerator: o.inter_node_gbps for o in used},
         cross_group_gbps=pool.cross_offer_gbps,
         links=links,
+        collective_gb_per_s={o.accelerator: dict(o.collective_gb_per_s) for o in used if o.collective_gb_per_s},
         profiles={o.accelerator: o.profile.path for o in used if o.profile is not None},
     )
 

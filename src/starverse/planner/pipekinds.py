@@ -71,7 +71,7 @@ def stage_rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, fi
     return StageRows(
         **measured,
         peak_tflops=d.peak_tflops[offer], gemm_efficiency=d.gemm_efficiency[offer], memory_gb=d.memory_gb[offer],
-        memory_bw_gb_per_s=d.memory_bw_gb_per_s[offer], intra_node_gb_per_s=d.intra_node_gb_per_s[offer],
+        memory_bw_gb_per_s=d.memory_bw_gb_per_s[offer], intra_node_gb_per_s=d.intra_node_at(offer, tp),
         devices_per_node=d.devices_per_node[offer].astype(np.float64), inter_node_gbps=d.inter_node_gbps[offer],
         tp=tp, layers=layers, first=np.broadcast_to(np.asarray(first, dtype=bool), (n,)),
         last=np.broadcast_to(np.asarray(last, dtype=bool), (n,)), stage_index=stage_index, pp=full(pp),

@@ -79,6 +79,10 @@ class OfferSpec(FrozenModel):
     profile: str | None = None
     """A measured profile of the job's model on this offer's accelerator (``starverse probe``; path relative
     to the pool file): the search uses its measured layer times where it has an entry (docs/costmodel.md)."""
+    collective_gb_per_s: dict[int, float] = Field(default_factory=dict)
+    """Measured all-reduce bus bandwidth (nccl-tests' busbw, GB/s) inside one node of this offer, by group size
+    (``{2: 35.8, 8: 1.35}``; sizes 2 to ``devices_per_node``): a TP group of that size runs at it instead of
+    the catalog's link (docs/costmodel.md); the emitted plan carries it as ``network.collective_gb_per_s``."""
 
     @model_validator(mode="after")
     def _spot_fields(self) -> OfferSpec:
@@ -183,6 +187,8 @@ class Offer:
     against the job's model when the search starts."""
     profile_source: str = ""
     """Where ``profile`` was named (``<pool>: offers[i].profile``), for error messages."""
+    collective_gb_per_s: tuple[tuple[int, float], ...] = ()
+    """Measured all-reduce bus bandwidth (GB/s) inside one node, as ``(group size, GB/s)`` pairs by size."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +322,16 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
             if profile.accelerator != acc.id:
                 raise fail(("offers", i, "profile"), f"{path} was measured on '{profile.accelerator}', not on this "
                            f"offer's '{acc.id}'; probe this accelerator or remove profile:")
+        dpn = o.devices_per_node or acc.devices_per_node
+        for size, gbps in o.collective_gb_per_s.items():
+            if not 2 <= size <= dpn:
+                raise fail(("offers", i, "collective_gb_per_s"),
+                           f"group size {size} is not one TP can use here; give sizes from 2 to {dpn} (this "
+                           f"offer's devices per node), e.g. {{2: 35.8}}")
+            if not gbps > 0:
+                raise fail(("offers", i, "collective_gb_per_s"),
+                           f"{size}: {gbps:g} GB/s; give the measured all-reduce bus bandwidth of {size} GPUs, "
+                           f"> 0 GB/s (nccl-tests' busbw), or remove the entry")
         host = o.host_memory_gb if o.host_memory_gb is not None else acc.host_memory_gb
         host_source = (f"{source}: offers[{i}].host_memory_gb" if o.host_memory_gb is not None
                        else f"catalog: {acc.sources.get('host_memory_gb', 'default instance type')}")
@@ -324,7 +340,7 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
                 name=o.name or o.accelerator,
                 accelerator=acc.id,
                 count=o.count,
-                devices_per_node=o.devices_per_node or acc.devices_per_node,
+                devices_per_node=dpn,
                 price_per_hour=float(price),
                 pricing=o.pricing,
                 interruptions_per_hour=float(o.interruptions_per_hour if o.interruptions_per_hour is not None
@@ -339,6 +355,7 @@ def resolve_pool(spec: PoolSpec, catalog: Any, source: str = "<pool>", node: Any
                 trace=trace,
                 profile=profile,
                 profile_source=f"{source}: offers[{i}].profile",
+                collective_gb_per_s=tuple(sorted((int(n), float(g)) for n, g in o.collective_gb_per_s.items())),
             )
         )
     links = tuple((a, b, float(g)) for pair, g in spec.network.links.items() for a, b in [pair.split("/")])

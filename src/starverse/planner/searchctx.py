@@ -102,6 +102,7 @@ def search_context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> 
         inter_node_gbps=[o.inter_node_gbps for o in pool.offers],
         price_per_hour=[o.price_per_hour for o in pool.offers],
         profiles=[o.profile for o in pool.offers],
+        collective_gb_per_s=[dict(o.collective_gb_per_s) for o in pool.offers],
     )
     trainable = trainable_params(spec, mode, t.lora_rank)
     state_bytes = checkpoint_bytes(trainable, t.precision)
@@ -158,7 +159,7 @@ def sync_s(ctx: SearchContext, num_groups: int, min_pp: int, gbps: float | None 
     idx = np.asarray(members, dtype=np.int64)
     rows = opts.offer[idx]
     dev = ctx.devices
-    bus, share = dp_ring_bus(opts.replicas[idx], opts.tp[idx], dev.intra_node_gb_per_s[rows],
+    bus, share = dp_ring_bus(opts.replicas[idx], opts.tp[idx], dev.intra_node_at(rows, opts.tp[idx]),
                              dev.devices_per_node[rows], dev.inter_node_gbps[rows])
     return float(joint_sync_s(stage_bytes / float(opts.tp[idx].max()), opts.replicas[idx].tolist(),
                               bus.tolist(), share.tolist(), link).max())
