@@ -247,7 +247,8 @@ def test_import_starverse_does_not_import_torch_and_loads_the_api_lazily():
 def test_accelerate_scales_a_model_that_cannot_train_here_and_says_so(tmp_path, monkeypatch):
     import json
 
-    from starverse.runtime.cluster import CPU_MAX_PARAMS, accelerate
+    from starverse.runtime.cluster import accelerate
+    from starverse.runtime.model_choice import CPU_MAX_PARAMS
     from starverse.runtime.modeling import count_params
 
     monkeypatch.setenv("STARVERSE_CACHE", str(tmp_path / "cache"))

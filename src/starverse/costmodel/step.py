@@ -18,8 +18,14 @@ from starverse.costmodel import constants as C
 from starverse.costmodel.batch import joint_sync_s
 from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.group import PART_NAMES, combine, model_numbers
+from starverse.costmodel.measured import (
+    intra_node_gb_per_s,
+    measured_layer_times,
+    optimizer_s_per_param,
+    plan_profiles,
+)
 from starverse.costmodel.pricing import cheapest_price_per_hour
-from starverse.costmodel.profile import ModelProfile, check_profile_fits, load_profile
+from starverse.costmodel.profile import ModelProfile
 from starverse.costmodel.rows import StageRows
 from starverse.costmodel.shapes import OFFLOAD_CODES, RECOMPUTE_CODES, ModelShape, TrainShape
 from starverse.costmodel.stage import stage_costs
@@ -181,57 +187,6 @@ def check_plan(plan: Plan, spec: Any, catalog: Any) -> None:
                 )
 
 
-def plan_profiles(plan: Plan, shape: ModelShape) -> dict[str, ModelProfile]:
-    """The measured profiles a plan names (``network.profiles``), loaded and checked against the stage's
-    accelerator and the plan's model shape (ConfigError naming the field otherwise)."""
-    out: dict[str, ModelProfile] = {}
-    for acc_id, path in plan.network.profiles.items():
-        where = f"network.profiles.{acc_id}"
-        try:
-            prof = load_profile(path)
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        check_profile_fits(prof, acc_id, shape, where)
-        out[acc_id] = prof
-    return out
-
-
-def _measured(profiles: dict[str, ModelProfile], stages: list[Any], micro_batches: np.ndarray, seq_len: int,
-              precision: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(layer fwd+bwd, layer fwd, head fwd+bwd) per stage and micro-batch choice, NaN where not measured."""
-    shape = (len(stages), len(micro_batches))
-    layer, fwd, head = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
-    for i, st in enumerate(stages):
-        prof = profiles.get(st.accelerator)
-        if prof is None:
-            continue
-        for j, mb in enumerate(micro_batches):
-            e = prof.entry(int(mb), seq_len, st.tp, precision)
-            if e is not None:
-                layer[i, j] = e.layer_forward_s + e.layer_backward_s
-                fwd[i, j] = e.layer_forward_s
-                head[i, j] = e.head_forward_s + e.head_backward_s
-    return layer, fwd, head
-
-
-def _optimizer_s_per_param(profiles: dict[str, ModelProfile], acc_id: str) -> float:
-    prof = profiles.get(acc_id)
-    return np.nan if prof is None or prof.optimizer_s_per_param is None else prof.optimizer_s_per_param
-
-
-def _intra_node(plan: Plan, acc: Any, tp: int, profiles: dict[str, ModelProfile]) -> float:
-    """Per-device intra-node bandwidth: a profile's or the plan's measured bus bandwidth (``network.
-    collective_gb_per_s`` for a group of ``tp``; divided by the efficiency the model applies to datasheet
-    links), else the catalog's."""
-    prof = profiles.get(acc.id)
-    if prof is not None and "intra_node" in prof.links_gb_per_s:
-        return prof.links_gb_per_s["intra_node"] / C.LINK_EFFICIENCY
-    measured = plan.network.collective_gb_per_s.get(acc.id, {}).get(tp)
-    if measured is not None:
-        return measured / C.LINK_EFFICIENCY
-    return C.intra_node_gb_per_s(acc, plan.network.peer_to_peer.get(acc.id))
-
-
 def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m: np.ndarray,
                 profiles: dict[str, ModelProfile]) -> StageRows:
     """Rows of shape (S, K): S stages of the group, K micro-batch choices."""
@@ -251,13 +206,13 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         return np.full((len(stages), k), float(value))
 
     pp = len(stages)
-    layer_s, layer_fwd_s, head_s = _measured(profiles, stages, micro_batches, tr.seq_len, precision)
+    layer_s, layer_fwd_s, head_s = measured_layer_times(profiles, stages, micro_batches, tr.seq_len, precision)
     return StageRows(
         peak_tflops=col([C.peak_tflops(a, precision) for a in accs]),
         gemm_efficiency=col([C.gemm_efficiency(a, precision) for a in accs]),
         memory_gb=col([plan.network.usable_memory_gb.get(a.id, C.usable_memory_gb(a)) for a in accs]),
         memory_bw_gb_per_s=col([a.memory_bw_gb_per_s for a in accs]),
-        intra_node_gb_per_s=col([_intra_node(plan, a, s.tp, profiles) for a, s in zip(accs, stages, strict=True)]),
+        intra_node_gb_per_s=col([intra_node_gb_per_s(plan, a, s.tp, profiles) for a, s in zip(accs, stages, strict=True)]),
         devices_per_node=col([float(d) for d in dpn]),
         inter_node_gbps=col([float(x) for x in nic]),
         tp=col([float(s.tp) for s in stages]),
@@ -280,7 +235,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         measured_layer_s=layer_s,
         measured_layer_forward_s=layer_fwd_s,
         measured_head_s=head_s,
-        measured_optimizer_s_per_param=col([_optimizer_s_per_param(profiles, a.id) for a in accs]),
+        measured_optimizer_s_per_param=col([optimizer_s_per_param(profiles, a.id) for a in accs]),
     )
 
 
