@@ -38,6 +38,9 @@ def test_paths_are_relative_to_the_job_file_and_defaults_apply(tmp_path):
         ("model: llama\n", "job.yaml:1: dataset: required field is missing"),
         ("dataset: x\ntrain: {global_batch: 10, micro_batch: 4}\n",
          "train.global_batch: 10 is not a multiple of train.micro_batch 4"),
+        ("dataset: x\nheartbeat_s: 5\nheartbeat_timeout_s: 2\n",
+         "heartbeat_timeout_s (2) must be above heartbeat_s (5); raise heartbeat_timeout_s"),
+        ("dataset: x\nheartbeat_timeout_s: 0\n", "job.yaml:2: heartbeat_timeout_s: must be greater than 0 (got 0)"),
     ],
 )
 def test_job_file_errors_are_one_line(tmp_path, text, message):

@@ -200,10 +200,23 @@ class TrainJob(FrozenModel):
     """``recovery: in-place`` with ``replace_after_s``: keep a warm spare (a started replica process or Ray actor that
     loaded the model) per device kind, activated on a loss (null: on with the local launcher, off on Ray, where a
     spare holds a bundle of the cluster for the whole run). See docs/ray.md."""
+    heartbeat_s: float = Field(default=1.0, gt=0, le=MAX_SECONDS)
+    """How often each rank (process or Ray actor) stamps its heartbeat."""
+    heartbeat_timeout_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
+    """A rank that lives but whose heartbeat stood still this long is lost (cause ``heartbeat timeout``: a hung
+    process or host) and is killed; then the job recovers as ``recovery`` says. Must be above ``heartbeat_s``;
+    keep it above the longest pause of a healthy rank (a checkpoint write, the first step's start-up)."""
     billing: BillingSettings = Field(default_factory=BillingSettings)
     """Ledger and budgets."""
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     """Prometheus exporter."""
+
+    @model_validator(mode="after")
+    def _heartbeat_below_its_timeout(self) -> TrainJob:
+        if not self.heartbeat_s < self.heartbeat_timeout_s:
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be above heartbeat_s "
+                             f"({self.heartbeat_s:g}); raise heartbeat_timeout_s (default 60) or lower heartbeat_s")
+        return self
 
     @field_validator("pool", mode="before")
     @classmethod

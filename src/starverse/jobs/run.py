@@ -7,6 +7,7 @@ process starts (job file, cluster, prices, budget, ledger, resume point); :meth:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -24,6 +25,7 @@ from starverse.elastic.supervisor import Attempt, SupervisedResult, Supervisor, 
 from starverse.jobs.ledger import InplaceAccounting, JobBill, check_ledger_job, job_bill
 from starverse.jobs.wiring import JobCallbacks, build_callbacks
 from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
+from starverse.providers.local import LocalLauncher
 from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.lora import check_mode
@@ -123,7 +125,7 @@ class PreparedJob:
         if billing is not None and billing.ledger_path is not None and self.prices is not None:
             check_ledger_job(Path(billing.ledger_path), billing.job_name or self.run_dir.name, self.prices.currency,
                              job.billing.budget_total, source)
-        launcher: Any = ray_pool.launcher() if ray_pool else job.devices.launcher
+        launcher: Any = self._restart_launcher(ray_pool)
         self.inplace: InplaceAccounting | None = None
         if job.recovery == "in-place":
             launcher = self._inplace_launcher(launcher)
@@ -140,21 +142,33 @@ class PreparedJob:
         self.resume_from = resume_from
         self.resume_path = self.supervisor.resume_path(resume_from)  # checked before anything is launched
 
+    def _restart_launcher(self, ray_pool: RayPoolSource | None) -> Any:
+        """The launcher of ``devices.launcher`` (or a Ray pool's), with the job's heartbeat settings."""
+        beat, timeout = self.job.heartbeat_s, self.job.heartbeat_timeout_s
+        if ray_pool is not None:
+            return dataclasses.replace(ray_pool.launcher(), heartbeat_s=beat, heartbeat_timeout_s=timeout)
+        if self.job.devices.launcher == "ray":
+            from starverse.providers.ray import RayLauncher
+
+            return RayLauncher(heartbeat_s=beat, heartbeat_timeout_s=timeout)
+        return LocalLauncher(heartbeat_s=beat, heartbeat_timeout_s=timeout)
+
     def _inplace_launcher(self, launcher: Any) -> InplaceLauncher:
         """``recovery: in-place``: the torchft launcher (its Ray variant for ``devices.launcher: ray`` or a Ray
-        pool: ``launcher`` is then ``"ray"`` or the pool's RayLauncher), its lost and joining leases billed (see
+        pool: ``launcher`` is then a RayLauncher), its lost and joining leases billed (see
         :class:`~starverse.jobs.ledger.InplaceAccounting`)."""
         job = self.job
         # a plan in-place recovery does not run falls back to checkpoint-restart with one line (Trainer.fit)
         # warm spares unless the job says no locally; on Ray only when it says yes (a spare holds a bundle)
-        if launcher == "local":
-            launcher = InplaceLauncher(replace_after_s=job.replace_after_s, warm_spares=job.warm_spares is not False)
+        beat, timeout = job.heartbeat_s, job.heartbeat_timeout_s
+        if isinstance(launcher, LocalLauncher):
+            launcher = InplaceLauncher(replace_after_s=job.replace_after_s, warm_spares=job.warm_spares is not False,
+                                       heartbeat_s=beat, heartbeat_timeout_s=timeout)
         else:
-            from starverse.providers.ray import RayLauncher
             from starverse.providers.ray_inplace import RayInplaceLauncher
 
             launcher = RayInplaceLauncher(replace_after_s=job.replace_after_s, warm_spares=bool(job.warm_spares),
-                                          ray=launcher if isinstance(launcher, RayLauncher) else RayLauncher())
+                                          ray=launcher, heartbeat_s=beat, heartbeat_timeout_s=timeout)
         billing = self.callbacks.billing
         if billing is not None and billing.ledger_path is not None:
             plan, prices = self.cluster.plan, billing.prices
