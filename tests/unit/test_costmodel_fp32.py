@@ -52,3 +52,11 @@ def test_a_higher_measured_fraction_makes_the_3090_tf32_step_faster_than_its_fp3
         assert _step("rtx-3090", "tf32") == pytest.approx(fp32, rel=0.01)
     finally:
         FP32_GEMM_EFFICIENCY[("rtx-3090", "tf32")] = saved
+
+
+def test_cards_without_tf32_read_their_fp32_entry_for_a_tf32_plan() -> None:
+    for acc_id in ("v100-16gb-sxm", "titan-rtx"):
+        acc = CAT.accelerator(acc_id)
+        assert C.gemm_efficiency(acc, "tf32") == C.gemm_efficiency(acc, "fp32")
+        assert C.gemm_efficiency(acc, "fp32") == pytest.approx(FP32_GEMM_EFFICIENCY[(acc_id, "fp32")]
+                                                                * C.SUSTAINED_FRACTION)

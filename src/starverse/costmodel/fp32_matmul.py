@@ -13,7 +13,6 @@ FP32_GEMM_EFFICIENCY: dict[tuple[str, str], float] = {
     # after 10 warm-up calls. Only the forward column: the profiler's backward (torch.autograd.grad w.r.t. the
     # op's inputs) computes no weight gradient.
     ("titan-rtx", "fp32"): 0.80,  # 10555 us: 13.0 TFLOP/s of the 16.3 fp32 datasheet peak (CUDA cores)
-    ("titan-rtx", "tf32"): 0.80,  # Turing has no TF32: a tf32 plan runs as fp32 (constants.has_tf32)
     ("rtx-3090", "tf32"): 0.98,  # 3941 us: 34.9 TFLOP/s of the 35.5 dense TF32 tensor-core peak (GeForce
     # boost clocks run above the datasheet's 1.695 GHz under load); TF32 because the container sets
     # TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 (NGC PyTorch release notes)
@@ -21,7 +20,8 @@ FP32_GEMM_EFFICIENCY: dict[tuple[str, str], float] = {
     ("v100-32gb-sxm", "fp32"): 0.92,  # the same SXM2 silicon and clocks
 }
 """Achieved fraction of the dense 4-byte peak (``constants.peak_tflops``) of one large training-shape GEMM, by
-(accelerator id, precision): the measured counterpart of the MAMF table (``constants.GEMM_EFFICIENCY``,
+(accelerator id, precision; a tf32 plan on a card without TF32 reads its fp32 entry,
+``constants.has_tf32``): the measured counterpart of the MAMF table (``constants.GEMM_EFFICIENCY``,
 single-GPU, best shape) for cards and precisions it does not cover; ``SUSTAINED_FRACTION`` applies on top as
 it does to MAMF. The same profiler on the A100-40 (TF32) gives 0.80-0.84 of its 156 TFLOP/s TF32 peak, close
 to the A100's bf16 MAMF (0.869) used for it. Measured at that shape, where the shape term
