@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starverse.costmodel.fp32_matmul import fp32_gemm_efficiency
+
 # --- compute -------------------------------------------------------------------------------------------
 
 GEMM_EFFICIENCY: dict[str, float] = {
@@ -373,6 +375,9 @@ def gemm_efficiency(acc: Any, precision: str = "bf16") -> float:
         mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
     if precision == "tf32" and not has_tf32(acc):
         mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
+    runs_as = "fp32" if precision == "tf32" and not has_tf32(acc) else precision
+    measured = fp32_gemm_efficiency(acc.id, runs_as) if acc.id not in GEMM_EFFICIENCY else None
+    mamf = mamf if measured is None else measured
     if precision == "fp8" and getattr(acc, "fp8_tflops", None) is not None:
         mamf = GEMM_EFFICIENCY_FP8.get(acc.id, mamf * FP8_VS_BF16_EFFICIENCY)
     return mamf * SUSTAINED_FRACTION
