@@ -419,11 +419,10 @@ def test_fp8_uses_its_own_peak_and_efficiency() -> None:
 def test_fp8_runs_attention_at_the_bf16_rate() -> None:
     # Transformer Engine casts the linear layers' GEMMs to FP8, attention stays bf16 (fp8_dpa off): the
     # attention core's rate is the bf16 one, so FP8's gain shrinks as attention grows with the sequence
+    from starverse.costmodel.attention_rates import FUSED_ATTENTION_EFFICIENCY, attention_tflops
     from starverse.costmodel.constants import (
         ATTENTION_HEAD_DIM_HALF,
-        FUSED_ATTENTION_EFFICIENCY,
         SUSTAINED_FRACTION,
-        attention_tflops,
         gemm_efficiency,
         peak_tflops,
     )
@@ -525,7 +524,7 @@ def test_flash_attention_2_is_slower_on_hopper_only() -> None:
     # FlashAttention-2 (flash-attn 2, PyTorch SDPA's flash backend) is written for Ampere: on an H100 it reaches
     # 0.327 of the peak against cuDNN's 0.520 (Transformer Engine's attention benchmark), on an A100 it is the
     # fused kernel the model already describes; the step grows with attention's share (the sequence)
-    from starverse.costmodel.constants import FLASH2_ATTENTION_EFFICIENCY, FUSED_ATTENTION_EFFICIENCY
+    from starverse.costmodel.attention_rates import FLASH2_ATTENTION_EFFICIENCY, FUSED_ATTENTION_EFFICIENCY
 
     shape = ModelShape.from_spec(load_model("llama-2-7b"))
     cand = Candidates.make(accelerator=0, tp=1, pp=1, replicas=8, micro_batch=1, num_micro_batches=1,

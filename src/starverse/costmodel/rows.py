@@ -71,7 +71,7 @@ class StageRows:
     measured_optimizer_s_per_param: FloatArray | None = None
     """Measured Adam step time per parameter held (``costmodel.profile``); NaN = analytic."""
     attention_tflops: FloatArray | None = None
-    """Sustained TFLOP/s of the attention core's matmuls (``constants.attention_tflops``: bf16 under fp8
+    """Sustained TFLOP/s of the attention core's matmuls (``attention_rates.attention_tflops``: bf16 under fp8
     training); None = ``peak_tflops x gemm_efficiency`` (attention at the GEMMs' precision)."""
     host_collectives: BoolArray | None = None
     """Ranks are host processes talking over gloo (``constants.host_collectives``: the ``cpu`` stack), whose

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from starverse.costmodel.attention_rates import attention_tflops, flash2_attention_tflops
 from starverse.costmodel.constants import (
     LINK_EFFICIENCY,
-    attention_tflops,
-    flash2_attention_tflops,
     gemm_efficiency,
     has_flash_attention,
     host_collectives,
@@ -261,9 +260,9 @@ class DeviceTable:
     price_per_hour: FloatArray
     """Price per device-hour (NaN = unknown)."""
     attention_tflops: FloatArray | None = None
-    """Sustained TFLOP/s of the attention core (``constants.attention_tflops``); None = peak x efficiency."""
+    """Sustained TFLOP/s of the attention core (``attention_rates.attention_tflops``); None = peak x efficiency."""
     flash2_attention_tflops: FloatArray | None = None
-    """The same under ``TrainShape.attention == "flash2"`` (``constants.flash2_attention_tflops``); None =
+    """The same under ``TrainShape.attention == "flash2"`` (``attention_rates.flash2_attention_tflops``); None =
     ``attention_tflops``."""
     flash_attention: BoolArray | None = None
     """Has a fused attention kernel (used by ``TrainShape.attention == "auto"``); None = all do."""

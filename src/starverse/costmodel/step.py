@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from starverse.costmodel import constants as C
+from starverse.costmodel.attention_rates import attention_tflops_for
 from starverse.costmodel.batch import joint_sync_s
 from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.group import PART_NAMES, combine, model_numbers
@@ -229,7 +230,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         offload=full(OFFLOAD_CODES[tr.offload]),
         sequence_parallel=np.full((pp, k), tr.sequence_parallel),
         pipeline_devices=full(sum(s.tp for s in stages)),
-        attention_tflops=col([C.attention_tflops_for(a, precision, tr.attention) for a in accs]),
+        attention_tflops=col([attention_tflops_for(a, precision, tr.attention) for a in accs]),
         flash_attention=np.repeat(np.array([C.has_flash_attention(a) for a in accs])[:, None], k, axis=1),
         host_collectives=np.repeat(np.array([C.host_collectives(a) for a in accs])[:, None], k, axis=1),
         measured_layer_s=layer_s,
