@@ -37,6 +37,8 @@ def test_a_lost_actor_that_the_others_survived_says_so():
 def test_a_job_file_turns_warm_spares_on_for_ray_or_off_locally(tmp_path, monkeypatch):
     from starverse.elastic.job import load_job
     from starverse.jobs.run import PreparedJob
+    from starverse.providers.local import LocalLauncher
+    from starverse.providers.ray import RayLauncher
 
     base = "model: tiny.json\ndataset: corpus.txt\nrecovery: in-place\nreplace_after_s: 0\n"
     for text, local, on_ray in [("", True, False), ("warm_spares: true\n", True, True),
@@ -44,8 +46,8 @@ def test_a_job_file_turns_warm_spares_on_for_ray_or_off_locally(tmp_path, monkey
         (tmp_path / "job.yaml").write_text(base + text)
         job = load_job(tmp_path / "job.yaml")
         fake = type("P", (), {"job": job, "callbacks": type("C", (), {"billing": None})()})()
-        assert PreparedJob._inplace_launcher(fake, "local").warm_spares is local  # type: ignore[arg-type]
-        assert PreparedJob._inplace_launcher(fake, "ray").warm_spares is on_ray  # type: ignore[arg-type]
+        assert PreparedJob._inplace_launcher(fake, LocalLauncher()).warm_spares is local  # type: ignore[arg-type]
+        assert PreparedJob._inplace_launcher(fake, RayLauncher()).warm_spares is on_ray  # type: ignore[arg-type]
 
 
 def test_the_replicas_meet_on_the_loopback_unless_a_node_is_elsewhere():
