@@ -282,7 +282,7 @@ class DeviceTable:
     def intra_node_at(self, rows: Any, tp: Any) -> FloatArray:
         """Per-device intra-node bandwidth (GB/s) of ``rows`` for TP groups of ``tp`` (broadcast): the measured
         figure of that group size where there is one, else ``intra_node_gb_per_s`` (as the scalar
-        ``costmodel.step._intra_node``)."""
+        ``costmodel.measured.intra_node_gb_per_s``)."""
         base = self.intra_node_gb_per_s[rows]
         table = self.collective_gb_per_s
         if table is None:

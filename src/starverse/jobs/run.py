@@ -28,6 +28,7 @@ from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
 from starverse.providers.local import LocalLauncher
 from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
+from starverse.runtime.launch import resolve_launcher
 from starverse.runtime.lora import check_mode
 from starverse.runtime.trainer import FitResult
 
@@ -144,14 +145,9 @@ class PreparedJob:
 
     def _restart_launcher(self, ray_pool: RayPoolSource | None) -> Any:
         """The launcher of ``devices.launcher`` (or a Ray pool's), with the job's heartbeat settings."""
-        beat, timeout = self.job.heartbeat_s, self.job.heartbeat_timeout_s
-        if ray_pool is not None:
-            return dataclasses.replace(ray_pool.launcher(), heartbeat_s=beat, heartbeat_timeout_s=timeout)
-        if self.job.devices.launcher == "ray":
-            from starverse.providers.ray import RayLauncher
-
-            return RayLauncher(heartbeat_s=beat, heartbeat_timeout_s=timeout)
-        return LocalLauncher(heartbeat_s=beat, heartbeat_timeout_s=timeout)
+        launcher: Any = ray_pool.launcher() if ray_pool else resolve_launcher(self.job.devices.launcher)
+        return dataclasses.replace(launcher, heartbeat_s=self.job.heartbeat_s,
+                                   heartbeat_timeout_s=self.job.heartbeat_timeout_s)
 
     def _inplace_launcher(self, launcher: Any) -> InplaceLauncher:
         """``recovery: in-place``: the torchft launcher (its Ray variant for ``devices.launcher: ray`` or a Ray
