@@ -158,6 +158,11 @@ class Network(FrozenModel):
     links: dict[str, PositiveFloat] = Field(default_factory=dict)
     """Measured Gbit/s between two accelerators' nodes, keyed ``a/b`` (either order; ``a/a`` is between two
     nodes of the same accelerator); overrides ``cross_group_gbps`` and ``inter_node_gbps`` for that pair."""
+    achieved_gbps: bool = False
+    """Whether ``inter_node_gbps``, ``cross_group_gbps`` and ``links`` are what NCCL itself reached between the
+    nodes (a ``torch.distributed`` send/recv or nccl-tests run over them: Sailor's
+    ``sailor/profiling/networking/test_sendrecv.py``), not NIC line rates: the cost model then does not take
+    ``NETWORK_EFFICIENCY`` (the share of a line rate NCCL reaches) off them a second time."""
     peer_to_peer: dict[str, bool] = Field(default_factory=dict)
     """Whether the nodes of an accelerator allow PCIe peer-to-peer between their GPUs, by accelerator id
     (default: the catalog rule, ``costmodel.constants.NO_PEER_TO_PEER``: GeForce/Titan cards do not). Cloud

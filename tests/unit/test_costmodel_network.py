@@ -47,6 +47,26 @@ def test_link_between_two_groups_sets_the_gradient_sync() -> None:
     assert slow == pytest.approx(10 * base, rel=0.01)  # bandwidth-bound: 10x slower link, 10x the time
 
 
+def test_network_figures_that_nccl_reached_are_not_discounted_again() -> None:
+    # Sailor's MIT share states what NCCL's send/recv reached between its nodes (network.achieved_gbps): the
+    # pipeline sends, the tied-embedding all-reduce and the sync between groups then run at the figure itself,
+    # not at NETWORK_EFFICIENCY of it; a within-kind DP ring over the NIC too
+    achieved = estimate(mixed({"cross_group_gbps": 10, "achieved_gbps": True}), CAT)
+    line = estimate(mixed({"cross_group_gbps": 10}), CAT)
+    per_send = 4096 * 8192 * 2 / 8 / (10 / 8 / 8 * 1e9)
+    assert achieved.breakdown["pp_comm"] == pytest.approx(2 * (16 + 2 - 1) * per_send, rel=0.01)
+    assert line.breakdown["pp_comm"] == pytest.approx(achieved.breakdown["pp_comm"] / NETWORK_EFFICIENCY, rel=0.01)
+
+    def dp(network: dict) -> float:
+        plan = {"model": "llama-2-7b", "train": {"seq_len": 2048, "global_batch": 32, "zero_stage": 0},
+                "groups": [{"replicas": 4, "micro_batch": 1, "stages": [{"accelerator": "a100-80gb-sxm", "tp": 8,
+                                                                          "layers": 32}]}],
+                "network": {"inter_node_gbps": {"a100-80gb-sxm": 10}} | network}
+        return estimate(parse(Plan, plan, "t.yaml"), CAT).breakdown["dp_comm"]
+
+    assert dp({}) == pytest.approx(dp({"achieved_gbps": True}) / NETWORK_EFFICIENCY, rel=0.02)
+
+
 def test_usable_memory_is_the_drivers_figure_and_a_plan_can_override_it() -> None:
     t4 = CAT.accelerator("t4")
     assert usable_memory_gb(t4) == pytest.approx(15360 * 2**20 / 1e9)  # ECC on: 15360 MiB, not 16 GiB

@@ -197,8 +197,8 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
     tr = plan.train
     accs = [catalog.accelerator(s.accelerator) for s in stages]
     dpn = [plan.network.devices_per_node.get(a.id, a.devices_per_node) for a in accs]
-    nic = [plan.network.link_gbps(a.id, a.id) or plan.network.inter_node_gbps.get(a.id, a.inter_node_gbps)
-           for a in accs]
+    nic = [line_rate_gbps(plan, plan.network.link_gbps(a.id, a.id)
+                          or plan.network.inter_node_gbps.get(a.id, a.inter_node_gbps)) for a in accs]
 
     def col(values: list[float]) -> np.ndarray:
         return np.repeat(np.asarray(values, dtype=np.float64)[:, None], k, axis=1)
@@ -269,16 +269,23 @@ def _schedule_options(plan: Plan, g: Group) -> list[tuple[str, int]]:
     return opts
 
 
+def line_rate_gbps(plan: Plan, gbps: float) -> float:
+    """The line rate (Gbit/s) the model takes ``NETWORK_EFFICIENCY`` of for a figure of the plan's network:
+    the figure itself, or where the plan says NCCL reached it (``network.achieved_gbps``) the rate of which it
+    is that share, so that the model's sends and rings run at the figure."""
+    return gbps / C.NETWORK_EFFICIENCY if plan.network.achieved_gbps else gbps
+
+
 def node_link_gbps(plan: Plan, catalog: Any, a: str, b: str) -> float:
     """Gbit/s between a node of accelerator ``a`` and one of ``b``: the measured ``network.links`` pair,
-    else (different kinds) ``network.cross_group_gbps``, else the slower of the two nodes' NICs."""
+    else (different kinds) ``network.cross_group_gbps``, else the slower of the two nodes' NICs (as a line
+    rate, :func:`line_rate_gbps`)."""
     link = plan.network.link_gbps(a, b)
-    if link is not None:
-        return link
-    nics = [plan.network.inter_node_gbps.get(x, catalog.accelerator(x).inter_node_gbps) for x in (a, b)]
-    if a != b and plan.network.cross_group_gbps is not None:
-        return plan.network.cross_group_gbps
-    return float(min(nics))
+    if link is None and a != b and plan.network.cross_group_gbps is not None:
+        link = plan.network.cross_group_gbps
+    if link is None:
+        link = float(min(plan.network.inter_node_gbps.get(x, catalog.accelerator(x).inter_node_gbps) for x in (a, b)))
+    return line_rate_gbps(plan, link)
 
 
 def _cross_node_costs(plan: Plan, g: Group, catalog: Any, mn: Any, mbs: np.ndarray,
