@@ -39,7 +39,7 @@ def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> No
     assert all(abs(v - sustained["all"]) < 0.03 for v in sustained["without"].values()), sustained
     # the PCIe collective fraction is identified by the PCIe nodes without a measured collective figure: AMP's T4
     # nodes (AWS G instances, no PCIe peer-to-peer). Sailor's GeForce nodes state what NCCL reached on them per
-    # group size (network.collective_gb_per_s: the RTX 3090 node's NVLink-bridged pair 35.8 GB/s, 8 GPUs 1.35),
+    # group size (network.collective_gb_per_s: the RTX 3090 node's NVLink-bridged pair 35.8 GB/s, 8 GPUs 1.65),
     # which one fraction could not express (it was 0.53 without AMP's T4 runs, 0.77 without Sailor's)
     pcie = loso["fitted"]["PCIE_COLLECTIVE_FRACTION"]
     assert abs(pcie["without"]["sailor"] - pcie["all"]) < 0.01, pcie
@@ -74,14 +74,15 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert long["median_abs_error"] <= 0.21 and long["meets"]["median_abs_error"] is False
     # the mixed consumer cluster: ranked in order since the OPT model is read as Sailor's OPTModelPipe builds it
     # (no dropout, ReLU, untied head); every run that ran fits (item 4; sailor-mit-n2-d2 was refused while
-    # dropout masks were charged); peak memory misses (open). With the nodes' measured collectives the pure
-    # data-parallel TP 8 runs n4-d4 / n6-d6 (42-51 % too fast, p90 43 %) are within 14 %, but every run is now
-    # too slow, the RTX 3090-first pipelines by up to 31 %: p90 30 %, median 15 % (10.8 % before; open misses,
-    # docs/costmodel.md)
+    # dropout masks were charged); peak memory misses (open). Since the cases state what Sailor's own runtime
+    # reached on its nodes (the RTX 3090's 8 GPUs 1.65 GB/s busbw, 1.35 in Aceso's microbenchmark) and that their
+    # inter-node figures are NCCL's achieved rates (network.achieved_gbps) the median and p90 targets are met:
+    # 7.2 % / 17.7 % (15.3 % / 29.7 % before; the 2-stage RTX 3090-first pipelines with DP, n4-d2 / n6-d3, are
+    # still 17-19 % too slow: open miss, docs/costmodel.md)
     sailor = held["sailor"]
     assert sailor["meets"]["spearman"] is True
-    assert sailor["median_abs_error"] <= 0.16 and sailor["p90_abs_error"] <= 0.31
-    assert sailor["meets"]["p90_abs_error"] is False
+    assert sailor["median_abs_error"] <= 0.09 and sailor["p90_abs_error"] <= 0.20
+    assert sailor["meets"]["median_abs_error"] is True and sailor["meets"]["p90_abs_error"] is True
     assert sailor["failed_cases"] == [] and sailor["meets"]["fits_as_reported"] is True
     assert sailor["meets"]["peak_memory"] is False and sailor["memory_median_abs_error"] <= 0.11
     assert held["sailor_gh200"]["memory_max_abs_error"] <= 0.31  # 52 % with dropout masks charged

@@ -85,13 +85,14 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     assert sources["sailor_gh200"]["spearman"] >= 0.95
     sailor = sources["sailor"]
     assert sailor["n"] == 9 and sailor["memory_n"] == 9
-    # with the nodes' measured collectives (network.collective_gb_per_s) the worst cases are the pipelines whose
-    # first stage is the RTX 3090 node (TP 8 at 1.35 GB/s, then 0.92 Gbit/s out), predicted too slow (open
-    # miss: docs/costmodel.md); the pure data-parallel runs (42-51 % too fast before) are within 16 %
+    # with the collectives Sailor's runtime reached (network.collective_gb_per_s) the worst cases are the 2-stage
+    # pipelines with data parallelism whose first stage is the RTX 3090 node (TP 8 at 1.65 GB/s, then 0.92 Gbit/s
+    # out), predicted 17-19 % too slow (open miss: docs/costmodel.md); the pure data-parallel runs (42-51 % too
+    # fast before the measured collectives) are within 4 %
     sailor_runs = [r for r in results if r.source == "sailor"]
     worst = max(sailor_runs, key=lambda r: abs(r.error or 0.0))
     assert worst.name in {"sailor-mit-n4-d2", "sailor-mit-n6-d3"} and (worst.error or 0.0) < 0
-    assert all(abs(by_name[f"sailor-mit-{n}"].error or 1.0) < 0.16 for n in ("n4-d4", "n6-d6"))
+    assert all(abs(by_name[f"sailor-mit-{n}"].error or 1.0) < 0.05 for n in ("n4-d4", "n6-d6"))
     # peak memory compared where measured: the 4-node pipeline within 15 % of Sailor's log
     r = by_name["sailor-mit-n4-d1"]
     assert r.memory_error is not None and abs(r.memory_error) < 0.15
