@@ -177,7 +177,8 @@ direction, DGX A100 nccl-tests), ~360 GB/s of 450 on H100 NVLink-4."""
 
 NETWORK_EFFICIENCY = 0.90
 """Achieved fraction of NIC line rate for large collectives over InfiniBand/RoCE (nccl-tests multi-node
-all_reduce busbw ~185 GB/s on 8x200 Gb/s HDR per DGX A100 node)."""
+all_reduce busbw ~185 GB/s on 8x200 Gb/s HDR per DGX A100 node). Not taken off a figure that a plan states as
+what NCCL itself reached between its nodes (``network.achieved_gbps``, ``costmodel.step.line_rate_gbps``)."""
 
 COLLECTIVE_LATENCY_S = 10e-6
 """Latency per log2(n) step of one collective: NCCL switches to tree/LL protocols for latency, so an
@@ -253,7 +254,7 @@ trade bandwidth for latency. FITTED (``costmodel.fit.FITTED``) jointly on all ru
 that use TP or data parallelism inside PCIe nodes without a measured figure (AMP's T4 nodes, without PCIe
 peer-to-peer). A node whose all-reduce bus bandwidth was measured per group size (``network.
 collective_gb_per_s``: Sailor's consumer nodes, docs/costmodel.md) uses that figure instead: their RTX 3090
-node reaches 35.8 GB/s for an NVLink-bridged pair and 1.35 for 8 GPUs, which no single fraction expresses."""
+node reaches 35.8 GB/s for an NVLink-bridged pair and 1.65 for 8 GPUs, which no single fraction expresses."""
 
 
 def intra_node_gb_per_s(acc: Any, peer_to_peer: bool | None = None) -> float:
