@@ -91,6 +91,12 @@ class TrainSpec(FrozenModel):
     """The data-parallel gradient all-reduce overlaps the last micro-batch's backward (PyTorch DDP, Megatron,
     FSDP). False: it runs after the last backward, exposed (DeepSpeed's pipeline engine: its schedule issues
     ``ReduceGrads`` after the final step, ``deepspeed/runtime/pipe/schedule.py``)."""
+    flat_grad_allreduce: bool = False
+    """Each step the framework copies the gradients into one flat buffer (at most
+    ``constants.FLAT_ALLREDUCE_BUCKET_ELEMENTS`` values), all-reduces it and copies it back: DeepSpeed's engine
+    without ZeRO (``buffered_allreduce_fallback`` with ``MEMORY_OPT_ALLREDUCE_SIZE``; its pipeline engine runs it
+    in ``ReduceGrads`` even with one replica). The copy exists after the last backward, when the activations are
+    freed (``costmodel.stage.flat_grad_buffer_bytes``)."""
     tokens: float | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
     steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)

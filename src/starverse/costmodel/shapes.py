@@ -203,6 +203,8 @@ class TrainShape:
     """The framework synchronises the device per micro-step (``TrainSpec.sync_micro_steps``)."""
     overlap_grad_reduce: bool = True
     """The gradient all-reduce overlaps the last backward (``TrainSpec.overlap_grad_reduce``)."""
+    flat_grad_allreduce: bool = False
+    """Gradients copied into one flat buffer for the all-reduce (``TrainSpec.flat_grad_allreduce``)."""
     num_layer_forwards: int = 1
     """Forwards of each layer per micro-batch (``TrainSpec.num_layer_forwards``)."""
     tp_comm_overlap: bool = False
@@ -225,6 +227,7 @@ class TrainShape:
             sync_micro_steps=train.sync_micro_steps,
             num_layer_forwards=train.num_layer_forwards,
             overlap_grad_reduce=train.overlap_grad_reduce,
+            flat_grad_allreduce=train.flat_grad_allreduce,
             tp_comm_overlap=train.tp_comm_overlap,
             overlap_p2p_comm=train.overlap_p2p_comm,
         )
