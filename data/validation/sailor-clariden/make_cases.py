@@ -15,7 +15,8 @@ a stage's transformer layers are its count minus one on the first and on the las
 (OPT-350M: 26 = 24 + 2, GPT-Neo-2.7B: 34 = 32 + 2). Every run uses TP 4 inside one node
 (``tmp_per_stage``), one replica per node per stage. Training: ``ae_scripts/clariden_scripts/run_opt.slurm``
 (fp32: no --fp16/--bf16; seq 2048; DeepSpeed AdamW; no activation checkpointing; ZeRO 0, so DeepSpeed's
-``ReduceGrads`` flattens the gradients for their all-reduce: ``flat_grad_allreduce: true``) in the NGC
+``ReduceGrads`` flattens the gradients for their all-reduce: ``flat_grad_allreduce: true``; its pipeline engine
+keeps the last stage's outputs in its pipe buffers: ``pipe_buffers_keep_outputs: true``) in the NGC
 ``pytorch:24.10`` container of Sailor's Dockerfile, which sets ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``
 (NGC PyTorch release notes), so fp32 matmuls run as TF32 on the tensor cores: the cases say
 ``precision: tf32``. Attention is Megatron's unfused softmax path in fp32 (``attention: eager``).
@@ -64,7 +65,8 @@ def case_yaml(model: str, rel: str, plan: dict) -> tuple[str, str]:
     stages = "\n".join(f"  - {{accelerator: {ACC}, tp: {tp}, layers: {n}}}" for n in layers)
     text = (f"model: {path}\n"
             f"train: {{seq_len: {SEQ}, global_batch: {gbs}, precision: tf32, mode: full, zero_stage: 0, "
-            f"recompute: none, schedule: 1f1b, attention: eager, flat_grad_allreduce: true}}\n"
+            f"recompute: none, schedule: 1f1b, attention: eager, flat_grad_allreduce: true, "
+            f"pipe_buffers_keep_outputs: true}}\n"
             f"groups:\n- replicas: {dp}\n  micro_batch: {mbs}\n  stages:\n{stages}\n"
             f"network:\n  usable_memory_gb: {{{ACC}: 96}}\n  devices_per_node: {{{ACC}: 4}}\n"
             f"  inter_node_gbps: {{{ACC}: 800}}\n"

@@ -116,6 +116,8 @@ class ModelNumbers:
     overlap_grad_reduce: bool = True
     flat_grad_allreduce: bool = False
     """Gradients copied into one flat buffer for the all-reduce (``TrainSpec.flat_grad_allreduce``)."""
+    pipe_buffers_keep_outputs: bool = False
+    """The last stage's pipe buffers keep the logits (``TrainSpec.pipe_buffers_keep_outputs``)."""
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
     attention_dropout: bool = True

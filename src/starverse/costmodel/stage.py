@@ -331,7 +331,14 @@ def stage_totals(
     # the peak: the last stage at the end of its forward holds the logits and the loss's fp32 softmax; once
     # the head's backward has run they are freed, before the attention backward's transients of a layer
     logits = la * tokens * (loss_width(mn, t) * (bv + 4.0))
-    activations = activations + np.maximum(logits, lc["attn_transient"])
+    if mn.pipe_buffers_keep_outputs:
+        # DeepSpeed's last stage keeps each micro-batch's output in its pipe buffer (TrainSpec
+        # .pipe_buffers_keep_outputs): the current logits stay through the backward, the previous ones are held
+        out = la * tokens * (loss_width(mn, t) * bv)
+        activations = (activations + np.maximum(logits, lc["attn_transient"] + out)
+                       + np.where(rows.num_micro_batches >= 2, out, 0.0))
+    else:
+        activations = activations + np.maximum(logits, lc["attn_transient"])
 
     # ---- per-step work -----------------------------------------------------------------------------
     opt_params = trainable / shard_o
