@@ -280,6 +280,7 @@ def cases_table() -> str:
             continue
         r = score_case(load_case(path), catalog)
         mem = (f"{r.predicted_memory_gb:.1f} / {r.measured_memory_gb:.2f}"
+               + (" (log not compared: measured.peak_memory_excluded)" if r.memory_excluded else "")
                if r.predicted_memory_gb is not None and r.measured_memory_gb is not None else "")
         name = path.stem + (" (refused)" if not r.fits else "")
         rows.append(f"| {name} | {_n(r.predicted) if r.predicted else '–'} | {_n(r.measured) if r.measured else '–'} | "

@@ -91,6 +91,17 @@ class TrainSpec(FrozenModel):
     """The data-parallel gradient all-reduce overlaps the last micro-batch's backward (PyTorch DDP, Megatron,
     FSDP). False: it runs after the last backward, exposed (DeepSpeed's pipeline engine: its schedule issues
     ``ReduceGrads`` after the final step, ``deepspeed/runtime/pipe/schedule.py``)."""
+    flat_grad_allreduce: bool = False
+    """Each step the framework copies the gradients into one flat buffer (at most
+    ``constants.FLAT_ALLREDUCE_BUCKET_ELEMENTS`` values), all-reduces it and copies it back: DeepSpeed's engine
+    without ZeRO (``buffered_allreduce_fallback`` with ``MEMORY_OPT_ALLREDUCE_SIZE``; its pipeline engine runs it
+    in ``ReduceGrads`` even with one replica). The copy exists after the last backward, when the activations are
+    freed (``costmodel.stage.flat_grad_buffer_bytes``)."""
+    pipe_buffers_keep_outputs: bool = False
+    """The last pipeline stage keeps each micro-batch's output (its logits) in a pipe buffer until the buffer is
+    reused two micro-batches later: DeepSpeed's ``PipelineEngine._exec_backward_pass`` returns on the last stage
+    before it clears ``pipe_buffers['outputs']``, and ``TrainSchedule.num_pipe_buffers`` keeps at least two. The
+    last stage then holds the current micro-batch's logits through its backward and the previous one's."""
     tokens: float | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
     steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)

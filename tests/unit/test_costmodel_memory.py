@@ -30,12 +30,13 @@ SAILOR_OPT = {"activation_function": "relu", "attn_pdrop": 0.0, "resid_pdrop": 0
 
 
 def activations(model: dict[str, object], tp: int, b: int, stage_layers: list[int], precision: str = "fp32",
-                attention: str = "eager") -> list[float]:
+                attention: str = "eager", micro_batches: int = 2, **train: object) -> list[float]:
     """Activation bytes of each stage of one pipeline of two micro-batches per step (1F1B)."""
     spec = load_model(model)
     stages = [{"accelerator": "rtx-3090", "tp": tp, "layers": n} for n in stage_layers]
-    plan = parse(Plan, {"model": "x", "train": {"seq_len": S, "global_batch": 2 * b, "precision": precision,
-                                                "attention": attention, "schedule": "1f1b"},
+    plan = parse(Plan, {"model": "x", "train": {"seq_len": S, "global_batch": micro_batches * b,
+                                                "precision": precision, "attention": attention, "schedule": "1f1b"}
+                        | train,
                         "groups": [{"replicas": 1, "micro_batch": b, "stages": stages}]}, "t.yaml")
     return [st.activations_gb * 1e9 for st in estimate(plan, CAT, spec).groups[0].stages]
 
@@ -86,6 +87,35 @@ def test_the_peak_holds_one_layers_attention_backward_or_the_logits() -> None:
     logits = tokens * V / tp * (bv + 4)
     assert logits > 2 * scores
     assert last == pytest.approx(2 * (layer(bv) + scores) + logits)
+
+
+def test_deepspeeds_last_stage_keeps_its_outputs_in_the_pipe_buffers() -> None:
+    # DeepSpeed's PipelineEngine leaves each micro-batch's output in the last stage's pipe buffer (its backward
+    # returns before clearing it; two buffers at least): at the loss the previous micro-batch's logits are held
+    # too, and in a layer's attention backward the current one's as well
+    tp, b, bv = 4, 8, 4.0
+    tokens = b * S
+    scores = b * HEADS * S * S / tp * bv
+    out = tokens * V / tp * bv
+    plain = activations(raw(4, **SAILOR_OPT), tp, b, [2, 2])[1]
+    kept = activations(raw(4, **SAILOR_OPT), tp, b, [2, 2], pipe_buffers_keep_outputs=True)[1]
+    logits = tokens * V / tp * (bv + 4)
+    # here the attention backward with the current logits (2 x 0.54 + 0.82 GB) is above the loss (1.65 GB)
+    assert 2 * scores + out > logits > 2 * scores
+    assert kept - plain == pytest.approx(2 * scores + out + out - logits)
+    # with a single micro-batch per step there is no previous output, only the current one through the backward
+    one = activations(raw(4, **SAILOR_OPT), tp, b, [2, 2], micro_batches=1, pipe_buffers_keep_outputs=True)[1]
+    assert one - plain == pytest.approx(2 * scores + out - logits)
+    # where the attention backward is the larger, the current logits add to it: a small vocabulary
+    small = {**SAILOR_OPT, "vocab_size": 1024}
+    out_small = tokens * 1024 / tp * bv
+    base = activations(raw(4, **small), tp, b, [2, 2])[1]
+    assert 2 * scores > tokens * 1024 / tp * (bv + 4)
+    kept_small = activations(raw(4, **small), tp, b, [2, 2], pipe_buffers_keep_outputs=True)[1]
+    assert kept_small - base == pytest.approx(2 * out_small)
+    # the first stage has no outputs kept
+    assert activations(raw(4, **SAILOR_OPT), tp, b, [2, 2], pipe_buffers_keep_outputs=True)[0] == \
+        pytest.approx(activations(raw(4, **SAILOR_OPT), tp, b, [2, 2])[0])
 
 
 def test_a_model_without_lm_head_has_no_head_weights_matmul_or_vocabulary_logits() -> None:

@@ -84,8 +84,16 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert sailor["median_abs_error"] <= 0.09 and sailor["p90_abs_error"] <= 0.20
     assert sailor["meets"]["median_abs_error"] is True and sailor["meets"]["p90_abs_error"] is True
     assert sailor["failed_cases"] == [] and sailor["meets"]["fits_as_reported"] is True
-    assert sailor["meets"]["peak_memory"] is False and sailor["memory_median_abs_error"] <= 0.11
-    assert held["sailor_gh200"]["memory_max_abs_error"] <= 0.31  # 52 % with dropout masks charged
+    # peak memory (no fitted constant touches it): the two N2 logs are excluded with their evidence
+    # (measured.peak_memory_excluded); the TP 8 pipelines are within 10 %, the pure data-parallel TP 8 runs 22 %
+    # under (open miss, docs/costmodel.md)
+    assert sailor["memory_n"] == 7 and sailor["meets"]["peak_memory"] is False
+    assert sailor["memory_median_abs_error"] <= 0.10 and sailor["memory_max_abs_error"] <= 0.25
+    # GH200: every compared log within 10 % since DeepSpeed's flat gradient copy is counted (52 % with dropout
+    # masks charged, 24 % before the copy and with GPT-Neo n8-pp4-dp2's contradicted log compared)
+    gh_mem = held["sailor_gh200"]
+    assert gh_mem["memory_n"] == 25 and gh_mem["meets"]["peak_memory"] is True
+    assert gh_mem["memory_max_abs_error"] <= 0.07
     # AMP's clusters held out (before the host-overhead, PCIe and gradient-reduce terms: medians 24 % / 17 %,
     # Spearman 0.56 / 0.35): 16 x T4 meets every target since Sailor's GH200 runs also identify the host's
     # launch time (4.5 % / 16 % / 0.97; 13.0 % / 27.5 % / 0.86 before), V100 + T4 the median (7.7 %); its p90

@@ -80,11 +80,15 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
         err = [by_name[f"mptscale-{size}-h100-g{g}"].error or 0.0 for g in (128, 256, 512)]
         assert err[0] < err[1] < err[2], (size, err)
     assert (sources["amp_t4"]["n"], sources["amp_mixed"]["n"]) == (47, 43)  # the runs of issue 9's table
-    # Sailor's GH200 runs (4-256 GPUs, TF32): ranked in order, every one with its measured peak memory
-    assert sources["sailor_gh200"]["n"] == sources["sailor_gh200"]["memory_n"] == 26
+    # Sailor's GH200 runs (4-256 GPUs, TF32): ranked in order, every one with its measured peak memory compared
+    # but one log that its three twins contradict (measured.peak_memory_excluded, with the evidence)
+    assert sources["sailor_gh200"]["n"] == 26 and sources["sailor_gh200"]["memory_n"] == 25
     assert sources["sailor_gh200"]["spearman"] >= 0.95
     sailor = sources["sailor"]
-    assert sailor["n"] == 9 and sailor["memory_n"] == 9
+    assert sailor["n"] == 9 and sailor["memory_n"] == 7  # the two N2 logs are below what their ranks hold
+    excluded = {r.name for r in results if r.memory_excluded}
+    assert excluded == {"sailor-mit-n2-d1", "sailor-mit-n2-d2", "sailor_gh200-gptneo2.7b-n8-pp4-dp2-mbs4-gbs1024"}
+    assert all(r.measured_memory_gb and r.memory_error is None for r in results if r.memory_excluded)
     # with the collectives Sailor's runtime reached (network.collective_gb_per_s) the worst cases are the 2-stage
     # pipelines with data parallelism whose first stage is the RTX 3090 node (TP 8 at 1.65 GB/s, then 0.92 Gbit/s
     # out), predicted 17-19 % too slow (open miss: docs/costmodel.md); the pure data-parallel runs (42-51 % too
@@ -198,11 +202,15 @@ def test_a_device_wide_memory_figure_is_compared_with_the_whole_need() -> None:
 
     case = load_case(CASES / "sailor-clariden" / "sailor_gh200-opt350m-n1-pp1-dp1-mbs1-gbs32.yaml")
     assert case.measured.peak_memory_scope == "device"
-    need = max(s.total_gb for g in estimate(case.plan, CAT, case.spec).groups for s in g.stages)
-    # the device's used memory: the reserve, the tensors, the caching allocator's free blocks and the buffers
-    # of the three NCCL communicators over the node's 4 NVLink-connected GPUs (TP, model-parallel, world)
+    (stage,) = (s for g in estimate(case.plan, CAT, case.spec).groups for s in g.stages)
+    need = stage.total_gb
+    # the device's used memory: the reserve, the tensors, the caching allocator's free blocks, the buffers
+    # of the three NCCL communicators over the node's 4 NVLink-connected GPUs (TP, model-parallel, world) and
+    # the segment of DeepSpeed's flat gradient copy (0.41 GB of fp32 gradients at TP 4, above every activation
+    # tensor of micro-batch 1)
+    assert stage.flat_grad_segment_gb == pytest.approx(stage.grads_gb) and stage.grads_gb > 0.3
     device = (RESERVED_GB + (need - RESERVED_GB) * (1.0 + FRAGMENTATION_FRACTION)
-              + 3 * NCCL_NVLINK_COMMUNICATOR_GB[3])
+              + 3 * NCCL_NVLINK_COMMUNICATOR_GB[3] + stage.grads_gb)
     assert score_case(case, CAT).predicted_memory_gb == pytest.approx(device)
     allocated = replace(case, measured=case.measured.model_copy(update={"peak_memory_scope": "allocated"}))
     assert score_case(allocated, CAT).predicted_memory_gb == pytest.approx(need - RESERVED_GB)
@@ -225,9 +233,9 @@ def test_nccl_communicators_counted_where_a_device_shares_them_with_nvlink_peers
     # below its twins with the same stages (n8-pp4-dp2: 28.5 GB; n16/n32/n64-pp4: 37.3-37.5 GB)
     by_name = {r.name: r for r in results}
     gh200 = [r for r in results if r.source == "sailor_gh200"]
-    assert all(abs(r.memory_error or 1.0) < 0.10 for r in gh200 if "opt350m" in r.name)
-    assert all(abs(r.memory_error or 1.0) < 0.13 for r in gh200
-               if "gptneo" in r.name and r.name != "sailor_gh200-gptneo2.7b-n8-pp4-dp2-mbs4-gbs1024")
+    # with the flat gradient copy's segment (test_a_flat_gradient_copy_takes_its_own_segment) every compared
+    # GH200 log is within 7 %
+    assert all(abs(r.memory_error or 1.0) < 0.07 for r in gh200 if not r.memory_excluded)
     from starverse.costmodel.validate import device_extra_gb, load_case
 
     mit = load_case(CASES / "mixed-sailor-mit" / "sailor-mit-n4-d1.yaml")
@@ -235,3 +243,73 @@ def test_nccl_communicators_counted_where_a_device_shares_them_with_nvlink_peers
     gh = load_case(CASES / "sailor-clariden" / "sailor_gh200-opt350m-n4-pp4-dp1-mbs1-gbs64.yaml")
     assert device_extra_gb(gh, 0, 3, CAT) == pytest.approx(3 * 0.688)
     assert by_name["sailor-mit-n4-d1"].memory_error is not None
+
+
+def test_a_flat_gradient_copy_takes_its_own_segment() -> None:
+    """DeepSpeed without ZeRO flattens a stage's gradients (up to 5e8 values) for the all-reduce after the last
+    backward: the peak holds the larger of that copy and the activations, and a device-wide reading also holds
+    the copy's own allocator segment where no freed activation tensor is as large."""
+    import numpy as np
+
+    from starverse.costmodel import estimate
+    from starverse.costmodel.constants import FLAT_ALLREDUCE_BUCKET_ELEMENTS
+    from starverse.costmodel.stage import flat_grad_buffer_bytes
+    from starverse.costmodel.validate import load_case, score_case
+
+    assert float(flat_grad_buffer_bytes(4e8, 4.0)) == 4e8
+    assert float(flat_grad_buffer_bytes(1e10, 2.0)) == FLAT_ALLREDUCE_BUCKET_ELEMENTS * 2.0
+    assert np.allclose(flat_grad_buffer_bytes(np.array([1e6, 3e9]), 4.0), [1e6, 2e9])
+
+    def stages(case: object) -> list:
+        return [s for g in estimate(case.plan, CAT, case.spec).groups for s in g.stages]  # type: ignore[attr-defined]
+
+    # GPT-Neo 2.7B, TP 4, micro-batch 1: 1.3 GB of fp32 gradients per device, above every activation tensor
+    neo = load_case(CASES / "sailor-clariden" / "sailor_gh200-gptneo2.7b-n2-pp2-dp1-mbs1-gbs1.yaml")
+    assert neo.plan.train.flat_grad_allreduce
+    for s in stages(neo):
+        assert s.flat_grad_segment_gb == pytest.approx(s.grads_gb)
+    off = replace_train(neo, flat_grad_allreduce=False)
+    assert all(s.flat_grad_segment_gb == 0.0 for s in stages(off))
+    # below the activation peak the copy does not move the need (what fits is unchanged) ...
+    assert [s.total_gb for s in stages(off)] == pytest.approx([s.total_gb for s in stages(neo)])
+    # ... but the device-wide reading holds its segment on top
+    assert (score_case(neo, CAT).predicted_memory_gb or 0.0) - (score_case(off, CAT).predicted_memory_gb or 0.0) \
+        == pytest.approx(max(s.grads_gb for s in stages(neo)), rel=0.05)
+    # OPT-350M at micro-batch 8: one layer's scores (8 x 4 heads x 2048^2 x 4 B = 0.54 GB) exceed the 0.1 GB copy,
+    # which the freed block then holds: no segment of its own
+    opt = load_case(CASES / "sailor-clariden" / "sailor_gh200-opt350m-n8-pp4-dp2-mbs8-gbs512.yaml")
+    assert all(s.flat_grad_segment_gb == 0.0 for s in stages(opt))
+    # a stage whose gradients exceed its activations: the copy sets the peak
+    big = replace_train(load_case(CASES / "sailor-clariden" / "sailor_gh200-opt350m-n1-pp1-dp1-mbs1-gbs1.yaml"),
+                        flat_grad_allreduce=True, seq_len=128)
+    (s,) = stages(big)
+    assert s.grads_gb > s.activations_gb
+    assert s.total_gb == pytest.approx(s.weights_gb + s.grads_gb + s.optimizer_gb + s.grads_gb + 2.0, rel=1e-6)
+
+
+def replace_train(case: object, **update: object) -> object:
+    """A loaded case with some of its ``train`` fields replaced."""
+    from dataclasses import replace
+
+    plan = case.plan  # type: ignore[attr-defined]
+    return replace(case, plan=plan.model_copy(update={"train": plan.train.model_copy(update=update)}))
+
+
+def test_an_excluded_memory_log_is_reported_but_not_scored(tmp_path: Path) -> None:
+    """``measured.peak_memory_excluded`` keeps the logged figure in the report with its reason, and out of the
+    memory error and the per-source memory figures."""
+    import yaml
+
+    from starverse.costmodel.validate import report
+
+    data, _ = read_yaml(CASES / "mixed-sailor-mit" / "sailor-mit-n4-d1.yaml")
+    (tmp_path / "models").symlink_to(CASES / "mixed-sailor-mit" / "models")
+    (tmp_path / "sailor-a.yaml").write_text(yaml.safe_dump(data))
+    data["measured"]["peak_memory_excluded"] = "below its own parameters"
+    (tmp_path / "sailor-b.yaml").write_text(yaml.safe_dump(data))
+    a, b = run_case(tmp_path / "sailor-a.yaml", CAT), run_case(tmp_path / "sailor-b.yaml", CAT)
+    assert a.memory_error is not None and b.memory_error is None and b.ok
+    assert b.measured_memory_gb == a.measured_memory_gb and b.predicted_memory_gb == a.predicted_memory_gb
+    doc = report([a, b])
+    assert doc["sources"]["sailor"]["memory_n"] == 1
+    assert [c["memory_excluded"] for c in doc["cases"]] == [None, "below its own parameters"]

@@ -231,6 +231,12 @@ GRADIENT_BUCKET_BYTES = 25e6
 """Gradients are reduced in buckets (PyTorch DDP bucket_cap_mb=25; Megatron ~40M elements): one collective
 latency per bucket."""
 
+FLAT_ALLREDUCE_BUCKET_ELEMENTS = 5e8
+"""Values per flat buffer of DeepSpeed's gradient all-reduce without ZeRO (``MEMORY_OPT_ALLREDUCE_SIZE`` in
+``deepspeed/runtime/engine.py``; ``allreduce_no_retain`` fills a bucket up to it, ``allreduce_bucket`` flattens it
+into a new tensor with ``_flatten_dense_tensors``, all-reduces it and copies it back): the largest transient copy
+of a stage's gradients (``TrainSpec.flat_grad_allreduce``)."""
+
 OVERLAP_SM_FRACTION = 0.20
 """Communication overlapped with compute still runs NCCL kernels on the SMs: NCCL uses 16-32 channels,
 one CTA each, i.e. ~15-30 % of an A100's 108 or an H100's 132 SMs while a collective is in flight.

@@ -74,6 +74,8 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         sync_micro_steps=train.sync_micro_steps,
         extra_forwards=float(train.num_layer_forwards - 1),
         overlap_grad_reduce=train.overlap_grad_reduce,
+        flat_grad_allreduce=train.flat_grad_allreduce,
+        pipe_buffers_keep_outputs=train.pipe_buffers_keep_outputs,
         tp_comm_overlap=train.tp_comm_overlap,
         overlap_p2p_comm=train.overlap_p2p_comm,
     )

@@ -114,6 +114,10 @@ class ModelNumbers:
     """Forwards of each layer per micro-batch beyond the one backward uses (``TrainSpec.num_layer_forwards``
     - 1): compute, TP collectives and launches as a recomputed forward, no stored activations."""
     overlap_grad_reduce: bool = True
+    flat_grad_allreduce: bool = False
+    """Gradients copied into one flat buffer for the all-reduce (``TrainSpec.flat_grad_allreduce``)."""
+    pipe_buffers_keep_outputs: bool = False
+    """The last stage's pipe buffers keep the logits (``TrainSpec.pipe_buffers_keep_outputs``)."""
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
     attention_dropout: bool = True

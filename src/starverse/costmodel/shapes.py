@@ -203,6 +203,10 @@ class TrainShape:
     """The framework synchronises the device per micro-step (``TrainSpec.sync_micro_steps``)."""
     overlap_grad_reduce: bool = True
     """The gradient all-reduce overlaps the last backward (``TrainSpec.overlap_grad_reduce``)."""
+    flat_grad_allreduce: bool = False
+    """Gradients copied into one flat buffer for the all-reduce (``TrainSpec.flat_grad_allreduce``)."""
+    pipe_buffers_keep_outputs: bool = False
+    """The last stage's pipe buffers keep the logits (``TrainSpec.pipe_buffers_keep_outputs``)."""
     num_layer_forwards: int = 1
     """Forwards of each layer per micro-batch (``TrainSpec.num_layer_forwards``)."""
     tp_comm_overlap: bool = False
@@ -225,6 +229,8 @@ class TrainShape:
             sync_micro_steps=train.sync_micro_steps,
             num_layer_forwards=train.num_layer_forwards,
             overlap_grad_reduce=train.overlap_grad_reduce,
+            flat_grad_allreduce=train.flat_grad_allreduce,
+            pipe_buffers_keep_outputs=train.pipe_buffers_keep_outputs,
             tp_comm_overlap=train.tp_comm_overlap,
             overlap_p2p_comm=train.overlap_p2p_comm,
         )

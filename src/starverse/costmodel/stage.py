@@ -261,6 +261,13 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     }
 
 
+def flat_grad_buffer_bytes(grad_bytes: FloatArray | float, value_bytes: float) -> FloatArray:
+    """Bytes of the flat copy of a stage's gradients (``grad_bytes``, values of ``value_bytes``) that DeepSpeed's
+    all-reduce without ZeRO allocates: one bucket of at most ``FLAT_ALLREDUCE_BUCKET_ELEMENTS`` values
+    (``TrainSpec.flat_grad_allreduce``)."""
+    return np.minimum(np.asarray(grad_bytes, dtype=np.float64), C.FLAT_ALLREDUCE_BUCKET_ELEMENTS * value_bytes)
+
+
 def stage_totals(
     mn: ModelNumbers,
     rows: StageRows,
@@ -324,7 +331,14 @@ def stage_totals(
     # the peak: the last stage at the end of its forward holds the logits and the loss's fp32 softmax; once
     # the head's backward has run they are freed, before the attention backward's transients of a layer
     logits = la * tokens * (loss_width(mn, t) * (bv + 4.0))
-    activations = activations + np.maximum(logits, lc["attn_transient"])
+    if mn.pipe_buffers_keep_outputs:
+        # DeepSpeed's last stage keeps each micro-batch's output in its pipe buffer (TrainSpec
+        # .pipe_buffers_keep_outputs): the current logits stay through the backward, the previous ones are held
+        out = la * tokens * (loss_width(mn, t) * bv)
+        activations = (activations + np.maximum(logits, lc["attn_transient"] + out)
+                       + np.where(rows.num_micro_batches >= 2, out, 0.0))
+    else:
+        activations = activations + np.maximum(logits, lc["attn_transient"])
 
     # ---- per-step work -----------------------------------------------------------------------------
     opt_params = trainable / shard_o
@@ -367,7 +381,18 @@ def stage_totals(
     bcast = (n - 1.0) / np.maximum(n, 1.0) * p_dev * bv / (lc["dp_bus"] * 1e9) + tensors * lc["latency"]
     dp_exposed = dp_exposed + np.where(lc["host"] & (z == 1) & (rows.offload == 0) & (n > 1), bcast, 0.0)
 
-    total = (weights + grads + optimizer + activations) / 1e9 + C.RESERVED_GB
+    # DeepSpeed without ZeRO flattens the gradients for the all-reduce after the last backward, when the
+    # activations are freed: the peak holds the larger of the two
+    flat = (np.where(z == 0, flat_grad_buffer_bytes(grads, bv), 0.0) if mn.flat_grad_allreduce
+            else 0.0 * grads)
+    total = (weights + grads + optimizer + np.maximum(activations, flat)) / 1e9 + C.RESERVED_GB
+    # PyTorch's caching allocator serves a request from a free block at least as large, else from a new segment
+    # of the request's size, and never merges segments: once the activations are freed the largest free block is
+    # the largest activation tensor (one layer's scores of a micro-batch, the fp32 logits, an MLP tensor), so a
+    # larger flat copy takes a segment of its own, which stays reserved (a device-wide reading holds it)
+    largest = np.maximum(np.maximum(lc["attn_transient"] / 2.0, la * tokens * loss_width(mn, t) * 4.0),
+                         tokens * mn.ffn / t * bv)
+    flat_segment = np.where(flat > largest, flat, 0.0)
     return {
         "gemm_mb": gemm_mb,
         "elem_mb": elem_mb,
@@ -385,6 +410,7 @@ def stage_totals(
         "optimizer_gb": optimizer / 1e9,
         "activations_gb": activations / 1e9,
         "memory_gb": total,
+        "flat_grad_segment_gb": flat_segment / 1e9,
         "capacity_gb": lc["capacity_gb"],
     }
 

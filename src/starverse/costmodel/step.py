@@ -58,6 +58,9 @@ class StageMemory:
     """Usable device memory (minus fragmentation)."""
     margin_gb: float
     """capacity - total (negative: does not fit)."""
+    flat_grad_segment_gb: float = 0.0
+    """Allocator segment of the flat gradient copy that no freed activation block can hold
+    (``TrainSpec.flat_grad_allreduce``; reserved, so counted in device-wide readings, not in ``total_gb``)."""
 
 
 @dataclass(frozen=True)
@@ -434,7 +437,8 @@ def estimate(plan: Plan, catalog: Any = None, spec: Any = None) -> Estimate:
                 weights_gb=float(ev.costs["weights_gb"][si, b]), grads_gb=float(ev.costs["grads_gb"][si, b]),
                 optimizer_gb=float(ev.costs["optimizer_gb"][si, b]),
                 activations_gb=float(ev.costs["activations_gb"][si, b]),
-                total_gb=total, capacity_gb=cap, margin_gb=cap - total))
+                total_gb=total, capacity_gb=cap, margin_gb=cap - total,
+                flat_grad_segment_gb=float(ev.costs["flat_grad_segment_gb"][si, b])))
         parts = {name: float(ev.out[key][b]) for name, key in zip(
             PART_NAMES, ("compute_s", "memory_s", "tp_comm_s", "dp_comm_s", "pp_comm_s", "bubble_s"), strict=True)}
         fits = bool(ev.out["fits"][b])

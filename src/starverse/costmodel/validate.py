@@ -34,6 +34,10 @@ class Measured(FrozenModel):
     context, NCCL buffers and the allocator's reserve included: compared with the whole need)."""
     out_of_memory: bool = False
     """The run failed for lack of device memory (the estimate must then say it does not fit)."""
+    peak_memory_excluded: str = ""
+    """Why ``peak_memory_gb`` is kept but not compared: the evidence that the logged figure cannot be what the
+    plan as written held (e.g. below the parameters and stored activations its own code keeps, or far from a
+    twin run with the same per-device layout). Empty: compared."""
 
 
 class ValidationCase(Plan):
@@ -70,6 +74,8 @@ class CaseResult:
     """``measured.peak_memory_gb`` when given."""
     out_of_memory: bool = False
     """The source reports the run failed for memory."""
+    memory_excluded: str = ""
+    """``measured.peak_memory_excluded``: why the measured peak is not compared (no ``memory_error``)."""
 
     @property
     def error(self) -> float | None:
@@ -81,7 +87,7 @@ class CaseResult:
     @property
     def memory_error(self) -> float | None:
         """predicted / measured peak memory - 1."""
-        if self.predicted_memory_gb is None or self.measured_memory_gb is None:
+        if self.predicted_memory_gb is None or self.measured_memory_gb is None or self.memory_excluded:
             return None
         return self.predicted_memory_gb / self.measured_memory_gb - 1.0
 
@@ -195,18 +201,26 @@ def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
         return CaseResult(case.name, case.path, None, measured, False,
                           reason=f"{where(case.path, getattr(e, 'loc', None))}: {e}",
                           source=case.source)
-    need, gi, si = max((s.total_gb, gi, si) for gi, g in enumerate(est.groups) for si, s in enumerate(g.stages))
-    peak = peak_reading_gb(need, case.measured.peak_memory_scope)
-    if case.measured.peak_memory_scope == "device":
-        if catalog is None:
-            from starverse.catalog import load_catalog
+    scope = case.measured.peak_memory_scope
+    if scope == "device" and catalog is None:
+        from starverse.catalog import load_catalog
 
-            catalog = load_catalog()
-        peak += device_extra_gb(case, gi, si, catalog)
+        catalog = load_catalog()
+
+    def reading(gi: int, si: int, s: Any) -> float:
+        if scope != "device":
+            return peak_reading_gb(s.total_gb, scope)
+        # NVLink communicators' buffers, and the flat gradient copy's own allocator segment, which stays
+        # reserved (StageMemory.flat_grad_segment_gb)
+        return (peak_reading_gb(s.total_gb, scope) + device_extra_gb(case, gi, si, catalog)
+                + s.flat_grad_segment_gb)
+
+    # the largest reading over the devices (a source's maximum over its ranks' logs)
+    peak = max(reading(gi, si, s) for gi, g in enumerate(est.groups) for si, s in enumerate(g.stages))
     oom = case.measured.out_of_memory
     result = CaseResult(case.name, case.path, est.tokens_per_s, measured, est.fits, source=case.source,
                         predicted_memory_gb=peak, measured_memory_gb=case.measured.peak_memory_gb,
-                        out_of_memory=oom)
+                        out_of_memory=oom, memory_excluded=case.measured.peak_memory_excluded)
     if oom:
         if est.fits:
             return replace(result, reason=f"the run failed for memory, but the estimator says it fits "
@@ -292,7 +306,8 @@ def report(results: list[CaseResult]) -> dict[str, Any]:
     cases = [{"name": r.name, "source": r.source, "metric": "tokens_per_s", "predicted": r.predicted,
               "measured": r.measured, "error": r.error, "predicted_memory_gb": r.predicted_memory_gb,
               "measured_memory_gb": r.measured_memory_gb, "memory_error": r.memory_error,
-              "out_of_memory": r.out_of_memory, "fits": r.fits} for r in results]
+              "memory_excluded": r.memory_excluded or None, "out_of_memory": r.out_of_memory,
+              "fits": r.fits} for r in results]
     return {"cases": cases, "summary": summarize(results), "sources": by_source(results)}
 
 
