@@ -57,7 +57,8 @@ def test_validate_json_has_exactly_the_documented_shape() -> None:
     files = [p for p in CASES.rglob("*.yaml") if "models" not in p.parts]
     assert len(doc["cases"]) == len(files)
     assert set(doc["sources"]) == {"korthikanti2022", "megatron", "megatron2021", "mpt", "sailor", "amp_t4",
-                                   "amp_mixed", "sailor_gh200", "nemo2412", "nemolong", "fmsfsdp", "mptscale", "mptlong"}
+                                   "amp_mixed", "sailor_gh200", "nemo2412", "nemolong", "fmsfsdp", "mptscale", "mptlong",
+                                   "opt"}
     assert all(set(s) == stats for s in doc["sources"].values())
     assert sum(s["n"] for s in doc["sources"].values()) == doc["summary"]["n"]
     for case in doc["cases"]:

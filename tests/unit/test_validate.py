@@ -35,7 +35,7 @@ PUBLISHED_A100_H100 = ("korthikanti2022", "megatron", "megatron2021", "mpt")
 
 
 def test_every_published_case_is_estimated_and_only_the_known_misses_are_refused(results: list[CaseResult]) -> None:
-    assert len(results) == len([p for p in CASES.rglob("*.yaml") if "models" not in p.parts]) == 214
+    assert len(results) == len([p for p in CASES.rglob("*.yaml") if "models" not in p.parts]) == 215
     assert all(r.predicted is not None and r.measured is not None for r in results)
     failed = {r.name for r in results if not r.ok}
     assert failed == KNOWN_REFUSED
@@ -71,7 +71,7 @@ def test_error_targets_on_the_published_a100_h100_runs(results: list[CaseResult]
 def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     sources = by_source(results)
     assert set(sources) == {*PUBLISHED_A100_H100, "sailor", "amp_t4", "amp_mixed", "sailor_gh200", "nemo2412",
-                            "nemolong", "fmsfsdp", "mptscale", "mptlong"}
+                            "nemolong", "fmsfsdp", "mptscale", "mptlong", "opt"}
     # llm-foundry's FSDP runs on 64-512 GPUs: the model keeps tokens/s per GPU flat from 128 to 512 GPUs where
     # measured falls (open miss, docs/costmodel.md `mptscale`): the error grows with the GPU count
     by_name = {r.name: r for r in results}
@@ -80,6 +80,10 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
         err = [by_name[f"mptscale-{size}-h100-g{g}"].error or 0.0 for g in (128, 256, 512)]
         assert err[0] < err[1] < err[2], (size, err)
     assert (sources["amp_t4"]["n"], sources["amp_mixed"]["n"]) == (47, 43)  # the runs of issue 9's table
+    # ZeRO-3 (FSDP) of a 175B model over 992 A100s x TP 8 (OPT-175B): fits, and is not over-predicted
+    # (issue 9's "up to 4x"); the measured figure is the paper's "up to 147 TFLOP/s", so the estimate is below it
+    opt = by_name["opt-175b-a100-g992"]
+    assert opt.fits and -0.10 <= (opt.error or 1.0) <= 0.0
     # Sailor's GH200 runs (4-256 GPUs, TF32): ranked in order, every one with its measured peak memory compared
     # but one log that its three twins contradict (measured.peak_memory_excluded, with the evidence)
     assert sources["sailor_gh200"]["n"] == 26 and sources["sailor_gh200"]["memory_n"] == 25
