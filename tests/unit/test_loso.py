@@ -118,7 +118,9 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     scale = held["mptscale"]
     assert scale["n"] == 21 and scale["spearman"] >= 0.95
     assert scale["meets"]["p90_abs_error"] is True and scale["median_abs_error"] <= 0.14
-    assert loso["pooled"]["n"] == 214
+    # OPT-175B (FSDP ZeRO-3 over 124 replicas x TP 8, 992 A100s) held out: within the median target
+    assert held["opt"]["n"] == 1 and held["opt"]["meets"]["median_abs_error"] is True
+    assert loso["pooled"]["n"] == 215
 
 
 def test_forked_held_out_fits_give_the_serial_figures(monkeypatch: pytest.MonkeyPatch) -> None:
