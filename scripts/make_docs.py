@@ -240,6 +240,11 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f} %"
 
 
+def _rho(x: float | None) -> str:
+    """A Spearman figure; none for a source of one configuration."""
+    return "–" if x is None else f"{x:.2f}"
+
+
 @functools.cache
 def _validation_run() -> tuple[list[LoadedCase], Any, dict[str, Any]]:
     """Every case of data/validation, the catalog, and the leave-one-source-out run over them (``scripts/loso.py``'s
@@ -262,8 +267,8 @@ def validation_table() -> str:
         missed = [k for k, ok in h["meets"].items() if ok is False]
         rows.append(
             f"| {name} | {h['n']} | {_pct(src['median_abs_error'])} | {_pct(src['p90_abs_error'])} | "
-            f"{_pct(src['max_abs_error'])} | {src['spearman']:.2f} | {_pct(h['median_abs_error'])} / "
-            f"{_pct(h['p90_abs_error'])} / {h['spearman']:.2f} | {'missed: ' + ', '.join(missed) if missed else 'all'} |"
+            f"{_pct(src['max_abs_error'])} | {_rho(src['spearman'])} | {_pct(h['median_abs_error'])} / "
+            f"{_pct(h['p90_abs_error'])} / {_rho(h['spearman'])} | {'missed: ' + ', '.join(missed) if missed else 'all'} |"
         )
     fitted = "; ".join(f"`{k}` = {v['all']:.4g} (held out: {min(v['without'].values()):.4g}–{max(v['without'].values()):.4g})"
                        for k, v in loso["fitted"].items())
