@@ -142,7 +142,7 @@ def case_yaml(model: str, train: str, dp: int, mbs: int, stage_list: str, acc: s
               measured: str, source: str, node_gbps: int = 400, achieved: bool = False) -> str:
     """YAML text of one case (``source`` quoted here); ``achieved``: ``node_gbps`` is what NCCL reached."""
     quoted = source.replace("'", "''")
-    network = f"  achieved_gbps: true\n" if achieved else ""
+    network = "  achieved_gbps: true\n" if achieved else ""
     return (f"model: {model}\ntrain: {{{train}}}\ngroups:\n- replicas: {dp}\n  micro_batch: {mbs}\n  stages:\n"
             f"{stage_list}network:\n  devices_per_node: {{{acc}: {per_node}}}\n"
             f"  inter_node_gbps: {{{acc}: {node_gbps}}}\n{network}"
