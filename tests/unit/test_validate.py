@@ -31,15 +31,21 @@ def results() -> list[CaseResult]:
 KNOWN_REFUSED: set[str] = set()
 """Runs that ran but that the estimator says do not fit (open misses, data/validation/README.md): none since
 Sailor's OPT is read as its ``OPTModelPipe`` builds it (``sailor-mit-n2-d2`` was refused before)."""
+KNOWN_OOM_FITS = {"bigscience-h12288-l100-a64-dp16-tp4-pp6-mbs1", "bigscience-h12288-l100-a64-dp16-tp4-pp6-mbs2",
+                  "bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2"}
+"""Runs the source reports as failed for memory that the estimator says fit (open miss of issue 9, item 4:
+three layouts of BigScience's 176B search; docs/costmodel.md, ``bigscience``)."""
 PUBLISHED_A100_H100 = ("korthikanti2022", "megatron", "megatron2021", "mpt")
 
 
 def test_every_published_case_is_estimated_and_only_the_known_misses_are_refused(results: list[CaseResult]) -> None:
-    assert len(results) == len([p for p in CASES.rglob("*.yaml") if "models" not in p.parts]) == 215
-    assert all(r.predicted is not None and r.measured is not None for r in results)
+    assert len(results) == len([p for p in CASES.rglob("*.yaml") if "models" not in p.parts]) == 237
+    assert all(r.predicted is not None and (r.measured is not None or r.out_of_memory) for r in results)
     failed = {r.name for r in results if not r.ok}
-    assert failed == KNOWN_REFUSED
-    assert all("does not fit" in (r.reason or "") for r in results if not r.ok)
+    assert failed == KNOWN_REFUSED | KNOWN_OOM_FITS
+    assert all("does not fit" in (r.reason or "") for r in results if not r.ok and r.name in KNOWN_REFUSED)
+    assert all("failed for memory, but the estimator says it fits" in (r.reason or "")
+               for r in results if r.name in KNOWN_OOM_FITS)
 
 
 def test_rank_correlation_target(results: list[CaseResult]) -> None:
@@ -51,6 +57,8 @@ def test_rank_correlation_target(results: list[CaseResult]) -> None:
     meets = {src for src, s in by.items() if s["n"] >= MIN_CONFIGS_FOR_SPEARMAN and s["spearman"] >= 0.8}
     # nemolong: NeMo's LLAMA2-7B 4K-1M runs, 6 of them with context parallelism (groups[].cp)
     # mptlong: llm-foundry's 8-H100 runs at 8K-64K tokens (14 configurations)
+    # bigscience (19): not met (0.70): NHEADS 104 ran 16 % slower than 64 on one layout, and TP 8 at micro-batch 2
+    # is predicted 11-16 % too fast (open misses, docs/costmodel.md)
     assert meets == {"korthikanti2022", "megatron2021", "mpt", "sailor", "amp_t4", "sailor_gh200", "nemolong",
                      "mptscale", "mptlong"}
     assert by["amp_mixed"]["spearman"] >= 0.7
@@ -71,7 +79,10 @@ def test_error_targets_on_the_published_a100_h100_runs(results: list[CaseResult]
 def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     sources = by_source(results)
     assert set(sources) == {*PUBLISHED_A100_H100, "sailor", "amp_t4", "amp_mixed", "sailor_gh200", "nemo2412",
-                            "nemolong", "fmsfsdp", "mptscale", "mptlong", "opt"}
+                            "nemolong", "fmsfsdp", "mptscale", "mptlong", "opt", "bigscience"}
+    # BigScience's 176B search and BLOOM's training on 48 x 8 A100s, and tr1-13B on 128 x 4 V100s: 19 runs with
+    # throughput (17 with the first node's memory), 3 reported as failed for memory
+    assert (sources["bigscience"]["n"], sources["bigscience"]["memory_n"]) == (19, 17)
     # llm-foundry's FSDP runs on 64-512 GPUs: the model keeps tokens/s per GPU flat from 128 to 512 GPUs where
     # measured falls (open miss, docs/costmodel.md `mptscale`): the error grows with the GPU count
     by_name = {r.name: r for r in results}
