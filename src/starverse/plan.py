@@ -97,6 +97,12 @@ class TrainSpec(FrozenModel):
     without ZeRO (``buffered_allreduce_fallback`` with ``MEMORY_OPT_ALLREDUCE_SIZE``; its pipeline engine runs it
     in ``ReduceGrads`` even with one replica). The copy exists after the last backward, when the activations are
     freed (``costmodel.stage.flat_grad_buffer_bytes``)."""
+    fp32_grad_copy: bool = False
+    """The optimizer keeps an fp32 copy of every gradient of the stage, whole (not sharded over the replicas),
+    beside the 16-bit ``.grad`` autograd writes: DeepSpeed's ``BF16_Optimizer`` (``fp32_groups_gradients_flat``,
+    4 bytes per parameter, into which each micro-batch's bf16 gradients are accumulated; the bf16 ``.grad``
+    stays until the next backward). Memory only (the fp32 reduction's traffic is ``grad_reduce_fp32``);
+    estimates only."""
     pipe_buffers_keep_outputs: bool = False
     """The last pipeline stage keeps each micro-batch's output (its logits) in a pipe buffer until the buffer is
     reused two micro-batches later: DeepSpeed's ``PipelineEngine._exec_backward_pass`` returns on the last stage

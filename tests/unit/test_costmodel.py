@@ -102,6 +102,8 @@ def _uniform(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, **kw: o
         ("h100-80gb-sxm", 4, 2, 2, 1, 8, {"precision": "fp8", "recompute": "full"}),  # attention in bf16
         ("h100-80gb-sxm", 8, 1, 8, 1, 2, {"attention": "flash2", "seq_len": 32768, "zero_stage": 3}),
         ("t4", 2, 4, 2, 1, 8, {"precision": "fp16", "num_layer_forwards": 2, "sync_micro_steps": True}),
+        ("a100-80gb-sxm", 4, 4, 2, 1, 8, {"recompute": "full", "zero_stage": 1, "grad_reduce_fp32": True,
+                                          "fp32_grad_copy": True}),  # DeepSpeed's BF16_Optimizer
     ],
 )
 def test_scalar_and_batch_agree(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, kw: dict) -> None:

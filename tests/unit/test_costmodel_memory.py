@@ -145,3 +145,29 @@ def test_a_model_without_lm_head_has_no_head_weights_matmul_or_vocabulary_logits
         raw(4, architectures=["GPT2Model"], **SAILOR_OPT))
     assert w_head - w_bare == pytest.approx(V * H / tp * 2.0 / 1e9)  # the head's bf16 shard
     assert t_bare > t_head  # no head matmul (forward and backward): more tokens per second
+
+
+def test_deepspeeds_bf16_optimizer_keeps_a_whole_fp32_gradient_copy_beside_the_bf16_one() -> None:
+    # BF16_Optimizer: bf16 weights and .grad (2 + 2 bytes), fp32_groups_gradients_flat (4 bytes, every parameter
+    # of the stage, not partitioned), fp32 master + Adam m, v sharded over the replicas (12 / n)
+    spec = load_model(raw(4))
+    stages = [{"accelerator": "a100-80gb-sxm", "tp": 2, "layers": 2}, {"accelerator": "a100-80gb-sxm", "tp": 2,
+                                                                       "layers": 2}]
+
+    def stage0(**train: object) -> object:
+        plan = parse(Plan, {"model": "x", "train": {"seq_len": S, "global_batch": 16, "precision": "bf16",
+                                                    "zero_stage": 1, "schedule": "1f1b"} | train,
+                            "groups": [{"replicas": 4, "micro_batch": 1, "stages": stages}]}, "t.yaml")
+        return estimate(plan, CAT, spec).groups[0].stages[0]
+
+    base, fp32_reduce, copy = stage0(), stage0(grad_reduce_fp32=True), stage0(grad_reduce_fp32=True,
+                                                                            fp32_grad_copy=True)
+    params = base.weights_gb * 1e9 / 2.0  # this device's parameters (bf16 weights)
+    assert base.grads_gb == pytest.approx(params * 2.0 / 1e9)
+    assert base.optimizer_gb == pytest.approx(params * 12.0 / 4 / 1e9)
+    # an fp32 reduction alone (DeepSpeed's fp32_allreduce, per bucket) holds no more: only its traffic doubles
+    assert (fp32_reduce.grads_gb, fp32_reduce.total_gb) == (base.grads_gb, base.total_gb)
+    assert copy.grads_gb == pytest.approx(params * (2.0 + 4.0) / 1e9)
+    assert copy.total_gb - base.total_gb == pytest.approx(params * 4.0 / 1e9)
+    assert (copy.weights_gb, copy.optimizer_gb, copy.activations_gb) == (base.weights_gb, base.optimizer_gb,
+                                                                         base.activations_gb)

@@ -75,6 +75,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         extra_forwards=float(train.num_layer_forwards - 1),
         overlap_grad_reduce=train.overlap_grad_reduce,
         flat_grad_allreduce=train.flat_grad_allreduce,
+        fp32_grad_copy=train.fp32_grad_copy,
         pipe_buffers_keep_outputs=train.pipe_buffers_keep_outputs,
         tp_comm_overlap=train.tp_comm_overlap,
         overlap_p2p_comm=train.overlap_p2p_comm,

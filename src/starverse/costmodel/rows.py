@@ -116,6 +116,8 @@ class ModelNumbers:
     overlap_grad_reduce: bool = True
     flat_grad_allreduce: bool = False
     """Gradients copied into one flat buffer for the all-reduce (``TrainSpec.flat_grad_allreduce``)."""
+    fp32_grad_copy: bool = False
+    """The optimizer keeps a whole fp32 gradient copy beside the 16-bit one (``TrainSpec.fp32_grad_copy``)."""
     pipe_buffers_keep_outputs: bool = False
     """The last stage's pipe buffers keep the logits (``TrainSpec.pipe_buffers_keep_outputs``)."""
     tp_comm_overlap: bool = False

@@ -205,6 +205,8 @@ class TrainShape:
     """The gradient all-reduce overlaps the last backward (``TrainSpec.overlap_grad_reduce``)."""
     flat_grad_allreduce: bool = False
     """Gradients copied into one flat buffer for the all-reduce (``TrainSpec.flat_grad_allreduce``)."""
+    fp32_grad_copy: bool = False
+    """The optimizer keeps a whole fp32 gradient copy beside the 16-bit one (``TrainSpec.fp32_grad_copy``)."""
     pipe_buffers_keep_outputs: bool = False
     """The last stage's pipe buffers keep the logits (``TrainSpec.pipe_buffers_keep_outputs``)."""
     num_layer_forwards: int = 1
@@ -230,6 +232,7 @@ class TrainShape:
             num_layer_forwards=train.num_layer_forwards,
             overlap_grad_reduce=train.overlap_grad_reduce,
             flat_grad_allreduce=train.flat_grad_allreduce,
+            fp32_grad_copy=train.fp32_grad_copy,
             pipe_buffers_keep_outputs=train.pipe_buffers_keep_outputs,
             tp_comm_overlap=train.tp_comm_overlap,
             overlap_p2p_comm=train.overlap_p2p_comm,

@@ -311,7 +311,9 @@ def stage_totals(
     weights = weights + np.where(z >= 3, layer_bytes, 0.0)
     offload_params = rows.offload >= 2
     weights = np.where(offload_params, layer_bytes, weights)
-    grads = trainable * bv / shard_g
+    grads16 = trainable * bv / shard_g
+    # DeepSpeed's BF16_Optimizer: a whole fp32 gradient buffer beside the bf16 .grad (TrainSpec.fp32_grad_copy)
+    grads = grads16 + trainable * (4.0 if mn.fp32_grad_copy else 0.0)
     opt_bytes_per_param = 8.0 if bv >= 4.0 else 12.0  # (fp32 master +) Adam m, v
     optimizer = np.where(rows.offload >= 1, 0.0, trainable * opt_bytes_per_param / shard_o)
 
@@ -383,7 +385,7 @@ def stage_totals(
 
     # DeepSpeed without ZeRO flattens the gradients for the all-reduce after the last backward, when the
     # activations are freed: the peak holds the larger of the two
-    flat = (np.where(z == 0, flat_grad_buffer_bytes(grads, bv), 0.0) if mn.flat_grad_allreduce
+    flat = (np.where(z == 0, flat_grad_buffer_bytes(grads16, bv), 0.0) if mn.flat_grad_allreduce
             else 0.0 * grads)
     total = (weights + grads + optimizer + np.maximum(activations, flat)) / 1e9 + C.RESERVED_GB
     # PyTorch's caching allocator serves a request from a free block at least as large, else from a new segment
