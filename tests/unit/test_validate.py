@@ -31,10 +31,9 @@ def results() -> list[CaseResult]:
 KNOWN_REFUSED: set[str] = set()
 """Runs that ran but that the estimator says do not fit (open misses, data/validation/README.md): none since
 Sailor's OPT is read as its ``OPTModelPipe`` builds it (``sailor-mit-n2-d2`` was refused before)."""
-KNOWN_OOM_FITS = {"bigscience-h12288-l100-a64-dp16-tp4-pp6-mbs1", "bigscience-h12288-l100-a64-dp16-tp4-pp6-mbs2",
-                  "bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2"}
+KNOWN_OOM_FITS = {"bigscience-h12288-l100-a64-dp16-tp4-pp6-mbs1", "bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2"}
 """Runs the source reports as failed for memory that the estimator says fit (open miss of issue 9, item 4:
-three layouts of BigScience's 176B search; docs/costmodel.md, ``bigscience``)."""
+two layouts of BigScience's 176B search; docs/costmodel.md, ``bigscience``)."""
 PUBLISHED_A100_H100 = ("korthikanti2022", "megatron", "megatron2021", "mpt")
 
 

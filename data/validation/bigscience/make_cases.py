@@ -45,8 +45,11 @@ How the runs were read:
   fp32 gradients through one flat buffer after the last micro-batch (``PipelineEngine._bf16_reduce_grads``:
   ``buffered_allreduce_fallback(grads=self.optimizer.get_grads_for_reduction(), ...)``, issued by
   ``ReduceGrads`` after the schedule's final step) = ``grad_reduce_fp32``, ``flat_grad_allreduce``,
-  ``overlap_grad_reduce: false``; the pipeline engine's output buffers = ``pipe_buffers_keep_outputs``. The
-  V100 run: ``--fp16`` with DeepSpeed's ZeRO stage 1 (fp16 gradients reduced by the ZeRO optimizer after the
+  ``overlap_grad_reduce: false``; the pipeline engine's output buffers = ``pipe_buffers_keep_outputs``; the
+  optimizer's whole fp32 gradient buffer (``fp32_groups_gradients_flat = torch.zeros_like(bf16_groups_flat,
+  dtype=torch.float32)``, not partitioned; the bf16 ``.grad`` stays: ``update_hp_grads(clear_lp_grads=False)``
+  after each micro-batch's backward; ``deepspeed/runtime/bf16_optimizer.py`` as merged in microsoft/DeepSpeed
+  56c52238, "bf16+pipeline parallelism (#1801)", v0.6.2) = ``fp32_grad_copy``. The V100 run: ``--fp16`` with DeepSpeed's ZeRO stage 1 (fp16 gradients reduced by the ZeRO optimizer after the
   last micro-batch: ``overlap_grad_reduce: false``, ``pipe_buffers_keep_outputs``).
 - Models: BLOOM-shaped (``model_type: bloom``: ALiBi, LayerNorm after the word embedding, GELU MLP of 4h, biases,
   tied embeddings, 4h of norm weights outside the layers), the vocabulary padded to 250880 (the training
@@ -101,7 +104,7 @@ A100 = "a100-80gb-sxm"
 V100 = "v100-32gb-sxm"
 A100_TRAIN = ("seq_len: 2048, global_batch: 2048, precision: bf16, mode: full, zero_stage: 1, recompute: full, "
               "attention: eager, grad_reduce_fp32: true, overlap_grad_reduce: false, flat_grad_allreduce: true, "
-              "pipe_buffers_keep_outputs: true")
+              "fp32_grad_copy: true, pipe_buffers_keep_outputs: true")
 
 # "Rebalancing layers" (02-28): (NHIDDEN, NLAYERS, DP, TP, PP, MBS, NHEADS, Mem GiB or None = OOM, Sec/it)
 REBALANCING = [
