@@ -31,16 +31,17 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.7383
+SUSTAINED_FRACTION = 0.7436
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.7383 makes the mean over sources of each source's mean tokens/s error
+FITTED (``costmodel.fit.FITTED``): 0.7436 makes the mean over sources of each source's mean tokens/s error
 zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
 2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs and at 8K-64K tokens, NeMo FP8 on
-H100, fms-fsdp; 0.7491 before llm-foundry's long-sequence rows ``mptlong`` and the FlashAttention-2 rate of the
+H100, fms-fsdp, OPT-175B's FSDP on 992 A100s, BigScience's BLOOM-shaped runs on 384 A100s; 0.7383 before
+the last two, 0.7491 before llm-foundry's long-sequence rows ``mptlong`` and the FlashAttention-2 rate of the
 llm-foundry / fms-fsdp H100 runs, 0.7492 before the FP8 shape term per operand byte and the H100's measured
 fused-attention rate, 0.7596
 before the Megatron-Core cases stated the TP overlap their README gives, 0.7705 before llm-foundry's
@@ -71,12 +72,13 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.6577
+PRE_AMPERE_EFFICIENCY = 0.6598
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
 :data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs
-that use such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, fp16); leave-one-source-out refits
+that use such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, BigScience's tr1-13B on 512
+V100s, fp16); leave-one-source-out refits
 0.65-0.77. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
 time and made large matmuls too slow (AMP's LM head reaches ~35 % of the T4 peak); and 0.44 before AMP's
 cases said that its Megatron-LM runs every layer's forward twice (``train.num_layer_forwards``): that value
@@ -136,7 +138,7 @@ of read 4 B + write 4 B than the one fused kernel (Sailor's Megatron-DeepSpeed r
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
 
-HOST_OVERHEAD_PER_LAYER_S = 3.776e-3
+HOST_OVERHEAD_PER_LAYER_S = 3.780e-3
 """Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
 hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
 server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
@@ -250,7 +252,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.7721
+PCIE_COLLECTIVE_FRACTION = 0.7654
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor

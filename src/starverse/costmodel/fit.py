@@ -53,12 +53,13 @@ FITTED: tuple[FittedConstant, ...] = (
         fitted_on="the runs of data/validation on tensor cores with a measured MAMF: korthikanti2022, megatron "
                   "(Megatron-Core H100), megatron2021, mpt, mptscale (llm-foundry FSDP, 64-512 GPUs), mptlong "
                   "(llm-foundry, 8 H100s, 8K-64K tokens), nemo2412, nemolong (NeMo FP8 on H100), fmsfsdp "
-                  "(A100/H100, 89 runs); mean over sources of the mean signed error zero",
+                  "(A100/H100), opt (OPT-175B, 992 A100s), bigscience (its A100 rows: BLOOM-shaped 176B-206B on 384 "
+                  "A100s); mean over sources of the mean signed error zero",
     ),
     FittedConstant(
         name="PRE_AMPERE_EFFICIENCY", lower=0.05, upper=1.0,
         fitted_on="all runs; identified by the runs with pre-Ampere cards in fp16/bf16: amp_t4 (16 x T4, 47 runs), "
-                  "amp_mixed (V100 + T4, 43); Sailor's Turing runs are fp32 (CUDA cores) and do not use it",
+                  "amp_mixed (V100 + T4, 43), bigscience's tr1-13B (512 V100s, fp16); Sailor's Turing runs are fp32 (CUDA cores) and do not use it",
     ),
     FittedConstant(
         name="PCIE_COLLECTIVE_FRACTION", lower=0.02, upper=1.0,
