@@ -22,7 +22,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
-	$(BIN)/pytest -q
+# two workers (CI has 2 cores; much of a test's time is waiting on processes it started); each test module stays
+# in one worker, and every Ray test in one worker (tests/conftest.py, helpers.RAY_GROUP)
+	$(BIN)/pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import CLI, SEQ, TINY, TinyLM, assert_same_as_one_process, process_gone, ramp_tokens, reference_training
+from helpers import CLI, RAY_GROUP, SEQ, TINY, TinyLM, assert_same_as_one_process, process_gone, ramp_tokens, reference_training
 from starverse.errors import LossCause
 from starverse.runtime.cluster import Cluster, local_plan
 from starverse.runtime.data import PackedDataset
@@ -36,7 +36,7 @@ from ray.cluster_utils import Cluster as RayCluster  # noqa: E402  (needs ray)
 from starverse.providers.ray import RayLauncher, _loopback_only  # noqa: E402
 from starverse.providers.ray_inplace import RayInplaceLauncher  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group(RAY_GROUP)]
 
 KIND = "cpu-x"
 """The device kind of the replicas, and the custom resource its nodes carry (``--resources '{"cpu-x": 1}'``)."""
