@@ -118,8 +118,10 @@ def _fit_losing_rank_1(rc: Any, run_dir: Path, launcher: RayInplaceLauncher, *, 
     torch.manual_seed(0)
     model = TinyLM()
     initial = copy.deepcopy(model)
+    # the survivor alone sleeps 3 s a micro-batch: 60 s for the replacement (a raylet, an actor importing torch) to
+    # join before the last step on a loaded machine (1 s, 20 s, ran out once at load 6); no sleep once it joined
     trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
-                      callbacks=[HoldAfterStep(LOSE_AT), WaitForReplicas(replicas=2, after_step=LOSE_AT, pause_s=1.0)],
+                      callbacks=[HoldAfterStep(LOSE_AT), WaitForReplicas(replicas=2, after_step=LOSE_AT, pause_s=3.0)],
                       run_dir=run_dir, lr=2e-2, warmup_steps=2, grad_clip=0.5, timeout_s=400, collective_timeout_s=60,
                       recovery="in-place", launcher=launcher, progress=False, tensorboard=False)
     training, box = _in_thread(lambda: trainer.fit(model, dataset=ramp_tokens(), per_device_batch_size=MB,
