@@ -119,7 +119,7 @@ def _fit_losing_rank_1(rc: Any, run_dir: Path, launcher: RayInplaceLauncher, *, 
     model = TinyLM()
     initial = copy.deepcopy(model)
     # the survivor alone sleeps 3 s a micro-batch: 60 s for the replacement (a raylet, an actor importing torch) to
-    # join before the last step on a loaded machine (1 s, 20 s, ran out once at load 6); no sleep once it joined
+    # join before the last step on a loaded machine (1 s, a 20 s window, ran out once at load 6); none once it joined
     trainer = Trainer(Cluster(plan=local_plan(ranks, "tiny", 1, SEQ, GB, precision="fp32"), ranks=ranks),
                       callbacks=[HoldAfterStep(LOSE_AT), WaitForReplicas(replicas=2, after_step=LOSE_AT, pause_s=3.0)],
                       run_dir=run_dir, lr=2e-2, warmup_steps=2, grad_clip=0.5, timeout_s=400, collective_timeout_s=60,
