@@ -4,6 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# `make test PYTEST_FLAGS="-n 2 --dist loadgroup"`: two pytest-xdist workers, each test module in one worker and
+# every Ray test in one worker (tests/conftest.py, helpers.RAY_GROUP). Not the default: measured at load 3-6, e2e
+# went 1147 -> 943 s, the service tests stayed ~575 s, and the extra load made a timing-bound Ray test fail once.
+PYTEST_FLAGS ?=
+
 .PHONY: demo test lint typecheck bench clean install docs
 
 $(STAMP): pyproject.toml
@@ -22,7 +27,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_FLAGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -13,6 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 # Never let a test pick up a user's catalog override or probe profile by accident.
 os.environ.pop("STARVERSE_CATALOG", None)
+# Under pytest-xdist each worker has its own cache of tokenizers and tokenised corpora: two workers tokenising
+# one corpus at once would write the same temporary file.
+if (_worker := os.environ.get("PYTEST_XDIST_WORKER")) and not os.environ.get("STARVERSE_CACHE"):
+    os.environ["STARVERSE_CACHE"] = str(Path.home() / ".cache" / f"starverse-{_worker}")
 
 
 @pytest.fixture
@@ -22,7 +26,14 @@ def repo_root() -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.gpu`` tests when no CUDA device is present."""
+    """Group tests for ``--dist loadgroup`` and skip ``@pytest.mark.gpu`` tests when no CUDA device is present.
+
+    Under pytest-xdist each test module runs in one worker, so a module-scoped fixture (a trained model, a
+    PostgreSQL server, a Ray session) is built once; a test already in an ``xdist_group`` keeps it (the Ray tests: ``helpers.RAY_GROUP``).
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     try:
         import torch
 

@@ -21,6 +21,11 @@ from starverse.runtime.callbacks import Callback
 VOCAB, SEQ = 48, 16
 """Vocabulary of :class:`TinyLM` and the sequence length :func:`ramp_tokens` is sized for."""
 
+RAY_GROUP = "ray"
+"""The ``xdist_group`` of every test that starts or joins a Ray cluster (``pytest.mark.xdist_group(RAY_GROUP)`` on
+its module or on it): under ``pytest -n N --dist loadgroup`` they all run in one worker, one after another, so no two
+Ray clusters (Ray's fixed default ports, its ``/tmp/ray`` session records) are ever up at once."""
+
 CLI = [str(Path(sys.executable).parent / "starverse")]
 """The ``starverse`` command of this environment."""
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import pytest
 from test_inplace_pipeline import _fit
 
+from helpers import RAY_GROUP
+
 from starverse.errors import LossCause
 from starverse.testing import KillReplicaMidStep, WaitForReplicas
 
 ray = pytest.importorskip("ray")
 from starverse.providers.ray_inplace import RayInplaceLauncher  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group(RAY_GROUP),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 

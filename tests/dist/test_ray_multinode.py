@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SEQ, TinyLM, ramp_tokens
+from helpers import RAY_GROUP, SEQ, TinyLM, ramp_tokens
 from starverse.checkpoint import CheckpointCallback
 from starverse.elastic.supervisor import Supervisor, replan_local
 from starverse.runtime.cluster import Cluster, local_plan
@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster as RayCluster  # noqa: E402  (needs ray)
 
 from starverse.providers.ray import RayLauncher, _loopback_only  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group(RAY_GROUP)]
 
 STEPS = 8
 

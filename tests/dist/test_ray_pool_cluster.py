@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from helpers import CLI, TINY, new_user_env
+from helpers import CLI, RAY_GROUP, TINY, new_user_env
 from starverse.jobs import prepare_job
 from starverse.runtime.callbacks import Callback
 from starverse.providers.ray_pool import RayPoolSource
@@ -26,7 +26,7 @@ from ray.cluster_utils import Cluster as RayCluster  # noqa: E402  (needs ray)
 
 from starverse.providers.ray import _loopback_only  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group(RAY_GROUP)]
 
 JOB = "model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128, tokens: 2.0e9}\nobjective: cost-performance\n"
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 # TinyLM lives in tests/helpers.py, not an installed module: the Ray ranks must import it as spawn would.
-from helpers import SEQ, TinyLM, process_gone
+from helpers import RAY_GROUP, SEQ, TinyLM, process_gone
 from helpers import ramp_tokens as _tokens
 from starverse.errors import ConfigError, DistributedError, JobTimeoutError, LossCause, LostRankError, RankCodeError
 from starverse.runtime.callbacks import Callback
@@ -36,7 +36,7 @@ from starverse.testing import KillRank
 ray = pytest.importorskip("ray")
 from starverse.providers.ray import RayLauncher, _loopback_only  # noqa: E402  (needs ray)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(RAY_GROUP)]
 
 MB, GB, STEPS = 2, 16, 5
 

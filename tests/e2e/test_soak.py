@@ -35,7 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from helpers import SEQ, TinyLM, ramp_tokens
+from helpers import RAY_GROUP, SEQ, TinyLM, ramp_tokens
 from starverse.billing import Ledger, check_ledger
 from starverse.checkpoint.store import CheckpointStore
 from starverse.elastic.job import job_prices, load_job
@@ -48,7 +48,8 @@ from starverse.runtime.launch import RankSpec
 from starverse.runtime.trainer import Trainer
 from starverse.testing import KillRank
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.xdist_group(RAY_GROUP)]
 
 NUM_KILLS = 5
 STEPS = 14

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from helpers import CLI, TINY
+from helpers import CLI, RAY_GROUP, TINY
 from starverse.checkpoint.store import CheckpointStore
 from starverse.elastic.runlock import RunLock
 from starverse.errors import PreemptedError
@@ -165,6 +165,7 @@ def test_a_second_supervisor_on_a_live_run_dir_is_refused_naming_the_holder(tmp_
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group(RAY_GROUP)
 def test_sigterm_under_ray_writes_an_emergency_checkpoint_and_exits_3(tmp_path):
     # (the local launcher's SIGTERM -> exit 3 is tests/e2e/test_recovery.py's first test)
     job = _job(tmp_path, 100_000, checkpoint="interval_steps: 1000", launcher="ray")
@@ -232,6 +233,7 @@ def test_run_lock_names_its_holder_and_is_released(tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group(RAY_GROUP)
 def test_ray_supervisor_killed_alone_leaves_no_actor_and_no_ray_daemon(tmp_path):
     job = _job(tmp_path, 100_000, checkpoint="interval_steps: 1000", launcher="ray")
     proc = _start(tmp_path, job)

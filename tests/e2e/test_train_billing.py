@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CLI, TINY
+from helpers import CLI, RAY_GROUP, TINY
 from helpers import new_user_env as _env
 from starverse.billing import Ledger, fx_rate
 from starverse.elastic.job import job_prices, load_job
@@ -142,6 +142,7 @@ def test_without_a_pool_local_devices_are_free_and_without_billing_there_is_no_l
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(RAY_GROUP)
 def test_train_runs_its_ranks_as_ray_actors_when_the_job_asks(tmp_path):
     pytest.importorskip("ray")
     job = _job(tmp_path, "billing: {enabled: false}\nmetrics: {enabled: false}\n", steps=2, price=None,

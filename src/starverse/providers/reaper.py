@@ -3,9 +3,10 @@
 A private Ray session's daemons are started by the supervisor, and some of them (Ray's dashboard and
 runtime-env agents, started by the raylet) do not die with it: a supervisor killed with SIGKILL left them
 running under PID 1. The reaper runs in its own session (a ``killpg`` of the supervisor's group does not reach
-it), snapshots the supervisor's descendants every ``period_s`` from ``/proc``, and reads its stdin: ``stop``
-ends it quietly (the session was shut down normally); end of file without it (the supervisor died) makes it
-SIGKILL every process of its last snapshot that is still the same process (same start time), then exit.
+it), snapshots the supervisor's descendants every ``period_s`` from ``/proc`` (keeping those orphaned since), and
+reads its stdin: ``stop`` ends it quietly (the session was shut down normally); end of file without it (the
+supervisor died) makes it SIGKILL every process of its snapshots that is still the same process (same start
+time), then exit.
 Linux only (``/proc``); elsewhere :func:`start_reaper` returns None.
 """
 
@@ -29,6 +30,12 @@ def _stat(pid: int) -> tuple[int, int] | None:
         return None
     fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
     return int(fields[1]), int(fields[19])
+
+
+def _same(pid: int, start: int) -> bool:
+    """Whether ``pid`` is still the process that started at ``start`` (not gone, not a reused pid)."""
+    st = _stat(pid)
+    return st is not None and st[1] == start
 
 
 def descendants(root: int) -> dict[int, int]:
@@ -55,7 +62,10 @@ def watch(root: int, stdin: IO[str], period_s: float = 1.0) -> int:
     snapshot: dict[int, int] = {}
     me = os.getpid()
     while True:
-        snapshot = {p: s for p, s in descendants(root).items() if p != me} or snapshot
+        # every process that was ever a descendant and is still that process: one orphaned since (its parent
+        # exited, or the supervisor died while /proc was being read, so the tree read was cut short) is kept
+        snapshot = {p: s for p, s in snapshot.items() if _same(p, s)}
+        snapshot.update({p: s for p, s in descendants(root).items() if p != me})
         ready, _, _ = select.select([stdin], [], [], period_s)
         if not ready:
             continue
@@ -66,8 +76,7 @@ def watch(root: int, stdin: IO[str], period_s: float = 1.0) -> int:
             continue
         killed = 0
         for pid, start in snapshot.items():
-            st = _stat(pid)
-            if st is not None and st[1] == start:
+            if _same(pid, start):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                     killed += 1
