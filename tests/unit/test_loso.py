@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def loso() -> dict:
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "loso.py")], capture_output=True, text=True,
-                         timeout=300, check=False)
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
+def loso(loso_document: dict) -> dict:
+    """The script's output (tests/unit/conftest.py runs ``scripts/loso.py`` once per session)."""
+    return loso_document
 
 
 def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> None:
