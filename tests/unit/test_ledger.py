@@ -362,3 +362,29 @@ def test_close_refuses_to_run_over_a_later_lease_of_the_device(ledger: Ledger):
                                            r"starts at 1700000050"):
         ledger.close_lease(a, T0 + 60)
     assert ledger.close_lease(a, T0 + 50)[0].seconds == 50
+
+
+def test_two_processes_creating_one_new_ledger_both_migrate_it(tmp_path: Path, monkeypatch) -> None:
+    """The race of a queued service job (its supervisor and its billing open the new ledger at once): the
+    second reads version 0 before the first commits its migrations, then waits for the write lock. Once it has
+    the lock it must see them applied, not create schema_version again and call the ledger corrupted."""
+    from starverse.billing import schema
+
+    path = tmp_path / "ledger.sqlite"
+    first = sqlite3.connect(path, isolation_level=None)
+    second = sqlite3.connect(path, isolation_level=None)
+    real = schema.current_version
+    reads = {"n": 0}
+
+    def stale_first_read(conn: sqlite3.Connection) -> int:
+        reads["n"] += 1
+        if conn is second and reads["n"] == 1:
+            assert migrate(first, path) == schema.SCHEMA_VERSION  # the other process wins the race meanwhile
+            return 0
+        return real(conn)
+
+    monkeypatch.setattr(schema, "current_version", stale_first_read)
+    assert migrate(second, path) == schema.SCHEMA_VERSION
+    monkeypatch.setattr(schema, "current_version", real)
+    versions = [v for (v,) in second.execute("SELECT version FROM schema_version ORDER BY version")]
+    assert versions == [m.version for m in schema.MIGRATIONS]  # each migration applied once

@@ -308,20 +308,24 @@ def migrate(conn: sqlite3.Connection, path: Path, target: int = SCHEMA_VERSION) 
             continue
         conn.execute("BEGIN IMMEDIATE")
         try:
-            if m.version == 1:
-                conn.execute(
-                    "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, "
-                    "applied_s INTEGER NOT NULL, description TEXT NOT NULL)")
-            for stmt in m.sql.split(";"):
-                if stmt.strip():
-                    conn.execute(stmt)
-            if m.data is not None:
-                m.data(conn)
-            conn.execute("INSERT INTO schema_version VALUES (?, ?, ?)",
-                         (m.version, int(time.time()), m.description))
+            # read again under the write lock: another process opening the same new ledger (a job's supervisor
+            # and its billing beside it) may have applied this migration while this one waited for the lock
+            applied = current_version(conn)
+            if applied < m.version:
+                if m.version == 1:
+                    conn.execute(
+                        "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, "
+                        "applied_s INTEGER NOT NULL, description TEXT NOT NULL)")
+                for stmt in m.sql.split(";"):
+                    if stmt.strip():
+                        conn.execute(stmt)
+                if m.data is not None:
+                    m.data(conn)
+                conn.execute("INSERT INTO schema_version VALUES (?, ?, ?)",
+                             (m.version, int(time.time()), m.description))
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-        version = m.version
+        version = max(m.version, applied)
     return version
