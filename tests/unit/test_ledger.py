@@ -365,7 +365,7 @@ def test_close_refuses_to_run_over_a_later_lease_of_the_device(ledger: Ledger):
 
 
 def test_two_processes_creating_one_new_ledger_both_migrate_it(tmp_path: Path, monkeypatch) -> None:
-    """The race of a queued service job (its supervisor and its billing open the new ledger at once): the
+    """Two processes open one new ledger at once (seen in a service job started after a server restart): the
     second reads version 0 before the first commits its migrations, then waits for the write lock. Once it has
     the lock it must see them applied, not create schema_version again and call the ledger corrupted."""
     from starverse.billing import schema

@@ -308,8 +308,8 @@ def migrate(conn: sqlite3.Connection, path: Path, target: int = SCHEMA_VERSION) 
             continue
         conn.execute("BEGIN IMMEDIATE")
         try:
-            # read again under the write lock: another process opening the same new ledger (a job's supervisor
-            # and its billing beside it) may have applied this migration while this one waited for the lock
+            # read again under the write lock: another process opening the same new ledger may have applied
+            # this migration while this one waited for the lock
             applied = current_version(conn)
             if applied < m.version:
                 if m.version == 1:
