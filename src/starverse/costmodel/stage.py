@@ -392,9 +392,12 @@ def stage_totals(
     # of the request's size, and never merges segments: once the activations are freed the largest free block is
     # the largest activation tensor (one layer's scores of a micro-batch, the fp32 logits, an MLP tensor), so a
     # larger flat copy takes a segment of its own, which stays reserved (a device-wide reading holds it)
-    largest = np.maximum(np.maximum(lc["attn_transient"] / 2.0, la * tokens * loss_width(mn, t) * 4.0),
-                         tokens * mn.ffn / t * bv)
-    flat_segment = np.where(flat > largest, flat, 0.0)
+    if mn.flat_grad_allreduce:  # only DeepSpeed-style plans: not computed on the planner's candidates
+        largest = np.maximum(np.maximum(lc["attn_transient"] / 2.0, la * tokens * loss_width(mn, t) * 4.0),
+                             tokens * mn.ffn / t * bv)
+        flat_segment = np.where(flat > largest, flat, 0.0)
+    else:
+        flat_segment = flat
     return {
         "gemm_mb": gemm_mb,
         "elem_mb": elem_mb,
