@@ -44,8 +44,12 @@ How the runs were read:
   optimizer state over DP = ``zero_stage: 1``; DeepSpeed's pipeline engine then all-reduces the optimizer's
   fp32 gradients through one flat buffer after the last micro-batch (``PipelineEngine._bf16_reduce_grads``:
   ``buffered_allreduce_fallback(grads=self.optimizer.get_grads_for_reduction(), ...)``, issued by
-  ``ReduceGrads`` after the schedule's final step) = ``grad_reduce_fp32``, ``flat_grad_allreduce``,
-  ``overlap_grad_reduce: false``; the pipeline engine's output buffers = ``pipe_buffers_keep_outputs``; the
+  ``ReduceGrads`` after the schedule's final step) = ``flat_grad_allreduce``, ``overlap_grad_reduce: false``,
+  in bf16, not fp32: ``allreduce_bucket`` casts each bucket to ``communication_data_type``, which without a
+  ``communication_data_type`` in the DeepSpeed config (the training script's has none) is bf16 for a bf16 run at
+  ZeRO stage 0 (``DeepSpeedEngine.communication_data_type``, ``deepspeed/runtime/engine.py`` at 15293139f, the
+  ``olruwase/bf16-updates`` branch on 02-28; tr11's README: PyTorch 1.11 "for its NCCL version which supports
+  BF16 comms") = no ``grad_reduce_fp32``; the pipeline engine's output buffers = ``pipe_buffers_keep_outputs``; the
   optimizer's whole fp32 gradient buffer (``fp32_groups_gradients_flat = torch.zeros_like(bf16_groups_flat,
   dtype=torch.float32)``, not partitioned; the bf16 ``.grad`` stays: ``update_hp_grads(clear_lp_grads=False)``
   after each micro-batch's backward; ``deepspeed/runtime/bf16_optimizer.py`` as merged in microsoft/DeepSpeed
@@ -103,8 +107,8 @@ GIB = 2**30 / 1e9
 A100 = "a100-80gb-sxm"
 V100 = "v100-32gb-sxm"
 A100_TRAIN = ("seq_len: 2048, global_batch: 2048, precision: bf16, mode: full, zero_stage: 1, recompute: full, "
-              "attention: eager, grad_reduce_fp32: true, overlap_grad_reduce: false, flat_grad_allreduce: true, "
-              "fp32_grad_copy: true, pipe_buffers_keep_outputs: true")
+              "attention: eager, overlap_grad_reduce: false, flat_grad_allreduce: true, fp32_grad_copy: true, "
+              "pipe_buffers_keep_outputs: true")
 
 # "Rebalancing layers" (02-28): (NHIDDEN, NLAYERS, DP, TP, PP, MBS, NHEADS, Mem GiB or None = OOM, Sec/it)
 REBALANCING = [
