@@ -45,7 +45,7 @@ def test_estimate_json_is_consistent(tmp_path: Path) -> None:
 KNOWN_REFUSED: set[str] = set()
 """Measured runs the estimator says do not fit (open misses of issue 9, item 4; see data/validation/README.md):
 none since Sailor's OPT is read as its Megatron-DeepSpeed builds it (sailor-mit-n2-d2 was refused before)."""
-KNOWN_OOM_FITS = {"bigscience-h12288-l100-a64-dp16-tp4-pp6-mbs1", "bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2"}
+KNOWN_OOM_FITS = {"bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2"}
 """Runs the source reports as failed for memory that the estimator says fit (open miss of issue 9, item 4:
 BigScience's 176B search, docs/costmodel.md `bigscience`)."""
 

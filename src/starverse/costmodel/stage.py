@@ -268,6 +268,16 @@ def flat_grad_buffer_bytes(grad_bytes: FloatArray | float, value_bytes: float) -
     return np.minimum(np.asarray(grad_bytes, dtype=np.float64), C.FLAT_ALLREDUCE_BUCKET_ELEMENTS * value_bytes)
 
 
+def bf16_optimizer_cast_bytes(trainable: FloatArray, comm_bytes: float) -> FloatArray:
+    """Bytes of the copy DeepSpeed's flat all-reduce makes of ``BF16_Optimizer``'s fp32 gradients
+    (``TrainSpec.fp32_grad_copy`` with ``flat_grad_allreduce``): they are already one flat tensor per parameter
+    group, so ``allreduce_bucket``'s flatten returns that tensor itself, and it is cast to the communication dtype
+    (``tensor.to(communication_data_type)``) when that is not fp32: a ``comm_bytes`` copy of the whole buffer
+    (``trainable`` values, not bucketed: ``allreduce_no_retain`` closes a bucket only after a tensor passes
+    ``MEMORY_OPT_ALLREDUCE_SIZE``). Reduced in fp32: no copy."""
+    return np.asarray(trainable, dtype=np.float64) * (comm_bytes if comm_bytes < 4.0 else 0.0)
+
+
 def stage_totals(
     mn: ModelNumbers,
     rows: StageRows,
@@ -385,17 +395,23 @@ def stage_totals(
 
     # DeepSpeed without ZeRO flattens the gradients for the all-reduce after the last backward, when the
     # activations are freed: the peak holds the larger of the two
-    flat = (np.where(z == 0, flat_grad_buffer_bytes(grads16, bv), 0.0) if mn.flat_grad_allreduce
-            else 0.0 * grads)
+    if not mn.flat_grad_allreduce:
+        flat = 0.0 * grads
+    elif mn.fp32_grad_copy:
+        flat = bf16_optimizer_cast_bytes(trainable, mn.grad_bytes_per_value)
+    else:
+        flat = np.where(z == 0, flat_grad_buffer_bytes(grads16, bv), 0.0)
     total = (weights + grads + optimizer + np.maximum(activations, flat)) / 1e9 + C.RESERVED_GB
     # PyTorch's caching allocator serves a request from a free block at least as large, else from a new segment
     # of the request's size, and never merges segments: once the activations are freed the largest free block is
     # the largest activation tensor (one layer's scores of a micro-batch, the fp32 logits, an MLP tensor), so a
-    # larger flat copy takes a segment of its own, which stays reserved (a device-wide reading holds it)
+    # larger flat copy takes a segment of its own, which stays reserved (a device-wide reading holds it) beside
+    # the activations' segments: the reading holds both, the need above only the larger, so the reading adds the
+    # smaller
     if mn.flat_grad_allreduce:  # only DeepSpeed-style plans: not computed on the planner's candidates
         largest = np.maximum(np.maximum(lc["attn_transient"] / 2.0, la * tokens * loss_width(mn, t) * 4.0),
                              tokens * mn.ffn / t * bv)
-        flat_segment = np.where(flat > largest, flat, 0.0)
+        flat_segment = np.where(flat > largest, np.minimum(flat, activations), 0.0)
     else:
         flat_segment = flat
     return {

@@ -60,7 +60,8 @@ class StageMemory:
     """capacity - total (negative: does not fit)."""
     flat_grad_segment_gb: float = 0.0
     """Allocator segment of the flat gradient copy that no freed activation block can hold
-    (``TrainSpec.flat_grad_allreduce``; reserved, so counted in device-wide readings, not in ``total_gb``)."""
+    (``TrainSpec.flat_grad_allreduce``; reserved beside the activations' segments, so counted in device-wide
+    readings): the part ``total_gb`` does not hold already (it holds the larger of the copy and the activations)."""
 
 
 @dataclass(frozen=True)
