@@ -3,6 +3,9 @@ transients at the peak (issue 9: peak memory; a plan flagged as fitting must fit
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from starverse.catalog import load_catalog
@@ -171,3 +174,48 @@ def test_deepspeeds_bf16_optimizer_keeps_a_whole_fp32_gradient_copy_beside_the_b
     assert copy.total_gb - base.total_gb == pytest.approx(params * 4.0 / 1e9)
     assert (copy.weights_gb, copy.optimizer_gb, copy.activations_gb) == (base.weights_gb, base.optimizer_gb,
                                                                          base.activations_gb)
+
+
+BIGSCIENCE = Path(__file__).resolve().parents[2] / "data" / "validation" / "bigscience"
+
+
+def _train(case: object, **update: object) -> object:
+    """A loaded validation case with some of its ``train`` fields replaced."""
+    plan = case.plan  # type: ignore[attr-defined]
+    return replace(case, plan=plan.model_copy(update={"train": plan.train.model_copy(update=update)}))
+
+
+def test_deepspeeds_flat_allreduce_casts_the_bf16_optimizers_fp32_gradients_to_16_bit() -> None:
+    """BF16_Optimizer's gradients are one flat fp32 tensor per parameter group: DeepSpeed's flat all-reduce
+    flattens them without a copy and casts them to its bf16 communication dtype, a 2-byte copy of every parameter
+    of the stage (not bucketed) in a segment of its own; reduced in fp32 there is no copy. BigScience's DP 16 /
+    PP 6 run, reported as failed for memory, is refused because of it."""
+    from starverse.costmodel import estimate
+    from starverse.costmodel.constants import RESERVED_GB
+    from starverse.costmodel.stage import bf16_optimizer_cast_bytes
+    from starverse.costmodel.validate import load_case, score_case
+
+    assert float(bf16_optimizer_cast_bytes(3e9, 2.0)) == 6e9  # type: ignore[arg-type]
+    assert float(bf16_optimizer_cast_bytes(3e9, 4.0)) == 0.0  # type: ignore[arg-type]
+
+    def stages(case: object) -> list:
+        return [s for g in estimate(case.plan, CAT, case.spec).groups for s in g.stages]  # type: ignore[attr-defined]
+
+    tp8 = load_case(BIGSCIENCE / "bigscience-h12288-l100-a64-dp8-tp8-pp6-mbs2.yaml")
+    assert tp8.plan.train.fp32_grad_copy and not tp8.plan.train.grad_reduce_fp32
+    fp32 = _train(tp8, grad_reduce_fp32=True)
+    for s, r in zip(stages(tp8), stages(fp32), strict=True):
+        # the first stage's activations (16 layers' inputs of 6 micro-batches) exceed the copy: the need is
+        # unchanged, the device-wide reading holds the copy's segment on top; the last stage's do not
+        assert s.flat_grad_segment_gb == pytest.approx(min(s.weights_gb, s.activations_gb))
+        assert r.flat_grad_segment_gb == 0.0
+        assert s.total_gb == pytest.approx(r.total_gb - r.activations_gb + max(s.activations_gb, s.weights_gb))
+    assert (score_case(tp8, CAT).predicted_memory_gb or 0.0) - (score_case(fp32, CAT).predicted_memory_gb or 0.0) \
+        == pytest.approx(stages(tp8)[0].weights_gb, rel=0.01)
+    # DP 16 / TP 4: 8 B parameters per device; the copy (16 GB) exceeds the activations and sets the need
+    dp16 = load_case(BIGSCIENCE / "bigscience-h12288-l100-a64-dp16-tp4-pp6-mbs1.yaml")
+    assert dp16.measured.out_of_memory
+    s0 = stages(dp16)[0]
+    assert s0.total_gb == pytest.approx(s0.weights_gb * 2.0 + s0.grads_gb + s0.optimizer_gb + RESERVED_GB)
+    assert not estimate(dp16.plan, CAT, dp16.spec).fits
+    assert estimate(_train(dp16, grad_reduce_fp32=True).plan, CAT, dp16.spec).fits  # type: ignore[attr-defined]

@@ -90,6 +90,12 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     gh_mem = held["sailor_gh200"]
     assert gh_mem["memory_n"] == 25 and gh_mem["meets"]["peak_memory"] is True
     assert gh_mem["memory_max_abs_error"] <= 0.07
+    # BigScience's first-node nvidia-smi readings: within 10 % since the bf16 cast of BF16_Optimizer's fp32
+    # gradients in DeepSpeed's flat all-reduce is counted (11-17 % under before); of the three runs that failed
+    # for memory, d_model 14336 / 82 layers is still estimated to fit (open miss, docs/costmodel.md)
+    big = held["bigscience"]
+    assert big["memory_n"] == 17 and big["meets"]["peak_memory"] is True and big["memory_max_abs_error"] <= 0.07
+    assert big["failed_cases"] == ["bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2"]
     # AMP's clusters held out (before the host-overhead, PCIe and gradient-reduce terms: medians 24 % / 17 %,
     # Spearman 0.56 / 0.35): 16 x T4 meets every target since Sailor's GH200 runs also identify the host's
     # launch time (4.5 % / 16 % / 0.97; 13.0 % / 27.5 % / 0.86 before), V100 + T4 the median (7.7 %); its p90
