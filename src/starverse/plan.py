@@ -31,6 +31,7 @@ Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Attention = Literal["auto", "flash", "flash2", "eager"]
+SoftmaxFusion = Literal["always", "megatron", "megatron-bsc-2022"]
 PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
@@ -79,6 +80,16 @@ class TrainSpec(FrozenModel):
     of but one: AMP's released Megatron-LM 1.1.5, whose ``ParallelTransformerLayerPipe.forward`` calls the
     layer's forward once to print its output's shape and once more for the result). Each extra forward costs
     the layer's forward compute, TP collectives and kernel launches again, and stores nothing for backward."""
+    softmax_fusion: SoftmaxFusion = "always"
+    """Where eager attention's fused scale-mask-softmax kernel runs on 16-bit scores: ``always`` (every
+    framework's default here), ``megatron`` (Megatron-LM's ``FusedScaleMaskSoftmax.is_kernel_available`` as
+    bigscience-workshop/Megatron-DeepSpeed synced it from Megatron-LM on 2022-03-06, 1cb76a64: 16 < seq_len <=
+    4096, seq_len % 4 == 0, micro-batch x heads per TP rank divisible by 4 and by the kernel's batches per CUDA
+    block, 4 at sequences over 128) or ``megatron-bsc-2022`` (that fork from 9f5f5d4c, 2021-10-21, to
+    1cb76a64: seq_len <= 2048, and its ``get_batch_per_block`` received its arguments out of order, so the
+    batches per block followed the heads per TP rank instead of the sequence). Elsewhere Megatron falls back
+    to ``forward_torch_softmax``: fp32 casts, scale, mask and softmax as separate passes
+    (``constants.EAGER_TORCH_SOFTMAX_BYTES``)."""
     tp_comm_overlap: bool = False
     """TP collectives run in chunks overlapped with the layer's GEMMs (Transformer Engine userbuffers:
     Megatron's ``--tp-comm-overlap``, NeMo's ``ub_tp_comm_overlap``; needs sequence parallelism): only the

@@ -107,8 +107,13 @@ GIB = 2**30 / 1e9
 A100 = "a100-80gb-sxm"
 V100 = "v100-32gb-sxm"
 A100_TRAIN = ("seq_len: 2048, global_batch: 2048, precision: bf16, mode: full, zero_stage: 1, recompute: full, "
-              "attention: eager, overlap_grad_reduce: false, flat_grad_allreduce: true, fp32_grad_copy: true, "
-              "pipe_buffers_keep_outputs: true")
+              "attention: eager, overlap_grad_reduce: false, flat_grad_allreduce: true, "
+              "fp32_grad_copy: true, pipe_buffers_keep_outputs: true")
+# the 02-28 rows ran bigscience's Megatron-DeepSpeed of that day (00f5f889: the BF16 optimizer sync #250 and the
+# partition method #256 merged on 02-28), whose fused-softmax check took the kernel's batches per block from the
+# heads per TP rank (9f5f5d4c to 1cb76a64, 2022-03-06); BLOOM's training (from March 2022) ran the corrected one
+PREQUEL_TRAIN = f"{A100_TRAIN}, softmax_fusion: megatron-bsc-2022"
+BLOOM_TRAIN = f"{A100_TRAIN}, softmax_fusion: megatron"
 
 # "Rebalancing layers" (02-28): (NHIDDEN, NLAYERS, DP, TP, PP, MBS, NHEADS, Mem GiB or None = OOM, Sec/it)
 REBALANCING = [
@@ -189,7 +194,7 @@ def main() -> None:
         source = f"{PREQUEL}, section 'Rebalancing layers' (02-28), row {row}"
         name = f"bigscience-h{hidden}-l{layers}-a{heads}-dp{dp}-tp{tp}-pp{pp}-mbs{mbs}"
         (here / f"{name}.yaml").write_text(
-            case_yaml(model, A100_TRAIN, dp, mbs, stages(A100, tp, pp, layers), A100, 8, measured, source))
+            case_yaml(model, PREQUEL_TRAIN, dp, mbs, stages(A100, tp, pp, layers), A100, 8, measured, source))
 
     # BLOOM's own training, iteration 85376 on 48 nodes
     model = model_file(14336, 70, 112)
@@ -197,7 +202,7 @@ def main() -> None:
               "NLAYERS 70, NHEADS 112, GBS 2048; 'Important checkpoints' log of iteration 85376: elapsed time per "
               "iteration (s) 104.70, samples per second 19.561")
     (here / "bigscience-bloom176b-train-dp8-tp4-pp12-mbs2.yaml").write_text(
-        case_yaml(model, A100_TRAIN, 8, 2, stages(A100, 4, 12, 70), A100, 8,
+        case_yaml(model, BLOOM_TRAIN, 8, 2, stages(A100, 4, 12, 70), A100, 8,
                   f"tokens_per_s: {2048 * 2048 / 104.70:.1f}, step_time_s: 104.7", source))
 
     # tr1-13B on 128 nodes of 4 V100-32GB, iteration 168000

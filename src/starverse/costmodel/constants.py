@@ -31,16 +31,17 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.7436
+SUSTAINED_FRACTION = 0.7447
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.7436 makes the mean over sources of each source's mean tokens/s error
+FITTED (``costmodel.fit.FITTED``): 0.7447 makes the mean over sources of each source's mean tokens/s error
 zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
 2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs and at 8K-64K tokens, NeMo FP8 on
-H100, fms-fsdp, OPT-175B's FSDP on 992 A100s, BigScience's BLOOM-shaped runs on 384 A100s; 0.7383 before
+H100, fms-fsdp, OPT-175B's FSDP on 992 A100s, BigScience's BLOOM-shaped runs on 384 A100s; 0.7436 before
+those runs stated where their fused softmax fell back (``train.softmax_fusion``), 0.7383 before
 the last two, 0.7491 before llm-foundry's long-sequence rows ``mptlong`` and the FlashAttention-2 rate of the
 llm-foundry / fms-fsdp H100 runs, 0.7492 before the FP8 shape term per operand byte and the H100's measured
 fused-attention rate, 0.7596
@@ -72,7 +73,7 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.6598
+PRE_AMPERE_EFFICIENCY = 0.6588
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
@@ -134,6 +135,17 @@ scores (``FusedScaleMaskSoftmax.is_kernel_available``, megatron/model/fused_soft
 takes ``forward_torch_softmax``: the scores are scaled by the query-key layer scaling factor into a new tensor
 (``apply_query_key_layer_scaling`` defaults to True) and masked in place before the softmax, two more passes
 of read 4 B + write 4 B than the one fused kernel (Sailor's Megatron-DeepSpeed runs, fp32)."""
+
+EAGER_TORCH_SOFTMAX_BYTES = 32.0
+"""Extra bytes per score, forward and again backward, where Megatron's fused scale-mask-softmax kernel does not
+run on 16-bit scores (``train.softmax_fusion``: ``FusedScaleMaskSoftmax.is_kernel_available`` false).
+``forward_torch_softmax`` then runs in fp32 (``attention_softmax_in_fp32``, forced on by the default
+``apply_query_key_layer_scaling``): ``input.float()`` (read 2 B, write 4 B), ``input * scale`` (4 + 4),
+``masked_fill_`` (4 + 4), ``torch.nn.Softmax`` (4 + 4), ``.bfloat16()`` / ``.half()`` (4 + 2) = 36 B where the
+fused kernel moves 4 B (read 2, write 2); backward, autograd through the same five ops: 6 + 12 + 8 + 8 + 6 =
+40 B where the fused kernel's is counted as 8 (``BACKWARD_ELEMENTWISE_FACTOR`` x 4). 32 B more each way
+(megatron/model/fused_softmax.py and megatron/model/utils.py ``attention_mask_func`` of
+bigscience-workshop/Megatron-DeepSpeed at 00f5f889, 2022-02-28)."""
 
 EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""

@@ -73,6 +73,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         virtual_stages=float(train.virtual_stages),
         sync_micro_steps=train.sync_micro_steps,
         extra_forwards=float(train.num_layer_forwards - 1),
+        softmax_fusion=train.softmax_fusion,
         overlap_grad_reduce=train.overlap_grad_reduce,
         flat_grad_allreduce=train.flat_grad_allreduce,
         fp32_grad_copy=train.fp32_grad_copy,

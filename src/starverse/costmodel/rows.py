@@ -113,6 +113,8 @@ class ModelNumbers:
     extra_forwards: float = 0.0
     """Forwards of each layer per micro-batch beyond the one backward uses (``TrainSpec.num_layer_forwards``
     - 1): compute, TP collectives and launches as a recomputed forward, no stored activations."""
+    softmax_fusion: str = "always"
+    """Where eager attention's fused softmax kernel runs on 16-bit scores (``TrainSpec.softmax_fusion``)."""
     overlap_grad_reduce: bool = True
     flat_grad_allreduce: bool = False
     """Gradients copied into one flat buffer for the all-reduce (``TrainSpec.flat_grad_allreduce``)."""

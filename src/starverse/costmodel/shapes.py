@@ -211,6 +211,8 @@ class TrainShape:
     """The last stage's pipe buffers keep the logits (``TrainSpec.pipe_buffers_keep_outputs``)."""
     num_layer_forwards: int = 1
     """Forwards of each layer per micro-batch (``TrainSpec.num_layer_forwards``)."""
+    softmax_fusion: str = "always"
+    """Where eager attention's fused softmax kernel runs (``TrainSpec.softmax_fusion``)."""
     tp_comm_overlap: bool = False
     """TP collectives overlapped with the GEMMs (``TrainSpec.tp_comm_overlap``)."""
     overlap_p2p_comm: bool = False
@@ -230,6 +232,7 @@ class TrainShape:
             grad_reduce_fp32=train.grad_reduce_fp32,
             sync_micro_steps=train.sync_micro_steps,
             num_layer_forwards=train.num_layer_forwards,
+            softmax_fusion=train.softmax_fusion,
             overlap_grad_reduce=train.overlap_grad_reduce,
             flat_grad_allreduce=train.flat_grad_allreduce,
             fp32_grad_copy=train.fp32_grad_copy,

@@ -47,6 +47,34 @@ def attention_is_eager(mn: ModelNumbers, rows: StageRows) -> BoolArray:
     return np.asarray(~rows.flash_attention, dtype=np.bool_)
 
 
+def _softmax_batches_per_block(row_len: FloatArray) -> FloatArray:
+    """Rows of scores one CUDA block of Megatron's warp softmax kernels handles for rows of ``row_len`` keys
+    (``get_batch_per_block`` in megatron/fused_kernels/scaled_masked_softmax.h): 128 threads, a warp of
+    min(next power of two, 32) lanes per row, 2 rows per warp up to 128 keys."""
+    pow2 = np.exp2(np.ceil(np.log2(np.maximum(row_len, 1.0))))
+    return np.asarray(128.0 / np.minimum(pow2, 32.0) * np.where(pow2 <= 128.0, 2.0, 1.0), dtype=np.float64)
+
+
+def fused_softmax_runs(mn: ModelNumbers, rows: StageRows) -> BoolArray:
+    """Rows whose eager attention gets Megatron's fused causal softmax kernel (``train.softmax_fusion``;
+    ``FusedScaleMaskSoftmax.is_kernel_available``): true everywhere for ``always``. Else the kernel needs
+    16 < s <= its longest row (4096; 2048 in bigscience's 2022 fork), s % 4 == 0 and the score batches
+    (micro-batch x heads per TP rank) divisible by 4 and by the batches per block — which the 2022 fork computed
+    from the heads per rank in place of the sequence (arguments passed out of order), so that e.g. 26 heads per
+    rank at micro-batch 2 (52 batches, 8 per block) or 8 heads at micro-batch 2 (16 batches, 32 per block) fell
+    back to the torch softmax while 16 heads x 2 (32, 16 per block) did not."""
+    if mn.softmax_fusion == "always":
+        return np.ones(rows.tp.shape, dtype=np.bool_)
+    s = mn.seq_len
+    heads = np.rint(mn.q_dim / mn.head_dim / rows.tp)
+    batches = rows.micro_batch * heads
+    bsc = mn.softmax_fusion == "megatron-bsc-2022"
+    longest = 2048.0 if bsc else 4096.0
+    per_block = _softmax_batches_per_block(heads if bsc else np.full_like(heads, s))
+    ok = (16.0 < s <= longest) and s % 4.0 == 0.0
+    return np.asarray(ok & (np.mod(batches, 4.0) == 0.0) & (np.mod(batches, per_block) == 0.0), dtype=np.bool_)
+
+
 def forwards_again(mn: ModelNumbers, rows: StageRows) -> FloatArray:
     """Forwards of each layer per micro-batch beyond the one whose activations backward uses: the recomputed
     one under full recompute and any extra forward the framework runs (``ModelNumbers.extra_forwards``:
@@ -112,11 +140,18 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         if bv >= 4.0:
             # fp32 scores: the fused softmax kernel is fp16/bf16 only; the torch path scales and masks apart
             score_bytes = score_bytes + C.EAGER_UNFUSED_SOFTMAX_BYTES
-        softmax = rows.micro_batch * heads * s * s / mn.cp * score_bytes / bw
+        scores = rows.micro_batch * heads * s * s / mn.cp
+        softmax = scores * score_bytes / bw
         gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + fw_again)
                               + a_e * (1.0 + 2.0 + rc_any + mn.extra_forwards) + host, gemm_layer)
         attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any + mn.extra_forwards),
                              attn_elem)
+        if bv < 4.0:
+            # 16-bit scores where Megatron's fused softmax kernel does not run: the fp32 torch softmax's passes,
+            # forward (each forward run) and backward
+            torch_softmax = eager & ~fused_softmax_runs(mn, rows)
+            attn_elem = attn_elem + np.where(
+                torch_softmax, scores * C.EAGER_TORCH_SOFTMAX_BYTES / bw * (2.0 + rc_any + mn.extra_forwards), 0.0)
 
     # ---- memory-bound elementwise work of one layer ------------------------------------------------
     # per token, values moved forward: 2 norms (read+write h) and 2 residual adds (read 2, write 1);
