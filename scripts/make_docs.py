@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -58,6 +60,25 @@ def plan_json(job: str, pool: str) -> dict[str, Any]:
     except InfeasiblePlanError as e:
         return {"error": str(e)}
     return result_to_json(result)
+
+
+def _plan_pair(pair: tuple[str, str]) -> tuple[tuple[str, str], dict[str, Any]]:
+    return pair, plan_json(*pair)
+
+
+def plan_all(pairs: set[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """:func:`plan_json` of every (job, pool): on forked worker processes, one per CPU, where the platform forks
+    and there is more than one CPU (the searches are independent and deterministic, so the documents are those
+    of one search after the other; together they take minutes of CPU), else one after the other."""
+    todo = sorted(pairs)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # the workers find _plan_pair by its module's name: not when this file was loaded without registering it
+    if (min(cpus, len(todo)) < 2 or "fork" not in multiprocessing.get_all_start_methods()
+            or sys.modules.get(__name__) is None):
+        return {pair: plan_json(*pair) for pair in todo}
+    with multiprocessing.get_context("fork").Pool(min(cpus, len(todo))) as pool:
+        done = dict(pool.imap_unordered(_plan_pair, todo))
+    return {pair: done[pair] for pair in todo}
 
 
 def _n(x: float, digits: int = 0) -> str:
@@ -353,7 +374,7 @@ def render() -> dict[Path, dict[str, Callable[[], str]]]:
 
     def docs() -> dict[tuple[str, str], dict[str, Any]]:
         if not cache:
-            cache.update({pair: plan_json(*pair) for pair in sorted(pairs)})
+            cache.update(plan_all(pairs))
         return cache
 
     out: dict[Path, dict[str, Callable[[], str]]] = {
