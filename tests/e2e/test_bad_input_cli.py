@@ -1,0 +1,66 @@
+"""Bad command lines and files found by attacking the CLI as a new user would: each is one ``error:`` line
+naming the file (or option), the field and the fix, exit code 2, no traceback, no hang.
+
+The CLI runs in this process (``starverse.cli.main``): an exception other than a ``StarverseError`` escapes it
+and fails the test with its traceback; pytest-timeout turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from starverse.cli import main
+
+PLAN = ("model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128}\ngroups:\n  - replicas: 1\n    stages:\n"
+        "      - {accelerator: a100-80gb-sxm, tp: 8, layers: 32}\n")
+JOB = "model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128, tokens: 2.0e9}\n"
+POOL = "currency: USD\noffers:\n  - {accelerator: rtx-4090, count: 16, price_per_hour: 0.69}\n"
+PLAN_ARGV = ("plan", "job.yaml", "--pool", "pool.yaml")
+
+CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
+    # (id, argv, files over the defaults, a part of the one error line)
+    # --- usage errors are one line naming the command and its --help, not click's multi-line panel
+    ("option-below-its-minimum", (*PLAN_ARGV, "--top", "0"), {},
+     "starverse plan: Invalid value for '--top': Input should be greater than or equal to 1. To fix: see "
+     "`starverse plan --help`"),
+    ("option-not-an-integer", (*PLAN_ARGV, "--top", "x"), {}, "Invalid value for '--top'"),
+    ("missing-option", ("plan", "job.yaml"), {}, "starverse plan: Missing option '--pool'. To fix: see"),
+    ("unknown-option", (*PLAN_ARGV, "--bogus"), {}, "starverse plan: No such option: --bogus"),
+    ("unknown-command", ("bogus",), {}, "starverse: No such command 'bogus'. To fix: see `starverse --help`"),
+    ("port-beyond-65535", ("train", "job.yaml", "--metrics-port", "70000"), {},
+     "Invalid value for '--metrics-port': Input should be less than or equal to 65535"),
+]
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user's folder with a valid plan, job and pool."""
+    for name, text in (("plan.yaml", PLAN), ("job.yaml", JOB), ("pool.yaml", POOL)):
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STARVERSE_PROFILE", "")
+    monkeypatch.setenv("STARVERSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "400")
+    return tmp_path
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("argv", "files", "expect"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clean_line(argv: tuple[str, ...], files: dict[str, str], expect: str, folder: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert "Traceback" not in err and "\n" not in err, err
+    assert err.startswith("error: ") and expect in err, f"{expect!r} not in {err!r}"
+
+
+def test_help_and_version_still_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--help"]) == 0
+    assert "Usage" in capsys.readouterr().out
+    assert main(["version"]) == 0
