@@ -31,6 +31,15 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
     ("unknown-command", ("bogus",), {}, "starverse: No such command 'bogus'. To fix: see `starverse --help`"),
     ("port-beyond-65535", ("train", "job.yaml", "--metrics-port", "70000"), {},
      "Invalid value for '--metrics-port': Input should be less than or equal to 65535"),
+    # --- a boolean where a number is meant (pydantic alone reads `true` as 1)
+    ("plan-tp-true", ("estimate", "plan.yaml"), {"plan.yaml": PLAN.replace("tp: 8", "tp: true")},
+     "plan.yaml:6: groups[0].stages[0].tp: must be a number, not a boolean (got true)"),
+    ("pool-count-true", PLAN_ARGV, {"pool.yaml": POOL.replace("count: 16", "count: true")},
+     "pool.yaml:3: offers[0].count: must be a number, not a boolean (got true)"),
+    ("pool-price-false", PLAN_ARGV, {"pool.yaml": POOL.replace("0.69", "false")},
+     "pool.yaml:3: offers[0].price_per_hour: must be a number, not a boolean (got false)"),
+    ("job-seq-len-true", PLAN_ARGV, {"job.yaml": JOB.replace("seq_len: 4096", "seq_len: true")},
+     "job.yaml:2: train.seq_len: must be a number, not a boolean (got true)"),
 ]
 
 
