@@ -18,6 +18,8 @@ PLAN = ("model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128}\ngroups:\n
 JOB = "model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128, tokens: 2.0e9}\n"
 POOL = "currency: USD\noffers:\n  - {accelerator: rtx-4090, count: 16, price_per_hour: 0.69}\n"
 PLAN_ARGV = ("plan", "job.yaml", "--pool", "pool.yaml")
+TRACE = str(Path(__file__).resolve().parents[2] / "data" / "traces" / "bamboo" / "g4dn-trace.csv")
+SIM_ARGV = ("simulate", "plan.yaml", "--trace", TRACE)
 
 CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
     # (id, argv, files over the defaults, a part of the one error line)
@@ -40,6 +42,15 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
      "pool.yaml:3: offers[0].price_per_hour: must be a number, not a boolean (got false)"),
     ("job-seq-len-true", PLAN_ARGV, {"job.yaml": JOB.replace("seq_len: 4096", "seq_len: true")},
      "job.yaml:2: train.seq_len: must be a number, not a boolean (got true)"),
+    # --- what is wrong with a model or a plan found after loading still names the file and the line
+    ("plan-job-unknown-model", PLAN_ARGV, {"job.yaml": JOB.replace("llama-2-7b", "llama-9")},
+     "job.yaml:1: model: unknown model 'llama-9'"),
+    ("simulate-unknown-model", SIM_ARGV, {"plan.yaml": PLAN.replace("llama-2-7b", "llama-9")},
+     "plan.yaml:1: model: unknown model 'llama-9'"),
+    ("simulate-tp-does-not-divide-heads", SIM_ARGV, {"plan.yaml": PLAN.replace("tp: 8", "tp: 3")},
+     "plan.yaml:6: groups[0].stages[0].tp: 3 does not divide"),
+    ("simulate-unknown-accelerator", SIM_ARGV, {"plan.yaml": PLAN.replace("a100-80gb-sxm", "a100-80gb-sxn")},
+     "plan.yaml:6: groups[0].stages[0].accelerator: unknown accelerator"),
 ]
 
 

@@ -8,9 +8,14 @@ naming the option, exit 2, like any bad input.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import typer
 
+from starverse.config import where
 from starverse.errors import ConfigError
 
 
@@ -20,3 +25,25 @@ def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) 
         name = max(param.opts, key=len) if param.opts else param.name
         raise ConfigError(f"{name}: must be a finite number (got {value})")
     return value
+
+
+@contextmanager
+def at_line(source: Path) -> Iterator[None]:
+    """Errors found after ``source`` was loaded (its plan against the model and the catalog) that name a field
+    (``ConfigError.loc``) get the file and the field's line in front, like the loader's own errors."""
+    try:
+        yield
+    except ConfigError as e:
+        if e.loc is None:
+            raise
+        raise type(e)(f"{where(source, e.loc)}: {e}", e.loc) from None
+
+
+def model_of(source: Path, ref: str) -> Any:
+    """The model ``source`` names in its ``model:`` field; an unknown or malformed one is an error at that line."""
+    from starverse.models import load_model
+
+    try:
+        return load_model(ref, base_dir=source.parent)
+    except ConfigError as e:
+        raise type(e)(f"{where(source, ('model',))}: model: {e}", ("model",)) from None

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from starverse.checks import check_output_file
-from starverse.cli.options import finite
+from starverse.cli.options import at_line, finite, model_of
 
 
 def _headroom_gb(est: Any) -> float:
@@ -167,6 +167,7 @@ def plan_cmd(
             check_output_file(path, option)
     catalog = load_catalog(catalog_file)
     job = load_job(job_file)
+    model_of(job_file, job.model)  # an unknown model is an error at the job's model: line, before the search
     pool_obj = load_pool_ref(pool, catalog)
     result = search(job, pool_obj, catalog, top=top)
     if out is not None:
@@ -242,9 +243,13 @@ def simulate_cmd(
 
     if policy not in POLICIES:
         raise ConfigError(f"--policy: unknown policy '{policy}'; use one of: {', '.join(POLICIES)}")
-    sim = simulate_plan(load_plan(plan_file), load_trace_events(trace), catalog=load_catalog(catalog_file),
-                        policy=policy, runs=runs, hours=hours, restart_s=restart_s,  # type: ignore[arg-type]
-                        checkpoint_gb_per_s=checkpoint_gb_per_s, interval_s=interval_s)
+    plan = load_plan(plan_file)
+    events = load_trace_events(trace)
+    spec = model_of(plan_file, plan.model)
+    with at_line(plan_file):
+        sim = simulate_plan(plan, events, catalog=load_catalog(catalog_file), spec=spec,
+                            policy=policy, runs=runs, hours=hours, restart_s=restart_s,  # type: ignore[arg-type]
+                            checkpoint_gb_per_s=checkpoint_gb_per_s, interval_s=interval_s)
     p50, p90 = sim.result.p(50), sim.result.p(90)
     if as_json:
         doc = {"plan": str(plan_file), "trace": sim.trace, "policy": sim.policy, "runs": runs,
