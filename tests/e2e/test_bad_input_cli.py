@@ -51,6 +51,14 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
      "plan.yaml:6: groups[0].stages[0].tp: 3 does not divide"),
     ("simulate-unknown-accelerator", SIM_ARGV, {"plan.yaml": PLAN.replace("a100-80gb-sxm", "a100-80gb-sxn")},
      "plan.yaml:6: groups[0].stages[0].accelerator: unknown accelerator"),
+    # --- simulate: sizes that would allocate terabytes or never end are refused with the bound
+    ("simulate-runs-1e12", (*SIM_ARGV, "--runs", "1000000000000"), {}, "'--runs': Input should be less than or equal to 100000"),
+    ("simulate-hours-1e308", (*SIM_ARGV, "--hours", "1e308"), {}, "'--hours': Input should be less than or equal to 87840"),
+    ("simulate-restart-1e308", (*SIM_ARGV, "--restart-s", "1e308"), {}, "'--restart-s': Input should be less than or equal"),
+    ("simulate-trace-nested-too-deep", ("simulate", "plan.yaml", "--trace", "t.json"), {"t.json": "[" * 100_000},
+     "t.json: malformed trace (maximum recursion depth exceeded"),
+    ("plot-not-png", (*PLAN_ARGV, "--plot", "frontier.txt"), {},
+     "--plot frontier.txt: the frontier is drawn as a PNG. To fix: give a file name ending in .png"),
 ]
 
 

@@ -110,7 +110,7 @@ def load_trace_events(path: str | Path) -> Trace:
         doc = json.loads(p.read_text())
         gap = float(doc["metadata"]["gap_seconds"])
         data = [int(x) for x in doc["data"]]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ConfigError(f"{p}: malformed trace ({e}); expected Bamboo CSV or {{'metadata': {{'gap_seconds'}}, "
                           "'data': [...]}}") from None
     return _from_series(str(p), [i * gap for i in range(len(data))], data)
