@@ -57,6 +57,10 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
     ("simulate-restart-1e308", (*SIM_ARGV, "--restart-s", "1e308"), {}, "'--restart-s': Input should be less than or equal"),
     ("simulate-trace-nested-too-deep", ("simulate", "plan.yaml", "--trace", "t.json"), {"t.json": "[" * 100_000},
      "t.json: malformed trace (maximum recursion depth exceeded"),
+    ("simulate-restart-longer-than-the-job-can-wait", (*SIM_ARGV, "--restart-s", "316224000"), {},
+     "the simulated jobs do not finish within"),
+    ("simulate-interval-that-draws-billions-of-losses", (*SIM_ARGV, "--interval-s", "0.001"), {},
+     "loss events at once"),
     ("plot-not-png", (*PLAN_ARGV, "--plot", "frontier.txt"), {},
      "--plot frontier.txt: the frontier is drawn as a PNG. To fix: give a file name ending in .png"),
 ]
