@@ -61,6 +61,13 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
      "the simulated jobs do not finish within"),
     ("simulate-interval-that-draws-billions-of-losses", (*SIM_ARGV, "--interval-s", "0.001"), {},
      "loss events at once"),
+    # --- option values that overflowed or reached the OS before any check
+    ("demo-corpus-mb-1e308", ("demo", "--corpus-mb", "1e308", "--run-dir", "run"), {},
+     "--corpus-mb: must be > 0 and at most 100,000 (got 1e+308)"),
+    ("demo-seq-len-1e11", ("demo", "--seq-len", "100000000000", "--run-dir", "run"), {},
+     "--seq-len: must be at most 16,777,216"),
+    ("models-name-5000-chars", ("models", "x" * 5000), {}, "a model id or path has at most 4096 characters"),
+    ("probe-out-is-a-directory", ("probe", "--out", ".", "--quick"), {}, "--out .: is a directory"),
     ("plot-not-png", (*PLAN_ARGV, "--plot", "frontier.txt"), {},
      "--plot frontier.txt: the frontier is drawn as a PNG. To fix: give a file name ending in .png"),
 ]
