@@ -103,3 +103,13 @@ def test_help_and_version_still_exit_0(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["plan", "--help"]) == 0
     assert "Usage" in capsys.readouterr().out
     assert main(["version"]) == 0
+
+
+def test_runs_lists_a_run_whose_log_has_binary_lines(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes that are not UTF-8 in metrics.jsonl (a torn write) spoil their line only: the run is still listed."""
+    run = folder / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_bytes(b'{"type": "step", "step": 1, "loss": 2.5}\n\xff\xfe\x00garbage\n' +
+                                        b"[" * 100_000 + b"\n")
+    assert main(["runs", "runs", "--json"]) == 0, capsys.readouterr().err
+    assert "r1" in capsys.readouterr().out
