@@ -8,7 +8,7 @@ naming the option, exit 2, like any bad input.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,20 @@ def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) 
         name = max(param.opts, key=len) if param.opts else param.name
         raise ConfigError(f"{name}: must be a finite number (got {value})")
     return value
+
+
+def finite_at_most(limit: float) -> Callable[[typer.Context, typer.CallbackParam, float | None], float | None]:
+    """A ``callback`` like :func:`finite` that also refuses a value above ``limit`` (a range's ``max=`` would
+    be checked first, and say nothing of ``inf``)."""
+
+    def check(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
+        value = finite(ctx, param, value)
+        if value is not None and value > limit:
+            name = max(param.opts, key=len) if param.opts else param.name
+            raise ConfigError(f"{name}: must be at most {limit:,g} (got {value:g}). To fix: pass a smaller {name}")
+        return value
+
+    return check
 
 
 @contextmanager

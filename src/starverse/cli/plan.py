@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from starverse.checks import check_output_file
-from starverse.cli.options import at_line, finite, model_of
+from starverse.cli.options import at_line, finite, finite_at_most, model_of
 from starverse.config import MAX_SECONDS
 from starverse.errors import ConfigError
 
@@ -228,13 +228,13 @@ def simulate_cmd(
     policy: Annotated[str, typer.Option("--policy", help="restart (roll back to the last checkpoint) or "
                                         "in-place (survivors go on).")] = "restart",
     runs: Annotated[int, typer.Option("--runs", min=1, max=MAX_SIM_RUNS, help="Simulated jobs (random starts in the trace).")] = 1000,
-    hours: Annotated[float, typer.Option("--hours", callback=finite, min=0.001, max=MAX_SECONDS / 3600, help="Compute hours of the job when the plan gives "
+    hours: Annotated[float, typer.Option("--hours", callback=finite_at_most(MAX_SECONDS / 3600), min=0.001, help="Compute hours of the job when the plan gives "
                                          "no train.tokens or train.steps.")] = 24.0,
-    restart_s: Annotated[float, typer.Option("--restart-s", callback=finite, min=0, max=MAX_SECONDS, help="Seconds to restart (or reconfigure) "
+    restart_s: Annotated[float, typer.Option("--restart-s", callback=finite_at_most(MAX_SECONDS), min=0, help="Seconds to restart (or reconfigure) "
                                              "after a loss.")] = 300.0,
     checkpoint_gb_per_s: Annotated[float, typer.Option("--checkpoint-gb-per-s", callback=finite, min=0.001,
                                                        help="Checkpoint write speed per node, GB/s.")] = 2.0,
-    interval_s: Annotated[float | None, typer.Option("--interval-s", callback=finite, min=0.001, max=MAX_SECONDS, help="Work between checkpoints "
+    interval_s: Annotated[float | None, typer.Option("--interval-s", callback=finite_at_most(MAX_SECONDS), min=0.001, help="Work between checkpoints "
                                                      "(default: Young/Daly at the trace's loss rate).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     catalog_file: Annotated[Path | None, typer.Option("--catalog", help="Catalog file extending the bundled one.")
