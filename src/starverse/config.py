@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from starverse.errors import ConfigError
 
@@ -56,10 +56,33 @@ MAX_PATH = 4096
 """Longest path (PATH_MAX of Linux)."""
 
 
+def _is_number_type(tp: Any) -> bool:
+    """Whether a field of type ``tp`` holds only numbers (``int``, ``float``, optionally ``None``): then
+    ``true``/``false`` is a mistake, which pydantic would silently read as 1/0."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        return _is_number_type(typing.get_args(tp)[0])
+    if origin in (types.UnionType, typing.Union):
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        return bool(members) and all(_is_number_type(a) for a in members)
+    return tp in (int, float)
+
+
 class FrozenModel(BaseModel):
-    """Base for every file-backed object: unknown keys are errors, values are immutable, numbers finite."""
+    """Base for every file-backed object: unknown keys are errors, values are immutable, numbers finite, and a
+    number is never a boolean (pydantic would read ``tp: true`` as 1)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if value.__class__ is bool and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _is_number_type(field.annotation):
+                raise ValueError(f"must be a number, not a boolean (got {str(value).lower()}). To fix: give a "
+                                 "number")
+        return value
 
 
 def check_path_text(value: str, what: str = "name or path") -> str:

@@ -15,6 +15,11 @@ from rich.console import Console
 
 from starverse.errors import StarverseError
 
+try:  # typer >= 0.20 vendors click; older typers use it
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as click_errors  # type: ignore[no-redef]
+
 app = typer.Typer(
     name="starverse",
     help="Plan, run and account for training on mixed rented accelerators.",
@@ -48,16 +53,32 @@ for _area in _AREAS:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors become one line on stderr and exit code 2 (or the error's own code).
 
-    Usage errors (unknown option, missing argument) are handled by typer itself, also with exit code 2.
+    Usage errors (unknown option, missing argument, an option out of its range) are one line too, naming the
+    command and its ``--help``, exit code 2: click raises them (``standalone_mode=False``) instead of drawing
+    its multi-line panel.
     """
     try:
-        app(args=argv, prog_name="starverse")
+        code = app(args=argv, prog_name="starverse", standalone_mode=False)
     except StarverseError as e:
         err_console.print(f"error: {e}", markup=False)
         return e.exit_code
+    except click_errors.NoArgsIsHelpError as e:  # `starverse` or a group alone: its help, as before
+        e.show()
+        return e.exit_code
+    except click_errors.UsageError as e:
+        command = e.ctx.command_path if e.ctx is not None else "starverse"
+        message = " ".join(e.format_message().split()).rstrip(".")
+        err_console.print(f"error: {command}: {message}. To fix: see `{command} --help`", markup=False)
+        return e.exit_code
+    except click_errors.ClickException as e:
+        err_console.print(f"error: {' '.join(e.format_message().split())}", markup=False)
+        return e.exit_code
+    except typer.Abort:
+        err_console.print("Aborted.", markup=False)
+        return 1
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -34,23 +34,15 @@ def estimate(
 ) -> None:
     """Step time, tokens/s, MFU, memory per device, cost and power of a plan, with its breakdown."""
     from starverse.catalog import load_catalog
-    from starverse.config import where
+    from starverse.cli.options import at_line, model_of
     from starverse.costmodel import estimate as run_estimate
     from starverse.costmodel.validate import load_plan_or_case
-    from starverse.errors import ConfigError
-    from starverse.models import load_model
 
     plan = load_plan_or_case(plan_file)
     catalog = load_catalog(catalog_file)
-    try:
-        spec = load_model(plan.model, base_dir=plan_file.parent)
-    except ConfigError as e:
-        raise type(e)(f"{where(plan_file, ('model',))}: model: {e}") from None
-    try:
+    spec = model_of(plan_file, plan.model)
+    with at_line(plan_file):  # checks of the plan against its model and the catalog name the field
         est = run_estimate(plan, catalog, spec)
-    except ConfigError as e:
-        # checks of the plan against its model and the catalog name the field; the file gives its line
-        raise type(e)(f"{where(plan_file, e.loc)}: {e}") from None
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
         return

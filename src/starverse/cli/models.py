@@ -21,8 +21,15 @@ def models(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
 ) -> None:
     """Bundled models (id, HF id, family, parameters, shape) or the shape of one config."""
+    from starverse.config import _short, check_path_text
+    from starverse.errors import ModelError
     from starverse.models import list_models, load_model
 
+    if ref is not None:
+        try:
+            check_path_text(ref, "model id or path")
+        except ValueError as e:
+            raise ModelError(f"{_short(ref)}: {e}. To fix: pass a model id (`starverse models`) or a shorter path") from None
     specs = [load_model(ref)] if ref is not None else list_models()
     if as_json:
         typer.echo(json.dumps([s.summary() for s in specs], indent=1))

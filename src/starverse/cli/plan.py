@@ -11,7 +11,9 @@ from typing import Annotated, Any
 import typer
 
 from starverse.checks import check_output_file
-from starverse.cli.options import finite
+from starverse.cli.options import at_line, finite, finite_at_most, model_of
+from starverse.config import MAX_SECONDS
+from starverse.errors import ConfigError
 
 
 def _headroom_gb(est: Any) -> float:
@@ -165,8 +167,12 @@ def plan_cmd(
     for path, option in ((out, "--out"), (plot, "--plot")):
         if path is not None:
             check_output_file(path, option)
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise ConfigError(f"--plot {plot}: the frontier is drawn as a PNG. To fix: give a file name ending in "
+                          ".png")
     catalog = load_catalog(catalog_file)
     job = load_job(job_file)
+    model_of(job_file, job.model)  # an unknown model is an error at the job's model: line, before the search
     pool_obj = load_pool_ref(pool, catalog)
     result = search(job, pool_obj, catalog, top=top)
     if out is not None:
@@ -205,6 +211,10 @@ def _finite(x: Any) -> Any:
     return x
 
 
+MAX_SIM_RUNS = 100_000
+"""Most jobs one ``starverse simulate`` replays (all of them are held in memory at once, ~7,000 a second)."""
+
+
 def register(app: typer.Typer) -> None:
     """Add ``starverse plan`` and ``starverse simulate``."""
     app.command("plan")(plan_cmd)
@@ -217,14 +227,14 @@ def simulate_cmd(
                                         "(data/traces/).")],
     policy: Annotated[str, typer.Option("--policy", help="restart (roll back to the last checkpoint) or "
                                         "in-place (survivors go on).")] = "restart",
-    runs: Annotated[int, typer.Option("--runs", min=1, help="Simulated jobs (random starts in the trace).")] = 1000,
-    hours: Annotated[float, typer.Option("--hours", callback=finite, min=0.001, help="Compute hours of the job when the plan gives "
+    runs: Annotated[int, typer.Option("--runs", min=1, max=MAX_SIM_RUNS, help="Simulated jobs (random starts in the trace).")] = 1000,
+    hours: Annotated[float, typer.Option("--hours", callback=finite_at_most(MAX_SECONDS / 3600), min=0.001, help="Compute hours of the job when the plan gives "
                                          "no train.tokens or train.steps.")] = 24.0,
-    restart_s: Annotated[float, typer.Option("--restart-s", callback=finite, min=0, help="Seconds to restart (or reconfigure) "
+    restart_s: Annotated[float, typer.Option("--restart-s", callback=finite_at_most(MAX_SECONDS), min=0, help="Seconds to restart (or reconfigure) "
                                              "after a loss.")] = 300.0,
     checkpoint_gb_per_s: Annotated[float, typer.Option("--checkpoint-gb-per-s", callback=finite, min=0.001,
                                                        help="Checkpoint write speed per node, GB/s.")] = 2.0,
-    interval_s: Annotated[float | None, typer.Option("--interval-s", callback=finite, min=0.001, help="Work between checkpoints "
+    interval_s: Annotated[float | None, typer.Option("--interval-s", callback=finite_at_most(MAX_SECONDS), min=0.001, help="Work between checkpoints "
                                                      "(default: Young/Daly at the trace's loss rate).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     catalog_file: Annotated[Path | None, typer.Option("--catalog", help="Catalog file extending the bundled one.")
@@ -235,16 +245,19 @@ def simulate_cmd(
     from rich.table import Table
 
     from starverse.catalog import load_catalog
-    from starverse.errors import ConfigError
     from starverse.plan import load_plan
     from starverse.planner.simulate import POLICIES, load_trace_events
     from starverse.planner.spotcheck import simulate_plan
 
     if policy not in POLICIES:
         raise ConfigError(f"--policy: unknown policy '{policy}'; use one of: {', '.join(POLICIES)}")
-    sim = simulate_plan(load_plan(plan_file), load_trace_events(trace), catalog=load_catalog(catalog_file),
-                        policy=policy, runs=runs, hours=hours, restart_s=restart_s,  # type: ignore[arg-type]
-                        checkpoint_gb_per_s=checkpoint_gb_per_s, interval_s=interval_s)
+    plan = load_plan(plan_file)
+    events = load_trace_events(trace)
+    spec = model_of(plan_file, plan.model)
+    with at_line(plan_file):
+        sim = simulate_plan(plan, events, catalog=load_catalog(catalog_file), spec=spec,
+                            policy=policy, runs=runs, hours=hours, restart_s=restart_s,  # type: ignore[arg-type]
+                            checkpoint_gb_per_s=checkpoint_gb_per_s, interval_s=interval_s)
     p50, p90 = sim.result.p(50), sim.result.p(90)
     if as_json:
         doc = {"plan": str(plan_file), "trace": sim.trace, "policy": sim.policy, "runs": runs,

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from starverse.checks import check_port_free, check_run_dir
+from starverse.checks import check_output_file, check_port_free, check_run_dir
 from starverse.cli.options import finite
 
 DEMO_MODEL = "meta-llama/Llama-2-7b-hf"
@@ -96,6 +96,8 @@ def probe(
     from starverse.providers.local import local_ranks
     from starverse.runtime.probe import probe as run_probe
 
+    if out is not None:
+        check_output_file(out, "--out")  # before measuring for seconds
     if plan_file is not None or model is not None:
         _probe_model(plan_file, model, out, ranks, quick, as_json)
         return
@@ -181,15 +183,25 @@ def _demo_corpus(run_dir: Path, max_bytes: int) -> Path:
     return out
 
 
+MAX_CORPUS_MB = 100_000
+"""Largest ``--corpus-mb`` (the standard library's sources are far smaller: the corpus is all of them)."""
+
+
 def _check_demo_args(counts: dict[str, int], corpus_mb: float, batch: int, global_batch: int) -> None:
     """Refuse bad demo options before anything runs (the machine probe takes seconds): one line naming the option."""
+    from starverse.config import MAX_BATCH, MAX_COUNT, MAX_SEQ_LEN, MAX_STEPS
     from starverse.errors import ConfigError
 
+    most = {"--steps": MAX_STEPS, "--ranks": MAX_COUNT, "--seq-len": MAX_SEQ_LEN, "--batch": MAX_BATCH,
+            "--global-batch": MAX_BATCH}
     for name, value in counts.items():
         if value < 1:
             raise ConfigError(f"{name}: must be at least 1 (got {value}). To fix: pass {name} 1 or more")
-    if corpus_mb <= 0:
-        raise ConfigError(f"--corpus-mb: must be > 0 (got {corpus_mb}). To fix: pass a positive size, e.g. 0.3")
+        if value > most.get(name, value):
+            raise ConfigError(f"{name}: must be at most {most[name]:,} (got {value:,}). To fix: pass a smaller {name}")
+    if not 0 < corpus_mb <= MAX_CORPUS_MB:
+        raise ConfigError(f"--corpus-mb: must be > 0 and at most {MAX_CORPUS_MB:,} (got {corpus_mb}). To fix: pass "
+                          "a size such as 0.3")
     if global_batch % batch:
         raise ConfigError(f"--global-batch {global_batch} is not a multiple of --batch {batch}. "
                           "To fix: choose a --batch that divides --global-batch")

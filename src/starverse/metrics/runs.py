@@ -56,13 +56,14 @@ class RunSummary:
 
 def _lines(path: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
+    # bytes that are not UTF-8 (a torn write, a disk error) spoil their line only, as a malformed line does
+    with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue  # a line cut by a crash mid-write: the rest of the log still counts
             if isinstance(row, dict):
                 rows.append(row)

@@ -36,9 +36,17 @@ import numpy as np
 import numpy.typing as npt
 
 from starverse.elastic.traces import bamboo_events
-from starverse.errors import ConfigError
+from starverse.errors import ConfigError, InfeasiblePlanError
 
 FloatArray = npt.NDArray[np.float64]
+MAX_WINDOWS = 50
+"""Windows of losses (each 1.25 x the job's checkpointed compute time) simulated before the jobs are declared
+unable to finish: losses come faster than a checkpoint (or a restart) completes."""
+MAX_EVENTS = 20_000_000
+"""Most loss events drawn at once (jobs x the trace's losses over one window): 160 MB per array."""
+MAX_TOTAL_EVENTS = 5 * MAX_EVENTS
+"""Most loss events drawn over all windows (a few seconds of work per ten million) before the jobs are declared
+unable to finish."""
 Policy = Literal["restart", "in-place"]
 POLICIES: tuple[str, ...] = ("restart", "in-place")
 
@@ -110,7 +118,7 @@ def load_trace_events(path: str | Path) -> Trace:
         doc = json.loads(p.read_text())
         gap = float(doc["metadata"]["gap_seconds"])
         data = [int(x) for x in doc["data"]]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ConfigError(f"{p}: malformed trace ({e}); expected Bamboo CSV or {{'metadata': {{'gap_seconds'}}, "
                           "'data': [...]}}") from None
     return _from_series(str(p), [i * gap for i in range(len(data))], data)
@@ -228,8 +236,21 @@ def simulate(job: SimJob, traces: Sequence[tuple[Trace, int]], policy: Policy = 
     seg = np.zeros(runs)  # when the current stretch of work started (right after a checkpoint load)
     finish = np.full(runs, np.nan)
     window = job.work_s * (1.0 + c / tau) * 1.25 + 3600.0
+    events = sum(runs * t.event_s.size * (window / t.duration_s + 2) for t, *_ in copies)
+    if events > MAX_EVENTS:
+        raise ConfigError(f"the simulation would draw {events:,.0f} loss events at once ({runs:,} jobs over "
+                          f"{window / 3600:,.0f} h of losses, checkpoints of {c:,.1f} s every {tau:,.3g} s of work); "
+                          f"the most is {MAX_EVENTS:,}. To fix: fewer --runs, a longer --interval-s or a shorter job")
+    windows = int(min(MAX_WINDOWS, max(MAX_TOTAL_EVENTS // max(events, 1.0), 2)))
     t_from = 0.0
     while np.isnan(finish).any():
+        if t_from >= windows * window:
+            raise InfeasiblePlanError(
+                f"the simulated jobs do not finish within {t_from / 3600:,.0f} h ({windows * 1.25:g} x their "
+                f"checkpointed compute time): losses come faster than a checkpoint ({c:,.1f} s) after "
+                f"{tau:,.3g} s of work, plus a restart ({job.restart_s:,.0f} s), completes",
+                ["To fix: faster checkpoints (--checkpoint-gb-per-s), a shorter restart (--restart-s), fewer "
+                 "devices on spot, or a trace with fewer losses"])
         # losses are drawn a window at a time, so a long job does not pay for a horizon it may not need
         t_to = t_from + window
         t_ev, delay, share = _events(copies, job.num_devices, t_from, t_to, rng)

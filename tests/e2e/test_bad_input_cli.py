@@ -1,0 +1,115 @@
+"""Bad command lines and files found by attacking the CLI as a new user would: each is one ``error:`` line
+naming the file (or option), the field and the fix, exit code 2, no traceback, no hang.
+
+The CLI runs in this process (``starverse.cli.main``): an exception other than a ``StarverseError`` escapes it
+and fails the test with its traceback; pytest-timeout turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from starverse.cli import main
+
+PLAN = ("model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128}\ngroups:\n  - replicas: 1\n    stages:\n"
+        "      - {accelerator: a100-80gb-sxm, tp: 8, layers: 32}\n")
+JOB = "model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128, tokens: 2.0e9}\n"
+POOL = "currency: USD\noffers:\n  - {accelerator: rtx-4090, count: 16, price_per_hour: 0.69}\n"
+PLAN_ARGV = ("plan", "job.yaml", "--pool", "pool.yaml")
+TRACE = str(Path(__file__).resolve().parents[2] / "data" / "traces" / "bamboo" / "g4dn-trace.csv")
+SIM_ARGV = ("simulate", "plan.yaml", "--trace", TRACE)
+
+CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
+    # (id, argv, files over the defaults, a part of the one error line)
+    # --- usage errors are one line naming the command and its --help, not click's multi-line panel
+    ("option-below-its-minimum", (*PLAN_ARGV, "--top", "0"), {},
+     "starverse plan: Invalid value for '--top': Input should be greater than or equal to 1. To fix: see "
+     "`starverse plan --help`"),
+    ("option-not-an-integer", (*PLAN_ARGV, "--top", "x"), {}, "Invalid value for '--top'"),
+    ("missing-option", ("plan", "job.yaml"), {}, "starverse plan: Missing option '--pool'. To fix: see"),
+    ("unknown-option", (*PLAN_ARGV, "--bogus"), {}, "starverse plan: No such option: --bogus"),
+    ("unknown-command", ("bogus",), {}, "starverse: No such command 'bogus'. To fix: see `starverse --help`"),
+    ("port-beyond-65535", ("train", "job.yaml", "--metrics-port", "70000"), {},
+     "Invalid value for '--metrics-port': Input should be less than or equal to 65535"),
+    # --- a boolean where a number is meant (pydantic alone reads `true` as 1)
+    ("plan-tp-true", ("estimate", "plan.yaml"), {"plan.yaml": PLAN.replace("tp: 8", "tp: true")},
+     "plan.yaml:6: groups[0].stages[0].tp: must be a number, not a boolean (got true)"),
+    ("pool-count-true", PLAN_ARGV, {"pool.yaml": POOL.replace("count: 16", "count: true")},
+     "pool.yaml:3: offers[0].count: must be a number, not a boolean (got true)"),
+    ("pool-price-false", PLAN_ARGV, {"pool.yaml": POOL.replace("0.69", "false")},
+     "pool.yaml:3: offers[0].price_per_hour: must be a number, not a boolean (got false)"),
+    ("job-seq-len-true", PLAN_ARGV, {"job.yaml": JOB.replace("seq_len: 4096", "seq_len: true")},
+     "job.yaml:2: train.seq_len: must be a number, not a boolean (got true)"),
+    # --- what is wrong with a model or a plan found after loading still names the file and the line
+    ("plan-job-unknown-model", PLAN_ARGV, {"job.yaml": JOB.replace("llama-2-7b", "llama-9")},
+     "job.yaml:1: model: unknown model 'llama-9'"),
+    ("simulate-unknown-model", SIM_ARGV, {"plan.yaml": PLAN.replace("llama-2-7b", "llama-9")},
+     "plan.yaml:1: model: unknown model 'llama-9'"),
+    ("simulate-tp-does-not-divide-heads", SIM_ARGV, {"plan.yaml": PLAN.replace("tp: 8", "tp: 3")},
+     "plan.yaml:6: groups[0].stages[0].tp: 3 does not divide"),
+    ("simulate-unknown-accelerator", SIM_ARGV, {"plan.yaml": PLAN.replace("a100-80gb-sxm", "a100-80gb-sxn")},
+     "plan.yaml:6: groups[0].stages[0].accelerator: unknown accelerator"),
+    # --- simulate: sizes that would allocate terabytes or never end are refused with the bound
+    ("simulate-runs-1e12", (*SIM_ARGV, "--runs", "1000000000000"), {}, "'--runs': Input should be less than or equal to 100000"),
+    ("simulate-hours-1e308", (*SIM_ARGV, "--hours", "1e308"), {}, "--hours: must be at most 87,840 (got 1e+308)"),
+    ("simulate-restart-1e308", (*SIM_ARGV, "--restart-s", "1e308"), {}, "--restart-s: must be at most 3.16224e+08"),
+    ("simulate-trace-nested-too-deep", ("simulate", "plan.yaml", "--trace", "t.json"), {"t.json": "[" * 100_000},
+     "t.json: malformed trace (maximum recursion depth exceeded"),
+    ("simulate-restart-longer-than-the-job-can-wait", (*SIM_ARGV, "--restart-s", "316224000"), {},
+     "the simulated jobs do not finish within"),
+    ("simulate-interval-that-draws-billions-of-losses", (*SIM_ARGV, "--interval-s", "0.001"), {},
+     "loss events at once"),
+    # --- option values that overflowed or reached the OS before any check
+    ("demo-corpus-mb-1e308", ("demo", "--corpus-mb", "1e308", "--run-dir", "run"), {},
+     "--corpus-mb: must be > 0 and at most 100,000 (got 1e+308)"),
+    ("demo-seq-len-1e11", ("demo", "--seq-len", "100000000000", "--run-dir", "run"), {},
+     "--seq-len: must be at most 16,777,216"),
+    ("models-name-5000-chars", ("models", "x" * 5000), {}, "a model id or path has at most 4096 characters"),
+    ("probe-out-is-a-directory", ("probe", "--out", ".", "--quick"), {}, "--out .: is a directory"),
+    ("plot-not-png", (*PLAN_ARGV, "--plot", "frontier.txt"), {},
+     "--plot frontier.txt: the frontier is drawn as a PNG. To fix: give a file name ending in .png"),
+]
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user's folder with a valid plan, job and pool."""
+    for name, text in (("plan.yaml", PLAN), ("job.yaml", JOB), ("pool.yaml", POOL)):
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STARVERSE_PROFILE", "")
+    monkeypatch.setenv("STARVERSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "400")
+    return tmp_path
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("argv", "files", "expect"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clean_line(argv: tuple[str, ...], files: dict[str, str], expect: str, folder: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert "Traceback" not in err and "\n" not in err, err
+    assert err.startswith("error: ") and expect in err, f"{expect!r} not in {err!r}"
+
+
+def test_help_and_version_still_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--help"]) == 0
+    assert "Usage" in capsys.readouterr().out
+    assert main(["version"]) == 0
+
+
+def test_runs_lists_a_run_whose_log_has_binary_lines(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes that are not UTF-8 in metrics.jsonl (a torn write) spoil their line only: the run is still listed."""
+    run = folder / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_bytes(b'{"type": "step", "step": 1, "loss": 2.5}\n\xff\xfe\x00garbage\n' +
+                                        b"[" * 100_000 + b"\n")
+    assert main(["runs", "runs", "--json"]) == 0, capsys.readouterr().err
+    assert "r1" in capsys.readouterr().out
