@@ -125,3 +125,19 @@ def test_simulated_figure_replaces_the_formula_beyond_ten_percent():
     assert (near.factor, near.source) == (sim * 1.09, "young-daly")
     assert (far.factor, far.source) == (sim, "simulated") and result is not None
     assert checked_factor(2.0, job, None)[0].factor == 2.0  # no trace: the formula
+
+
+def test_a_plan_that_never_finishes_on_the_trace_gets_an_infinite_factor_not_an_error():
+    """checked_factor (the planner's check of each spot candidate) reads the simulator's InfeasiblePlanError as
+    an infinite factor, so the search drops that candidate instead of stopping (rank_plan: non-finite -> None)."""
+    from starverse.errors import InfeasiblePlanError
+    from starverse.planner.spotcheck import checked_factor, sim_job
+
+    trace = load_trace_events(ROOT / "data/traces/bamboo/p3-trace.csv")
+    job = sim_job(work_s=8 * 3600.0, num_devices=8, interruptions_per_hour=8 * trace.removals_per_node_hour,
+                  checkpoint_s=20.0, restart_s=3.0e8, step_s=2.0, price_per_hour=3.0)
+    with pytest.raises(InfeasiblePlanError):
+        simulate(job, [(trace, 8)], runs=50, seed=0)
+    checked, result = checked_factor(1.5, job, [(trace, 8)], runs=50)
+    assert checked.factor == math.inf and checked.simulated == math.inf and result is None
+    assert checked.formula == 1.5

@@ -115,6 +115,8 @@ def rank_plan(job: Job, pool: Pool, catalog: Any, spec: Any, plan: Plan, devices
                                    float(est.step_time_s), price),
         spotcheck.traced(offers, devices))
     factor = checked.factor
+    if not math.isfinite(factor):
+        return None
     tps_eff = tps / factor
     hours = (tokens if tokens is not None else NOMINAL_TOKENS) / tps_eff / 3600.0
     total = float(sum(devices[o.name] * o.price_per_hour * billed_hours(np.asarray(hours), o.billing_granularity_s)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starverse.elastic.interval import young_daly_interval_s
+from starverse.errors import InfeasiblePlanError
 from starverse.plan import Plan
 from starverse.planner.pool import Offer
 from starverse.planner.simulate import Policy, SimJob, SimResult, Trace, simulate
@@ -64,10 +65,15 @@ def traced(offers: Sequence[Offer], devices: Mapping[str, int]) -> list[tuple[Tr
 
 def checked_factor(formula: float, job: SimJob, traces: list[tuple[Trace, int]] | None,
                    policy: Policy = "restart", runs: int = CHECK_RUNS) -> tuple[CheckedFactor, SimResult | None]:
-    """The formula's factor, replaced by the simulated median when they differ by more than 10 %."""
+    """The formula's factor, replaced by the simulated median when they differ by more than 10 %; infinite
+    when the simulated jobs never finish (``simulate`` raises :class:`InfeasiblePlanError`)."""
     if traces is None:
         return CheckedFactor(formula, formula, None), None
-    result = simulate(job, traces, policy=policy, runs=runs, seed=0)
+    try:
+        result = simulate(job, traces, policy=policy, runs=runs, seed=0)
+    except InfeasiblePlanError:
+        # the trace's losses come faster than this plan checkpoints and restarts: it never finishes there
+        return CheckedFactor(math.inf, formula, math.inf), None
     sim = result.factor_p50
     use = sim if not math.isfinite(formula) or abs(formula / sim - 1.0) > TOLERANCE else formula
     return CheckedFactor(use, formula, sim), result
