@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -26,6 +27,19 @@ def quickstart(tmp_path_factory):
             "--json", "--top", "3", "--out", str(out / "plan.yaml"), "--plot", str(out / "frontier.png"))
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout), out
+
+
+def test_the_printed_check_command_runs_as_printed_for_a_path_with_spaces_and_brackets(tmp_path):
+    """The follow-up command `plan --out` prints is shell-quoted (and not read as rich markup), so it runs."""
+    out = tmp_path / "my plans [v1]" / "plan.yaml"
+    out.parent.mkdir()
+    r = run("plan", str(EXAMPLES / "quickstart/job.yaml"), "--pool", str(EXAMPLES / "quickstart/pool.yaml"),
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if "check it with: " in ln)
+    command = shlex.split(line.split("check it with: ", 1)[1].rstrip(")"))
+    assert command[:2] == ["starverse", "estimate"] and command[2] == str(out)
+    assert run(*command[1:]).returncode == 0
 
 
 def test_json_ranked_plans(quickstart):

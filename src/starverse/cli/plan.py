@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -195,7 +196,8 @@ def plan_cmd(
     console.print(f"searched {s.options:,} group options, {s.combinations:,} combinations, "
                   f"{s.exact_evaluations:,} exact splits in {s.seconds:.2f} s ({optimality_claim(result)})")
     if out is not None:
-        console.print(f"wrote {out} (check it with: starverse estimate {out})")
+        console.print(f"wrote {out} (check it with: starverse estimate {shlex.quote(str(out))})", markup=False,
+                      soft_wrap=True)
     if plot is not None:
         console.print(f"wrote {plot}")
 
