@@ -37,8 +37,12 @@ def check_output_file(path: Path, option: str) -> None:
 
 
 def check_dataset(dataset: str, source: str) -> None:
-    """A dataset *file* holds text (UTF-8, no NUL byte) in its first 64 KiB; folders are filtered by suffix."""
+    """A dataset exists, and a dataset *file* holds text (UTF-8, no NUL byte) in its first 64 KiB; folders are
+    filtered by suffix. Checked before the job writes anything (its run folder, ledger, checkpoints)."""
     path = Path(dataset)
+    if not path.exists():
+        raise ConfigError(f"{where(source, ('dataset',))}: dataset: {path} does not exist. To fix: pass a text file, "
+                          "a folder of text files or a .jsonl file (a relative path is read from the job file's folder)")
     if not path.is_file():
         return
     try:

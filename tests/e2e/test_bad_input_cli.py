@@ -113,3 +113,18 @@ def test_runs_lists_a_run_whose_log_has_binary_lines(folder: Path, capsys: pytes
                                         b"[" * 100_000 + b"\n")
     assert main(["runs", "runs", "--json"]) == 0, capsys.readouterr().err
     assert "r1" in capsys.readouterr().out
+
+
+def test_train_with_a_missing_dataset_names_the_field_and_writes_nothing(folder: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A job file's missing dataset is refused with its file, line and field before the run folder exists."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "train"
+    (folder / "tiny-llama.json").write_text((examples / "tiny-llama.json").read_text())
+    (folder / "train.yaml").write_text("model: tiny-llama.json\ndataset: no-such-corpus\nrun_dir: run\n"
+                                       "train: {steps: 2, seq_len: 32, global_batch: 4, micro_batch: 2}\n"
+                                       "devices: {cpu_ranks: 1}\n")
+    assert main(["train", "train.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert "train.yaml:2: dataset:" in err and "does not exist" in err, err
+    assert not (folder / "run").exists()
