@@ -19,10 +19,15 @@ from starverse.config import where
 from starverse.errors import ConfigError
 
 
+def _option_name(param: typer.CallbackParam) -> str:
+    """The option as a user types it (its longest spelling, ``--hours``), for messages."""
+    return max(param.opts, key=len) if param.opts else str(param.name)
+
+
 def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
     """The option's value if it is finite (or not given); ``ConfigError`` otherwise."""
     if value is not None and not math.isfinite(value):
-        name = max(param.opts, key=len) if param.opts else param.name
+        name = _option_name(param)
         raise ConfigError(f"{name}: must be a finite number (got {value})")
     return value
 
@@ -34,7 +39,7 @@ def finite_at_most(limit: float) -> Callable[[typer.Context, typer.CallbackParam
     def check(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
         value = finite(ctx, param, value)
         if value is not None and value > limit:
-            name = max(param.opts, key=len) if param.opts else param.name
+            name = _option_name(param)
             raise ConfigError(f"{name}: must be at most {limit:,g} (got {value:g}). To fix: pass a smaller {name}")
         return value
 
