@@ -7,8 +7,9 @@ records ``scripts/run_benches.py`` stores (``make bench``); the planner's benchm
 ``benchmarks/bench_plan.py --save`` stores in ``benchmarks/results/bench_plan.json`` (timings move from run to
 run, so the committed text follows the stored run, not a fresh one).
 
-Usage: ``.venv/bin/python scripts/make_docs.py [--check]`` (``--check``: exit 1 and name the tables that differ,
-writing nothing; ``tests/unit/test_docs_tables.py`` runs it).
+Usage: ``.venv/bin/python scripts/make_docs.py [--check] [--loso FILE]`` (``--check``: exit 1 and name the
+tables that differ, writing nothing; ``tests/unit/test_docs_tables.py`` runs it; ``--loso FILE``: the held-out
+figures from that ``scripts/loso.py`` output rather than a fresh refit).
 """
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ def plan_all(pairs: set[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any
     if (min(cpus, len(todo)) < 2 or "fork" not in multiprocessing.get_all_start_methods()
             or sys.modules.get(__name__) is None):
         return {pair: plan_json(*pair) for pair in todo}
-    with multiprocessing.get_context("fork").Pool(min(cpus, len(todo))) as pool:
+    pool = multiprocessing.get_context("fork").Pool(min(cpus, len(todo)))
+    try:
         done = dict(pool.imap_unordered(_plan_pair, todo))
+        pool.close()  # the workers leave on the pool's sentinel, not on a SIGTERM that a handler may catch
+    finally:
+        pool.terminate()
+        pool.join()
     return {pair: done[pair] for pair in todo}
 
 
@@ -408,20 +414,24 @@ def rewrite(text: str, name: str, body: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Write the tables (or, with ``--check``, report those that differ and exit 1)."""
+    """Write the tables (or, with ``--check``, name those that differ and exit 1). ``--loso FILE``: read
+    ``scripts/loso.py``'s output from FILE instead of running the refits again."""
+    global LOSO_DOCUMENT
     check = "--check" in argv
+    if "--loso" in argv:
+        LOSO_DOCUMENT = json.loads(Path(argv[argv.index("--loso") + 1]).read_text())
     stale = []
     for path, tables in render().items():
         text = path.read_text()
         new = text
         for name, make in tables.items():
-            new = rewrite(new, name, make())
-        if new != text:
-            stale.append(str(path.relative_to(ROOT)))
-            if not check:
-                path.write_text(new)
+            before, new = new, rewrite(new, name, make())
+            if new != before:
+                stale.append(f"{path.relative_to(ROOT)}: table '{name}'")
+        if new != text and not check:
+            path.write_text(new)
     if check and stale:
-        print("tables differ from what scripts/make_docs.py writes: " + ", ".join(stale) + " (run: make docs)")
+        print("tables differ from what scripts/make_docs.py writes (run `make docs`): " + "; ".join(stale))
         return 1
     return 0
 
