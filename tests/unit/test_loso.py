@@ -49,13 +49,18 @@ def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> No
 
 def test_held_out_figures_against_the_targets(loso: dict) -> None:
     held = loso["held_out"]
-    # the A100/H100 sources meet the rank target held out; medians within 12 % (fms-fsdp's 15 %: its A100 runs
-    # are too slow, more so since llm-foundry's long-sequence rows lower the fitted level), p90 within 29 %
-    # (megatron2021's pre-FlashAttention 1.7B/3.6B runs: 26 % before the NeMo/fms-fsdp sources raised the fit)
+    # the A100/H100 sources meet the rank target held out; medians within 12 %, p90 within 29 % (megatron2021's
+    # pre-FlashAttention 1.7B/3.6B runs: 26 % before the NeMo/fms-fsdp sources raised the fit)
     for src in ("korthikanti2022", "megatron", "megatron2021", "mpt", "fmsfsdp", "nemo2412", "nemolong"):
         assert held[src]["p90_abs_error"] <= 0.29, src
-        assert held[src]["median_abs_error"] <= (0.15 if src == "fmsfsdp" else 0.12), src
+        assert held[src]["median_abs_error"] <= 0.12, src
         assert held[src]["meets"]["spearman"] in (True, None), src
+    # fms-fsdp: its four cases are the batch-2 rows of one README table (A100 and H100, 34B and 70B; 13.4 % held
+    # out while its 70B case was an earlier table's batch-6 row): met, but only because its H100 runs are on time;
+    # its A100 runs are still 13-19 % too slow (open miss, docs/costmodel.md `fmsfsdp`)
+    fms = held["fmsfsdp"]
+    assert fms["n"] == 4 and all(ok in (True, None) for ok in fms["meets"].values()), fms
+    assert fms["max_abs_error"] >= 0.15, fms
     # NeMo's FP8 runs meet the targets held out since FP8 GEMMs' shape term is per operand byte (13.7 % before)
     # and its LLAMA2-7B 4K-1M runs (six with context parallelism) since the H100's attention runs at cuDNN's
     # measured rate (13.2 % before; the CP runs were 11-24 % too fast)
@@ -127,7 +132,7 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     bs = held["bigscience"]
     assert bs["n"] == 19 and bs["meets"]["spearman"] is True and bs["spearman"] >= 0.85
     assert bs["meets"]["median_abs_error"] is True and bs["p90_abs_error"] <= 0.10
-    assert loso["pooled"]["n"] == 234
+    assert loso["pooled"]["n"] == 235
 
 
 def test_forked_held_out_fits_give_the_serial_figures(monkeypatch: pytest.MonkeyPatch) -> None:

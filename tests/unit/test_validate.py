@@ -40,7 +40,7 @@ PUBLISHED_A100_H100 = ("korthikanti2022", "megatron", "megatron2021", "mpt")
 
 
 def test_every_published_case_is_estimated_and_only_the_known_misses_are_refused(results: list[CaseResult]) -> None:
-    assert len(results) == len([p for p in CASES.rglob("*.yaml") if "models" not in p.parts]) == 237
+    assert len(results) == len([p for p in CASES.rglob("*.yaml") if "models" not in p.parts]) == 238
     assert all(r.predicted is not None and (r.measured is not None or r.out_of_memory) for r in results)
     failed = {r.name for r in results if not r.ok}
     assert failed == KNOWN_REFUSED | KNOWN_OOM_FITS
@@ -97,6 +97,14 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     # (issue 9's "up to 4x"); the measured figure is the paper's "up to 147 TFLOP/s", so the estimate is below it
     opt = by_name["opt-175b-a100-g992"]
     assert opt.fits and -0.10 <= (opt.error or 1.0) <= 0.0
+    # fms-fsdp: the four batch-2 rows of one README table (34B / 70B, 128 A100s at 400 Gbit/s and 96 H100s at 800);
+    # the H100 runs are on time, the A100 runs too slow (open miss: the same code reaches 2.2x the A100's tokens/s
+    # on the H100 where the model gives 2.6x; docs/costmodel.md `fmsfsdp`)
+    assert sources["fmsfsdp"]["n"] == 4
+    for size in ("34b", "70b"):
+        a100 = by_name[f"fmsfsdp-llama2-{size}-a100-g128"].error or 0.0
+        h100 = by_name[f"fmsfsdp-llama2-{size}-h100-g96"].error or 1.0
+        assert abs(h100) <= 0.05 and -0.20 <= a100 <= -0.10, (size, a100, h100)
     # Sailor's GH200 runs (4-256 GPUs, TF32): ranked in order, every one with its measured peak memory compared
     # but one log that its three twins contradict (measured.peak_memory_excluded, with the evidence)
     assert sources["sailor_gh200"]["n"] == 26 and sources["sailor_gh200"]["memory_n"] == 25

@@ -31,29 +31,30 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.7436
+SUSTAINED_FRACTION = 0.7426
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.7436 makes the mean over sources of each source's mean tokens/s error
+FITTED (``costmodel.fit.FITTED``): 0.7426 makes the mean over sources of each source's mean tokens/s error
 zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
 2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs and at 8K-64K tokens, NeMo FP8 on
 H100, fms-fsdp, OPT-175B's FSDP on 992 A100s, BigScience's BLOOM-shaped runs on 384 A100s
-(0.7447 once those runs stated where their fused softmax fell back, ``train.softmax_fusion``, and 0.7436
-again once they reduced their gradients in bf16); 0.7383 before
+(0.7447 once those runs stated where their fused softmax fell back, ``train.softmax_fusion``, 0.7436
+again once they reduced their gradients in bf16, and 0.7426 once fms-fsdp's cases were the four batch-2 rows
+of one README table, ``data/validation/fms-fsdp/make_cases.py``); 0.7383 before
 the last two, 0.7491 before llm-foundry's long-sequence rows ``mptlong`` and the FlashAttention-2 rate of the
 llm-foundry / fms-fsdp H100 runs, 0.7492 before the FP8 shape term per operand byte and the H100's measured
 fused-attention rate, 0.7596
 before the Megatron-Core cases stated the TP overlap their README gives, 0.7705 before llm-foundry's
 128-512-GPU FSDP rows, ``mptscale``); until issue 9
 Sailor's fp32 runs were in this fit too (0.74), and it was 0.769 before the NeMo and fms-fsdp sources.
-Leave-one-source-out refits 0.729-0.755 (0.7553 without ``mptlong``, which the model predicts too fast,
-pulling it down; 0.7288 without fms-fsdp: docs/costmodel.md), i.e. it is not specific to one software stack
-(``scripts/loso.py``; held-out figures in docs/costmodel.md). For comparison, Bekman quotes ~150-180
-TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100 training reached; 0.8 x MAMF is
-the matmul-only part of that."""
+Leave-one-source-out refits 0.736-0.757 (0.7570 without ``mptlong``, which the model predicts too fast,
+pulling it down; 0.7362 without fms-fsdp, whose A100 runs it predicts too slow: docs/costmodel.md), i.e.
+it is not specific to one software stack (``scripts/loso.py``; held-out figures in docs/costmodel.md). For
+comparison, Bekman quotes ~150-180 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100
+training reached; 0.8 x MAMF is the matmul-only part of that."""
 
 GEMM_EFFICIENCY_FP8: dict[str, float] = {
     # FP8 (e4m3) MAMF / dense FP8 peak, same table (Bekman)
@@ -74,7 +75,7 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.6598
+PRE_AMPERE_EFFICIENCY = 0.6607
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
 in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
 ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
