@@ -155,13 +155,19 @@ def read_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
         raise ConfigError(f"{p}: file not found") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: cannot read ({e.__class__.__name__})") from None
+    return parse_yaml_text(text, p)
+
+
+def parse_yaml_text(text: str, source: str | Path) -> tuple[Any, yaml.Node | None]:
+    """Parse YAML ``text`` (a file's, or a request body's: ``source`` names it in errors) with the checks of
+    :func:`check_tree`; return the data and its node tree."""
     try:
         # Parse once: compose the node tree (kept for line numbers), then construct the data from it.
         loader = yaml.CSafeLoader(text) if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader(text)
         try:
             node = loader.get_single_node()
             if node is not None:
-                check_tree(node, p)
+                check_tree(node, source)
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
@@ -171,9 +177,12 @@ def read_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         context = getattr(e, "context", None)
         problem = f"{context} {problem}" if context and not context.startswith("while") else problem
-        raise ConfigError(f"{p}{where}: malformed YAML: {problem}") from None
+        raise ConfigError(f"{source}{where}: malformed YAML: {problem}") from None
     except ValueError as e:  # a number of more than 4300 digits (Python's int conversion limit)
-        raise ConfigError(f"{p}: malformed YAML: {str(e).split(';')[0]}") from None
+        raise ConfigError(f"{source}: malformed YAML: {str(e).split(';')[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: malformed YAML: nested too deeply (thousands of [ or {{). To fix: a job, "
+                          "pool or plan file nests a few levels") from None
     return data, node
 
 
