@@ -133,29 +133,21 @@ def test_bad_job_bodies_answer_one_line_and_keep_nothing(svc: Service, alice: di
     assert _job_folders(svc) == folders_before  # a refused job's folder is removed
 
 
-@pytest.mark.parametrize(("upload", "words"), [
-    (b"\x00\xff" * 100, "dataset: ~/datasets/up is not a text file (binary or not UTF-8)"),
-], ids=["binary-dataset"])
-def test_an_uploaded_dataset_that_is_not_text_is_refused_at_submit(svc: Service, alice: dict[str, str],
+@pytest.mark.parametrize(("kind", "upload", "words"), [
+    ("datasets", b"\x00\xff" * 100, "dataset: ~/datasets/up is not a text file (binary or not UTF-8)"),
+    ("models", b"{not json", "model: ~/models/up:1: malformed JSON"),
+    ("models", b"[1, 2]", "model: ~/models/up: expected a JSON object"),
+    ("models", b"\xff\xfe", "model: ~/models/up: cannot read"),
+    ("models", json.dumps({"model_type": "llama", "hidden_size": 10**30, "num_hidden_layers": 2,
+                           "num_attention_heads": 2, "vocab_size": 10, "intermediate_size": 8}).encode(),
+     "hidden_size must be at most"),
+], ids=["binary-dataset", "model-not-json", "model-a-list", "model-not-utf8", "model-hidden-size-1e30"])
+def test_an_upload_that_is_not_what_it_claims_is_refused_at_submit(svc: Service, alice: dict[str, str], kind: str,
                                                                    upload: bytes, words: str) -> None:
-    assert svc.client.put("/api/storage/datasets/up", headers=alice, content=upload).status_code == 201
+    """An upload is stored as given; a job naming it is checked as `starverse train` checks its files."""
+    assert svc.client.put(f"/api/storage/{kind}/up", headers=alice, content=upload).status_code == 201
     folders = _job_folders(svc)
-    one_line(svc.client.post("/api/jobs", headers=alice, json={"job": job(dataset="up")}), 422, words, svc)
-    assert _job_folders(svc) == folders
-
-
-@pytest.mark.parametrize(("upload", "words"), [
-    (b"{not json", "model: ~/models/m:1: malformed JSON"),
-    (b"[1, 2]", "model: ~/models/m: expected a JSON object"),
-    (b"\xff\xfe", "model: ~/models/m: cannot read"),
-    (json.dumps({"model_type": "llama", "hidden_size": 10**30, "num_hidden_layers": 2, "num_attention_heads": 2,
-                 "vocab_size": 10, "intermediate_size": 8}).encode(), "hidden_size must be at most"),
-], ids=["not-json", "a-list", "not-utf8", "hidden-size-1e30"])
-def test_an_uploaded_model_config_that_does_not_load_is_refused_at_submit(svc: Service, alice: dict[str, str],
-                                                                         upload: bytes, words: str) -> None:
-    assert svc.client.put("/api/storage/models/m", headers=alice, content=upload).status_code == 201
-    folders = _job_folders(svc)
-    one_line(svc.client.post("/api/jobs", headers=alice, json={"job": job(model="m")}), 422, words, svc)
+    one_line(svc.client.post("/api/jobs", headers=alice, json={"job": job(**{kind[:-1]: "up"})}), 422, words, svc)
     assert _job_folders(svc) == folders
 
 
