@@ -93,6 +93,17 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
     ("bill-name-5000-chars", ("bill", "x" * 5000), {}, "file name too long"),
     ("runs-name-5000-chars", ("runs", "x" * 5000), {}, "file name too long"),
     ("checkpoints-name-5000-chars", ("checkpoints", "list", "x" * 5000), {}, "file name too long"),
+    # --- serve's admin commands: amounts past the ledger, a token that never expires, a root or
+    # database that cannot be opened
+    ("serve-credit-1e400", ("serve", "tenant", "create", "t", "--credit", "1e400", "--root", "svc"), {},
+     "--credit: '1e400' is above 1,000,000,000,000, the largest amount the ledger holds"),
+    ("serve-topup-1e30", ("serve", "tenant", "topup", "t", "1e30", "--root", "svc"), {}, "AMOUNT: '1e30' is above"),
+    ("serve-token-ttl-1e308", ("serve", "token", "create", "t", "--ttl-hours", "1e308", "--root", "svc"), {},
+     "--ttl-hours: must be at most 87,840"),
+    ("serve-root-is-a-file", ("serve", "tenant", "create", "t", "--root", "job.yaml"), {},
+     "--root job.yaml: cannot be the state directory"),
+    ("serve-database-unreachable", ("serve", "tenant", "create", "t", "--root", "svc", "--database",
+                                    "postgresql://postgres@127.0.0.1:1/x"), {}, "--database: cannot open the database"),
     ("probe-out-is-a-directory", ("probe", "--out", ".", "--quick"), {}, "--out .: is a directory"),
     ("plot-not-png", (*PLAN_ARGV, "--plot", "frontier.txt"), {},
      "--plot frontier.txt: the frontier is drawn as a PNG. To fix: give a file name ending in .png"),
