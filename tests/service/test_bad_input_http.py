@@ -98,6 +98,8 @@ JOB_BODIES: list[tuple[str, bytes, str, str]] = [
      "job: devices: expected an object of the job file's devices fields (got str)"),
     ("billing-a-string", json.dumps({"job": job(billing="x")}).encode(), JSON, "job: billing: expected an object"),
     ("metrics-a-list", json.dumps({"job": job(metrics=[1])}).encode(), JSON, "job: metrics: expected an object"),
+    ("cpu-ranks-a-million", json.dumps({"job": job(devices={"cpu_ranks": 10**6})}).encode(), JSON,
+     "job: devices.cpu_ranks: 1,000,000 is more than the"),
     ("steps-true", json.dumps({"job": train(steps=True)}).encode(), JSON,
      "train.steps: must be a number, not a boolean (got true)"),
     ("steps-1e308", json.dumps({"job": train(steps=1e308)}).encode(), JSON, "train.steps"),

@@ -11,6 +11,7 @@ accepts exactly what ``starverse train`` accepts, with the same messages.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 import uuid
@@ -116,6 +117,16 @@ def _check_sections(job: Mapping[str, Any]) -> None:
                           "give a pool file's fields inline (currency, offers), or remove pool")
 
 
+def _check_ranks(settings: ServiceSettings, job: Mapping[str, Any]) -> None:
+    """A job asks for at most as many CPU ranks (one process each) as the server has cores: more would only
+    share them, and a million would fork the server's machine to a halt."""
+    ranks = (job.get("devices") or {}).get("cpu_ranks")
+    most = max(settings.cpu_ranks, os.cpu_count() or 1)
+    if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > most:
+        raise ConfigError(f"job: devices.cpu_ranks: {ranks:,} is more than the {most} this service runs (one process "
+                          f"per rank, its CPU cores). To fix: ask for at most {most}, or omit it ({settings.cpu_ranks})")
+
+
 def build_job_file(settings: ServiceSettings, tenant: Tenant, job_id: str, job: dict[str, Any]) -> Path:
     """Write the job file of ``job`` into its folder (names resolved, service fields set); returns its path.
 
@@ -124,6 +135,7 @@ def build_job_file(settings: ServiceSettings, tenant: Tenant, job_id: str, job: 
     """
     _check_forbidden(job)
     _check_sections(job)
+    _check_ranks(settings, job)
     ds = job.get("dataset")
     if not isinstance(ds, str):
         raise ConfigError("job: dataset: required, the name of a dataset you uploaded or a registered one "
