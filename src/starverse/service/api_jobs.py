@@ -26,9 +26,8 @@ from starverse.service.db import ACTIVE_STATES, Job, JobState, Tenant
 from starverse.service.tenants import balance, balance_entries
 
 router = APIRouter(prefix="/api", tags=["jobs"])
-MAX_ID = 2**63 - 1
-"""Largest row id or step a request may name (the databases store 64-bit integers; a larger one overflows the
-driver)."""
+MAX_ID = jobs_lib.MAX_DB_INT
+"""Largest row id or step a request may name (a larger one overflows the database's column: a 500)."""
 TenantDep = Depends(current_tenant)
 _NOT_FOUND = "no such job. To fix: list your jobs with GET /api/jobs"
 

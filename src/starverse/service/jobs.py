@@ -31,6 +31,8 @@ from starverse.service.db import Database, Job, JobEvent, JobSample, JobState, T
 from starverse.service.settings import ServiceSettings
 from starverse.service.tenants import job_ledgers
 
+MAX_DB_INT = 2**31 - 1
+"""Largest value of the job tables' INTEGER columns (steps, sample ids; 32-bit on PostgreSQL)."""
 JOB_FILE = "job.yaml"
 LAUNCH_FILE = "launch.yaml"
 LOG_FILE = "log.txt"
@@ -241,6 +243,10 @@ def submit(db: Database, settings: ServiceSettings, tenant: Tenant, body: dict[s
     path = build_job_file(settings, tenant, job_id, spec)
     now = time.time()
     steps = int(((spec.get("train") or {}).get("steps")) or 100)
+    if steps > MAX_DB_INT:  # the job file allows more (MAX_STEPS); the job table's step columns do not
+        shutil.rmtree(path.parent, ignore_errors=True)
+        raise ConfigError(f"job: train.steps: {steps:,} is more than the {MAX_DB_INT:,} steps the service tracks. "
+                          "To fix: give fewer steps")
     with db.session() as s:
         job = Job(id=job_id, tenant_id=tenant.id, name=str(name or f"job-{job_id[:8]}")[:128],
                   state=JobState.QUEUED.value, spec=path.read_text(), created_at=now, updated_at=now,
