@@ -62,6 +62,17 @@ def check_dataset(dataset: str, source: str) -> None:
                           "To fix: pass a text file, a folder of text files or a .jsonl file")
 
 
+def check_model(model: str, source: str | Path, base_dir: str | Path | None = None) -> Any:
+    """The ``ModelSpec`` of the model a file names in its ``model:`` field (``base_dir``: what a relative path
+    is relative to); an unknown or malformed one is an error at that field's line (``job.yaml:1: model: ...``)."""
+    from starverse.models import load_model
+
+    try:
+        return load_model(model, base_dir=base_dir)
+    except ConfigError as e:
+        raise type(e)(f"{where(source, ('model',))}: model: {e}", ("model",)) from None
+
+
 def check_run_dir(run_dir: str | Path, source: str, field: str = "run_dir", *, option: str | None = None) -> None:
     """The run directory is a directory, or does not exist yet (it is created). Given in a file (``source``,
     ``field``) or by a command-line ``option`` (``--run-dir``)."""

@@ -54,6 +54,12 @@ MAX_PATH_PART = 255
 """Longest file-name component a path may have (NAME_MAX of Linux and macOS)."""
 MAX_PATH = 4096
 """Longest path (PATH_MAX of Linux)."""
+MAX_GBPS = 100_000.0
+"""Fastest link a file may give, Gbit/s (100 Tbit/s): above every link a node has today, the 14.4 Tbit/s of one
+GPU's NVLink 5 (1.8 TB/s, NVIDIA GB200 NVL72 datasheet) and the 6.4 Tbit/s of eight 800 Gbit/s NICs (NVIDIA
+ConnectX-8 SuperNIC). ``1e300`` would make every transfer free and every plan look network-bound by nothing."""
+MAX_GB_PER_S = MAX_GBPS / 8
+"""The same bound in GB/s (12,500 GB/s), for bus bandwidths given in bytes."""
 
 
 def _is_number_type(tp: Any) -> bool:
@@ -68,6 +74,43 @@ def _is_number_type(tp: Any) -> bool:
     return tp in (int, float)
 
 
+class BoolNumberError(ValueError):
+    """A boolean where a number is meant, at ``loc`` inside the field's value (a list element, a mapping's
+    value or key): :func:`validation_message` adds ``loc`` to the field's, so the error names that line."""
+
+    def __init__(self, message: str, loc: tuple[int | str, ...]):
+        super().__init__(message)
+        self.loc = loc
+
+
+def _bool_in(value: Any, tp: Any) -> tuple[tuple[int | str, ...], bool] | None:
+    """Where in ``value`` a boolean stands for a number of type ``tp`` (``int``, ``list[int]``,
+    ``dict[str, float]``, ``dict[int, float]``, nested, optionally ``| None``): the path to it (``()``: ``value``
+    itself) and the boolean; None when there is none."""
+    if value.__class__ is bool:
+        return ((), value) if _is_number_type(tp) else None
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        return _bool_in(value, typing.get_args(tp)[0])
+    if origin in (types.UnionType, typing.Union):
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _bool_in(value, members[0]) if len(members) == 1 else None
+    args = typing.get_args(tp)
+    if origin in (list, tuple, set, frozenset) and args and isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = _bool_in(item, args[0])
+            if found is not None:
+                return (i, *found[0]), found[1]
+    if origin is dict and len(args) == 2 and isinstance(value, Mapping):
+        for k, v in value.items():
+            if k.__class__ is bool and _is_number_type(args[0]):
+                return (str(k).lower(),), k
+            found = _bool_in(v, args[1])
+            if found is not None:
+                return (k if isinstance(k, str | int) else str(k), *found[0]), found[1]
+    return None
+
+
 class FrozenModel(BaseModel):
     """Base for every file-backed object: unknown keys are errors, values are immutable, numbers finite, and a
     number is never a boolean (pydantic would read ``tp: true`` as 1)."""
@@ -77,11 +120,12 @@ class FrozenModel(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if value.__class__ is bool and info.field_name is not None:
-            field = cls.model_fields.get(info.field_name)
-            if field is not None and _is_number_type(field.annotation):
-                raise ValueError(f"must be a number, not a boolean (got {str(value).lower()}). To fix: give a "
-                                 "number")
+        field = cls.model_fields.get(info.field_name) if info.field_name is not None else None
+        if field is not None and value.__class__ in (bool, list, dict):
+            found = _bool_in(value, field.annotation)
+            if found is not None:
+                raise BoolNumberError(f"must be a number, not a boolean (got {str(found[1]).lower()}). To fix: give "
+                                      "a number", found[0])
         return value
 
 
@@ -111,13 +155,19 @@ def read_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
         raise ConfigError(f"{p}: file not found") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: cannot read ({e.__class__.__name__})") from None
+    return parse_yaml_text(text, p)
+
+
+def parse_yaml_text(text: str, source: str | Path) -> tuple[Any, yaml.Node | None]:
+    """Parse YAML ``text`` (a file's, or a request body's: ``source`` names it in errors) with the checks of
+    :func:`check_tree`; return the data and its node tree."""
     try:
         # Parse once: compose the node tree (kept for line numbers), then construct the data from it.
         loader = yaml.CSafeLoader(text) if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader(text)
         try:
             node = loader.get_single_node()
             if node is not None:
-                check_tree(node, p)
+                check_tree(node, source)
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
@@ -127,9 +177,12 @@ def read_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         context = getattr(e, "context", None)
         problem = f"{context} {problem}" if context and not context.startswith("while") else problem
-        raise ConfigError(f"{p}{where}: malformed YAML: {problem}") from None
+        raise ConfigError(f"{source}{where}: malformed YAML: {problem}") from None
     except ValueError as e:  # a number of more than 4300 digits (Python's int conversion limit)
-        raise ConfigError(f"{p}: malformed YAML: {str(e).split(';')[0]}") from None
+        raise ConfigError(f"{source}: malformed YAML: {str(e).split(';')[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: malformed YAML: nested too deeply (thousands of [ or {{). To fix: a job, "
+                          "pool or plan file nests a few levels") from None
     return data, node
 
 
@@ -188,7 +241,8 @@ def _line_of(node: yaml.Node | None, loc: Sequence[int | str]) -> int | None:
     line = None if node is None else node.start_mark.line + 1
     for key in loc:
         if isinstance(node, yaml.MappingNode):
-            nxt = next((v for k, v in node.value if k.value == key), None)
+            # a mapping's keys are scalars whose value is text; a number key (``{2: 35.8}``) is an int in ``loc``
+            nxt = next((v for k, v in node.value if k.value in (key, str(key))), None)
             if nxt is None:
                 # unknown key: point at the key itself
                 knode = next((k for k, _ in node.value if k.value == key), None)
@@ -270,6 +324,9 @@ def validation_message(cls: type[BaseModel], err: ValidationError) -> tuple[tupl
     first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     kind = first["type"]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, BoolNumberError):  # a boolean inside a list or mapping: name the element
+        loc = (*loc, *cause.loc)
     field = format_loc(loc)
     if kind == "extra_forbidden":
         owner = _model_at(cls, loc)

@@ -17,6 +17,8 @@ PLAN = ("model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128}\ngroups:\n
         "      - {accelerator: a100-80gb-sxm, tp: 8, layers: 32}\n")
 JOB = "model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128, tokens: 2.0e9}\n"
 POOL = "currency: USD\noffers:\n  - {accelerator: rtx-4090, count: 16, price_per_hour: 0.69}\n"
+POOL2 = ("currency: USD\noffers:\n  - {accelerator: rtx-4090, count: 8, price_per_hour: 0.69, name: a}\n"
+         "  - {accelerator: rtx-4090, count: 8, price_per_hour: 0.69, name: b}\n")
 PLAN_ARGV = ("plan", "job.yaml", "--pool", "pool.yaml")
 TRACE = str(Path(__file__).resolve().parents[2] / "data" / "traces" / "bamboo" / "g4dn-trace.csv")
 SIM_ARGV = ("simulate", "plan.yaml", "--trace", TRACE)
@@ -40,17 +42,37 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
      "pool.yaml:3: offers[0].count: must be a number, not a boolean (got true)"),
     ("pool-price-false", PLAN_ARGV, {"pool.yaml": POOL.replace("0.69", "false")},
      "pool.yaml:3: offers[0].price_per_hour: must be a number, not a boolean (got false)"),
+    ("pool-links-true", PLAN_ARGV, {"pool.yaml": POOL2 + "network:\n  links:\n    a/b: true\n"},
+     "pool.yaml:7: network.links.a/b: must be a number, not a boolean (got true)"),
+    ("pool-collective-value-true", PLAN_ARGV, {"pool.yaml": POOL.replace("0.69}", "0.69,\n     collective_gb_per_s: {2: true}}")},
+     "pool.yaml:4: offers[0].collective_gb_per_s[2]: must be a number, not a boolean (got true)"),
+    ("pool-collective-key-true", PLAN_ARGV, {"pool.yaml": POOL.replace("0.69}", "0.69, collective_gb_per_s: {true: 3}}")},
+     "pool.yaml:3: offers[0].collective_gb_per_s.true: must be a number, not a boolean (got true)"),
+    ("plan-network-gbps-false", ("estimate", "plan.yaml"),
+     {"plan.yaml": PLAN + "network:\n  inter_node_gbps:\n    a100-80gb-sxm: false\n"},
+     "plan.yaml:9: network.inter_node_gbps.a100-80gb-sxm: must be a number, not a boolean (got false)"),
     ("job-seq-len-true", PLAN_ARGV, {"job.yaml": JOB.replace("seq_len: 4096", "seq_len: true")},
      "job.yaml:2: train.seq_len: must be a number, not a boolean (got true)"),
     # --- what is wrong with a model or a plan found after loading still names the file and the line
     ("plan-job-unknown-model", PLAN_ARGV, {"job.yaml": JOB.replace("llama-2-7b", "llama-9")},
      "job.yaml:1: model: unknown model 'llama-9'"),
+    ("train-unknown-model", ("train", "train.yaml"), {"train.yaml": "dataset: job.yaml\nmodel: llama-9\n"},
+     "train.yaml:2: model: unknown model 'llama-9'"),
     ("simulate-unknown-model", SIM_ARGV, {"plan.yaml": PLAN.replace("llama-2-7b", "llama-9")},
      "plan.yaml:1: model: unknown model 'llama-9'"),
     ("simulate-tp-does-not-divide-heads", SIM_ARGV, {"plan.yaml": PLAN.replace("tp: 8", "tp: 3")},
      "plan.yaml:6: groups[0].stages[0].tp: 3 does not divide"),
     ("simulate-unknown-accelerator", SIM_ARGV, {"plan.yaml": PLAN.replace("a100-80gb-sxm", "a100-80gb-sxn")},
      "plan.yaml:6: groups[0].stages[0].accelerator: unknown accelerator"),
+    # --- link figures beyond any physical link (config.MAX_GBPS, 100 Tbit/s) made every transfer free
+    ("pool-cross-offer-1e300", PLAN_ARGV, {"pool.yaml": POOL + "cross_offer_gbps: 1.0e300\n"},
+     "pool.yaml:4: cross_offer_gbps: must be less than or equal to 100000"),
+    ("pool-link-1e300", PLAN_ARGV, {"pool.yaml": POOL2 + "network:\n  links: {a/b: 1.0e300}\n"},
+     "pool.yaml:6: network.links.a/b: must be less than or equal to 100000"),
+    ("pool-nic-1e300", PLAN_ARGV, {"pool.yaml": POOL.replace("0.69}", "0.69, inter_node_gbps: 1.0e300}")},
+     "pool.yaml:3: offers[0].inter_node_gbps: must be less than or equal to 100000"),
+    ("pool-collective-1e300", PLAN_ARGV, {"pool.yaml": POOL.replace("0.69}", "0.69, collective_gb_per_s: {2: 1.0e300}}")},
+     "pool.yaml:3: offers[0].collective_gb_per_s[2]: must be less than or equal to 12500"),
     # --- simulate: sizes that would allocate terabytes or never end are refused with the bound
     ("simulate-runs-1e12", (*SIM_ARGV, "--runs", "1000000000000"), {}, "'--runs': Input should be less than or equal to 100000"),
     ("simulate-hours-1e308", (*SIM_ARGV, "--hours", "1e308"), {}, "--hours: must be at most 87,840 (got 1e+308)"),
@@ -67,6 +89,21 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
     ("demo-seq-len-1e11", ("demo", "--seq-len", "100000000000", "--run-dir", "run"), {},
      "--seq-len: must be at most 16,777,216"),
     ("models-name-5000-chars", ("models", "x" * 5000), {}, "a model id or path has at most 4096 characters"),
+    ("estimate-name-5000-chars", ("estimate", "x" * 5000), {}, "file name too long (at most 255 bytes between slashes"),
+    ("bill-name-5000-chars", ("bill", "x" * 5000), {}, "file name too long"),
+    ("runs-name-5000-chars", ("runs", "x" * 5000), {}, "file name too long"),
+    ("checkpoints-name-5000-chars", ("checkpoints", "list", "x" * 5000), {}, "file name too long"),
+    # --- serve's admin commands: amounts past the ledger, a token that never expires, a root or
+    # database that cannot be opened
+    ("serve-credit-1e400", ("serve", "tenant", "create", "t", "--credit", "1e400", "--root", "svc"), {},
+     "--credit: '1e400' is above 1,000,000,000,000, the largest amount the ledger holds"),
+    ("serve-topup-1e30", ("serve", "tenant", "topup", "t", "1e30", "--root", "svc"), {}, "AMOUNT: '1e30' is above"),
+    ("serve-token-ttl-1e308", ("serve", "token", "create", "t", "--ttl-hours", "1e308", "--root", "svc"), {},
+     "--ttl-hours: must be at most 87,840"),
+    ("serve-root-is-a-file", ("serve", "tenant", "create", "t", "--root", "job.yaml"), {},
+     "--root job.yaml: cannot be the state directory"),
+    ("serve-database-unreachable", ("serve", "tenant", "create", "t", "--root", "svc", "--database",
+                                    "postgresql://postgres@127.0.0.1:1/x"), {}, "--database: cannot open the database"),
     ("probe-out-is-a-directory", ("probe", "--out", ".", "--quick"), {}, "--out .: is a directory"),
     ("plot-not-png", (*PLAN_ARGV, "--plot", "frontier.txt"), {},
      "--plot frontier.txt: the frontier is drawn as a PNG. To fix: give a file name ending in .png"),

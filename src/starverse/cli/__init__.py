@@ -7,6 +7,7 @@ never at import time: ``starverse plan`` must start fast on machines without tor
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 
@@ -73,6 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     except click_errors.ClickException as e:
         err_console.print(f"error: {' '.join(e.format_message().split())}", markup=False)
         return e.exit_code
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:  # any other OS error is a bug here: its traceback is kept
+            raise
+        # a path argument longer than the OS takes (checked by no command before it reaches a stat)
+        name = str(e.filename or "")
+        shown = name if len(name) <= 60 else name[:57] + "..."
+        err_console.print(f"error: {shown}: file name too long (at most 255 bytes between slashes, 4096 in all). "
+                          "To fix: give a shorter path", markup=False)
+        return 2
     except typer.Abort:
         err_console.print("Aborted.", markup=False)
         return 1

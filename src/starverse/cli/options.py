@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 
+from starverse.checks import check_model
 from starverse.config import where
 from starverse.errors import ConfigError
 
@@ -60,9 +61,4 @@ def at_line(source: Path) -> Iterator[None]:
 
 def model_of(source: Path, ref: str) -> Any:
     """The model ``source`` names in its ``model:`` field; an unknown or malformed one is an error at that line."""
-    from starverse.models import load_model
-
-    try:
-        return load_model(ref, base_dir=source.parent)
-    except ConfigError as e:
-        raise type(e)(f"{where(source, ('model',))}: model: {e}", ("model",)) from None
+    return check_model(ref, source, base_dir=source.parent)

@@ -18,7 +18,8 @@ from typing import Annotated, Any
 
 import typer
 
-from starverse.cli.options import finite
+from starverse.cli.options import finite_at_most
+from starverse.config import MAX_MONEY, MAX_SECONDS
 
 serve_app = typer.Typer(name="serve", help="Run Starverse as a service (REST API + web console), and administer it.",
                         add_completion=False, invoke_without_command=True)
@@ -51,10 +52,23 @@ def _settings(root: Path | None, database: str | None, ctx: typer.Context | None
     root = root or given.get("root")
     database = database or given.get("database")
     base = root or Path(os.environ.get(ROOT_ENV) or Path.home() / ".local" / "share" / "starverse" / "service")
+    from sqlalchemy.exc import OperationalError
+
+    from starverse.errors import ConfigError
+
     settings = ServiceSettings(root=base.resolve(), database_url=database or os.environ.get(DATABASE_ENV, ""),
                                **kw)  # type: ignore[arg-type]
-    settings.root.mkdir(parents=True, exist_ok=True)
-    upgrade_state(settings)
+    try:
+        settings.root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        raise ConfigError(f"--root {base}: cannot be the state directory ({e.strerror}). To fix: give a directory "
+                          "(created if missing)") from None
+    try:
+        upgrade_state(settings)
+    except OperationalError as e:  # the server is not running, the database does not exist, no access
+        first = " ".join(str(e.orig or e).split("\n")[0].split())[:200]
+        raise ConfigError(f"--database: cannot open the database ({first}). To fix: start its server or check "
+                          "the URL") from None
     return settings
 
 
@@ -67,6 +81,9 @@ def _amount(text: str, what: str) -> Decimal:
         raise ConfigError(f"{what}: {text!r} is not a number. To fix: e.g. 20 or 12.50") from None
     if not value.is_finite() or value < 0:
         raise ConfigError(f"{what}: {text!r} must be a non-negative amount")
+    if value > MAX_MONEY:
+        raise ConfigError(f"{what}: {text[:40]!r} is above {MAX_MONEY:,}, the largest amount the ledger holds. "
+                          "To fix: give a smaller amount")
     return value
 
 
@@ -144,7 +161,8 @@ def tenant_topup(
 def token_create(
     ctx: typer.Context,
     tenant: Annotated[str, typer.Argument(help="Tenant the token acts for (created if it does not exist).")],
-    ttl_hours: Annotated[float | None, typer.Option("--ttl-hours", callback=finite, help="Expire after this many hours.")] = None,
+    ttl_hours: Annotated[float | None, typer.Option("--ttl-hours", callback=finite_at_most(MAX_SECONDS / 3600),
+                                                    help="Expire after this many hours.")] = None,
     root: RootOpt = None, database: DatabaseOpt = None,
 ) -> None:
     """Print a new API token (shown once: only its hash is stored)."""

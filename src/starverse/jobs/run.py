@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import starverse
-from starverse.checks import check_dataset, check_port_free, check_run_dir, check_seq_len
+from starverse.checks import check_dataset, check_model, check_port_free, check_run_dir, check_seq_len
 from starverse.config import where
 from starverse.elastic.inplace import InplaceLauncher
 from starverse.elastic.job import JobPrices, RayPoolSettings, TrainJob, job_mtbf, job_prices, load_job
@@ -102,6 +102,10 @@ class PreparedJob:
         check_dataset(job.dataset, source)
         if job.metrics.enabled:
             check_port_free(job.metrics.port, f"{where(source, ('metrics', 'port'))}: metrics.port")
+        # an unknown model names the job file's model: line; a pretrained folder's files are checked when it is
+        # loaded, and the default (a small Llama the runtime builds) is no registry id
+        if not Path(job.model).is_dir() and job.model != TrainJob.model_fields["model"].default:
+            check_model(job.model, source)
         pretrained = Path(job.model).is_dir()
         # a pretrained folder is never scaled down: the default size cap applies only when the job file sets it
         max_params = job.train.max_params if not pretrained or "max_params" in job.train.model_fields_set else None

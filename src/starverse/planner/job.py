@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from starverse.config import (
     MAX_BATCH,
     MAX_COUNT,
+    MAX_GB_PER_S,
     MAX_SECONDS,
     MAX_SEQ_LEN,
     MAX_STEPS,
@@ -105,8 +106,8 @@ class SearchOptions(FrozenModel):
     """Also try pipelines whose stages run on different accelerators (when one kind alone lacks memory)."""
     alternatives: bool = True
     """When full training cannot fit, also plan LoRA and QLoRA (labelled as alternatives)."""
-    checkpoint_gb_per_s: float = Field(default=2.0, gt=0)
-    """Checkpoint write bandwidth per node, GB/s (for the spot overhead)."""
+    checkpoint_gb_per_s: float = Field(default=2.0, gt=0, le=MAX_GB_PER_S)
+    """Checkpoint write bandwidth per node, GB/s (for the spot overhead); at most 12,500 (``config.MAX_GB_PER_S``)."""
     restart_s: float = Field(default=300.0, ge=0, le=MAX_SECONDS)
     """Time to get going again after a spot loss (re-acquire, relaunch, load), seconds."""
     max_tp: int | None = Field(default=None, gt=0, le=MAX_COUNT)

@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
 from starverse.config import (
     MAX_COUNT,
+    MAX_GB_PER_S,
+    MAX_GBPS,
     MAX_MONEY,
     MAX_SECONDS,
     FrozenModel,
@@ -65,8 +67,8 @@ class OfferSpec(FrozenModel):
     ``interruptions_per_hour`` when that is not given, and the planner checks its Young/Daly spot overhead
     against a simulation on it (:mod:`~starverse.planner.simulate`), using the simulated figure when the
     two differ by more than 10 %."""
-    inter_node_gbps: float | None = Field(default=None, gt=0)
-    """NIC bandwidth per node in Gbit/s (default: the catalog's)."""
+    inter_node_gbps: float | None = Field(default=None, gt=0, le=MAX_GBPS)
+    """NIC bandwidth per node in Gbit/s (default: the catalog's); at most 100,000 (``config.MAX_GBPS``)."""
     billing_granularity_s: int | None = Field(default=None, gt=0, le=MAX_SECONDS)
     """Billing unit in seconds (3600 = started hours are billed in full); used by the ``cost`` objective.
     Default: the catalog offer's when the price comes from the catalog, else 1 (per second)."""
@@ -79,10 +81,11 @@ class OfferSpec(FrozenModel):
     profile: str | None = None
     """A measured profile of the job's model on this offer's accelerator (``starverse probe``; path relative
     to the pool file): the search uses its measured layer times where it has an entry (docs/costmodel.md)."""
-    collective_gb_per_s: dict[int, float] = Field(default_factory=dict)
+    collective_gb_per_s: dict[int, Annotated[float, Field(le=MAX_GB_PER_S)]] = Field(default_factory=dict)
     """Measured all-reduce bus bandwidth (nccl-tests' busbw, GB/s) inside one node of this offer, by group size
     (``{2: 35.8, 8: 1.35}``; sizes 2 to ``devices_per_node``): a TP group of that size runs at it instead of
-    the catalog's link (docs/costmodel.md); the emitted plan carries it as ``network.collective_gb_per_s``."""
+    the catalog's link (docs/costmodel.md); the emitted plan carries it as ``network.collective_gb_per_s``. At
+    most 12,500 GB/s each (``config.MAX_GB_PER_S``)."""
 
     @model_validator(mode="after")
     def _spot_fields(self) -> OfferSpec:
@@ -112,9 +115,9 @@ class OfferSpec(FrozenModel):
 class PoolNetwork(FrozenModel):
     """``network:`` of a pool: measured bandwidths between pairs of offers."""
 
-    links: dict[str, float] = Field(default_factory=dict)
+    links: dict[str, Annotated[float, Field(le=MAX_GBPS)]] = Field(default_factory=dict)
     """Gbit/s between the nodes of two offers, keyed ``"offer-a/offer-b"`` (either order; offer names as in
-    ``offers``); replaces ``cross_offer_gbps`` for that pair."""
+    ``offers``); replaces ``cross_offer_gbps`` for that pair. At most 100,000 (``config.MAX_GBPS``)."""
 
 
 class PoolSpec(FrozenModel):
@@ -124,8 +127,9 @@ class PoolSpec(FrozenModel):
     """Currency of the prices (offers may override); results are reported in it."""
     offers: list[OfferSpec] = Field(min_length=1)
     """Offers; each may be used by at most one device group of a plan."""
-    cross_offer_gbps: float = Field(default=100.0, gt=0)
-    """Bandwidth in Gbit/s between nodes of different offers (the slow link of a mixed plan)."""
+    cross_offer_gbps: float = Field(default=100.0, gt=0, le=MAX_GBPS)
+    """Bandwidth in Gbit/s between nodes of different offers (the slow link of a mixed plan); at most 100,000
+    (``config.MAX_GBPS``, a physical bound: faster than any link a node has)."""
     network: PoolNetwork = Field(default_factory=lambda: PoolNetwork())
     """Measured links between offers."""
 

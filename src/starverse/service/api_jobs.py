@@ -12,12 +12,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
+from starverse.config import check_path_text
 from starverse.service import jobs as jobs_lib
 from starverse.service import storage
 from starverse.service.app import context, current_tenant
@@ -25,6 +26,8 @@ from starverse.service.db import ACTIVE_STATES, Job, JobState, Tenant
 from starverse.service.tenants import balance, balance_entries
 
 router = APIRouter(prefix="/api", tags=["jobs"])
+MAX_ID = jobs_lib.MAX_DB_INT
+"""Largest row id or step a request may name (a larger one overflows the database's column: a 500)."""
 TenantDep = Depends(current_tenant)
 _NOT_FOUND = "no such job. To fix: list your jobs with GET /api/jobs"
 
@@ -33,7 +36,7 @@ class RollbackRequest(BaseModel):
     """``POST /api/jobs/{id}/rollback``."""
 
     model_config = ConfigDict(extra="forbid")
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=MAX_ID, strict=True)  # strict: `true` is not step 1
     """A listed checkpoint step: the job resumes from it (later checkpoints are set aside)."""
 
 
@@ -41,7 +44,7 @@ class ResumeRequest(BaseModel):
     """``POST /api/jobs/{id}/resume``."""
 
     model_config = ConfigDict(extra="forbid")
-    step: int | None = Field(default=None, ge=0)
+    step: int | None = Field(default=None, ge=0, le=MAX_ID, strict=True)
     """Checkpoint step to resume from; omitted: the latest."""
 
 
@@ -69,13 +72,16 @@ async def submit(request: Request, tenant: Tenant = TenantDep) -> dict[str, Any]
 
 @router.get("/jobs")
 def list_jobs(request: Request, tenant: Tenant = TenantDep, state: str | None = None,
-              limit: int = 100) -> list[dict[str, Any]]:
-    """The tenant's jobs, newest first."""
+              limit: int = Query(100, ge=1, le=1000)) -> list[dict[str, Any]]:
+    """The tenant's jobs, newest first (``state``: only those in it; ``limit``: 1 to 1000)."""
+    states = [x.value for x in JobState]
+    if state and state not in states:
+        raise HTTPException(422, f"state: {state[:40]!r} is not a job state. To fix: use one of {', '.join(states)}")
     with context(request).db.session() as s:
         q = select(Job).where(Job.tenant_id == tenant.id)
         if state:
             q = q.where(Job.state == state)
-        rows = s.scalars(q.order_by(Job.created_at.desc()).limit(max(1, min(limit, 1000)))).all()
+        rows = s.scalars(q.order_by(Job.created_at.desc()).limit(limit)).all()
         return [jobs_lib.job_summary(j) for j in rows]
 
 
@@ -89,7 +95,8 @@ async def job_status(job_id: str, request: Request, tenant: Tenant = TenantDep) 
 
 
 @router.get("/jobs/{job_id}/progress")
-def job_progress(job_id: str, request: Request, tenant: Tenant = TenantDep, after: int = 0) -> dict[str, Any]:
+def job_progress(job_id: str, request: Request, tenant: Tenant = TenantDep,
+                 after: int = Query(0, ge=0, le=MAX_ID)) -> dict[str, Any]:
     """Samples newer than ``after`` (step, loss, tokens/s, shares per rank) and the job's events; poll it."""
     with context(request).db.session() as s:
         job = jobs_lib.get_job(s, tenant, job_id)
@@ -211,9 +218,15 @@ def job_files(job_id: str, request: Request, tenant: Tenant = TenantDep) -> list
 def job_file(job_id: str, rel: str, request: Request, tenant: Tenant = TenantDep) -> FileResponse:
     """One run file; a path that leaves the job's folder answers 404."""
     folder = jobs_lib.job_dir(context(request).settings, _job(request, tenant, job_id)).resolve()
-    target = (folder / rel).resolve()
-    if not target.is_relative_to(folder) or not target.is_file():
-        raise HTTPException(404, "no such file in this job. To fix: list them with GET /api/jobs/{id}/files")
+    missing = HTTPException(404, "no such file in this job. To fix: list them with GET /api/jobs/{id}/files")
+    try:
+        check_path_text(rel, "file path")  # a NUL byte or an over-long name: no file has it
+        target = (folder / rel).resolve()
+        found = target.is_relative_to(folder) and target.is_file()
+    except (ValueError, OSError):
+        found = False
+    if not found:
+        raise missing
     return FileResponse(target)
 
 

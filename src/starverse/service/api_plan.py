@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from starverse.config import parse_yaml_text
 from starverse.errors import ConfigError, InfeasiblePlanError
 
 router = APIRouter(prefix="/api", tags=["planning"])
@@ -63,10 +64,11 @@ def _file(folder: Path, name: str, obj: dict[str, Any] | None, text: str | None)
     if (obj is None) == (text is None):
         raise ConfigError(f"{name}: give exactly one of '{name}' (an object) or '{name}_yaml' (YAML text)")
     if text is not None:
+        # read as a file is: a key given twice, an alias bomb, a nesting thousands deep are refused
         try:
-            obj = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{name}_yaml: not valid YAML ({str(e).splitlines()[0]})") from None
+            obj = parse_yaml_text(text, "text")[0]
+        except ConfigError as e:
+            raise ConfigError(f"{name}_yaml: not valid YAML ({e})") from None
         if not isinstance(obj, dict):
             raise ConfigError(f"{name}_yaml: expected a mapping of the {name} file's fields")
     assert obj is not None
@@ -136,6 +138,7 @@ def estimate(body: EstimateRequest, request: Request) -> dict[str, Any]:
 def plan_document(scratch: str, body: dict[str, Any]) -> dict[str, Any]:
     """The ``/api/plan`` answer for a :class:`PlanRequest` (as a dict); runs in a planner process."""
     from starverse.catalog import load_catalog
+    from starverse.checks import check_model
     from starverse.cli.plan import _finite, result_to_json
     from starverse.planner import load_job, load_pool, search
     from starverse.planner.policy import describe
@@ -147,7 +150,9 @@ def plan_document(scratch: str, body: dict[str, Any]) -> dict[str, Any]:
         pool_path = _file(folder, "pool", req.pool, req.pool_yaml)
         cat = load_catalog()
         try:
-            result = search(load_job(job_path), load_pool(pool_path, cat), cat, top=req.top)
+            job = load_job(job_path)
+            check_model(job.model, job_path)  # an unknown model names the job's model: line, as `plan` does
+            result = search(job, load_pool(pool_path, cat), cat, top=req.top)
         except InfeasiblePlanError as e:
             return {"feasible": False, "message": _clean(str(e), folder), "reasons": list(e.reasons)}
         except ConfigError as e:
@@ -189,12 +194,16 @@ async def plan(body: PlanRequest, request: Request) -> dict[str, Any]:
 def validate(body: ValidateRequest, request: Request) -> dict[str, Any]:
     """The cost model's prediction for a run that really happened, against what was measured."""
     from starverse.catalog import load_catalog
-    from starverse.costmodel.validate import run_case
+    from starverse.costmodel.validate import load_case, score_case
 
     with _scratch(request) as d:
         folder = Path(d)
         path = _file(folder, "case", body.case, body.case_yaml)
-        r = run_case(path, load_catalog())
+        try:  # a malformed case is the request's fault (422), as `starverse validate` exits 2 for it
+            case = load_case(path)
+        except ConfigError as e:
+            raise type(e)(_clean(str(e), folder)) from None
+        r = score_case(case, load_catalog())
         return {"ok": r.ok, "predicted_tokens_per_s": r.predicted, "measured_tokens_per_s": r.measured,
                 "fits": r.fits, "error": r.error,
                 "reason": _clean(r.reason, folder) if r.reason else None}

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -169,6 +170,24 @@ async def current_tenant(request: Request) -> Tenant:
     return tenant
 
 
+def request_error_line(e: RequestValidationError) -> str:
+    """FastAPI's list of errors of a request (its body, query or path) as one line naming the first field:
+    ``query.limit: must be less than or equal to 1000 (got '5000')``."""
+    from starverse.config import _short, format_loc
+
+    errors = e.errors()
+    if not errors:
+        return "request: invalid"
+    first = errors[0]
+    loc = format_loc([p for p in first.get("loc", ()) if isinstance(p, str | int)])
+    msg = str(first.get("msg", "invalid")).replace("Input should be ", "must be ").replace("Value error, ", "")
+    if first.get("type") == "json_invalid":
+        return f"request body: not valid JSON ({msg}). To fix: send a JSON object"
+    got = f" (got {_short(first['input'])})" if "input" in first and first.get("type") != "missing" else ""
+    more = f"; {len(errors) - 1} more" if len(errors) > 1 else ""
+    return " ".join(f"{loc}: {msg}{got}{more}".split())
+
+
 def _status_of(e: StarverseError) -> int:
     if isinstance(e, NotFoundError):
         return 404
@@ -209,6 +228,10 @@ def create_app(settings: ServiceSettings, *, db: Database | None = None, migrate
     async def _starverse_error(request: Request, e: StarverseError) -> JSONResponse:
         return JSONResponse({"detail": " ".join(str(e).split()), "error": type(e).__name__},
                             status_code=_status_of(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": request_error_line(e), "error": "RequestValidationError"}, status_code=422)
 
     @app.get("/api/health", tags=["service"])
     def health() -> dict[str, Any]:

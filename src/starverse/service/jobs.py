@@ -11,6 +11,8 @@ accepts exactly what ``starverse train`` accepts, with the same messages.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 import uuid
 from collections.abc import Mapping
@@ -21,12 +23,16 @@ import yaml
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from starverse.checks import check_dataset, check_model
+from starverse.config import parse_yaml_text
 from starverse.errors import ConfigError
 from starverse.service import storage
 from starverse.service.db import Database, Job, JobEvent, JobSample, JobState, Tenant
 from starverse.service.settings import ServiceSettings
 from starverse.service.tenants import job_ledgers
 
+MAX_DB_INT = 2**31 - 1
+"""Largest value of the job tables' INTEGER columns (steps, sample ids; 32-bit on PostgreSQL)."""
 JOB_FILE = "job.yaml"
 LAUNCH_FILE = "launch.yaml"
 LOG_FILE = "log.txt"
@@ -55,15 +61,20 @@ def job_dir(settings: ServiceSettings, job: Job) -> Path:
 
 
 def parse_body(body: bytes, content_type: str) -> dict[str, Any]:
-    """A job given as JSON (``{"name":..., "job": {...}}`` or the job's fields) or as YAML text."""
+    """A job given as JSON (``{"name":..., "job": {...}}`` or the job's fields) or as YAML text (read as job
+    files are: a key given twice, an alias bomb or a recursive alias is refused)."""
+    is_yaml = "yaml" in content_type
     try:
-        if "yaml" in content_type:
-            data = yaml.safe_load(body.decode("utf-8"))
-        else:
-            data = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"request body: not valid {'YAML' if 'yaml' in content_type else 'JSON'} "
-                          f"({str(e).splitlines()[0]})") from None
+        text = body.decode("utf-8")
+        data = parse_yaml_text(text, "text")[0] if is_yaml else json.loads(text)
+    except ConfigError as e:
+        raise ConfigError(f"request body: not valid YAML ({e})") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, or an int of more than 4300 digits
+        raise ConfigError(f"request body: not valid {'YAML' if is_yaml else 'JSON'} "
+                          f"({str(e).splitlines()[0].split(';')[0]})") from None
+    except RecursionError:
+        raise ConfigError("request body: not valid JSON (nested too deeply). To fix: a job nests a few "
+                          "levels") from None
     if not isinstance(data, dict):
         raise ConfigError("request body: expected an object with the job file's fields")
     return data
@@ -85,18 +96,49 @@ def _write_yaml(path: Path, data: Any, what: str) -> str:
     return str(path)
 
 
+_SECTIONS = ("train", "devices", "checkpoint", "billing", "metrics")
+"""Sections of a job that are objects (the service adds its own fields to some of them)."""
+_TOKENIZERS = ("auto", "bpe", "bytes")
+"""``train.tokenizer`` values that name no file (a path would be read from the server's disk)."""
+DEFAULT_MODEL = "llama"
+"""The model of a job that names none (a small Llama the runtime builds; no registry id)."""
+
+
+def _check_sections(job: Mapping[str, Any]) -> None:
+    for key in _SECTIONS:
+        if job.get(key) is not None and not isinstance(job[key], dict):
+            raise ConfigError(f"job: {key}: expected an object of the job file's {key} fields (got "
+                              f"{type(job[key]).__name__}). To fix: give {key} as {{...}}")
+    tokenizer = (job.get("train") or {}).get("tokenizer")
+    if tokenizer is not None and tokenizer not in _TOKENIZERS:
+        raise ConfigError(f"job: train.tokenizer: {str(tokenizer)[:60]!r}: the service does not read tokenizer "
+                          f"files by path. To fix: use one of {', '.join(_TOKENIZERS)}")
+    pool = job.get("pool")
+    if isinstance(pool, dict) and "ray" in pool:
+        raise ConfigError("job: pool: ray: not accepted by the service (it runs jobs on its own devices). To fix: "
+                          "give a pool file's fields inline (currency, offers), or remove pool")
+
+
+def _check_ranks(settings: ServiceSettings, job: Mapping[str, Any]) -> None:
+    """A job asks for at most as many CPU ranks (one process each) as the server has cores: more would only
+    share them, and a million would fork the server's machine to a halt."""
+    ranks = (job.get("devices") or {}).get("cpu_ranks")
+    most = max(settings.cpu_ranks, os.cpu_count() or 1)
+    if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > most:
+        raise ConfigError(f"job: devices.cpu_ranks: {ranks:,} is more than the {most} this service runs (one process "
+                          f"per rank, its CPU cores). To fix: ask for at most {most}, or omit it ({settings.cpu_ranks})")
+
+
 def build_job_file(settings: ServiceSettings, tenant: Tenant, job_id: str, job: dict[str, Any]) -> Path:
     """Write the job file of ``job`` into its folder (names resolved, service fields set); returns its path.
 
-    Raises ConfigError (the library loader's message, server paths replaced by ``job``) when it is invalid.
+    Raises ConfigError (the library loader's message, server paths replaced by ``job``) when it is invalid,
+    after removing the folder: nothing of a refused job is kept.
     """
-    from starverse.elastic.job import load_job
-
     _check_forbidden(job)
-    folder = settings.tenant_dir(tenant.id) / "jobs" / job_id
-    folder.mkdir(parents=True, exist_ok=False)
-    data = dict(job)
-    ds = data.get("dataset")
+    _check_sections(job)
+    _check_ranks(settings, job)
+    ds = job.get("dataset")
     if not isinstance(ds, str):
         raise ConfigError("job: dataset: required, the name of a dataset you uploaded or a registered one "
                           "(GET /api/storage/datasets lists them)")
@@ -104,15 +146,30 @@ def build_job_file(settings: ServiceSettings, tenant: Tenant, job_id: str, job: 
     if found is None:
         raise ConfigError(f"job: dataset: no dataset {ds!r} (yours or registered). To fix: upload it "
                           "(PUT /api/storage/datasets/NAME) or pick one of GET /api/storage/datasets")
-    data["dataset"] = str(found)
-    model = data.get("model", "llama")
+    model = job.get("model", DEFAULT_MODEL)
     if not isinstance(model, str):
         raise ConfigError("job: model: expected a registry id or the name of an uploaded model config")
     if ".." in model or model.startswith(("/", "~", "\\")):
         raise ConfigError(f"job: model: {model!r} is not a model name. To fix: give a registry id "
                           "(GET /api/models) or the name of a model config you uploaded")
     mfile = storage.resolve(settings, tenant.id, "models", model) if "/" not in model else None
-    data["model"] = str(mfile) if mfile is not None else model
+    folder = settings.tenant_dir(tenant.id) / "jobs" / job_id
+    folder.mkdir(parents=True, exist_ok=False)
+    try:
+        return _write_job_file(settings, tenant, folder, job, found, str(mfile) if mfile is not None else model)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _write_job_file(settings: ServiceSettings, tenant: Tenant, folder: Path, job: dict[str, Any], dataset: Path,
+                    model: str) -> Path:
+    """``build_job_file``'s writing and loading, in the job's new ``folder``."""
+    from starverse.elastic.job import load_job
+
+    data = dict(job)
+    data["dataset"] = str(dataset)
+    data["model"] = model
     for key, fname in (("pool", "pool.yaml"), ("plan", "plan.yaml")):
         if data.get(key) is not None:
             data[key] = _write_yaml(folder / fname, data[key], key)
@@ -121,27 +178,75 @@ def build_job_file(settings: ServiceSettings, tenant: Tenant, job_id: str, job: 
     data["devices"] = devices
     data["run_dir"] = RUN_DIR
     billing = dict(data.get("billing") or {})
-    billing.update({"job": job_id, "currency": billing.get("currency", tenant.currency)})
+    billing.update({"job": folder.name, "currency": billing.get("currency", tenant.currency)})
     data["billing"] = billing
     data["metrics"] = {**(data.get("metrics") or {}), "port": 0}
     path = folder / JOB_FILE
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     try:
-        load_job(path)
+        loaded = load_job(path)
+        # what `starverse train` checks before it writes anything: a model that exists, a dataset of text,
+        # and the inline plan and pool (read only when the job starts: a bad one would fail in the queue)
+        check_dataset(loaded.dataset, str(path))
+        if loaded.model != DEFAULT_MODEL:
+            check_model(loaded.model, str(path))
+        if loaded.plan is not None:
+            from starverse.plan import load_plan
+
+            load_plan(loaded.plan)
+        if isinstance(loaded.pool, str):
+            from starverse.planner import load_pool
+
+            load_pool(loaded.pool)
     except ConfigError as e:
-        raise ConfigError(str(e).replace(str(folder) + "/", "").replace(str(folder), "job")) from None
+        raise ConfigError(_server_paths_out(str(e), settings, tenant, folder)) from None
     return path
+
+
+def _server_paths_out(message: str, settings: ServiceSettings, tenant: Tenant, folder: Path) -> str:
+    """``message`` without the server's directories: the job's folder becomes ``job``, the tenant's ``~`` and
+    the platform's ``platform:``, as in :func:`read_log`."""
+    message = message.replace(str(folder) + "/", "").replace(str(folder), "job")
+    for base, shown in ((settings.tenant_dir(tenant.id), "~"), (settings.platform_dir, "platform:")):
+        message = message.replace(str(base.resolve()), shown).replace(str(base), shown)
+    return message
+
+
+_NAME_CHARS = 128
+"""Longest job name."""
+
+
+def _job_name(body: Mapping[str, Any], spec: Mapping[str, Any]) -> str | None:
+    """The job's name from the body (``{"name", "job"}``) or the job's fields; None when not given."""
+    name = body.get("name") if "job" in body else spec.get("name")
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name.strip() or len(name) > _NAME_CHARS or not name.isprintable():
+        shown = name[:40] + "..." if isinstance(name, str) and len(name) > 40 else name
+        raise ConfigError(f"name: {shown!r}: give a job name of 1 to {_NAME_CHARS} printable characters")
+    return name
 
 
 def submit(db: Database, settings: ServiceSettings, tenant: Tenant, body: dict[str, Any]) -> Job:
     """Queue a job of ``tenant`` (validated first); ``body`` is ``{"name":..., "job": {...}}`` or the job."""
-    spec = body.get("job", body) if isinstance(body.get("job"), dict) else body
-    name = body.get("name") if "job" in body else spec.get("name")
+    if "job" in body:
+        extra = sorted(set(body) - {"name", "job"})
+        if extra:
+            raise ConfigError(f"request body: {extra[0]}: unknown field; a request is {{\"name\": ..., \"job\": "
+                              "{...}} (or the job's fields alone). To fix: move it into job, or remove it")
+        if not isinstance(body["job"], dict):
+            raise ConfigError(f"job: expected an object with the job file's fields (got {type(body['job']).__name__})")
+    spec = body.get("job", body)
+    name = _job_name(body, spec)
     spec = {k: v for k, v in spec.items() if k != "name"}
     job_id = uuid.uuid4().hex
     path = build_job_file(settings, tenant, job_id, spec)
     now = time.time()
     steps = int(((spec.get("train") or {}).get("steps")) or 100)
+    if steps > MAX_DB_INT:  # the job file allows more (MAX_STEPS); the job table's step columns do not
+        shutil.rmtree(path.parent, ignore_errors=True)
+        raise ConfigError(f"job: train.steps: {steps:,} is more than the {MAX_DB_INT:,} steps the service tracks. "
+                          "To fix: give fewer steps")
     with db.session() as s:
         job = Job(id=job_id, tenant_id=tenant.id, name=str(name or f"job-{job_id[:8]}")[:128],
                   state=JobState.QUEUED.value, spec=path.read_text(), created_at=now, updated_at=now,
