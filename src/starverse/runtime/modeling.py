@@ -94,13 +94,43 @@ def _to_pretrained(cfg: Mapping[str, Any]) -> Any:
 
 
 def count_params(config: Any) -> int:
-    """Parameters of the model ``config`` describes (built on the meta device: no memory, no init)."""
+    """Parameters of the model ``config`` describes.
+
+    A config of a family the model registry reads (:data:`starverse.models.FAMILIES`, by ``model_type``) is
+    counted from its shapes (:attr:`~starverse.models.ModelSpec.num_params`, equal to what transformers builds:
+    tested for every bundled config and its scaled copies), without importing transformers (seconds of CPU in
+    a job's supervisor, which never builds the model). Any other config is built on the meta device (no
+    memory, no init) and counted.
+    """
+    from starverse.models import FAMILIES, spec_from_config
+
+    cfg = hf_config_dict(config)
+    if cfg.get("model_type") in FAMILIES:
+        try:
+            return spec_from_config({k: v for k, v in cfg.items() if k != WEIGHTS_KEY}, "model config", "").num_params
+        except ModelError:
+            pass  # let transformers say what is wrong with it, as before
+    return count_built_params(cfg)
+
+
+def count_built_params(config: Any) -> int:
+    """Parameters of the model ``config`` describes, built with transformers on the meta device."""
     from transformers import AutoModelForCausalLM
 
     pcfg = _to_pretrained(hf_config_dict(config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(pcfg)
     return sum(p.numel() for p in model.parameters())
+
+
+def model_modules(config: Any) -> list[str]:
+    """The ``transformers`` modules a process imports to build (or unpickle) the model ``config`` describes, by the
+    library's layout (``transformers.models.<type>.modeling_<type>``), without importing it; for a fork server's
+    preload, which skips a name that does not import."""
+    model_type = str(hf_config_dict(config).get("model_type") or "").replace("-", "_")
+    if not model_type.isidentifier():
+        return []
+    return ["transformers.modeling_utils", f"transformers.models.{model_type}.modeling_{model_type}"]
 
 
 def scale_config(config: Any, max_params: int, vocab_size: int = 8192, max_positions: int = 2048) -> dict[str, Any]:
