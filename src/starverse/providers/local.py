@@ -71,6 +71,8 @@ _START_METHODS = ("forkserver", "spawn")
 _PRELOAD = ("starverse.providers.forkserver_exit", "torch", "torch.distributed", "starverse.providers.local",
             "starverse.runtime.rank_loop")
 """What the fork server imports before it forks the first rank."""
+_PRELOAD_LAST = "starverse.providers.forkserver_ready"
+"""The fork server's last preload (its garbage collector back on, the preload frozen)."""
 _PRELOAD_IF_LOADED = ("starverse.", "torch.distributed.checkpoint", "transformers")
 """Prefixes of modules the fork server also imports when the launcher has them loaded when it starts the server
 (the launcher has built the model, its checkpoint and billing callbacks: its ranks load them too)."""
@@ -90,7 +92,7 @@ def _preload_modules() -> list[str]:
     loaded = [m for m in list(sys.modules) if m.startswith(_PRELOAD_IF_LOADED) and not m.startswith(_NEVER_PRELOAD)
               and "._" not in m and (not m.startswith("transformers.") or ".modeling_" in m)]
     first = [*_PRELOAD, *(m for m in _RANK_MODULES if m not in _PRELOAD)]
-    return [*first, *sorted(m for m in loaded if m not in first)]
+    return [*first, *sorted(m for m in loaded if m not in first and m != _PRELOAD_LAST), _PRELOAD_LAST]
 
 
 def start_rank_server(modules: Sequence[str] = ()) -> bool:
