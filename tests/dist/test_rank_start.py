@@ -161,3 +161,34 @@ def test_the_servers_fast_exit_is_inert_outside_the_server():
             "import starverse.providers.forkserver_ready; print(gc.isenabled(), gc.get_freeze_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout) == (0, "True 0\natexit ran\n"), out.stderr
+
+
+_EARLY = '''
+import sys
+from starverse.providers.local import LocalLauncher, start_rank_server
+from starverse.runtime.launch import RankSpec
+
+MODULE = "transformers.models.llama.modeling_llama"
+
+
+def seen(env):
+    return MODULE in sys.modules
+
+
+if __name__ == "__main__":
+    assert start_rank_server([MODULE])
+    assert "transformers" not in sys.modules  # this process never imported it
+    ranks = [RankSpec(rank=r, device_kind="cpu", device="cpu", num_threads=1) for r in range(2)]
+    print(LocalLauncher().launch(seen, ranks, timeout_s=120))
+'''
+
+
+@pytest.mark.skipif(not LINUX, reason="the fork server is the default on Linux only")
+def test_a_server_started_early_preloads_the_modules_it_is_given(tmp_path, monkeypatch):
+    """``start_rank_server`` (what a job does once checked, before its model is built) starts the server with the
+    given modules in its preload: the ranks have them although the launcher had not imported them."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    script = tmp_path / "early.py"
+    script.write_text(_EARLY)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert (out.returncode, out.stdout) == (0, "[True, True]\n"), out.stderr[-3000:]
