@@ -59,6 +59,21 @@ def test_a_forked_rank_sees_the_launchers_environment_at_its_start(monkeypatch):
     assert [seen for seen, _ in second] == [{"SV_TEST_GONE": None, "SV_TEST_NEW": "after"}] * 2
 
 
+def _gc_state(env):
+    import gc
+
+    return gc.isenabled(), gc.get_freeze_count()
+
+
+@pytest.mark.skipif(not LINUX, reason="the fork server is the default on Linux only")
+def test_a_forked_rank_collects_garbage_and_skips_the_servers_preload(monkeypatch):
+    """The server imports its preload with the collector off (forkserver_exit) and turns it on again, freezing the
+    preload, before any rank is forked (forkserver_ready): a rank collects, never walking the preload's objects."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    for enabled, frozen in LocalLauncher().launch(_gc_state, _ranks(2), timeout_s=120):
+        assert enabled and frozen > 100_000
+
+
 def test_a_bad_start_method_is_one_clear_error(monkeypatch):
     monkeypatch.setenv(START_METHOD_ENV, "fork")
     with pytest.raises(ConfigError, match=f"{START_METHOD_ENV}='fork': not a start method; to fix: set it to one "
@@ -142,6 +157,38 @@ def test_no_rank_outlives_a_launcher_killed_with_sigkill(tmp_path, method):
 def test_the_servers_fast_exit_is_inert_outside_the_server():
     """``forkserver_exit`` ends the server with ``os._exit`` at shutdown; imported anywhere else it must do nothing
     (an ``os._exit`` registered with atexit would skip the process's earlier exit handlers, like this one)."""
-    code = "import atexit; atexit.register(print, 'atexit ran'); import starverse.providers.forkserver_exit"
+    code = ("import atexit, gc; atexit.register(print, 'atexit ran'); import starverse.providers.forkserver_exit; "
+            "import starverse.providers.forkserver_ready; print(gc.isenabled(), gc.get_freeze_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert (out.returncode, out.stdout) == (0, "atexit ran\n"), out.stderr
+    assert (out.returncode, out.stdout) == (0, "True 0\natexit ran\n"), out.stderr
+
+
+_EARLY = '''
+import sys
+from starverse.providers.local import LocalLauncher, start_rank_server
+from starverse.runtime.launch import RankSpec
+
+MODULE = "transformers.models.llama.modeling_llama"
+
+
+def seen(env):
+    return MODULE in sys.modules
+
+
+if __name__ == "__main__":
+    assert start_rank_server([MODULE])
+    assert "transformers" not in sys.modules  # this process never imported it
+    ranks = [RankSpec(rank=r, device_kind="cpu", device="cpu", num_threads=1) for r in range(2)]
+    print(LocalLauncher().launch(seen, ranks, timeout_s=120))
+'''
+
+
+@pytest.mark.skipif(not LINUX, reason="the fork server is the default on Linux only")
+def test_a_server_started_early_preloads_the_modules_it_is_given(tmp_path, monkeypatch):
+    """``start_rank_server`` (what a job does once checked, before its model is built) starts the server with the
+    given modules in its preload: the ranks have them although the launcher had not imported them."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    script = tmp_path / "early.py"
+    script.write_text(_EARLY)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert (out.returncode, out.stdout) == (0, "[True, True]\n"), out.stderr[-3000:]

@@ -25,11 +25,12 @@ from starverse.elastic.supervisor import Attempt, SupervisedResult, Supervisor, 
 from starverse.jobs.ledger import InplaceAccounting, JobBill, check_ledger_job, job_bill
 from starverse.jobs.wiring import JobCallbacks, build_callbacks
 from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
-from starverse.providers.local import LocalLauncher
+from starverse.providers.local import LocalLauncher, start_rank_server
 from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.launch import resolve_launcher
 from starverse.runtime.lora import check_mode
+from starverse.runtime.modeling import model_modules
 from starverse.runtime.trainer import FitResult
 
 log = logging.getLogger(__name__)
@@ -213,6 +214,8 @@ class PreparedJob:
             with c.mixed_mesh():
                 return starverse.build_model(c, seed=job.train.seed)  # weights, dtype and adapters of the mode
 
+        if type(self.supervisor.launcher) is LocalLauncher:  # its fork server imports while the model is built
+            start_rank_server(model_modules(self.cluster.model_config))
         watcher = _ProgressWatcher(self.run_dir, job.train.steps, on_progress) if on_progress else None
         try:
             out = self.supervisor.run(

@@ -71,6 +71,8 @@ _START_METHODS = ("forkserver", "spawn")
 _PRELOAD = ("starverse.providers.forkserver_exit", "torch", "torch.distributed", "starverse.providers.local",
             "starverse.runtime.rank_loop")
 """What the fork server imports before it forks the first rank."""
+_PRELOAD_LAST = "starverse.providers.forkserver_ready"
+"""The fork server's last preload (its garbage collector back on, the preload frozen)."""
 _PRELOAD_IF_LOADED = ("starverse.", "torch.distributed.checkpoint", "transformers")
 """Prefixes of modules the fork server also imports when the launcher has them loaded when it starts the server
 (the launcher has built the model, its checkpoint and billing callbacks: its ranks load them too)."""
@@ -79,11 +81,37 @@ _NEVER_PRELOAD = ("starverse.cli", "starverse.service", "starverse.providers.ray
 """Never in the fork server: Ray, torchft and the web stack may start threads when imported."""
 
 
+_RANK_MODULES: list[str] = []
+"""Modules this process's ranks will need that it may not have loaded when it starts the fork server (the model's
+``transformers`` classes, see :func:`start_rank_server`); preloaded after :data:`_PRELOAD`."""
+
+
 def _preload_modules() -> list[str]:
-    """The fork server's preload: :data:`_PRELOAD`, then loaded modules under :data:`_PRELOAD_IF_LOADED`."""
+    """The fork server's preload: :data:`_PRELOAD` and :data:`_RANK_MODULES`, then loaded modules under
+    :data:`_PRELOAD_IF_LOADED`."""
     loaded = [m for m in list(sys.modules) if m.startswith(_PRELOAD_IF_LOADED) and not m.startswith(_NEVER_PRELOAD)
               and "._" not in m and (not m.startswith("transformers.") or ".modeling_" in m)]
-    return [*_PRELOAD, *sorted(m for m in loaded if m not in _PRELOAD)]
+    first = [*_PRELOAD, *(m for m in _RANK_MODULES if m not in _PRELOAD)]
+    return [*first, *sorted(m for m in loaded if m not in first and m != _PRELOAD_LAST), _PRELOAD_LAST]
+
+
+def start_rank_server(modules: Sequence[str] = ()) -> bool:
+    """Start this process's fork server now (where ranks start from one), also preloading ``modules``.
+
+    The server imports torch and the rank modules (seconds of CPU) in its own process: started early -- once a job
+    is checked, before its supervisor builds the model -- that runs alongside this process's own work instead of
+    after it, when the first rank starts. Later launches use the same server (ranks then need only what this
+    process had loaded by now, plus ``modules``: what is missing a rank imports itself). Returns whether a server
+    runs; a no-op with ``spawn``."""
+    if start_method() != "forkserver":
+        return False
+    from multiprocessing import forkserver
+
+    _RANK_MODULES.extend(m for m in modules if m not in _RANK_MODULES)
+    rank_context()  # sets the preload
+    with _main_reimport_guard():
+        forkserver.ensure_running()
+    return True
 
 
 def start_method() -> str:

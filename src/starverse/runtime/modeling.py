@@ -11,8 +11,10 @@ for devices the full model does not fit on. The cluster says when it did this, n
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -93,14 +95,57 @@ def _to_pretrained(cfg: Mapping[str, Any]) -> Any:
         raise ModelError(f"transformers does not know model_type {model_type!r}: {e}") from None
 
 
+@contextlib.contextmanager
+def _collector_off() -> Iterator[None]:
+    """The garbage collector off for a block that first imports transformers (its model classes: ~10^5 objects, no
+    garbage; the collector's walks over them were ~15 % of the import's CPU); as it was afterwards."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def count_params(config: Any) -> int:
-    """Parameters of the model ``config`` describes (built on the meta device: no memory, no init)."""
+    """Parameters of the model ``config`` describes.
+
+    A config of a family the model registry reads (:data:`starverse.models.FAMILIES`, by ``model_type``) is
+    counted from its shapes (:attr:`~starverse.models.ModelSpec.num_params`, equal to what transformers builds:
+    tested for every bundled config and its scaled copies), without importing transformers (seconds of CPU in
+    a job's supervisor, which never builds the model). Any other config is built on the meta device (no
+    memory, no init) and counted.
+    """
+    from starverse.models import FAMILIES, spec_from_config
+
+    cfg = hf_config_dict(config)
+    if cfg.get("model_type") in FAMILIES:
+        try:
+            return spec_from_config({k: v for k, v in cfg.items() if k != WEIGHTS_KEY}, "model config", "").num_params
+        except ModelError:
+            pass  # let transformers say what is wrong with it, as before
+    return count_built_params(cfg)
+
+
+def count_built_params(config: Any) -> int:
+    """Parameters of the model ``config`` describes, built with transformers on the meta device."""
     from transformers import AutoModelForCausalLM
 
     pcfg = _to_pretrained(hf_config_dict(config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(pcfg)
     return sum(p.numel() for p in model.parameters())
+
+
+def model_modules(config: Any) -> list[str]:
+    """The ``transformers`` modules a process imports to build (or unpickle) the model ``config`` describes, by the
+    library's layout (``transformers.models.<type>.modeling_<type>``), without importing it; for a fork server's
+    preload, which skips a name that does not import."""
+    model_type = str(hf_config_dict(config).get("model_type") or "").replace("-", "_")
+    if not model_type.isidentifier():
+        return []
+    return ["transformers.modeling_utils", f"transformers.models.{model_type}.modeling_{model_type}"]
 
 
 def scale_config(config: Any, max_params: int, vocab_size: int = 8192, max_positions: int = 2048) -> dict[str, Any]:
@@ -224,17 +269,18 @@ def build_model(
         return model
     dtype = dtype or torch.float32
     cfg = hf_config_dict(config)
-    pcfg = _to_pretrained(cfg)
     state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
     try:
-        try:
-            model = AutoModelForCausalLM.from_config(pcfg, dtype=dtype, attn_implementation=attn_implementation)
-        except ValueError:
-            if attn_implementation == "eager":
-                raise
+        with _collector_off():
+            pcfg = _to_pretrained(cfg)
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(pcfg, dtype=dtype, attn_implementation="eager")
+            try:
+                model = AutoModelForCausalLM.from_config(pcfg, dtype=dtype, attn_implementation=attn_implementation)
+            except ValueError:
+                if attn_implementation == "eager":
+                    raise
+                torch.manual_seed(seed)
+                model = AutoModelForCausalLM.from_config(pcfg, dtype=dtype, attn_implementation="eager")
     except (ValueError, TypeError) as e:
         raise ConfigError(f"transformers cannot build {cfg.get('model_type')!r} from this config: {e}") from None
     finally:
