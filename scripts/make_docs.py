@@ -80,10 +80,12 @@ def plan_all(pairs: set[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any
     pool = multiprocessing.get_context("fork").Pool(min(cpus, len(todo)))
     try:
         done = dict(pool.imap_unordered(_plan_pair, todo))
-        pool.close()  # the workers leave on the pool's sentinel, not on a SIGTERM that a handler may catch
-    finally:
+    except BaseException:
         pool.terminate()
         pool.join()
+        raise
+    pool.close()  # the workers leave on the pool's sentinel, not on a SIGTERM that a handler may catch
+    pool.join()
     return {pair: done[pair] for pair in todo}
 
 

@@ -45,6 +45,9 @@ from starverse.config import (
 )
 from starverse.errors import BillingError, BudgetExceededError, ConfigError
 
+DEFAULT_MODEL = "llama"
+"""The model of a job file that names none: a small Llama the runtime builds (no registry id)."""
+
 
 class TrainSettings(FrozenModel):
     """How long and with which batch to train."""
@@ -168,7 +171,7 @@ class RayPoolSettings(FrozenModel):
 class TrainJob(FrozenModel):
     """A training job run by ``starverse train`` under the supervisor."""
 
-    model: PathText = "llama"
+    model: PathText = DEFAULT_MODEL
     """Registry id, Hugging Face id or config.json path (relative to this file); ``llama``: a small Llama."""
     dataset: PathText
     """Text file, folder of text files or .jsonl file (relative to this file)."""
@@ -237,6 +240,17 @@ def _rel(base: Path, value: str | None) -> str | None:
         return None
     p = Path(value).expanduser()
     return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def check_job_inputs(job: TrainJob, source: str) -> None:
+    """What ``starverse train`` (and the service, at submit) checks of a job's inputs before anything is written,
+    each error at the job file's line (``source``): a dataset of text, and a model that exists. A pretrained
+    folder's files are checked when it is loaded; :data:`DEFAULT_MODEL` is no registry id."""
+    from starverse.checks import check_dataset, check_model
+
+    check_dataset(job.dataset, source)
+    if not Path(job.model).is_dir() and job.model != DEFAULT_MODEL:
+        check_model(job.model, source)
 
 
 def load_job(path: str | Path) -> TrainJob:

@@ -17,10 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import starverse
-from starverse.checks import check_dataset, check_model, check_port_free, check_run_dir, check_seq_len
+from starverse.checks import check_port_free, check_run_dir, check_seq_len
 from starverse.config import where
 from starverse.elastic.inplace import InplaceLauncher
-from starverse.elastic.job import JobPrices, RayPoolSettings, TrainJob, job_mtbf, job_prices, load_job
+from starverse.elastic.job import (
+    JobPrices,
+    RayPoolSettings,
+    TrainJob,
+    check_job_inputs,
+    job_mtbf,
+    job_prices,
+    load_job,
+)
 from starverse.elastic.supervisor import Attempt, SupervisedResult, Supervisor, read_progress
 from starverse.jobs.ledger import InplaceAccounting, JobBill, check_ledger_job, job_bill
 from starverse.jobs.wiring import JobCallbacks, build_callbacks
@@ -100,13 +108,9 @@ class PreparedJob:
         self.source = source
         self.run_dir = Path(job.run_dir)
         check_run_dir(job.run_dir, source)
-        check_dataset(job.dataset, source)
+        check_job_inputs(job, source)
         if job.metrics.enabled:
             check_port_free(job.metrics.port, f"{where(source, ('metrics', 'port'))}: metrics.port")
-        # an unknown model names the job file's model: line; a pretrained folder's files are checked when it is
-        # loaded, and the default (a small Llama the runtime builds) is no registry id
-        if not Path(job.model).is_dir() and job.model != TrainJob.model_fields["model"].default:
-            check_model(job.model, source)
         pretrained = Path(job.model).is_dir()
         # a pretrained folder is never scaled down: the default size cap applies only when the job file sets it
         max_params = job.train.max_params if not pretrained or "max_params" in job.train.model_fields_set else None

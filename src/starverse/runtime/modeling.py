@@ -113,8 +113,8 @@ def count_params(config: Any) -> int:
 
     A config of a family the model registry reads (:data:`starverse.models.FAMILIES`, by ``model_type``) is
     counted from its shapes (:attr:`~starverse.models.ModelSpec.num_params`, equal to what transformers builds:
-    tested for every bundled config and its scaled copies), without importing transformers (seconds of CPU in
-    a job's supervisor, which never builds the model). Any other config is built on the meta device (no
+    tested for every bundled config and its scaled copies), without importing transformers (seconds of CPU
+    when a job is checked, before anything builds the model). Any other config is built on the meta device (no
     memory, no init) and counted.
     """
     from starverse.models import FAMILIES, spec_from_config

@@ -23,8 +23,8 @@ import yaml
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from starverse.checks import check_dataset, check_model
 from starverse.config import parse_yaml_text
+from starverse.elastic.job import DEFAULT_MODEL, check_job_inputs, load_job
 from starverse.errors import ConfigError
 from starverse.service import storage
 from starverse.service.db import Database, Job, JobEvent, JobSample, JobState, Tenant
@@ -100,8 +100,6 @@ _SECTIONS = ("train", "devices", "checkpoint", "billing", "metrics")
 """Sections of a job that are objects (the service adds its own fields to some of them)."""
 _TOKENIZERS = ("auto", "bpe", "bytes")
 """``train.tokenizer`` values that name no file (a path would be read from the server's disk)."""
-DEFAULT_MODEL = "llama"
-"""The model of a job that names none (a small Llama the runtime builds; no registry id)."""
 
 
 def _check_sections(job: Mapping[str, Any]) -> None:
@@ -165,8 +163,6 @@ def build_job_file(settings: ServiceSettings, tenant: Tenant, job_id: str, job: 
 def _write_job_file(settings: ServiceSettings, tenant: Tenant, folder: Path, job: dict[str, Any], dataset: Path,
                     model: str) -> Path:
     """``build_job_file``'s writing and loading, in the job's new ``folder``."""
-    from starverse.elastic.job import load_job
-
     data = dict(job)
     data["dataset"] = str(dataset)
     data["model"] = model
@@ -187,9 +183,7 @@ def _write_job_file(settings: ServiceSettings, tenant: Tenant, folder: Path, job
         loaded = load_job(path)
         # what `starverse train` checks before it writes anything: a model that exists, a dataset of text,
         # and the inline plan and pool (read only when the job starts: a bad one would fail in the queue)
-        check_dataset(loaded.dataset, str(path))
-        if loaded.model != DEFAULT_MODEL:
-            check_model(loaded.model, str(path))
+        check_job_inputs(loaded, str(path))
         if loaded.plan is not None:
             from starverse.plan import load_plan
 
