@@ -311,12 +311,13 @@ def validation_table() -> str:
 
 
 def cases_table() -> str:
-    """docs/costmodel.md: every validation case outside AMP's (whose 90 runs have their own folder) with its error."""
+    """docs/costmodel.md: every validation case outside AMP's and DT-FM's (whose 90 and 69 runs have their own
+    folders) with its error."""
     rows = ["| case | predicted tokens/s | measured tokens/s | error | predicted / measured peak GB |",
             "|---|---:|---:|---:|---:|"]
     catalog = load_catalog()
     for path in find_cases([str(ROOT / "data" / "validation")]):
-        if "amp-aws" in path.parts:
+        if "amp-aws" in path.parts or "dtfm-aws" in path.parts:
             continue
         r = score_case(load_case(path), catalog)
         mem = (f"{r.predicted_memory_gb:.1f} / {r.measured_memory_gb:.2f}"

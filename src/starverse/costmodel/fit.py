@@ -80,6 +80,16 @@ modern runs), then the others together. Objective of the joint fit: the sum over
 mean squared log error of tokens/s (every source counts once, whatever the number of configurations it
 ran), over every case that has a prediction and a measurement."""
 
+SCORED_NOT_FITTED: frozenset[str] = frozenset({"dtfm", "dtfmslow"})
+"""Sources that ``validate`` and :func:`leave_one_source_out` score but that no fit sees (:func:`fit_all` drops
+them), so that their figures are held out by construction: DT-FM's Megatron-LM baselines on 64 V100s
+(``data/validation/dtfm-aws``). Their misses go both ways by layout (pipelines across instances at micro-batch
+1 too fast by up to 2.9x, PP 4 x TP 2 12-17 % too slow, micro-batch 2 with TP > 1 measured 1.3-2.7x slower than
+micro-batch 1 and 4) — costs the model has no term for; in the joint fit they were taken up by the V100's matmul
+efficiency (``PRE_AMPERE_EFFICIENCY`` 0.66 -> 0.48, ``PCIE_COLLECTIVE_FRACTION`` to its bound 1.0), which moved
+AMP's and Sailor's held-out figures past their targets (docs/costmodel.md, `dtfm`). A decision for whoever owns
+the fit: remove a source from this set once the model has the terms its runs exercise."""
+
 TARGETS = {"median_abs_error": 0.12, "p90_abs_error": 0.25, "spearman": 0.8, "memory_abs_error": 0.10}
 """Issue 9's targets on held-out figures (Spearman only for sources with at least
 :data:`~costmodel.validate.MIN_CONFIGS_FOR_SPEARMAN` configurations)."""
@@ -188,7 +198,8 @@ def fit_all(cases: Sequence[LoadedCase], catalog: Any) -> dict[str, float]:
     """Fit every constant of :data:`FITTED` on ``cases``: the level constant first (:func:`fit_level`), then
     the joint ones together (bounded Levenberg-Marquardt on the weighted log errors, finite-difference
     Jacobian, from the committed values). Values are rounded to 4 significant digits; a level constant no
-    case identifies keeps its committed value."""
+    case identifies keeps its committed value. Cases of :data:`SCORED_NOT_FITTED` sources are left out."""
+    cases = [c for c in cases if c.source not in SCORED_NOT_FITTED]
     fixed: dict[str, float] = {}
     for const in FITTED:
         if not const.joint:
