@@ -29,6 +29,7 @@ Precision = Literal["bf16", "fp16", "fp8", "fp32", "tf32"]
 Mode = Literal["full", "lora", "qlora"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
+OptimizerKind = Literal["adamw", "sgd"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Attention = Literal["auto", "flash", "flash2", "eager"]
 SoftmaxFusion = Literal["always", "megatron", "megatron-bsc-2022"]
@@ -55,6 +56,10 @@ class TrainSpec(FrozenModel):
     """Activation recomputation: none, selective (attention core, Korthikanti et al.), full (whole layer)."""
     offload: Offload = "none"
     """Keep optimizer state (and optionally parameters) in host memory."""
+    optimizer: OptimizerKind = "adamw"
+    """adamw: two fp32 moments per trained parameter (every framework's default); sgd: SGD with momentum 0.9,
+    one fp32 momentum per parameter (``torch.optim.SGD``; Megatron-LM's ``--optimizer sgd`` with its default
+    ``--sgd-momentum 0.9``). Both keep an fp32 master copy beside 16-bit weights."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule."""
     virtual_stages: int = Field(default=1, gt=0, le=MAX_COUNT)

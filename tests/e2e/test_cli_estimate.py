@@ -42,10 +42,10 @@ def test_estimate_json_is_consistent(tmp_path: Path) -> None:
                                      "cross_group_sync"}
 
 
-KNOWN_REFUSED = {"dtfm-39b-b1024-p16-t4-d1-mb4", "dtfm-39b-b1024-p8-t8-d1-mb4"}
+KNOWN_REFUSED: set[str] = set()
 """Measured runs the estimator says do not fit (open misses of issue 9, item 4; see data/validation/README.md):
-DT-FM's two 39B runs at micro-batch 4, which used SGD (no plan field; the estimate counts Adam's states). None of
-Sailor's since its OPT is read as its Megatron-DeepSpeed builds it (sailor-mit-n2-d2 was refused before)."""
+none. DT-FM's two 39B runs at micro-batch 4 were until their cases stated SGD (``optimizer: sgd``); Sailor's
+since its OPT is read as its Megatron-DeepSpeed builds it (sailor-mit-n2-d2 was refused before)."""
 KNOWN_OOM_FITS = {"bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2"}
 """Runs the source reports as failed for memory that the estimator says fit (open miss of issue 9, item 4:
 BigScience's 176B search, docs/costmodel.md `bigscience`)."""

@@ -243,3 +243,27 @@ def test_bigscience_l82_out_of_memory_row_holds_no_more_per_state_than_a_run_tha
     # the run that ran is within 2 GB of its logged reading: the model is not short on such stages
     predicted = score_case(ran_case, CAT).predicted_memory_gb  # type: ignore[arg-type]
     assert predicted == pytest.approx(ran_case.measured.peak_memory_gb, abs=2.0)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("precision", "adam", "sgd"), [("fp16", 12.0, 8.0), ("fp32", 8.0, 4.0)])
+def test_sgd_holds_one_moment_where_adam_holds_two(precision: str, adam: float, sgd: float) -> None:
+    # train.optimizer: AdamW keeps m and v (and the fp32 master of 16-bit weights), SGD with momentum one moment
+    spec = load_model(raw(4))
+
+    def stage(optimizer: str) -> tuple[float, float, float]:
+        plan = parse(Plan, {"model": "x", "train": {"seq_len": S, "global_batch": 8, "precision": precision,
+                                                    "optimizer": optimizer},
+                            "groups": [{"replicas": 1, "micro_batch": 1,
+                                        "stages": [{"accelerator": "v100-16gb-sxm", "tp": 1, "layers": 4}]}]},
+                     "t.yaml")
+        est = estimate(plan, CAT, spec)
+        st = est.groups[0].stages[0]
+        return st.optimizer_gb, st.weights_gb + st.grads_gb + st.activations_gb, float(est.step_time_s)
+
+    a_opt, a_rest, a_time = stage("adamw")
+    s_opt, s_rest, s_time = stage("sgd")
+    params = spec.num_params  # the stage holds them all (the model's count, within its pooled head's 0.01 %)
+    assert a_opt == pytest.approx(params * adam / 1e9, rel=1e-4)
+    assert s_opt / a_opt == pytest.approx(sgd / adam, rel=1e-12)
+    assert s_rest == pytest.approx(a_rest)  # nothing else changes
+    assert s_time < a_time  # the step moves less state

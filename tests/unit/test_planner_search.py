@@ -322,3 +322,20 @@ def test_infeasible_budget_and_power_reasons(catalog):
     assert re.search(r"even \d+ rtx-4090 give no plan within the constraints", msg)
     assert "ZeRO-3, full recompute and CPU offload were already searched: not enough" in msg
     assert re.search(r"drop the budget/power/deadline limits → \d+×rtx-4090", msg)
+
+
+def test_a_jobs_optimizer_reaches_the_plan_and_its_memory(catalog):
+    # train.optimizer: sgd is searched with SGD's one moment and emitted in the plan the runtime runs; the batch
+    # figures the search ranked by agree with the scalar estimate of that plan
+    single = {"currency": "USD", "offers": [{"accelerator": "a100-80gb-sxm", "count": 8, "price_per_hour": 2.45}]}
+    job = job_from_dict({**JOB7B, "train": {**JOB7B["train"], "optimizer": "sgd"}})
+    pool = pool_from_dict(single, catalog)
+    best = search(job, pool, catalog, top=1).best
+    assert best.plan.train.optimizer == "sgd"
+    est = estimate(best.plan, catalog)
+    assert best.tokens_per_s == pytest.approx(est.tokens_per_s, rel=1e-12)
+    combos, _, _ = best_combinations(job, pool, catalog, load_model("llama-2-7b"), "full")
+    assert combos[0].tps == pytest.approx(est.tokens_per_s, rel=1e-9)
+    adam = estimate(best.plan.model_copy(update={"train": best.plan.train.model_copy(update={"optimizer": "adamw"})}),
+                    catalog)
+    assert est.memory_gb < adam.memory_gb

@@ -289,3 +289,32 @@ def test_test_facility_slows_and_kills_only_the_chosen_rank(monkeypatch):
     assert killed == [(os.getpid(), signal.SIGTERM)]
     with pytest.raises(ValueError, match=r"SlowRank.factor must be >= 1 \(got 0.5\)"):
         facility.SlowRank(0, 0.5)
+
+
+def test_the_plans_optimizer_is_what_a_rank_trains_with(tmp_path):
+    # train.optimizer: sgd -> torch's SGD with Megatron's default momentum, AdamW otherwise; the groups' decay rule
+    # is the same; a rank's training_parts takes the plan's choice
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from starverse.runtime.rank_parts import training_parts
+    from starverse.runtime.steps import SGD_MOMENTUM
+
+    sgd = make_optimizer(torch.nn.Linear(2, 2), 1.0, 0.1, kind="sgd")
+    assert type(sgd) is torch.optim.SGD and SGD_MOMENTUM == 0.9
+    assert [(g["weight_decay"], g["momentum"]) for g in sgd.param_groups] == [(0.1, 0.9), (0.0, 0.9)]
+    with pytest.raises(ConfigError, match="adamw, sgd"):
+        make_optimizer(torch.nn.Linear(2, 2), 1.0, 0.1, kind="lion")
+    np.save(tmp_path / "tokens.npy", np.arange(64, dtype=np.int32))
+    for kind, cls in (("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)):
+        train = TrainSpec(seq_len=8, global_batch=2, optimizer=kind)  # type: ignore[arg-type]
+        job = SimpleNamespace(plan=SimpleNamespace(train=train), lr=0.1, weight_decay=0.0, adam_eps=1e-8,
+                              warmup_steps=1, max_steps=4, min_lr_ratio=0.1, labels_path=None,
+                              tokens_path=tmp_path / "tokens.npy", seq_len=8, seed=0)
+        model = torch.nn.Linear(4, 4)
+        optimizer, *_ = training_parts(model, job)  # type: ignore[arg-type]
+        assert type(optimizer) is cls
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        assert ("momentum_buffer" if kind == "sgd" else "exp_avg_sq") in optimizer.state[model.weight]

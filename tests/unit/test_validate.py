@@ -28,11 +28,11 @@ def results() -> list[CaseResult]:
     return [run_case(p, CAT) for p in find_cases([CASES])]
 
 
-KNOWN_REFUSED = {"dtfm-39b-b1024-p16-t4-d1-mb4", "dtfm-39b-b1024-p8-t8-d1-mb4"}
-"""Runs that ran but that the estimator says do not fit (open misses, data/validation/README.md): DT-FM's two
-39B runs at micro-batch 4 on V100-16GB (16.5 and 17.8 GB of 15.9 with Adam's states; the runs used SGD, which no
-plan field states: 4 bytes per parameter less, 2.4 GB per GPU there). None of Sailor's since its OPT is read as
-its ``OPTModelPipe`` builds it (``sailor-mit-n2-d2`` was refused before)."""
+KNOWN_REFUSED: set[str] = set()
+"""Runs that ran but that the estimator says do not fit (open misses, data/validation/README.md): none. DT-FM's
+two 39B runs at micro-batch 4 on V100-16GB were (16.5 of 15.9 GB with Adam's states) until their cases stated the
+SGD they ran (``optimizer: sgd``: 13.9 GB); Sailor's since its OPT is read as its ``OPTModelPipe`` builds it
+(``sailor-mit-n2-d2`` was refused before)."""
 KNOWN_OOM_FITS = {"bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2"}
 """Runs the source reports as failed for memory that the estimator says fit (open miss of issue 9, item 4: one
 layout of BigScience's 176B search, one transformer layer per stage more than a run that read 60 GiB;

@@ -48,8 +48,8 @@ How the runs were read:
   ``overlap_grad_reduce: false``; no ``--accumulate-allreduce-grads-in-fp32``: 16-bit reduction); Megatron's fused
   scale-mask-softmax over materialised scores (``attention: eager``, ``softmax_fusion: megatron``: its kernel
   conditions for a padding mask are the causal ones here, as the batches per block are 4 at these lengths);
-  1F1B (Megatron's non-interleaved schedule). SGD is not a plan field: the estimate's optimizer is Adam (more
-  optimizer memory than SGD with momentum; the optimizer step is a small share of these steps).
+  1F1B (Megatron's non-interleaved schedule); ``--optimizer sgd`` with Megatron's default ``--sgd-momentum 0.9``
+  (``optimizer: sgd``: one fp32 momentum per parameter beside the fp32 master copy).
 - Layout and ranks: Megatron's order (TP fastest, then DP, then PP), the planner's: on p3.16xlarge a node holds
   8 consecutive ranks (P8 D8: 8 replicas of one stage; T8: one TP group; P4T2 and P2T4: TP 2 x DP 4 / TP 4 x DP
   2 of one stage). L / PP layers per stage (every L here divides by every PP).
@@ -127,7 +127,8 @@ def case(name: str, model: str, seq: int, gbs: int, pp: int, tp: int, dp: int, m
     stage = f"{{accelerator: v100-16gb-sxm, tp: {tp}, layers: {layers // pp}" + (f", repeat: {pp}}}" if pp > 1 else "}")
     text = (f"model: models/{model}.json\n"
             f"train: {{seq_len: {seq}, global_batch: {gbs}, precision: fp16, mode: full, zero_stage: 0, "
-            f"recompute: full, schedule: 1f1b, attention: eager, softmax_fusion: megatron, overlap_grad_reduce: false}}\n"
+            f"recompute: full, schedule: 1f1b, attention: eager, softmax_fusion: megatron, overlap_grad_reduce: false, "
+            f"optimizer: sgd}}\n"
             f"groups:\n- replicas: {dp}\n  micro_batch: {mbs}\n  stages:\n  - {stage}\n"
             f"network:\n{network[0]}"
             f"measured: {{tokens_per_s: {gbs * seq / secs:.2f}, step_time_s: {secs:g}}}\n"

@@ -181,6 +181,13 @@ ADAM_BYTES_PER_PARAM = 36.0
 """Optimizer step traffic per parameter held: read fp32 master, m, v (12) and 16-bit grad (2) or fp32 main
 grad (4), write master, m, v (12), write the 16-bit weight copy (2), zero the grad (2-4): ~36 bytes."""
 
+SGD_BYTES_PER_PARAM = 28.0
+"""SGD with momentum (``TrainSpec.optimizer: sgd``): Adam's traffic less one fp32 moment read and written
+(``ADAM_BYTES_PER_PARAM`` − 8)."""
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "sgd": 4.0}
+"""Optimizer state per trained parameter beside the fp32 master copy: Adam's m and v, SGD's momentum (fp32)."""
+
 CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
 """Loss over the vocabulary: logits read in 16 bit, softmax in fp32 written/read, gradient written in 16 bit
 (2 + 4 + 4 + 2 bytes per logit, Megatron's vocab-parallel cross entropy)."""

@@ -80,6 +80,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         pipe_buffers_keep_outputs=train.pipe_buffers_keep_outputs,
         tp_comm_overlap=train.tp_comm_overlap,
         overlap_p2p_comm=train.overlap_p2p_comm,
+        optimizer=train.optimizer,
     )
 
 

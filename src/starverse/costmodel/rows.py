@@ -124,6 +124,8 @@ class ModelNumbers:
     """The last stage's pipe buffers keep the logits (``TrainSpec.pipe_buffers_keep_outputs``)."""
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
+    optimizer: str = "adamw"
+    """adamw | sgd (``TrainSpec.optimizer``): optimizer state and step traffic per parameter."""
     attention_dropout: bool = True
     """Attention probabilities are dropped (``ModelShape.attention_dropout``)."""
     relu: bool = False

@@ -217,6 +217,8 @@ class TrainShape:
     """TP collectives overlapped with the GEMMs (``TrainSpec.tp_comm_overlap``)."""
     overlap_p2p_comm: bool = False
     """Interleaved pipeline sends overlapped with compute (``TrainSpec.overlap_p2p_comm``)."""
+    optimizer: str = "adamw"
+    """adamw | sgd (``TrainSpec.optimizer``): the optimizer's state and step traffic per parameter."""
 
     @classmethod
     def from_train(cls, train: TrainSpec) -> TrainShape:
@@ -239,6 +241,7 @@ class TrainShape:
             pipe_buffers_keep_outputs=train.pipe_buffers_keep_outputs,
             tp_comm_overlap=train.tp_comm_overlap,
             overlap_p2p_comm=train.overlap_p2p_comm,
+            optimizer=train.optimizer,
         )
 
 

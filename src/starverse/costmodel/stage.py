@@ -313,6 +313,12 @@ def bf16_optimizer_cast_bytes(trainable: FloatArray, comm_bytes: float) -> Float
     return np.asarray(trainable, dtype=np.float64) * (comm_bytes if comm_bytes < 4.0 else 0.0)
 
 
+def optimizer_state_bytes(optimizer: str, bytes_per_value: float) -> float:
+    """Bytes per trained parameter the optimizer holds: its state (``constants.OPTIMIZER_STATE_BYTES``: Adam's
+    m and v, SGD's momentum) plus the fp32 master copy where the weights are 16-bit."""
+    return C.OPTIMIZER_STATE_BYTES[optimizer] + (0.0 if bytes_per_value >= 4.0 else 4.0)
+
+
 def stage_totals(
     mn: ModelNumbers,
     rows: StageRows,
@@ -359,7 +365,7 @@ def stage_totals(
     grads16 = trainable * bv / shard_g
     # DeepSpeed's BF16_Optimizer: a whole fp32 gradient buffer beside the bf16 .grad (TrainSpec.fp32_grad_copy)
     grads = grads16 + trainable * (4.0 if mn.fp32_grad_copy else 0.0)
-    opt_bytes_per_param = 8.0 if bv >= 4.0 else 12.0  # (fp32 master +) Adam m, v
+    opt_bytes_per_param = optimizer_state_bytes(mn.optimizer, bv)
     optimizer = np.where(rows.offload >= 1, 0.0, trainable * opt_bytes_per_param / shard_o)
 
     # ---- activations of the micro-batches in flight ------------------------------------------------
@@ -389,7 +395,7 @@ def stage_totals(
 
     # ---- per-step work -----------------------------------------------------------------------------
     opt_params = trainable / shard_o
-    opt_gpu = opt_params * C.ADAM_BYTES_PER_PARAM / lc["bw"]
+    opt_gpu = opt_params * (C.SGD_BYTES_PER_PARAM if mn.optimizer == "sgd" else C.ADAM_BYTES_PER_PARAM) / lc["bw"]
     if rows.measured_optimizer_s_per_param is not None:
         measured_opt = rows.measured_optimizer_s_per_param
         opt_gpu = np.where(np.isfinite(measured_opt), opt_params * measured_opt, opt_gpu)

@@ -81,7 +81,7 @@ def train_spec(job: Job, mode: str, setting: space.Setting, sequence_parallel: b
     t = job.train
     return TrainSpec(
         seq_len=t.seq_len, global_batch=t.global_batch, precision=t.precision, mode=mode,  # type: ignore[arg-type]
-        lora_rank=t.lora_rank,
+        lora_rank=t.lora_rank, optimizer=t.optimizer,
         zero_stage=setting.zero_stage, recompute=space.RECOMPUTE_NAMES[setting.recompute],  # type: ignore[arg-type]
         offload=space.OFFLOAD_NAMES[setting.offload],  # type: ignore[arg-type]
         schedule=schedule, virtual_stages=virtual_stages,  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from starverse.costmodel.batch import OFFLOAD_CODES, ModelShape, TrainShape
 from starverse.costmodel.constants import BYTES_PER_VALUE, QLORA_BYTES_PER_PARAM
 from starverse.costmodel.group import adapter_params_per_layer
+from starverse.costmodel.stage import optimizer_state_bytes
 from starverse.plan import Plan
 
 FloatArray = npt.NDArray[np.float64]
@@ -46,7 +47,7 @@ def host_gb_per_device(model: ModelShape, train: TrainShape, layers: FloatArray,
     base_bytes = QLORA_BYTES_PER_PARAM if train.mode == "qlora" else bv
     shard_o = np.where(zero_stage >= 1, replicas, 1.0)
     shard_w = np.where(zero_stage >= 3, replicas, 1.0)
-    opt_bytes = 8.0 if bv >= 4.0 else 12.0
+    opt_bytes = optimizer_state_bytes(train.optimizer, bv)
     state = np.where(offload >= 1, trainable / shard_o * (opt_bytes + bv), 0.0)
     weights = np.where(offload >= 2, params * base_bytes / shard_w, 0.0)
     return np.asarray((state + weights) / 1e9, dtype=np.float64)

@@ -57,6 +57,8 @@ class JobTrain(FrozenModel):
     """Rank of LoRA adapters."""
     precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     """Compute precision."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """The optimizer (``TrainSpec.optimizer``): sgd holds one fp32 state per parameter instead of Adam's two."""
     zero_stage: int | None = Field(default=None, ge=0, le=3)
     """Fix the ZeRO stage (default: searched over 0-3)."""
     recompute: Literal["none", "selective", "full"] | None = None

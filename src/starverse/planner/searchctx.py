@@ -90,7 +90,8 @@ class Combo:
 
 def search_context(job: Job, pool: Pool, catalog: Any, spec: Any, mode: str) -> SearchContext:
     t = job.train
-    train = TrainShape(seq_len=t.seq_len, precision=t.precision, mode=mode, lora_rank=t.lora_rank)
+    train = TrainShape(seq_len=t.seq_len, precision=t.precision, mode=mode, lora_rank=t.lora_rank,
+                       optimizer=t.optimizer)
     accs = [catalog.accelerator(o.accelerator) for o in pool.offers]
     shape = ModelShape.from_spec(spec)
     for o in pool.offers:

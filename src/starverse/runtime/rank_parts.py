@@ -288,7 +288,7 @@ def training_parts(
     shard: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, PackedDataset, DeterministicSampler]:
     """A rank's optimizer (``shard``: wraps it, e.g. ZeRO-1), schedule, packed data and sampler for ``model``."""
-    optimizer = make_optimizer(model, job.lr, job.weight_decay, eps=job.adam_eps)
+    optimizer = make_optimizer(model, job.lr, job.weight_decay, eps=job.adam_eps, kind=job.plan.train.optimizer)
     if shard is not None:
         optimizer = shard(optimizer)
     scheduler = make_schedule(optimizer, job.warmup_steps, job.max_steps, job.min_lr_ratio)

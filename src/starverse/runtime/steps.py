@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from starverse.errors import ConfigError
+
 LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 
@@ -120,17 +122,26 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6.0 * n + attn
 
 
+SGD_MOMENTUM = 0.9
+"""Momentum of ``optimizer: sgd`` (Megatron-LM's ``--sgd-momentum`` default, torch's usual choice)."""
+
+
 def make_optimizer(
     model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
+    eps: float = 1e-8, kind: str = "adamw",
 ) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases, norms and other 1-D parameters."""
+    """AdamW (``kind`` adamw) or SGD with momentum :data:`SGD_MOMENTUM` (``kind`` sgd: the plan's
+    ``train.optimizer``); no weight decay on biases, norms and other 1-D parameters."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     # foreach=False: the same kernel on every device kind, so ranks compute bit-identical updates.
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=SGD_MOMENTUM, foreach=False)
+    if kind != "adamw":
+        raise ConfigError(f"optimizer {kind!r} is not one of adamw, sgd. To fix: set train.optimizer to one of them.")
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
 
 
