@@ -33,6 +33,7 @@ so a process running several jobs (tests, a notebook) never hands one job's stat
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -42,6 +43,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from multiprocessing import connection, forkserver, process, resource_tracker, util
@@ -179,13 +181,26 @@ def fork_server(modules: Sequence[str]) -> int | None:
     return pid
 
 
-def stop(pid: int) -> None:
-    """Stop the server ``pid`` if it is still this process's (as ``ForkServer._stop`` does: its alive pipe closed,
-    its exit waited for, its socket removed)."""
+def stop(pid: int, grace_s: float = 5.0) -> None:
+    """Stop the server ``pid`` if it is still this process's, as ``ForkServer._stop`` does (its alive pipe closed,
+    its exit waited for, its socket removed), but SIGKILLed after ``grace_s``: a process this one forked meanwhile
+    (a ``fork`` pool) holds a copy of the pipe and would keep it serving."""
     server = _client()
     with server._lock:
-        if server._forkserver_pid == pid:
-            server._stop_unlocked()
+        if server._forkserver_pid != pid:
+            return
+        os.close(server._forkserver_alive_fd)
+        deadline = time.monotonic() + grace_s
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+        if not util.is_abstract_socket_namespace(server._forkserver_address):  # type: ignore[attr-defined]
+            with contextlib.suppress(OSError):
+                os.unlink(server._forkserver_address)
+        server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
