@@ -117,7 +117,10 @@ def rank_server(modules: Sequence[str] = ()) -> Iterator[int | None]:
     model -- and stopped when the block ends, so the next job in this process never gets this one's state. When
     a server runs already, or this process cannot fork one (threads run: said in a debug log), or with
     ``forkserver-exec``, it is :func:`start_rank_server`'s exec'd server, kept for later launches. Yields the
-    forked server's pid, None otherwise (``spawn``: no server)."""
+    forked server's pid, None otherwise (``spawn``: no server).
+
+    A forked server does not import the main script again: what a rank gets by reference from ``__main__`` must
+    be defined there before the block starts (a job's rank function and callbacks live in starverse's modules)."""
     pid = None
     if start_method() == "forkserver":
         _RANK_MODULES.extend(m for m in modules if m not in _RANK_MODULES)
