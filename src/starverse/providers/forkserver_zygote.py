@@ -110,7 +110,7 @@ def fork_refusal() -> str | None:
     _stop_blas_threads()
     threads = _native_threads()
     if threads != 1:
-        return f"{threads} threads run (native ones: a thread pool started)"
+        return f"{threads} threads run (native ones: a thread pool or a library's own thread)"
     return None
 
 
