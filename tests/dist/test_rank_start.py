@@ -19,7 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from starverse.elastic.runlock import RunLock
 from starverse.errors import ConfigError
+from starverse.providers.forkserver_zygote import SERVER_PROCESS_NAME
 from starverse.providers.local import (
     RANK_PROCESS_NAME,
     START_METHOD_ENV,
@@ -77,16 +79,17 @@ def test_a_forked_rank_collects_garbage_and_skips_the_servers_preload(monkeypatc
 def test_a_bad_start_method_is_one_clear_error(monkeypatch):
     monkeypatch.setenv(START_METHOD_ENV, "fork")
     with pytest.raises(ConfigError, match=f"{START_METHOD_ENV}='fork': not a start method; to fix: set it to one "
-                                          "of forkserver, spawn or unset it"):
+                                          "of forkserver, forkserver-exec, spawn or unset it"):
         rank_context()
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
     assert rank_context().get_start_method() == "spawn"
 
 
 LAUNCHER = textwrap.dedent("""
-    import os, sys, time
+    import contextlib, os, sys, time
     from pathlib import Path
-    from starverse.providers.local import LocalLauncher
+    from starverse.elastic.runlock import RunLock
+    from starverse.providers.local import LocalLauncher, rank_server
     from starverse.runtime.launch import RankSpec
 
     def _wait(env, out):
@@ -96,7 +99,11 @@ LAUNCHER = textwrap.dedent("""
 
     if __name__ == "__main__":
         ranks = [RankSpec(rank=r, device_kind="cpu", device="cpu", num_threads=1) for r in range(2)]
-        LocalLauncher().launch(_wait, ranks, timeout_s=600, args=(sys.argv[1],))
+        with contextlib.ExitStack() as job:
+            if sys.argv[2] == "job":  # as a job's supervisor runs: the run dir locked, the server forked from here
+                job.enter_context(RunLock(Path(sys.argv[1], "run")))
+                assert job.enter_context(rank_server()) is not None
+            LocalLauncher().launch(_wait, ranks, timeout_s=600, args=(sys.argv[1],))
 """)
 
 
@@ -116,13 +123,15 @@ def _left(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 
 @pytest.mark.skipif(not LINUX, reason="a rank's death with its parent is Linux's PR_SET_PDEATHSIG")
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "job"])
 def test_no_rank_outlives_a_launcher_killed_with_sigkill(tmp_path, method):
+    """``job``: the server forked from the launcher (``rank_server``), which holds its run dir's lock: neither the
+    server nor the ranks keep that lock once the launcher is dead, even while the server cannot exit yet."""
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
     (tmp_path / "tmp").mkdir()
-    env = {**os.environ, START_METHOD_ENV: method}
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path)
+    env = {**os.environ, START_METHOD_ENV: "forkserver" if method == "job" else method}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), method], env=env, cwd=tmp_path)
     server = None
     try:
         deadline = time.monotonic() + 240
@@ -138,12 +147,15 @@ def test_no_rank_outlives_a_launcher_killed_with_sigkill(tmp_path, method):
         else:  # both ranks were forked by the one server, a child of the launcher
             (server,) = parents
             assert server != proc.pid and psutil.Process(server).ppid() == proc.pid
+            assert (psutil.Process(server).name() == SERVER_PROCESS_NAME) == (method == "job")
             # a stopped server cannot exit: the ranks' heartbeats must see the launcher gone by themselves
             os.kill(server, signal.SIGSTOP)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        if method == "job":  # the next supervisor of this run dir is not refused while the (stopped) server lives
+            RunLock(tmp_path / "run").acquire().release()
         assert _left(procs) == [], "ranks outlived their launcher"
-        if method == "forkserver":
+        if server is not None:
             os.kill(server, signal.SIGCONT)
             assert _left([psutil.Process(server)]) == [], "the fork server outlived its launcher"
     finally:

@@ -7,6 +7,7 @@ process starts (job file, cluster, prices, budget, ledger, resume point); :meth:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,7 +34,7 @@ from starverse.elastic.supervisor import Attempt, SupervisedResult, Supervisor, 
 from starverse.jobs.ledger import InplaceAccounting, JobBill, check_ledger_job, job_bill
 from starverse.jobs.wiring import JobCallbacks, build_callbacks
 from starverse.metrics.callbacks import ENDPOINT_FILE, lease_pricing
-from starverse.providers.local import LocalLauncher, start_rank_server
+from starverse.providers.local import LocalLauncher, rank_server
 from starverse.providers.ray_pool import RayPoolSource, pool_source_for
 from starverse.runtime.cluster import Cluster
 from starverse.runtime.launch import resolve_launcher
@@ -218,20 +219,21 @@ class PreparedJob:
             with c.mixed_mesh():
                 return starverse.build_model(c, seed=job.train.seed)  # weights, dtype and adapters of the mode
 
-        if type(self.supervisor.launcher) is LocalLauncher:  # its fork server imports while the model is built
-            start_rank_server(model_modules(self.cluster.model_config))
-        watcher = _ProgressWatcher(self.run_dir, job.train.steps, on_progress) if on_progress else None
-        try:
-            out = self.supervisor.run(
-                model_factory, job.dataset, resume_from=self.resume_from,
-                per_device_batch_size=job.train.micro_batch, max_steps=job.train.steps, seq_len=job.train.seq_len,
-                global_batch=job.train.global_batch, tokenizer=job.train.tokenizer,
-            )
-        finally:
-            if watcher is not None:
-                watcher.close()
-            if self.inplace is not None:
-                self.inplace.close()
+        with contextlib.ExitStack() as job_scope:
+            if type(self.supervisor.launcher) is LocalLauncher:  # the ranks' fork server, before any thread starts
+                job_scope.enter_context(rank_server(model_modules(self.cluster.model_config)))
+            watcher = _ProgressWatcher(self.run_dir, job.train.steps, on_progress) if on_progress else None
+            try:
+                out = self.supervisor.run(
+                    model_factory, job.dataset, resume_from=self.resume_from,
+                    per_device_batch_size=job.train.micro_batch, max_steps=job.train.steps,
+                    seq_len=job.train.seq_len, global_batch=job.train.global_batch, tokenizer=job.train.tokenizer,
+                )
+            finally:
+                if watcher is not None:
+                    watcher.close()
+                if self.inplace is not None:
+                    self.inplace.close()
         return self._result(out)
 
     def _result(self, out: SupervisedResult) -> JobResult:

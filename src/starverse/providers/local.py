@@ -11,9 +11,12 @@ fails fast with a typed error (:mod:`starverse.providers.failures`).
 Start-up: on Linux the ranks are forked from a *fork server* (``multiprocessing``'s ``forkserver``), a clean
 process started once per launcher process that has imported torch and the rank modules and never touches CUDA
 or a thread pool of torch's; a rank then starts in milliseconds instead of importing torch again (seconds of
-CPU each). ``STARVERSE_START_METHOD=spawn`` (and other platforms) start every rank as a fresh interpreter. A
-forked rank runs with the launcher's environment *at the rank's start* (the server's own is frozen when it
-starts), applied before the rank's function and arguments are loaded.
+CPU each). A job's server (:func:`rank_server`) is forked from the launcher itself once the launcher has imported
+those modules (:mod:`starverse.providers.forkserver_zygote`: they are imported once, not twice), else -- the
+launcher runs threads, or ``STARVERSE_START_METHOD=forkserver-exec`` -- and for launches outside a job it is a
+freshly exec'd interpreter that imports them. ``STARVERSE_START_METHOD=spawn`` (and other platforms) start every
+rank as a fresh interpreter. A forked rank runs with the launcher's environment *at the rank's start* (the
+server's own is frozen when it starts), applied before the rank's function and arguments are loaded.
 
 A rank never outlives its launcher. Its parent is the launcher (spawn) or the fork server, whose parent is the
 launcher and which exits once the launcher is gone (the ranks close their copy of the server's "alive" pipe,
@@ -38,10 +41,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
 from starverse.errors import ConfigError, DistributedError
+from starverse.providers import forkserver_zygote
 from starverse.providers.failures import code_error, lost_heartbeat, lost_process, overrun, user_error
 from starverse.runtime.devices import DEFAULT_CPU_RANKS, accelerator_id, cpu_rank_count, local_ranks  # noqa: F401
 from starverse.runtime.launch import (
@@ -65,8 +70,10 @@ RANK_PROCESS_NAME = "sv-rank{rank}"
 """A rank process's name (``/proc/PID/comm``, what ``ps`` and ``top`` show) on Linux: ``sv-rank0``, ..."""
 
 START_METHOD_ENV = "STARVERSE_START_METHOD"
-"""``forkserver`` (the default on Linux) or ``spawn`` (the default elsewhere): how rank processes start."""
-_START_METHODS = ("forkserver", "spawn")
+"""How rank processes start: ``forkserver`` (the default on Linux: a job's server forked from the launcher when it
+can be, see :func:`rank_server`), ``forkserver-exec`` (the server always a fresh interpreter) or ``spawn`` (the
+default elsewhere)."""
+_START_METHODS = ("forkserver", "forkserver-exec", "spawn")
 
 _PRELOAD = ("starverse.providers.forkserver_exit", "torch", "torch.distributed", "starverse.providers.local",
             "starverse.runtime.rank_loop")
@@ -95,6 +102,42 @@ def _preload_modules() -> list[str]:
     return [*first, *sorted(m for m in loaded if m not in first and m != _PRELOAD_LAST), _PRELOAD_LAST]
 
 
+def _zygote_preload() -> list[str]:
+    """What the launcher imports before it forks the server: the server's preload without the two modules that
+    only act inside an exec'd server (its fast exit, its collector switched back on)."""
+    return [m for m in _preload_modules() if m not in (_PRELOAD[0], _PRELOAD_LAST)]
+
+
+@contextlib.contextmanager
+def rank_server(modules: Sequence[str] = ()) -> Iterator[int | None]:
+    """Run one job's ranks from a fork server that has ``modules`` (and torch, the rank modules) imported.
+
+    With ``forkserver`` (the default on Linux) the server is forked from this process after it imported them
+    (:func:`starverse.providers.forkserver_zygote.fork_server`) -- this process needs them anyway to build the
+    model -- and stopped when the block ends, so the next job in this process never gets this one's state. When
+    a server runs already, or this process cannot fork one (threads run: said in a debug log), or with
+    ``forkserver-exec``, it is :func:`start_rank_server`'s exec'd server, kept for later launches. Yields the
+    forked server's pid, None otherwise (``spawn``: no server).
+
+    A forked server does not import the main script again: what a rank gets by reference from ``__main__`` must
+    be defined there before the block starts (a job's rank function and callbacks live in starverse's modules)."""
+    pid = None
+    if start_method() == "forkserver":
+        _RANK_MODULES.extend(m for m in modules if m not in _RANK_MODULES)
+        rank_context()  # sets the preload of a server started later
+        try:
+            pid = forkserver_zygote.fork_server(_zygote_preload())
+        except OSError as e:  # fork itself failed (no memory, a process limit)
+            log.debug("fork server: fork failed (%s); starting a fresh interpreter", e)
+    if pid is None:
+        start_rank_server(modules)
+    try:
+        yield pid
+    finally:
+        if pid is not None:
+            forkserver_zygote.stop(pid)
+
+
 def start_rank_server(modules: Sequence[str] = ()) -> bool:
     """Start this process's fork server now (where ranks start from one), also preloading ``modules``.
 
@@ -103,10 +146,8 @@ def start_rank_server(modules: Sequence[str] = ()) -> bool:
     after it, when the first rank starts. Later launches use the same server (ranks then need only what this
     process had loaded by now, plus ``modules``: what is missing a rank imports itself). Returns whether a server
     runs; a no-op with ``spawn``."""
-    if start_method() != "forkserver":
+    if start_method() == "spawn":
         return False
-    from multiprocessing import forkserver
-
     _RANK_MODULES.extend(m for m in modules if m not in _RANK_MODULES)
     rank_context()  # sets the preload
     with _main_reimport_guard():
