@@ -162,7 +162,9 @@ def random_case(seed: int):
     return job, pool
 
 
-@pytest.mark.parametrize("seed", range(12))
+# seeds 14, 28, 58, 73: a measured link slower than cross_offer_gbps between the two (58: three) kinds, the
+# pools where the bound's least send time comes from the links between offers of different accelerators
+@pytest.mark.parametrize("seed", [*range(12), 14, 28, 58, 73])
 def test_pipelines_match_brute_force(seed, catalog):
     job_d, pool_d = random_case(seed)
     job, pool = job_from_dict(job_d), pool_from_dict(pool_d, catalog)
