@@ -50,9 +50,11 @@ class LeafEvaluator:
         self.power = np.array([a.tdp_w for a in (ctx.catalog.accelerator(o.accelerator) for o in pool.offers)]) / 1e3
         self.accs = [o.accelerator for o in pool.offers]
         mn = model_numbers_1f1b(ctx)
-        names = [o.name for o in pool.offers]
-        fastest = max([float(pool.cross_offer_gbps)] + [float(pool.link_gbps(a, b)) for i, a in enumerate(names)
-                                                       for b in names[i + 1:] if a != b])
+        # a pipeline holds one offer per accelerator and at least two: at least one send crosses between
+        # two offers of different accelerators, over their link (the fastest such link bounds it from below)
+        offers = list(pool.offers)
+        fastest = max([float(pool.link_gbps(a.name, b.name)) for i, a in enumerate(offers) for b in offers[i + 1:]
+                       if a.accelerator != b.accelerator], default=float(pool.cross_offer_gbps))
         self.hop_s_per_sequence = mn.seq_len * mn.h * mn.bytes_per_value / (fastest / 8.0 * C.NETWORK_EFFICIENCY * 1e9)
 
     def evaluate(self, r: int, mb: int, setting: int, blocks: list[tuple[int, int, int]]) -> Pipeline | None:

@@ -52,7 +52,7 @@ from starverse.planner.pipekinds import (
     reach,
 )
 from starverse.planner.pipeleaf import LeafEvaluator
-from starverse.planner.policy import paid_cost, score, within
+from starverse.planner.policy import Layout, paid_cost, runtime_layout_rule, score, within
 from starverse.planner.result import SearchStats
 
 FloatArray = npt.NDArray[np.float64]
@@ -388,6 +388,11 @@ def search(ctx: Any, incumbent: float, stats: SearchStats) -> Pipeline | None:
     total = int(ctx.spec.num_layers)
     caps = space.offer_caps(pool.offers, ctx.budget_per_hour)
     if len({o.accelerator for o, c in zip(pool.offers, caps, strict=True) if c > 0}) < 2:
+        return None
+    if runtime_layout_rule(Layout((((1, 1, "nccl"), (1, 1, "nccl")),), 0, False, ctx.mode)) is not None:
+        # the rule refuses even the most permissive pipeline (two CUDA stages of TP 1, no ZeRO, no offload) in
+        # this mode (QLoRA: one stage per group), so it refuses every heterogeneous pipeline: none is evaluated
+        # (their exact evaluation is most of a QLoRA search's time, for plans the rule would leave out)
         return None
     tps = [[t for t in space.tp_degrees(ctx.spec, o.devices_per_node, max(c, 0))
             if so.max_tp is None or t <= so.max_tp] for o, c in zip(pool.offers, caps, strict=True)]
