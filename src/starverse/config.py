@@ -60,6 +60,10 @@ GPU's NVLink 5 (1.8 TB/s, NVIDIA GB200 NVL72 datasheet) and the 6.4 Tbit/s of ei
 ConnectX-8 SuperNIC). ``1e300`` would make every transfer free and every plan look network-bound by nothing."""
 MAX_GB_PER_S = MAX_GBPS / 8
 """The same bound in GB/s (12,500 GB/s), for bus bandwidths given in bytes."""
+MAX_MEMORY_GB = 100_000.0
+"""Most memory a file may give one device or node, GB (100 TB): above the 32 TiB of RAM of the largest cloud
+node (AWS EC2 u7in-32tb.224xlarge) and far above any device's memory (288 GB HBM3E: NVIDIA B300, AMD Instinct
+MI355X datasheets). ``1e300`` would make every plan fit."""
 
 
 def _is_number_type(tp: Any) -> bool:
@@ -339,7 +343,22 @@ def validation_message(cls: type[BaseModel], err: ValidationError) -> tuple[tupl
     msg = first["msg"]
     msg = msg.replace("Input should be ", "must be ").replace("Value error, ", "")
     got = f" (got {_short(first['input'])})" if "input" in first and kind != "value_error" else ""
-    return loc, f"{field}: {msg}{got}"
+    return loc, f"{field}: {msg}{got}{_bound_fix(kind, first.get('ctx') or {})}"
+
+
+_BOUND_FIX = {"less_than_equal": ("le", "at most"), "less_than": ("lt", "less than"),
+              "greater_than_equal": ("ge", "at least"), "greater_than": ("gt", "more than")}
+"""pydantic's error types of a bound broken, the key of the bound in the error's ``ctx``, and the fix's words."""
+
+
+def _bound_fix(kind: str, ctx: Mapping[str, Any]) -> str:
+    """``. To fix: give at most 100000`` for a number past a field's bound; empty for any other error."""
+    key, words = _BOUND_FIX.get(kind, ("", ""))
+    bound = ctx.get(key)
+    if not isinstance(bound, int | float):
+        return ""
+    shown = f"{bound:g}" if isinstance(bound, float) and not bound.is_integer() else f"{int(bound)}"
+    return f". To fix: give a number {words} {shown}"
 
 
 def parse(cls: type[M], data: Any, source: str | Path, node: yaml.Node | None = None) -> M:
