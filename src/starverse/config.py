@@ -60,6 +60,9 @@ GPU's NVLink 5 (1.8 TB/s, NVIDIA GB200 NVL72 datasheet) and the 6.4 Tbit/s of ei
 ConnectX-8 SuperNIC). ``1e300`` would make every transfer free and every plan look network-bound by nothing."""
 MAX_GB_PER_S = MAX_GBPS / 8
 """The same bound in GB/s (12,500 GB/s), for bus bandwidths given in bytes."""
+MAX_INTERRUPTIONS_PER_HOUR = 3600.0
+"""Most losses per device-hour a file may give (one a second): a device lost more often than that completes no
+training step at all, and the Young/Daly interval it implies rounds to nothing."""
 MAX_MEMORY_GB = 100_000.0
 """Most memory a file may give one device or node, GB (100 TB): above the 32 TiB of RAM of the largest cloud
 node (AWS EC2 u7in-32tb.224xlarge) and far above any device's memory (288 GB HBM3E: NVIDIA B300, AMD Instinct
@@ -78,13 +81,18 @@ def _is_number_type(tp: Any) -> bool:
     return tp in (int, float)
 
 
-class BoolNumberError(ValueError):
-    """A boolean where a number is meant, at ``loc`` inside the field's value (a list element, a mapping's
-    value or key): :func:`validation_message` adds ``loc`` to the field's, so the error names that line."""
+class LocatedError(ValueError):
+    """A validator's error at ``loc`` below where pydantic reports it (a list element, a mapping's value or key;
+    for a model validator, a field of the model): :func:`validation_message` adds ``loc`` to pydantic's, so the
+    error names that field and its line."""
 
     def __init__(self, message: str, loc: tuple[int | str, ...]):
         super().__init__(message)
         self.loc = loc
+
+
+class BoolNumberError(LocatedError):
+    """A boolean where a number is meant, at ``loc`` inside the field's value."""
 
 
 def _bool_in(value: Any, tp: Any) -> tuple[tuple[int | str, ...], bool] | None:
@@ -329,7 +337,7 @@ def validation_message(cls: type[BaseModel], err: ValidationError) -> tuple[tupl
     loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     kind = first["type"]
     cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, BoolNumberError):  # a boolean inside a list or mapping: name the element
+    if isinstance(cause, LocatedError):  # e.g. a boolean inside a list or mapping: name the element
         loc = (*loc, *cause.loc)
     field = format_loc(loc)
     if kind == "extra_forbidden":

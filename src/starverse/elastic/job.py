@@ -31,6 +31,7 @@ from pydantic import Field, field_validator, model_validator
 from starverse.config import (
     MAX_BATCH,
     MAX_COUNT,
+    MAX_INTERRUPTIONS_PER_HOUR,
     MAX_MONEY,
     MAX_SECONDS,
     MAX_SEED,
@@ -100,8 +101,8 @@ class CheckpointSettings(FrozenModel):
     """Checkpoint folder (default ``RUN_DIR/checkpoints``; relative to the job file)."""
     interval_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
     """Steps between checkpoints; null: Young/Daly from the measured save cost and the interruption rate."""
-    interruptions_per_hour: float | None = Field(default=None, ge=0)
-    """Expected losses per device-hour (spot); overrides ``trace`` and the pool."""
+    interruptions_per_hour: float | None = Field(default=None, ge=0, le=MAX_INTERRUPTIONS_PER_HOUR)
+    """Expected losses per device-hour (spot; at most 3600); overrides ``trace`` and the pool."""
     trace: PathText | None = None
     """A spot trace (``data/traces/``) to measure the interruption rate from, correlation included."""
     max_interval_s: float = Field(default=1800.0, gt=0, le=MAX_SECONDS)
