@@ -16,7 +16,9 @@ and sizes that the planner, the cost model or the runtime multiply or allocate c
 from __future__ import annotations
 
 import difflib
+import errno
 import reprlib
+import stat
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -50,6 +52,9 @@ MAX_MONEY = 10**12
 """Largest amount of money (budget, price) in any currency; the ledger stores micro-units as 64-bit integers."""
 MAX_SEED = 2**63 - 1
 """Largest random seed (torch seeds are 64-bit)."""
+MAX_FILE_BYTES = 64 << 20
+"""Largest file a command reads as text (64 MiB): a job, pool, plan or catalog file is a few kilobytes, the bundled
+catalog a few hundred; ``/dev/zero`` or a multi-gigabyte log named by mistake would be read until memory ran out."""
 MAX_PATH_PART = 255
 """Longest file-name component a path may have (NAME_MAX of Linux and macOS)."""
 MAX_PATH = 4096
@@ -160,14 +165,38 @@ PathText = Annotated[str, AfterValidator(check_path_text)]
 
 def read_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
     """Parse a YAML file; return the data and its node tree (for line numbers in later errors)."""
+    return parse_yaml_text(read_text_file(path, "a YAML file"), Path(path))
+
+
+def read_text_file(path: str | Path, what: str, max_bytes: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of the regular file ``path`` (``what`` it should be, for the fix), at most ``max_bytes``;
+    ConfigError naming the file, why it cannot be read and the fix otherwise (a folder, a symlink loop, a
+    device or FIFO that would be read forever or block, a binary file, a file the user may not read)."""
     p = Path(path)
+    fix = f"To fix: give the path of {what}"
     try:
-        text = p.read_text()
+        st = p.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{p}: cannot read (IsADirectoryError: a folder, not a file). {fix}")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{p}: cannot read (not a regular file: a device, FIFO or socket). {fix}")
+        if st.st_size > max_bytes:
+            raise ConfigError(f"{p}: cannot read (FileTooLarge: {st.st_size:,} bytes, at most {max_bytes:,}). {fix}")
+        with p.open("rb") as fh:
+            data = fh.read(max_bytes + 1)
     except FileNotFoundError:
         raise ConfigError(f"{p}: file not found") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read ({e.__class__.__name__})") from None
-    return parse_yaml_text(text, p)
+    except OSError as e:  # permission denied, a symlink loop, an I/O error
+        if e.errno == errno.ENAMETOOLONG:  # the CLI says so in one line, with the name cut short
+            raise
+        raise ConfigError(f"{p}: cannot read ({e.__class__.__name__}: {e.strerror or e}). {fix}") from None
+    if len(data) > max_bytes:  # grew while read
+        raise ConfigError(f"{p}: cannot read (FileTooLarge: more than {max_bytes:,} bytes). {fix}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: cannot read (UnicodeDecodeError: byte {data[e.start]:#04x} at offset {e.start} is "
+                          f"not UTF-8: a binary file?). {fix}") from None
 
 
 def parse_yaml_text(text: str, source: str | Path) -> tuple[Any, yaml.Node | None]:

@@ -7,6 +7,7 @@ and fails the test with its traceback; pytest-timeout turns a hang into a failur
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,55 @@ def test_bad_input_is_one_clean_line(argv: tuple[str, ...], files: dict[str, str
     assert code == 2, err
     assert "Traceback" not in err and "\n" not in err, err
     assert err.startswith("error: ") and expect in err, f"{expect!r} not in {err!r}"
+
+
+LOOP = "loop-a"
+"""A symlink loop the folder holds (loop-a -> loop-b -> loop-a)."""
+ODD_PATHS: list[tuple[str, tuple[str, ...], str]] = [
+    # (id, argv, a part of the one error line): paths that are no file a command can read
+    ("estimate-a-symlink-loop", ("estimate", LOOP), "loop-a: cannot read (OSError: Too many levels of symbolic links)"),
+    ("estimate-dev-zero", ("estimate", "/dev/zero"), "/dev/zero: cannot read (not a regular file: a device, FIFO or"),
+    ("plan-pool-a-fifo", (*PLAN_ARGV[:3], "fifo"), "fifo: cannot read (not a regular file"),
+    ("estimate-a-folder", ("estimate", "."), ".: cannot read (IsADirectoryError: a folder, not a file). To fix: give"),
+    ("estimate-a-binary-file", ("estimate", "bin.yaml"), "bin.yaml: cannot read (UnicodeDecodeError: byte 0xff at "
+                                                         "offset 2 is not UTF-8"),
+    ("models-dev-zero", ("models", "/dev/zero"), "To fix: give the path of a model's config.json"),
+    ("runs-a-symlink-loop", ("runs", LOOP), "loop-a: a symlink loop (links that point at each other, or at "
+                                            "themselves). To fix:"),
+    ("runs-compare-a-symlink-loop", ("runs", "compare", LOOP, LOOP), "a symlink loop"),
+    ("export-a-symlink-loop", ("export", LOOP, "--out", "x"), "a symlink loop"),
+    ("demo-run-dir-a-symlink-loop", ("demo", "--run-dir", LOOP), "a symlink loop"),
+    ("checkpoints-list-an-empty-folder", ("checkpoints", "list", "empty"),
+     "empty: no complete checkpoint to resume from: it is empty. To fix: point at a run directory written by "
+     "`starverse train` (it holds checkpoints/)"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("argv", "expect"), [c[1:] for c in ODD_PATHS], ids=[c[0] for c in ODD_PATHS])
+def test_paths_that_are_no_readable_file_are_one_clean_line(argv: tuple[str, ...], expect: str, folder: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A symlink loop (a traceback: pathlib raised RuntimeError), a device or FIFO (read forever, or blocked), a
+    folder or a binary file where a file is meant: one line, exit 2, no hang."""
+    (folder / LOOP).symlink_to("loop-b")
+    (folder / "loop-b").symlink_to(LOOP)
+    os.mkfifo(folder / "fifo")
+    (folder / "bin.yaml").write_bytes(b"\x00\x01\xff\xfe")
+    (folder / "empty").mkdir()
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert "Traceback" not in err and "\n" not in err, err
+    assert err.startswith("error: ") and expect in err, f"{expect!r} not in {err!r}"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of mode 000")
+def test_an_unreadable_file_is_one_clean_line(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (folder / "plan.yaml").chmod(0)
+    assert main(["estimate", "plan.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: plan.yaml: cannot read (PermissionError: Permission denied). To fix: give the path of a " \
+                  "YAML file", err
 
 
 def test_help_and_version_still_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
