@@ -7,11 +7,13 @@ and fails the test with its traceback; pytest-timeout turns a hang into a failur
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
+from helpers import TINY
 from starverse.cli import main
 
 PLAN = ("model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128}\ngroups:\n  - replicas: 1\n    stages:\n"
@@ -111,6 +113,20 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
      "the simulated jobs do not finish within"),
     ("simulate-interval-that-draws-billions-of-losses", (*SIM_ARGV, "--interval-s", "0.001"), {},
      "loss events at once"),
+    ("simulate-checkpoint-speed-1e308", (*SIM_ARGV, "--checkpoint-gb-per-s", "1e308"), {},
+     "--checkpoint-gb-per-s: must be at most 12,500 (got 1e+308)"),
+    # --- CPU ranks are processes: a million would fork the machine to a halt (probe hung building 1e20 of them)
+    ("probe-ranks-1e20", ("probe", "--ranks", "99999999999999999999", "--quick", "--out", "p.json"), {},
+     "--ranks: must be at most"),
+    ("probe-ranks-0", ("probe", "--ranks", "0", "--quick", "--out", "p.json"), {}, "--ranks: must be at least 1"),
+    ("demo-ranks-a-million", ("demo", "--ranks", "1000000", "--run-dir", "run"), {}, "--ranks: must be at most"),
+    ("train-cpu-ranks-100000", ("train", "train.yaml"), {"train.yaml": "dataset: job.yaml\nmodel: tiny.json\n"
+                                                                       "devices: {cpu_ranks: 100000}\n",
+                                                         "tiny.json": json.dumps(TINY)},
+     "train.yaml:3: devices.cpu_ranks: 100,000 is more than the"),
+    # --- ledgers that are no file: SQLite blocked on a FIFO
+    ("bill-a-fifo", ("bill", "--db", "fifo"), {}, "fifo: not a ledger file (a folder, device, FIFO or socket)"),
+    ("bill-a-folder", ("bill", "--db", "."), {}, ".: not a ledger file"),
     # --- option values that overflowed or reached the OS before any check
     ("demo-corpus-mb-1e308", ("demo", "--corpus-mb", "1e308", "--run-dir", "run"), {},
      "--corpus-mb: must be > 0 and at most 100,000 (got 1e+308)"),
@@ -147,6 +163,7 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("STARVERSE_PROFILE", "")
     monkeypatch.setenv("STARVERSE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("COLUMNS", "400")
+    os.mkfifo(tmp_path / "fifo")
     return tmp_path
 
 
@@ -194,7 +211,6 @@ def test_paths_that_are_no_readable_file_are_one_clean_line(argv: tuple[str, ...
     folder or a binary file where a file is meant: one line, exit 2, no hang."""
     (folder / LOOP).symlink_to("loop-b")
     (folder / "loop-b").symlink_to(LOOP)
-    os.mkfifo(folder / "fifo")
     (folder / "bin.yaml").write_bytes(b"\x00\x01\xff\xfe")
     (folder / "empty").mkdir()
     code = main(list(argv))

@@ -43,6 +43,7 @@ from starverse.config import (
     did_you_mean,
     parse,
     read_yaml,
+    where,
 )
 from starverse.errors import BillingError, BudgetExceededError, ConfigError
 
@@ -248,10 +249,15 @@ def check_job_inputs(job: TrainJob, source: str) -> None:
     each error at the job file's line (``source``): a dataset of text, and a model that exists. A pretrained
     folder's files are checked when it is loaded; :data:`DEFAULT_MODEL` is no registry id."""
     from starverse.checks import check_dataset, check_model
+    from starverse.runtime.devices import max_cpu_ranks
 
     check_dataset(job.dataset, source)
     if not Path(job.model).is_dir() and job.model != DEFAULT_MODEL:
         check_model(job.model, source)
+    ranks, most = job.devices.cpu_ranks, max_cpu_ranks()
+    if ranks is not None and ranks > most:
+        raise ConfigError(f"{where(source, ('devices', 'cpu_ranks'))}: devices.cpu_ranks: {ranks:,} is more than the "
+                          f"{most} CPU ranks this machine starts (one process each). To fix: ask for at most {most}")
 
 
 def load_job(path: str | Path) -> TrainJob:
