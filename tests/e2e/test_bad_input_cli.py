@@ -124,6 +124,9 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
                                                                        "devices: {cpu_ranks: 100000}\n",
                                                          "tiny.json": json.dumps(TINY)},
      "train.yaml:3: devices.cpu_ranks: 100,000 is more than the"),
+    ("train-seq-len-past-the-models-positions", ("train", "train.yaml"),
+     {"train.yaml": "dataset: job.yaml\nmodel: tiny.json\ntrain: {seq_len: 100000}\n", "tiny.json": json.dumps(TINY)},
+     "train.yaml:3: train.seq_len: 100000 exceeds the 256 positions of model"),
     # --- ledgers that are no file: SQLite blocked on a FIFO
     ("bill-a-fifo", ("bill", "--db", "fifo"), {}, "fifo: not a ledger file (a folder, device, FIFO or socket)"),
     ("bill-a-folder", ("bill", "--db", "."), {}, ".: not a ledger file"),

@@ -147,6 +147,9 @@ JOB_BODIES: list[tuple[str, bytes, str, str]] = [
     ("tokenizer-a-server-path", json.dumps({"job": train(tokenizer="/etc/passwd")}).encode(), JSON,
      "train.tokenizer: '/etc/passwd': the service does not read tokenizer files by path"),
     ("ray-pool", json.dumps({"job": job(pool={"ray": "auto"})}).encode(), JSON, "job: pool: ray: not accepted"),
+    ("seq-len-past-the-models-positions", json.dumps({"job": train(seq_len=100_000)}).encode(), JSON,
+     "job.yaml:5: train.seq_len: 100000 exceeds the 256 positions of model platform:/models/tiny. To fix: set "
+     "seq_len to at most 256"),
     ("inline-plan-that-does-not-load", json.dumps({"job": job(plan={"x": 1})}).encode(), JSON,
      "plan.yaml:1: x: unknown field"),
     ("inline-pool-unknown-accelerator", json.dumps({"job": job(pool={"offers": [{"accelerator": "h900",

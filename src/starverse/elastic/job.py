@@ -253,7 +253,12 @@ def check_job_inputs(job: TrainJob, source: str) -> None:
 
     check_dataset(job.dataset, source)
     if not Path(job.model).is_dir() and job.model != DEFAULT_MODEL:
-        check_model(job.model, source)
+        spec = check_model(job.model, source)
+        limit = getattr(spec, "max_seq_len", None)
+        # the positions of the model as given (a scaled-down copy for small devices has no more of them)
+        if isinstance(limit, int) and job.train.seq_len > limit:
+            raise ConfigError(f"{where(source, ('train', 'seq_len'))}: train.seq_len: {job.train.seq_len} exceeds the "
+                              f"{limit} positions of model {job.model}. To fix: set seq_len to at most {limit}")
     ranks, most = job.devices.cpu_ranks, max_cpu_ranks()
     if ranks is not None and ranks > most:
         raise ConfigError(f"{where(source, ('devices', 'cpu_ranks'))}: devices.cpu_ranks: {ranks:,} is more than the "
