@@ -204,6 +204,10 @@ ODD_PATHS: list[tuple[str, tuple[str, ...], str]] = [
     ("runs-compare-a-symlink-loop", ("runs", "compare", LOOP, LOOP), "a symlink loop"),
     ("export-a-symlink-loop", ("export", LOOP, "--out", "x"), "a symlink loop"),
     ("demo-run-dir-a-symlink-loop", ("demo", "--run-dir", LOOP), "a symlink loop"),
+    ("plan-profile-dev-zero", ("estimate", "profiled.yaml"), "network.profiles.a100-80gb-sxm: /dev/zero: cannot read "
+                                                            "(not a regular file"),
+    ("pool-profile-a-folder", (*PLAN_ARGV[:3], "profiled-pool.yaml"),
+     "profiled-pool.yaml:3: offers[0].profile: empty: cannot read (IsADirectoryError: a folder, not a file)"),
     ("checkpoints-list-an-empty-folder", ("checkpoints", "list", "empty"),
      "empty: no complete checkpoint to resume from: it is empty. To fix: point at a run directory written by "
      "`starverse train` (it holds checkpoints/)"),
@@ -220,6 +224,8 @@ def test_paths_that_are_no_readable_file_are_one_clean_line(argv: tuple[str, ...
     (folder / "loop-b").symlink_to(LOOP)
     (folder / "bin.yaml").write_bytes(b"\x00\x01\xff\xfe")
     (folder / "empty").mkdir()
+    (folder / "profiled.yaml").write_text(PLAN + "network: {profiles: {a100-80gb-sxm: /dev/zero}}\n")
+    (folder / "profiled-pool.yaml").write_text(POOL.replace("0.69}", "0.69, profile: empty}"))
     code = main(list(argv))
     err = capsys.readouterr().err.strip()
     assert code == 2, err
