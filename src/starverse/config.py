@@ -16,7 +16,9 @@ and sizes that the planner, the cost model or the runtime multiply or allocate c
 from __future__ import annotations
 
 import difflib
+import errno
 import reprlib
+import stat
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -50,6 +52,9 @@ MAX_MONEY = 10**12
 """Largest amount of money (budget, price) in any currency; the ledger stores micro-units as 64-bit integers."""
 MAX_SEED = 2**63 - 1
 """Largest random seed (torch seeds are 64-bit)."""
+MAX_FILE_BYTES = 64 << 20
+"""Largest file a command reads as text (64 MiB): a job, pool, plan or catalog file is a few kilobytes, the bundled
+catalog a few hundred; ``/dev/zero`` or a multi-gigabyte log named by mistake would be read until memory ran out."""
 MAX_PATH_PART = 255
 """Longest file-name component a path may have (NAME_MAX of Linux and macOS)."""
 MAX_PATH = 4096
@@ -60,6 +65,13 @@ GPU's NVLink 5 (1.8 TB/s, NVIDIA GB200 NVL72 datasheet) and the 6.4 Tbit/s of ei
 ConnectX-8 SuperNIC). ``1e300`` would make every transfer free and every plan look network-bound by nothing."""
 MAX_GB_PER_S = MAX_GBPS / 8
 """The same bound in GB/s (12,500 GB/s), for bus bandwidths given in bytes."""
+MAX_INTERRUPTIONS_PER_HOUR = 3600.0
+"""Most losses per device-hour a file may give (one a second): a device lost more often than that completes no
+training step at all, and the Young/Daly interval it implies rounds to nothing."""
+MAX_MEMORY_GB = 100_000.0
+"""Most memory a file may give one device or node, GB (100 TB): above the 32 TiB of RAM of the largest cloud
+node (AWS EC2 u7in-32tb.224xlarge) and far above any device's memory (288 GB HBM3E: NVIDIA B300, AMD Instinct
+MI355X datasheets). ``1e300`` would make every plan fit."""
 
 
 def _is_number_type(tp: Any) -> bool:
@@ -74,13 +86,18 @@ def _is_number_type(tp: Any) -> bool:
     return tp in (int, float)
 
 
-class BoolNumberError(ValueError):
-    """A boolean where a number is meant, at ``loc`` inside the field's value (a list element, a mapping's
-    value or key): :func:`validation_message` adds ``loc`` to the field's, so the error names that line."""
+class LocatedError(ValueError):
+    """A validator's error at ``loc`` below where pydantic reports it (a list element, a mapping's value or key;
+    for a model validator, a field of the model): :func:`validation_message` adds ``loc`` to pydantic's, so the
+    error names that field and its line."""
 
     def __init__(self, message: str, loc: tuple[int | str, ...]):
         super().__init__(message)
         self.loc = loc
+
+
+class BoolNumberError(LocatedError):
+    """A boolean where a number is meant, at ``loc`` inside the field's value."""
 
 
 def _bool_in(value: Any, tp: Any) -> tuple[tuple[int | str, ...], bool] | None:
@@ -148,14 +165,38 @@ PathText = Annotated[str, AfterValidator(check_path_text)]
 
 def read_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
     """Parse a YAML file; return the data and its node tree (for line numbers in later errors)."""
+    return parse_yaml_text(read_text_file(path, "a YAML file"), Path(path))
+
+
+def read_text_file(path: str | Path, what: str, max_bytes: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of the regular file ``path`` (``what`` it should be, for the fix), at most ``max_bytes``;
+    ConfigError naming the file, why it cannot be read and the fix otherwise (a folder, a symlink loop, a
+    device or FIFO that would be read forever or block, a binary file, a file the user may not read)."""
     p = Path(path)
+    fix = f"To fix: give the path of {what}"
     try:
-        text = p.read_text()
+        st = p.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{p}: cannot read (IsADirectoryError: a folder, not a file). {fix}")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{p}: cannot read (not a regular file: a device, FIFO or socket). {fix}")
+        if st.st_size > max_bytes:
+            raise ConfigError(f"{p}: cannot read (FileTooLarge: {st.st_size:,} bytes, at most {max_bytes:,}). {fix}")
+        with p.open("rb") as fh:
+            data = fh.read(max_bytes + 1)
     except FileNotFoundError:
         raise ConfigError(f"{p}: file not found") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read ({e.__class__.__name__})") from None
-    return parse_yaml_text(text, p)
+    except OSError as e:  # permission denied, a symlink loop, an I/O error
+        if e.errno == errno.ENAMETOOLONG:  # the CLI says so in one line, with the name cut short
+            raise
+        raise ConfigError(f"{p}: cannot read ({e.__class__.__name__}: {e.strerror or e}). {fix}") from None
+    if len(data) > max_bytes:  # grew while read
+        raise ConfigError(f"{p}: cannot read (FileTooLarge: more than {max_bytes:,} bytes). {fix}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: cannot read (UnicodeDecodeError: byte {data[e.start]:#04x} at offset {e.start} is "
+                          f"not UTF-8: a binary file?). {fix}") from None
 
 
 def parse_yaml_text(text: str, source: str | Path) -> tuple[Any, yaml.Node | None]:
@@ -325,7 +366,7 @@ def validation_message(cls: type[BaseModel], err: ValidationError) -> tuple[tupl
     loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     kind = first["type"]
     cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, BoolNumberError):  # a boolean inside a list or mapping: name the element
+    if isinstance(cause, LocatedError):  # e.g. a boolean inside a list or mapping: name the element
         loc = (*loc, *cause.loc)
     field = format_loc(loc)
     if kind == "extra_forbidden":
@@ -339,7 +380,22 @@ def validation_message(cls: type[BaseModel], err: ValidationError) -> tuple[tupl
     msg = first["msg"]
     msg = msg.replace("Input should be ", "must be ").replace("Value error, ", "")
     got = f" (got {_short(first['input'])})" if "input" in first and kind != "value_error" else ""
-    return loc, f"{field}: {msg}{got}"
+    return loc, f"{field}: {msg}{got}{_bound_fix(kind, first.get('ctx') or {})}"
+
+
+_BOUND_FIX = {"less_than_equal": ("le", "at most"), "less_than": ("lt", "less than"),
+              "greater_than_equal": ("ge", "at least"), "greater_than": ("gt", "more than")}
+"""pydantic's error types of a bound broken, the key of the bound in the error's ``ctx``, and the fix's words."""
+
+
+def _bound_fix(kind: str, ctx: Mapping[str, Any]) -> str:
+    """``. To fix: give at most 100000`` for a number past a field's bound; empty for any other error."""
+    key, words = _BOUND_FIX.get(kind, ("", ""))
+    bound = ctx.get(key)
+    if not isinstance(bound, int | float):
+        return ""
+    shown = f"{bound:g}" if isinstance(bound, float) and not bound.is_integer() else f"{int(bound)}"
+    return f". To fix: give a number {words} {shown}"
 
 
 def parse(cls: type[M], data: Any, source: str | Path, node: yaml.Node | None = None) -> M:

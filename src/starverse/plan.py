@@ -15,6 +15,9 @@ from pydantic import Field, model_validator
 from starverse.config import (
     MAX_BATCH,
     MAX_COUNT,
+    MAX_GB_PER_S,
+    MAX_GBPS,
+    MAX_MEMORY_GB,
     MAX_SEQ_LEN,
     MAX_STEPS,
     MAX_TOKENS,
@@ -35,6 +38,12 @@ Attention = Literal["auto", "flash", "flash2", "eager"]
 SoftmaxFusion = Literal["always", "megatron", "megatron-bsc-2022"]
 PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+Gbps = Annotated[float, Field(gt=0, le=MAX_GBPS)]
+"""A link's bandwidth, Gbit/s: at most ``config.MAX_GBPS`` (100 Tbit/s, above any link a node has)."""
+GBPerS = Annotated[float, Field(gt=0, le=MAX_GB_PER_S)]
+"""A bus bandwidth, GB/s: at most ``config.MAX_GB_PER_S`` (12,500 GB/s)."""
+MemoryGB = Annotated[float, Field(gt=0, le=MAX_MEMORY_GB)]
+"""A device's memory, GB: at most ``config.MAX_MEMORY_GB`` (100 TB)."""
 
 
 class TrainSpec(FrozenModel):
@@ -186,11 +195,11 @@ class Network(FrozenModel):
 
     devices_per_node: dict[str, PositiveInt] = Field(default_factory=dict)
     """Devices per node by accelerator id."""
-    inter_node_gbps: dict[str, PositiveFloat] = Field(default_factory=dict)
-    """NIC bandwidth per node in Gbit/s, by accelerator id."""
-    cross_group_gbps: float | None = Field(default=None, gt=0)
-    """Bandwidth in Gbit/s between nodes of different accelerators."""
-    links: dict[str, PositiveFloat] = Field(default_factory=dict)
+    inter_node_gbps: dict[str, Gbps] = Field(default_factory=dict)
+    """NIC bandwidth per node in Gbit/s, by accelerator id (at most 100,000, ``config.MAX_GBPS``)."""
+    cross_group_gbps: float | None = Field(default=None, gt=0, le=MAX_GBPS)
+    """Bandwidth in Gbit/s between nodes of different accelerators (at most 100,000)."""
+    links: dict[str, Gbps] = Field(default_factory=dict)
     """Measured Gbit/s between two accelerators' nodes, keyed ``a/b`` (either order; ``a/a`` is between two
     nodes of the same accelerator); overrides ``cross_group_gbps`` and ``inter_node_gbps`` for that pair."""
     achieved_gbps: bool = False
@@ -203,12 +212,12 @@ class Network(FrozenModel):
     (default: the catalog rule, ``costmodel.constants.NO_PEER_TO_PEER``: GeForce/Titan cards do not). Cloud
     VMs often do not either (AWS G instances: no PCIe P2P); without it NCCL copies through host memory and a
     collective gets half the link."""
-    collective_gb_per_s: dict[str, dict[PositiveInt, PositiveFloat]] = Field(default_factory=dict)
+    collective_gb_per_s: dict[str, dict[PositiveInt, GBPerS]] = Field(default_factory=dict)
     """Measured all-reduce bus bandwidth (nccl-tests' busbw, GB/s) inside one node of an accelerator, by
     accelerator id and group size (``{rtx-3090: {2: 35.8, 8: 1.35}}``): what NCCL reaches on that node's real
     topology (NVLink bridges, PCIe switches, sockets, host-memory copies); overrides the catalog's link and
     the PCIe fraction for a TP group (and the intra-node part of a DP ring) of that size."""
-    usable_memory_gb: dict[str, PositiveFloat] = Field(default_factory=dict)
+    usable_memory_gb: dict[str, MemoryGB] = Field(default_factory=dict)
     """Device memory a job can use, GB (10^9 bytes), by accelerator id (ECC and driver reserve taken off);
     overrides the cost model's figure per accelerator."""
     profiles: dict[str, str] = Field(default_factory=dict)

@@ -7,10 +7,13 @@ and fails the test with its traceback; pytest-timeout turns a hang into a failur
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 
+from helpers import TINY
 from starverse.cli import main
 
 PLAN = ("model: llama-2-7b\ntrain: {seq_len: 4096, global_batch: 128}\ngroups:\n  - replicas: 1\n    stages:\n"
@@ -73,6 +76,33 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
      "pool.yaml:3: offers[0].inter_node_gbps: must be less than or equal to 100000"),
     ("pool-collective-1e300", PLAN_ARGV, {"pool.yaml": POOL.replace("0.69}", "0.69, collective_gb_per_s: {2: 1.0e300}}")},
      "pool.yaml:3: offers[0].collective_gb_per_s[2]: must be less than or equal to 12500"),
+    # --- the plan's network figures are bounded as the pool's are (they made every transfer free, every plan fit)
+    ("plan-link-1e300", ("estimate", "plan.yaml"), {"plan.yaml": PLAN + "network:\n  links: {a100-80gb-sxm/a100-80gb-sxm: 1.0e+300}\n"},
+     "plan.yaml:8: network.links.a100-80gb-sxm/a100-80gb-sxm: must be less than or equal to 100000 (got 1e+300). To "
+     "fix: give a number at most 100000"),
+    ("plan-nic-1e300", ("estimate", "plan.yaml"), {"plan.yaml": PLAN + "network:\n  inter_node_gbps: {a100-80gb-sxm: 1.0e+300}\n"},
+     "plan.yaml:8: network.inter_node_gbps.a100-80gb-sxm: must be less than or equal to 100000"),
+    ("plan-cross-group-1e300", ("estimate", "plan.yaml"), {"plan.yaml": PLAN + "network:\n  cross_group_gbps: 1.0e+300\n"},
+     "plan.yaml:8: network.cross_group_gbps: must be less than or equal to 100000"),
+    ("plan-collective-1e300", ("estimate", "plan.yaml"),
+     {"plan.yaml": PLAN + "network:\n  collective_gb_per_s: {a100-80gb-sxm: {8: 1.0e+300}}\n"},
+     "plan.yaml:8: network.collective_gb_per_s.a100-80gb-sxm[8]: must be less than or equal to 12500"),
+    ("plan-usable-memory-1e300", ("estimate", "plan.yaml"),
+     {"plan.yaml": PLAN + "network:\n  usable_memory_gb: {a100-80gb-sxm: 1.0e+300}\n"},
+     "plan.yaml:8: network.usable_memory_gb.a100-80gb-sxm: must be less than or equal to 100000"),
+    ("plan-link-0", ("estimate", "plan.yaml"), {"plan.yaml": PLAN + "network:\n  links: {a100-80gb-sxm/a100-80gb-sxm: 0}\n"},
+     "network.links.a100-80gb-sxm/a100-80gb-sxm: must be greater than 0 (got 0). To fix: give a number more than 0"),
+    ("pool-link-0", PLAN_ARGV, {"pool.yaml": POOL2 + "network:\n  links: {a/b: 0}\n"},
+     "pool.yaml:6: network.links.a/b: must be greater than 0 (got 0). To fix: give a number more than 0"),
+    ("pool-link-unknown-offer", PLAN_ARGV, {"pool.yaml": POOL2 + "network:\n  links:\n    a/c: 10\n"},
+     "pool.yaml:7: network.links.a/c: 'a/c' must name two offers as 'a/b'. To fix: use offer names (offers: a, b)"),
+    ("pool-offer-named-twice", PLAN_ARGV, {"pool.yaml": POOL2.replace("name: b", "name: a")},
+     "pool.yaml:4: offers[1].name: two offers are called 'a'. To fix: give each a distinct `name:`"),
+    ("pool-host-memory-1e300", PLAN_ARGV, {"pool.yaml": POOL.replace("0.69}", "0.69, host_memory_gb: 1.0e+300}")},
+     "pool.yaml:3: offers[0].host_memory_gb: must be less than or equal to 100000"),
+    ("pool-interruptions-1e300", PLAN_ARGV, {"pool.yaml": POOL.replace(
+        "0.69}", "0.69, spot_price_per_hour: 0.3, pricing: spot, interruptions_per_hour: 1.0e+300}")},
+     "pool.yaml:3: offers[0].interruptions_per_hour: must be less than or equal to 3600"),
     # --- simulate: sizes that would allocate terabytes or never end are refused with the bound
     ("simulate-runs-1e12", (*SIM_ARGV, "--runs", "1000000000000"), {}, "'--runs': Input should be less than or equal to 100000"),
     ("simulate-hours-1e308", (*SIM_ARGV, "--hours", "1e308"), {}, "--hours: must be at most 87,840 (got 1e+308)"),
@@ -83,6 +113,23 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
      "the simulated jobs do not finish within"),
     ("simulate-interval-that-draws-billions-of-losses", (*SIM_ARGV, "--interval-s", "0.001"), {},
      "loss events at once"),
+    ("simulate-checkpoint-speed-1e308", (*SIM_ARGV, "--checkpoint-gb-per-s", "1e308"), {},
+     "--checkpoint-gb-per-s: must be at most 12,500 (got 1e+308)"),
+    # --- CPU ranks are processes: a million would fork the machine to a halt (probe hung building 1e20 of them)
+    ("probe-ranks-1e20", ("probe", "--ranks", "99999999999999999999", "--quick", "--out", "p.json"), {},
+     "--ranks: must be at most"),
+    ("probe-ranks-0", ("probe", "--ranks", "0", "--quick", "--out", "p.json"), {}, "--ranks: must be at least 1"),
+    ("demo-ranks-a-million", ("demo", "--ranks", "1000000", "--run-dir", "run"), {}, "--ranks: must be at most"),
+    ("train-cpu-ranks-100000", ("train", "train.yaml"), {"train.yaml": "dataset: job.yaml\nmodel: tiny.json\n"
+                                                                       "devices: {cpu_ranks: 100000}\n",
+                                                         "tiny.json": json.dumps(TINY)},
+     "train.yaml:3: devices.cpu_ranks: 100,000 is more than the"),
+    ("train-seq-len-past-the-models-positions", ("train", "train.yaml"),
+     {"train.yaml": "dataset: job.yaml\nmodel: tiny.json\ntrain: {seq_len: 100000}\n", "tiny.json": json.dumps(TINY)},
+     "train.yaml:3: train.seq_len: 100000 exceeds the 256 positions of model"),
+    # --- ledgers that are no file: SQLite blocked on a FIFO
+    ("bill-a-fifo", ("bill", "--db", "fifo"), {}, "fifo: not a ledger file (a folder, device, FIFO or socket)"),
+    ("bill-a-folder", ("bill", "--db", "."), {}, ".: not a ledger file"),
     # --- option values that overflowed or reached the OS before any check
     ("demo-corpus-mb-1e308", ("demo", "--corpus-mb", "1e308", "--run-dir", "run"), {},
      "--corpus-mb: must be > 0 and at most 100,000 (got 1e+308)"),
@@ -100,6 +147,10 @@ CASES: list[tuple[str, tuple[str, ...], dict[str, str], str]] = [
     ("serve-topup-1e30", ("serve", "tenant", "topup", "t", "1e30", "--root", "svc"), {}, "AMOUNT: '1e30' is above"),
     ("serve-token-ttl-1e308", ("serve", "token", "create", "t", "--ttl-hours", "1e308", "--root", "svc"), {},
      "--ttl-hours: must be at most 87,840"),
+    ("serve-token-ttl-negative", ("serve", "token", "create", "t", "--ttl-hours", "-1", "--root", "svc"), {},
+     "--ttl-hours: -1 gives a token that has expired when it is printed. To fix: pass at least"),
+    ("serve-token-ttl-0", ("serve", "token", "create", "t", "--ttl-hours", "0", "--root", "svc"), {},
+     "--ttl-hours: 0 gives a token that has expired"),
     ("serve-root-is-a-file", ("serve", "tenant", "create", "t", "--root", "job.yaml"), {},
      "--root job.yaml: cannot be the state directory"),
     ("serve-database-unreachable", ("serve", "tenant", "create", "t", "--root", "svc", "--database",
@@ -119,6 +170,7 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("STARVERSE_PROFILE", "")
     monkeypatch.setenv("STARVERSE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("COLUMNS", "400")
+    os.mkfifo(tmp_path / "fifo")
     return tmp_path
 
 
@@ -134,6 +186,60 @@ def test_bad_input_is_one_clean_line(argv: tuple[str, ...], files: dict[str, str
     assert code == 2, err
     assert "Traceback" not in err and "\n" not in err, err
     assert err.startswith("error: ") and expect in err, f"{expect!r} not in {err!r}"
+
+
+LOOP = "loop-a"
+"""A symlink loop the folder holds (loop-a -> loop-b -> loop-a)."""
+ODD_PATHS: list[tuple[str, tuple[str, ...], str]] = [
+    # (id, argv, a part of the one error line): paths that are no file a command can read
+    ("estimate-a-symlink-loop", ("estimate", LOOP), "loop-a: cannot read (OSError: Too many levels of symbolic links)"),
+    ("estimate-dev-zero", ("estimate", "/dev/zero"), "/dev/zero: cannot read (not a regular file: a device, FIFO or"),
+    ("plan-pool-a-fifo", (*PLAN_ARGV[:3], "fifo"), "fifo: cannot read (not a regular file"),
+    ("estimate-a-folder", ("estimate", "."), ".: cannot read (IsADirectoryError: a folder, not a file). To fix: give"),
+    ("estimate-a-binary-file", ("estimate", "bin.yaml"), "bin.yaml: cannot read (UnicodeDecodeError: byte 0xff at "
+                                                         "offset 2 is not UTF-8"),
+    ("models-dev-zero", ("models", "/dev/zero"), "To fix: give the path of a model's config.json"),
+    ("runs-a-symlink-loop", ("runs", LOOP), "loop-a: a symlink loop (links that point at each other, or at "
+                                            "themselves). To fix:"),
+    ("runs-compare-a-symlink-loop", ("runs", "compare", LOOP, LOOP), "a symlink loop"),
+    ("export-a-symlink-loop", ("export", LOOP, "--out", "x"), "a symlink loop"),
+    ("demo-run-dir-a-symlink-loop", ("demo", "--run-dir", LOOP), "a symlink loop"),
+    ("plan-profile-dev-zero", ("estimate", "profiled.yaml"), "network.profiles.a100-80gb-sxm: /dev/zero: cannot read "
+                                                            "(not a regular file"),
+    ("pool-profile-a-folder", (*PLAN_ARGV[:3], "profiled-pool.yaml"),
+     "profiled-pool.yaml:3: offers[0].profile: empty: cannot read (IsADirectoryError: a folder, not a file)"),
+    ("checkpoints-list-an-empty-folder", ("checkpoints", "list", "empty"),
+     "empty: no complete checkpoint to resume from: it is empty. To fix: point at a run directory written by "
+     "`starverse train` (it holds checkpoints/)"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("argv", "expect"), [c[1:] for c in ODD_PATHS], ids=[c[0] for c in ODD_PATHS])
+def test_paths_that_are_no_readable_file_are_one_clean_line(argv: tuple[str, ...], expect: str, folder: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A symlink loop (a traceback: pathlib raised RuntimeError), a device or FIFO (read forever, or blocked), a
+    folder or a binary file where a file is meant: one line, exit 2, no hang."""
+    (folder / LOOP).symlink_to("loop-b")
+    (folder / "loop-b").symlink_to(LOOP)
+    (folder / "bin.yaml").write_bytes(b"\x00\x01\xff\xfe")
+    (folder / "empty").mkdir()
+    (folder / "profiled.yaml").write_text(PLAN + "network: {profiles: {a100-80gb-sxm: /dev/zero}}\n")
+    (folder / "profiled-pool.yaml").write_text(POOL.replace("0.69}", "0.69, profile: empty}"))
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert "Traceback" not in err and "\n" not in err, err
+    assert err.startswith("error: ") and expect in err, f"{expect!r} not in {err!r}"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of mode 000")
+def test_an_unreadable_file_is_one_clean_line(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (folder / "plan.yaml").chmod(0)
+    assert main(["estimate", "plan.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: plan.yaml: cannot read (PermissionError: Permission denied). To fix: give the path of a " \
+                  "YAML file", err
 
 
 def test_help_and_version_still_exit_0(capsys: pytest.CaptureFixture[str]) -> None:

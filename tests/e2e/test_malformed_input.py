@@ -77,7 +77,7 @@ CASES = [
          {"job.yaml": "- a\n- b\n"}),
     Case("two-documents", PLAN_ARGV, "job.yaml:4: malformed YAML: expected a single document in the stream but "
          "found another document", {"job.yaml": JOB + "---\n" + JOB}),
-    Case("job-file-is-binary", PLAN_ARGV, "job.yaml: cannot read (UnicodeDecodeError)",
+    Case("job-file-is-binary", PLAN_ARGV, "job.yaml: cannot read (UnicodeDecodeError: byte 0xff at offset 0 is not UTF-8",
          {"job.yaml": b"\xff\xfe\x00\x01" * 100}),
     # --- non-finite numbers where a finite one is meant
     Case("tokens-inf", PLAN_ARGV, "job.yaml:2: train.tokens: must be a finite number (got inf)",
@@ -143,7 +143,7 @@ CASES = [
          {"train.yaml": TRAIN.replace("run_dir: run", "run_dir: afile"), "afile": "x"}),
     Case("dataset-is-binary", TRAIN_ARGV, "train.yaml:2: dataset: {d}/data.bin is not a text file",
          {"train.yaml": TRAIN.replace("dataset: docs", "dataset: data.bin"), "data.bin": bytes(range(256)) * 64}),
-    Case("job-file-is-a-directory", ("train", "docs"), "docs: cannot read (IsADirectoryError)"),
+    Case("job-file-is-a-directory", ("train", "docs"), "docs: cannot read (IsADirectoryError: a folder, not a file). To fix: give the path of a YAML file"),
     Case("option-nan", ("demo", "--corpus-mb", "nan", "--run-dir", "run"), "--corpus-mb: must be a finite number (got nan)"),
     Case("option-inf", ("simulate", "plan.yaml", "--trace", "t.csv", "--hours", "inf"),
          "--hours: must be a finite number (got inf)"),

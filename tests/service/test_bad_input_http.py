@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
-from service_fixtures import TINY_JOB, Service, make_settings
+from service_fixtures import TINY_JOB, Service, free_port, make_settings
 
 from starverse.service.app import create_app
 
@@ -30,6 +34,37 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     yield service
     service.client.close()
     app.state.ctx.close()
+
+
+@pytest.fixture(scope="module")
+def live(svc: Service) -> Iterator[int]:
+    """The module's app served by uvicorn on 127.0.0.1 (its HTTP parser, as `starverse serve` runs it): the
+    bytes a TestClient will not send reach it over a socket. Yields the port."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(svc.client.app, host="127.0.0.1", port=port, lifespan="off",
+                                           log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield port
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def raw_request(port: int, method: bytes, target: bytes, headers: bytes = b"", body: bytes = b"") -> tuple[int, bytes]:
+    """Send one request as raw bytes (any header or target byte) and return its status and body."""
+    length = b"Content-Length: %d\r\n" % len(body) if body else b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(method + b" " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + headers +
+                     length + b"\r\n" + body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), payload
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +147,9 @@ JOB_BODIES: list[tuple[str, bytes, str, str]] = [
     ("tokenizer-a-server-path", json.dumps({"job": train(tokenizer="/etc/passwd")}).encode(), JSON,
      "train.tokenizer: '/etc/passwd': the service does not read tokenizer files by path"),
     ("ray-pool", json.dumps({"job": job(pool={"ray": "auto"})}).encode(), JSON, "job: pool: ray: not accepted"),
+    ("seq-len-past-the-models-positions", json.dumps({"job": train(seq_len=100_000)}).encode(), JSON,
+     "job.yaml:5: train.seq_len: 100000 exceeds the 256 positions of model platform:/models/tiny. To fix: set "
+     "seq_len to at most 256"),
     ("inline-plan-that-does-not-load", json.dumps({"job": job(plan={"x": 1})}).encode(), JSON,
      "plan.yaml:1: x: unknown field"),
     ("inline-pool-unknown-accelerator", json.dumps({"job": job(pool={"offers": [{"accelerator": "h900",
@@ -135,22 +173,69 @@ def test_bad_job_bodies_answer_one_line_and_keep_nothing(svc: Service, alice: di
     assert _job_folders(svc) == folders_before  # a refused job's folder is removed
 
 
+BAD_UPLOADS: list[tuple[str, str, str, bytes, str]] = [
+    # (id, kind, name, body, words of the one line)
+    ("binary-dataset", "datasets", "up", b"\x00\xff" * 100, "datasets/up: not a text file (byte 0x00 at offset 0 is a NUL"),
+    ("dataset-not-utf8", "datasets", "up", b"text, then \xff\xfe", "byte 0xff at offset 11 is not UTF-8"),
+    ("empty-dataset", "datasets", "up", b"", "datasets/up: the upload is empty"),
+    ("jsonl-line-not-json", "datasets", "up.jsonl", b'{"text": "a"}\n{bad\n', "datasets/up.jsonl:2: malformed JSON line"),
+    ("jsonl-line-without-text", "datasets", "up.jsonl", b'{"text": "a"}\n[1]\n',
+     "datasets/up.jsonl:2: each .jsonl line needs a 'text' field"),
+    ("jsonl-chat-without-assistant", "datasets", "up.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n',
+     "datasets/up.jsonl:1: 'messages' has no assistant turn"),
+    ("model-not-json", "models", "up", b"{not json", "models/up: not a model config the service can train: "
+                                                    "config.json:1: malformed JSON"),
+    ("model-a-list", "models", "up", b"[1, 2]", "config.json: expected a JSON object"),
+    ("model-not-utf8", "models", "up", b"\xff\xfe", "config.json: cannot read"),
+    ("model-without-model-type", "models", "up", b"{}", "is not a supported family"),
+    ("model-hidden-size-1e30", "models", "up", json.dumps({
+        "model_type": "llama", "hidden_size": 10**30, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "vocab_size": 10, "intermediate_size": 8}).encode(), "hidden_size must be at most"),
+]
+
+
+@pytest.mark.parametrize(("kind", "name", "upload", "words"), [c[1:] for c in BAD_UPLOADS],
+                         ids=[c[0] for c in BAD_UPLOADS])
+def test_an_upload_that_is_not_what_it_claims_is_refused_when_uploaded(svc: Service, alice: dict[str, str], kind: str,
+                                                                        name: str, upload: bytes, words: str) -> None:
+    """An upload is checked as a job will read it, when it is uploaded: refused with one line, nothing kept, and
+    an item of that name uploaded before stays as it was."""
+    good = b"some text\n" if kind == "datasets" else (svc.settings.platform_dir / "models" / "tiny").read_bytes()
+    if name.endswith(".jsonl"):
+        good = b'{"text": "some text"}\n'
+    assert svc.client.put(f"/api/storage/{kind}/{name}", headers=alice, content=good).status_code == 201
+    folder = next(svc.settings.tenants_dir.glob(f"*/{kind}/{name}")).parent
+    before = svc.client.get(f"/api/storage/{kind}", headers=alice).json()
+    one_line(svc.client.put(f"/api/storage/{kind}/{name}", headers=alice, content=upload), 422, words, svc)
+    assert svc.client.get(f"/api/storage/{kind}", headers=alice).json() == before
+    assert (folder / name).read_bytes() == good
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []  # no partial file left
+
+
 @pytest.mark.parametrize(("kind", "upload", "words"), [
-    ("datasets", b"\x00\xff" * 100, "dataset: ~/datasets/up is not a text file (binary or not UTF-8)"),
-    ("models", b"{not json", "model: ~/models/up:1: malformed JSON"),
-    ("models", b"[1, 2]", "model: ~/models/up: expected a JSON object"),
-    ("models", b"\xff\xfe", "model: ~/models/up: cannot read"),
-    ("models", json.dumps({"model_type": "llama", "hidden_size": 10**30, "num_hidden_layers": 2,
-                           "num_attention_heads": 2, "vocab_size": 10, "intermediate_size": 8}).encode(),
-     "hidden_size must be at most"),
-], ids=["binary-dataset", "model-not-json", "model-a-list", "model-not-utf8", "model-hidden-size-1e30"])
-def test_an_upload_that_is_not_what_it_claims_is_refused_at_submit(svc: Service, alice: dict[str, str], kind: str,
-                                                                   upload: bytes, words: str) -> None:
-    """An upload is stored as given; a job naming it is checked as `starverse train` checks its files."""
-    assert svc.client.put(f"/api/storage/{kind}/up", headers=alice, content=upload).status_code == 201
+    ("datasets", b"\x00\xff" * 100, "dataset: ~/datasets/old is not a text file (binary or not UTF-8)"),
+    ("models", b"[1, 2]", "model: ~/models/old: expected a JSON object"),
+], ids=["binary-dataset", "model-a-list"])
+def test_a_stored_item_that_is_not_what_it_claims_is_refused_at_submit(svc: Service, alice: dict[str, str],
+                                                                      kind: str, upload: bytes, words: str) -> None:
+    """An item stored before uploads were checked (or put in place by hand) is still checked when a job names
+    it, as `starverse train` checks its files."""
+    tenant = svc.client.get("/api/whoami", headers=alice).json()["id"]
+    (svc.settings.tenant_dir(tenant) / kind / "old").write_bytes(upload)
     folders = _job_folders(svc)
-    one_line(svc.client.post("/api/jobs", headers=alice, json={"job": job(**{kind[:-1]: "up"})}), 422, words, svc)
+    one_line(svc.client.post("/api/jobs", headers=alice, json={"job": job(**{kind[:-1]: "old"})}), 422, words, svc)
     assert _job_folders(svc) == folders
+
+
+def test_good_uploads_are_stored_and_a_job_can_name_them(svc: Service, alice: dict[str, str]) -> None:
+    chat = b'{"text": "plain"}\n\n{"prompt": "a", "response": "b"}\n{"messages": [{"role": "assistant", ' \
+           b'"content": "c"}]}\n'
+    for kind, name, body in (("datasets", "notes.txt", "d\u00e9j\u00e0 vu\n".encode()), ("datasets", "chat.jsonl", chat),
+                             ("models", "mine", (svc.settings.platform_dir / "models" / "tiny").read_bytes())):
+        r = svc.client.put(f"/api/storage/{kind}/{name}", headers=alice, content=body)
+        assert r.status_code == 201 and r.json()["bytes"] == len(body), r.text
+    r = svc.client.post("/api/jobs", headers=alice, json={"job": job(dataset="chat.jsonl", model="mine")})
+    assert r.status_code == 201, r.text
 
 
 def test_another_tenants_model_name_is_not_found(svc: Service, alice: dict[str, str], bob: dict[str, str]) -> None:
@@ -230,3 +315,61 @@ def test_the_largest_ids_a_query_may_name_reach_both_databases(service: Service)
     one_line(service.client.post("/api/jobs", headers=alice, json={"job": train(steps=top + 1)}), 422,
              "job: train.steps: 2,147,483,648 is more than the 2,147,483,647 steps the service tracks", service)
     assert _job_folders(service) == folders
+
+
+def _bearer(headers: dict[str, str]) -> bytes:
+    """The tenant's ``Authorization`` header line, without its CRLF."""
+    return f"Authorization: {headers['Authorization']}".encode()
+
+
+RAW_REQUESTS: list[tuple[str, bytes, bytes, bytes, bytes, int, str]] = [
+    # (id, method, target, headers ({auth}: alice's token header), body, status, words of the one JSON line;
+    # "" where uvicorn's parser itself refuses the request with its one plain-text line)
+    ("token-latin1-bytes", b"GET", b"/api/whoami", b"Authorization: Bearer sv_\xe9\xff\r\n", b"", 401,
+     "missing, wrong or expired token"),
+    ("token-utf8-accent", b"GET", b"/api/whoami", "Authorization: Bearer sv_\u00e9t\u00e9\r\n".encode(), b"", 401,
+     "missing, wrong or expired token"),
+    ("scheme-non-ascii", b"GET", b"/api/whoami", b"Authorization: B\xe9arer sv_x\r\n", b"", 401, "wrong or expired"),
+    ("valid-token-then-a-non-ascii-byte", b"GET", b"/api/whoami", b"{auth}\xff\r\n", b"", 401, "wrong or expired"),
+    ("token-of-100000-non-ascii-bytes", b"GET", b"/api/whoami", b"Authorization: Bearer sv_" + b"\xe9" * 100_000 +
+     b"\r\n", b"", 401, "wrong or expired"),
+    ("token-with-a-control-byte", b"GET", b"/api/whoami", b"Authorization: Bearer sv_\x01\r\n", b"", 400, ""),
+    ("two-authorization-headers", b"GET", b"/api/whoami", b"{auth}\r\nAuthorization: Bearer sv_other\r\n", b"", 400,
+     "Authorization: given 2 times. To fix: send one"),
+    ("content-type-non-ascii", b"POST", b"/api/jobs", b"{auth}\r\nContent-Type: application/\xffjson\r\n", b"{}",
+     422, "job: dataset: required"),
+    ("query-value-invalid-utf8", b"GET", b"/api/jobs?state=%ff%fe", b"{auth}\r\n", b"", 422,
+     "is not a job state. To fix: use one of"),
+    ("query-integer-invalid-utf8", b"GET", b"/api/jobs?limit=%ff", b"{auth}\r\n", b"", 422,
+     "query.limit: must be a valid integer"),
+    ("query-raw-non-ascii-byte", b"GET", b"/api/jobs?state=\xc3\xa9", b"{auth}\r\n", b"", 400, ""),
+    ("bill-by-invalid-utf8", b"GET", b"/api/bill?by=%ff", b"{auth}\r\n", b"", 422, "by: use 'job' or 'day'"),
+    ("job-id-invalid-utf8", b"GET", b"/api/jobs/%ff%fe", b"{auth}\r\n", b"", 404, "no such job"),
+    ("upload-name-invalid-utf8", b"PUT", b"/api/storage/datasets/%ff", b"{auth}\r\n", b"x", 422, "use letters, digits"),
+    ("json-body-not-utf8", b"POST", b"/api/plan", b"{auth}\r\nContent-Type: application/json\r\n", b'{"job": "\xff"}',
+     422, "request body: not valid JSON (byte 0xff at offset 9 is not UTF-8). To fix: send a JSON object"),
+    ("json-body-nested-100000-deep", b"POST", b"/api/estimate", b"{auth}\r\nContent-Type: application/json\r\n",
+     b"[" * 100_000, 422, "request body: not valid JSON (nested too deeply)"),
+    ("json-body-int-of-5000-digits", b"POST", b"/api/jobs/x/resume", b"{auth}\r\nContent-Type: application/json\r\n",
+     b'{"step": ' + b"9" * 5000 + b"}", 422, "request body: not valid JSON (Exceeds the limit (4300 digits)"),
+    ("content-length-not-a-number", b"POST", b"/api/jobs", b"{auth}\r\nContent-Length: x\xff\r\n", b"", 400, ""),
+]
+
+
+@pytest.mark.parametrize(("method", "target", "headers", "body", "status", "words"), [c[1:] for c in RAW_REQUESTS],
+                         ids=[c[0] for c in RAW_REQUESTS])
+def test_raw_bytes_in_headers_queries_and_bodies_answer_one_line(svc: Service, alice: dict[str, str], live: int,
+                                                                 method: bytes, target: bytes, headers: bytes,
+                                                                 body: bytes, status: int, words: str) -> None:
+    """What a TestClient will not send (bytes beyond ASCII in a header, a raw byte in a query, a body that is not
+    UTF-8) sent over a socket to a real server: a 4xx with one line, never a 500, and the server still answers."""
+    status_got, payload = raw_request(live, method, target, headers.replace(b"{auth}", _bearer(alice)), body)
+    assert status_got == status, (status_got, payload[:300])
+    assert b"Traceback" not in payload and str(svc.settings.root).encode() not in payload
+    text = payload.decode("utf-8", "replace").strip()
+    if words:
+        detail = json.loads(text)["detail"]
+        assert words in detail and "\n" not in detail, detail
+    else:  # the HTTP parser's own answer
+        assert text == "Invalid HTTP request received.", text
+    assert raw_request(live, b"GET", b"/api/whoami", _bearer(alice) + b"\r\n")[0] == 200

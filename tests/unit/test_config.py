@@ -42,7 +42,7 @@ def test_negative_price_names_file_line_and_field(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError) as e:
         load_file(Pool, p)
-    assert str(e.value) == f"{p}:8: offers[1].price_per_hour: must be greater than 0 (got -1)"
+    assert str(e.value) == f"{p}:8: offers[1].price_per_hour: must be greater than 0 (got -1). To fix: give a number more than 0"
 
 
 def test_unknown_key_did_you_mean(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_pool_resolves_prices_and_defaults(tmp_path, catalog):
          "pool.yaml:1: currency:"),
         ("offers:\n  - {accelerator: rtx-4090, count: 2, price_per_hour: 1}\n"
          "  - {accelerator: rtx-4090, count: 4, price_per_hour: 2}\n",
-         "two offers are called 'rtx-4090'; give each a distinct `name:`"),
+         "pool.yaml:3: offers[1].accelerator: two offers are called 'rtx-4090'. To fix: give each a distinct `name:`"),
         ("offers:\n  - {accelerator: rtx-4090, count: 2, price_per_hour: 1, currency: XXX}\n",
          "pool.yaml:2: offers[0].currency:"),
         ("offers:\n  - {accelerator: rtx-3090, count: 2, price_per_hour: 1, collective_gb_per_s: {2: 0}}\n",

@@ -44,8 +44,8 @@ def test_measured_link_between_offers_is_used_by_the_search_and_the_emitted_plan
 
 
 @pytest.mark.parametrize(("links", "message"), [
-    ({"rtx-4090/a100-80gb-sxm": 0}, "must be > 0"),
-    ({"rtx-4090/a100-80gb-sxm": -5}, "must be > 0"),
+    ({"rtx-4090/a100-80gb-sxm": 0}, "network.links.rtx-4090/a100-80gb-sxm: must be greater than 0"),
+    ({"rtx-4090/a100-80gb-sxm": -5}, "must be greater than 0 (got -5). To fix: give a number more than 0"),
     ({"rtx-4090/h100": 10}, "must name two offers"),
     ({"rtx-4090": 10}, "must name two offers"),
 ])

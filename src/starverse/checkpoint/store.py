@@ -224,8 +224,9 @@ class CheckpointStore:
             "To fix: pass one of those to --resume-from."
         )
 
-    def require_any(self) -> None:
-        """Raise a clear CheckpointError when the store has no complete checkpoint at all."""
+    def require_any(self, fix: str = "point at a run directory written by `starverse train`, or start without "
+                                      "--resume-from") -> None:
+        """Raise a clear CheckpointError when the store has no complete checkpoint at all (``fix``: what to do)."""
         if not self.root.exists():
             raise CheckpointError(
                 f"{self.root}: no such checkpoint directory. To fix: pass the run directory of a "
@@ -245,8 +246,7 @@ class CheckpointStore:
             why = "it is empty"
         extra = f"; {torn} torn write(s) ignored" if torn else ""
         raise CheckpointError(
-            f"{self.root}: no complete checkpoint to resume from: {why}{extra}. "
-            "To fix: point at a run directory written by `starverse train`, or start without --resume-from."
+            f"{self.root}: no complete checkpoint to resume from: {why}{extra}. To fix: {fix}."
         )
 
     def verify(self, info: CheckpointInfo) -> None:

@@ -51,6 +51,33 @@ for _area in _AREAS:
     importlib.import_module(f"starverse.cli.{_area}").register(app)
 
 
+_PATH_ERRORS = {
+    errno.ENAMETOOLONG: "file name too long (at most 255 bytes between slashes, 4096 in all). To fix: give a "
+                        "shorter path",
+    errno.ELOOP: "a symlink loop (links that point at each other, or at themselves). To fix: give the path of a "
+                 "real file or folder (`ls -l` shows where each link points)",
+}
+"""OS errors of a path the user gave, whatever reached it first, and what they mean."""
+
+
+def _shown(filename: object) -> str:
+    """A path of at most ~60 characters: its start and its end (the file's own name) kept."""
+    name = str(filename or "")
+    return name if len(name) <= 60 else name[:20] + "..." + name[-37:]
+
+
+def _symlink_loop(e: RuntimeError) -> OSError | None:
+    """The ELOOP error behind ``Path.resolve()``'s RuntimeError (Python before 3.13 raises one for a symlink
+    loop, from ``pathlib``'s ``check_eloop``, holding the OSError); None for any other RuntimeError."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or tb.tb_frame.f_code.co_name != "check_eloop":
+        return None
+    cause = tb.tb_frame.f_locals.get("e")
+    return cause if isinstance(cause, OSError) and cause.errno == errno.ELOOP else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors become one line on stderr and exit code 2 (or the error's own code).
 
@@ -75,13 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         err_console.print(f"error: {' '.join(e.format_message().split())}", markup=False)
         return e.exit_code
     except OSError as e:
-        if e.errno != errno.ENAMETOOLONG:  # any other OS error is a bug here: its traceback is kept
+        if e.errno not in _PATH_ERRORS:  # any other OS error is a bug here: its traceback is kept
             raise
-        # a path argument longer than the OS takes (checked by no command before it reaches a stat)
-        name = str(e.filename or "")
-        shown = name if len(name) <= 60 else name[:57] + "..."
-        err_console.print(f"error: {shown}: file name too long (at most 255 bytes between slashes, 4096 in all). "
-                          "To fix: give a shorter path", markup=False)
+        # a path argument longer than the OS takes or a symlink loop (checked by no command before a stat)
+        err_console.print(f"error: {_shown(e.filename)}: {_PATH_ERRORS[e.errno]}", markup=False)
+        return 2
+    except RuntimeError as e:
+        loop = _symlink_loop(e)
+        if loop is None:
+            raise
+        err_console.print(f"error: {_shown(loop.filename)}: {_PATH_ERRORS[errno.ELOOP]}", markup=False)
         return 2
     except typer.Abort:
         err_console.print("Aborted.", markup=False)

@@ -46,6 +46,9 @@ def bill(
     if run_dir is not None and db is not None:
         raise BillingError("give either RUN_DIR or --db FILE, not both")
     path = resolve_ledger_path(run_dir, db)
+    if path.exists() and not path.is_file():  # a FIFO or a device: SQLite would block on it, or read it forever
+        raise BillingError(f"{path}: not a ledger file (a folder, device, FIFO or socket). To fix: pass a run "
+                           "directory or --db FILE (a ledger.sqlite)")
     try:
         _bill(path, by, as_json, check, currency)
     except sqlite3.DatabaseError as e:  # damage the page checks did not see, met while reading rows

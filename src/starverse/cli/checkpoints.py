@@ -36,7 +36,7 @@ def list_checkpoints(
     from starverse.errors import CheckpointError
 
     store = CheckpointStore(resolve_root(run_dir))
-    store.require_any()
+    store.require_any("point at a run directory written by `starverse train` (it holds checkpoints/)")
     rows: list[dict[str, Any]] = []
     for info in store.list():
         status = "ok"

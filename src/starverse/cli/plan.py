@@ -12,8 +12,8 @@ from typing import Annotated, Any
 import typer
 
 from starverse.checks import check_output_file
-from starverse.cli.options import at_line, finite, finite_at_most, model_of
-from starverse.config import MAX_SECONDS
+from starverse.cli.options import at_line, finite_at_most, model_of
+from starverse.config import MAX_GB_PER_S, MAX_SECONDS
 from starverse.errors import ConfigError
 
 
@@ -234,7 +234,8 @@ def simulate_cmd(
                                          "no train.tokens or train.steps.")] = 24.0,
     restart_s: Annotated[float, typer.Option("--restart-s", callback=finite_at_most(MAX_SECONDS), min=0, help="Seconds to restart (or reconfigure) "
                                              "after a loss.")] = 300.0,
-    checkpoint_gb_per_s: Annotated[float, typer.Option("--checkpoint-gb-per-s", callback=finite, min=0.001,
+    checkpoint_gb_per_s: Annotated[float, typer.Option("--checkpoint-gb-per-s", callback=finite_at_most(MAX_GB_PER_S),
+                                                       min=0.001,
                                                        help="Checkpoint write speed per node, GB/s.")] = 2.0,
     interval_s: Annotated[float | None, typer.Option("--interval-s", callback=finite_at_most(MAX_SECONDS), min=0.001, help="Work between checkpoints "
                                                      "(default: Young/Daly at the trace's loss rate).")] = None,

@@ -98,6 +98,8 @@ def probe(
 
     if out is not None:
         check_output_file(out, "--out")  # before measuring for seconds
+    if ranks is not None:
+        _check_demo_args({"--ranks": ranks}, 1, 1, 1)
     if plan_file is not None or model is not None:
         _probe_model(plan_file, model, out, ranks, quick, as_json)
         return
@@ -188,11 +190,13 @@ MAX_CORPUS_MB = 100_000
 
 
 def _check_demo_args(counts: dict[str, int], corpus_mb: float, batch: int, global_batch: int) -> None:
-    """Refuse bad demo options before anything runs (the machine probe takes seconds): one line naming the option."""
-    from starverse.config import MAX_BATCH, MAX_COUNT, MAX_SEQ_LEN, MAX_STEPS
+    """Refuse bad demo (and probe) options before anything runs (the machine probe takes seconds, and a run folder
+    is made): one line naming the option. ``--ranks`` is at most ``max_cpu_ranks()`` (one process each)."""
+    from starverse.config import MAX_BATCH, MAX_SEQ_LEN, MAX_STEPS
     from starverse.errors import ConfigError
+    from starverse.runtime.devices import max_cpu_ranks
 
-    most = {"--steps": MAX_STEPS, "--ranks": MAX_COUNT, "--seq-len": MAX_SEQ_LEN, "--batch": MAX_BATCH,
+    most = {"--steps": MAX_STEPS, "--ranks": max_cpu_ranks(), "--seq-len": MAX_SEQ_LEN, "--batch": MAX_BATCH,
             "--global-batch": MAX_BATCH}
     for name, value in counts.items():
         if value < 1:

@@ -166,8 +166,13 @@ def token_create(
     root: RootOpt = None, database: DatabaseOpt = None,
 ) -> None:
     """Print a new API token (shown once: only its hash is stored)."""
+    from starverse.errors import ConfigError
     from starverse.service.db import Database, Tenant
     from starverse.service.tenants import create_tenant, create_token
+
+    if ttl_hours is not None and not ttl_hours * 3600 >= 1:  # a token expired when it is made
+        raise ConfigError(f"--ttl-hours: {ttl_hours:g} gives a token that has expired when it is printed. To fix: "
+                          "pass at least 0.0003 (one second), or omit it for a token that does not expire")
 
     settings = _settings(root, database, ctx)
     db = Database(settings.url)

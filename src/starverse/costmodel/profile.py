@@ -156,13 +156,18 @@ def parse_profile(doc: Any, path: str) -> ModelProfile:
 
 def load_profile(path: str | Path) -> ModelProfile:
     """Read and check a profile file."""
+    from starverse.config import read_text_file
+
     p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        raise ConfigError(f"{p}: profile file not found; run `starverse probe --model M --plan P --out {p}`")
+    # a folder, a device or FIFO (read forever, or blocked), a symlink loop or a binary file: one line
+    text = read_text_file(p, "a profile file (`starverse probe --model M --plan P` writes one)")
     try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: profile file not found; run `starverse probe --model M --plan P --out {p}`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: corrupt profile (not JSON: {e}); measure again with `starverse probe`") from None
+        doc = json.loads(text)
+    except (json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise ConfigError(f"{p}: corrupt profile (not JSON: {str(e)[:80]}); measure again with `starverse probe`"
+                          ) from None
     return parse_profile(doc, str(p))
 
 

@@ -31,6 +31,7 @@ from pydantic import Field, field_validator, model_validator
 from starverse.config import (
     MAX_BATCH,
     MAX_COUNT,
+    MAX_INTERRUPTIONS_PER_HOUR,
     MAX_MONEY,
     MAX_SECONDS,
     MAX_SEED,
@@ -42,6 +43,7 @@ from starverse.config import (
     did_you_mean,
     parse,
     read_yaml,
+    where,
 )
 from starverse.errors import BillingError, BudgetExceededError, ConfigError
 
@@ -100,8 +102,8 @@ class CheckpointSettings(FrozenModel):
     """Checkpoint folder (default ``RUN_DIR/checkpoints``; relative to the job file)."""
     interval_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
     """Steps between checkpoints; null: Young/Daly from the measured save cost and the interruption rate."""
-    interruptions_per_hour: float | None = Field(default=None, ge=0)
-    """Expected losses per device-hour (spot); overrides ``trace`` and the pool."""
+    interruptions_per_hour: float | None = Field(default=None, ge=0, le=MAX_INTERRUPTIONS_PER_HOUR)
+    """Expected losses per device-hour (spot; at most 3600); overrides ``trace`` and the pool."""
     trace: PathText | None = None
     """A spot trace (``data/traces/``) to measure the interruption rate from, correlation included."""
     max_interval_s: float = Field(default=1800.0, gt=0, le=MAX_SECONDS)
@@ -247,10 +249,20 @@ def check_job_inputs(job: TrainJob, source: str) -> None:
     each error at the job file's line (``source``): a dataset of text, and a model that exists. A pretrained
     folder's files are checked when it is loaded; :data:`DEFAULT_MODEL` is no registry id."""
     from starverse.checks import check_dataset, check_model
+    from starverse.runtime.devices import max_cpu_ranks
 
     check_dataset(job.dataset, source)
     if not Path(job.model).is_dir() and job.model != DEFAULT_MODEL:
-        check_model(job.model, source)
+        spec = check_model(job.model, source)
+        limit = getattr(spec, "max_seq_len", None)
+        # the positions of the model as given (a scaled-down copy for small devices has no more of them)
+        if isinstance(limit, int) and job.train.seq_len > limit:
+            raise ConfigError(f"{where(source, ('train', 'seq_len'))}: train.seq_len: {job.train.seq_len} exceeds the "
+                              f"{limit} positions of model {job.model}. To fix: set seq_len to at most {limit}")
+    ranks, most = job.devices.cpu_ranks, max_cpu_ranks()
+    if ranks is not None and ranks > most:
+        raise ConfigError(f"{where(source, ('devices', 'cpu_ranks'))}: devices.cpu_ranks: {ranks:,} is more than the "
+                          f"{most} CPU ranks this machine starts (one process each). To fix: ask for at most {most}")
 
 
 def load_job(path: str | Path) -> TrainJob:

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from starverse.errors import ModelError
+from starverse.config import read_text_file
+from starverse.errors import ConfigError, ModelError
 from starverse.models.families import spec_from_config
 from starverse.models.folder import inspect_folder
 from starverse.models.spec import ModelSpec
@@ -53,12 +54,10 @@ def _bundled(short: str) -> ModelSpec:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ModelError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelError(f"{path}: cannot read ({e.__class__.__name__})") from None
+    try:  # not a folder, a device read forever, a symlink loop or a binary file
+        text = read_text_file(path, "a model's config.json")
+    except ConfigError as e:
+        raise ModelError(str(e)) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

@@ -18,9 +18,12 @@ from starverse.config import (
     MAX_COUNT,
     MAX_GB_PER_S,
     MAX_GBPS,
+    MAX_INTERRUPTIONS_PER_HOUR,
+    MAX_MEMORY_GB,
     MAX_MONEY,
     MAX_SECONDS,
     FrozenModel,
+    LocatedError,
     _line_of,
     format_loc,
     parse,
@@ -59,9 +62,9 @@ class OfferSpec(FrozenModel):
     """Currency of this offer's prices (default: the pool's)."""
     pricing: Pricing = Pricing.ON_DEMAND
     """Which of the two prices is paid: ``on-demand`` or ``spot``."""
-    interruptions_per_hour: float | None = Field(default=None, ge=0)
+    interruptions_per_hour: float | None = Field(default=None, ge=0, le=MAX_INTERRUPTIONS_PER_HOUR)
     """Spot only: expected device losses per device-hour (see ``data/traces``); charged as checkpoint and
-    lost-work overhead (Young/Daly)."""
+    lost-work overhead (Young/Daly). At most 3600 (``config.MAX_INTERRUPTIONS_PER_HOUR``)."""
     trace: str | None = None
     """Spot only: a preemption trace (``data/traces``; path relative to the pool file). It sets
     ``interruptions_per_hour`` when that is not given, and the planner checks its Young/Daly spot overhead
@@ -72,9 +75,10 @@ class OfferSpec(FrozenModel):
     billing_granularity_s: int | None = Field(default=None, gt=0, le=MAX_SECONDS)
     """Billing unit in seconds (3600 = started hours are billed in full); used by the ``cost`` objective.
     Default: the catalog offer's when the price comes from the catalog, else 1 (per second)."""
-    host_memory_gb: float | None = Field(default=None, gt=0)
+    host_memory_gb: float | None = Field(default=None, gt=0, le=MAX_MEMORY_GB)
     """RAM per node, GB (default: the catalog's for the accelerator's default instance type). CPU offload
-    keeps the optimizer state (and with ``optimizer+params`` the weights) of the node's devices there."""
+    keeps the optimizer state (and with ``optimizer+params`` the weights) of the node's devices there. At most
+    100,000 (``config.MAX_MEMORY_GB``)."""
     owned: bool = False
     """Devices you already have (this machine, your own cluster): nothing is rented, the price defaults to 0
     (give ``price_per_hour`` for an amortised cost) and the catalog's prices are not used."""
@@ -115,7 +119,7 @@ class OfferSpec(FrozenModel):
 class PoolNetwork(FrozenModel):
     """``network:`` of a pool: measured bandwidths between pairs of offers."""
 
-    links: dict[str, Annotated[float, Field(le=MAX_GBPS)]] = Field(default_factory=dict)
+    links: dict[str, Annotated[float, Field(gt=0, le=MAX_GBPS)]] = Field(default_factory=dict)
     """Gbit/s between the nodes of two offers, keyed ``"offer-a/offer-b"`` (either order; offer names as in
     ``offers``); replaces ``cross_offer_gbps`` for that pair. At most 100,000 (``config.MAX_GBPS``)."""
 
@@ -136,19 +140,17 @@ class PoolSpec(FrozenModel):
     @model_validator(mode="after")
     def _unique_names(self) -> PoolSpec:
         seen: set[str] = set()
-        for o in self.offers:
+        for i, o in enumerate(self.offers):
             key = o.name or o.accelerator
             if key in seen:
-                raise ValueError(
-                    f"two offers are called '{key}'; give each a distinct `name:` (e.g. '{key}-spot')"
-                )
+                raise LocatedError(f"two offers are called '{key}'. To fix: give each a distinct `name:` (e.g. "
+                                   f"'{key}-spot')", ("offers", i, "name" if o.name else "accelerator"))
             seen.add(key)
-        for pair, gbps in self.network.links.items():
+        for pair in self.network.links:
             names = pair.split("/")
             if len(names) != 2 or any(n not in seen for n in names):
-                raise ValueError(f"network.links: '{pair}' must name two offers as 'a/b' (offers: {', '.join(sorted(seen))})")
-            if not gbps > 0:
-                raise ValueError(f"network.links: '{pair}' is {gbps:g} Gbit/s; a link bandwidth must be > 0")
+                raise LocatedError(f"'{pair}' must name two offers as 'a/b'. To fix: use offer names (offers: "
+                                   f"{', '.join(sorted(seen))})", ("network", "links", pair))
         return self
 
 

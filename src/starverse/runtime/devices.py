@@ -53,8 +53,14 @@ def accelerator_id(device_name: str, memory_gb: float) -> str:
     return "cuda-" + re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
+def max_cpu_ranks() -> int:
+    """Most CPU ranks one machine starts (one process each): 8 per core, at least 64. More only share the cores,
+    and a million (a typo, or a hostile job) would fork the machine to a halt before training anything."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
 def cpu_rank_count(num_cpu_ranks: int | None = None) -> int:
-    """CPU ranks to start: the argument, else ``$STARVERSE_CPU_RANKS``, else 2."""
+    """CPU ranks to start: the argument, else ``$STARVERSE_CPU_RANKS``, else 2 (at most :func:`max_cpu_ranks`)."""
     n = num_cpu_ranks
     if n is None:
         env = os.environ.get("STARVERSE_CPU_RANKS")
@@ -66,6 +72,9 @@ def cpu_rank_count(num_cpu_ranks: int | None = None) -> int:
     n = DEFAULT_CPU_RANKS if n is None else n
     if n < 1:
         raise ConfigError(f"the number of CPU ranks must be >= 1 (got {n}).")
+    if n > max_cpu_ranks():
+        raise ConfigError(f"the number of CPU ranks: {n:,} is more than the {max_cpu_ranks()} this machine starts (one "
+                          f"process each, {os.cpu_count()} cores). To fix: ask for at most {max_cpu_ranks()}")
     return n
 
 

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from starverse.errors import BudgetExceededError, ConfigError, StarverseError
@@ -149,7 +151,11 @@ async def current_tenant(request: Request) -> Tenant:
     A token found valid is remembered for ``auth_cache_s`` (its expiry is still checked every time), so the
     hot path neither hashes into the database nor leaves the event loop."""
     ctx = context(request)
-    auth = request.headers.get("authorization", "")
+    given = request.headers.getlist("authorization")
+    if len(given) > 1:  # which one counts would be up to each proxy on the way: none does
+        raise HTTPException(400, f"Authorization: given {len(given)} times. To fix: send one 'Authorization: "
+                                 "Bearer <token>' header")
+    auth = given[0] if given else ""
     scheme, _, token = auth.partition(" ")
     token = token.strip()
     tenant: Tenant | None = None
@@ -186,6 +192,17 @@ def request_error_line(e: RequestValidationError) -> str:
     got = f" (got {_short(first['input'])})" if "input" in first and first.get("type") != "missing" else ""
     more = f"; {len(errors) - 1} more" if len(errors) > 1 else ""
     return " ".join(f"{loc}: {msg}{got}{more}".split())
+
+
+def body_error_line(e: BaseException) -> str:
+    """One line for a request body that is not JSON at all (``e``: what decoding it raised)."""
+    if isinstance(e, UnicodeDecodeError):
+        why = f"byte {e.object[e.start]:#04x} at offset {e.start} is not {e.encoding.upper()}"
+    elif isinstance(e, RecursionError):
+        why = "nested too deeply"
+    else:  # an int of more than 4300 digits (Python's conversion limit)
+        why = str(e).splitlines()[0].split(";")[0] if str(e) else type(e).__name__
+    return f"request body: not valid JSON ({why}). To fix: send a JSON object in UTF-8"
 
 
 def _status_of(e: StarverseError) -> int:
@@ -228,6 +245,15 @@ def create_app(settings: ServiceSettings, *, db: Database | None = None, migrate
     async def _starverse_error(request: Request, e: StarverseError) -> JSONResponse:
         return JSONResponse({"detail": " ".join(str(e).split()), "error": type(e).__name__},
                             status_code=_status_of(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        # FastAPI answers a JSON body it cannot decode (bytes that are not UTF-8, nesting thousands deep, an
+        # integer of thousands of digits) with a 400 that names nothing; its cause says which it was
+        if e.status_code == 400 and isinstance(e.__cause__, UnicodeDecodeError | RecursionError | ValueError):
+            return JSONResponse({"detail": body_error_line(e.__cause__), "error": "RequestValidationError"},
+                                status_code=422)
+        return await http_exception_handler(request, e)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, e: RequestValidationError) -> JSONResponse:

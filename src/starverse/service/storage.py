@@ -1,5 +1,10 @@
 """Per-tenant storage of datasets and models, with a quota, and the names jobs use to refer to them.
 
+An upload is checked as what a job will read it as before it is stored (:func:`check_upload`): a dataset is
+UTF-8 text with no NUL byte (a ``.jsonl`` name: every line a JSON object with ``text``, ``prompt`` and
+``response``, or ``messages``, as the trainer reads it); a model is a config.json the model registry loads. A
+refused upload is not kept, and an item it would have replaced stays as it was.
+
 A name is one path component (``[A-Za-z0-9][A-Za-z0-9._-]*``, no ``..``): nothing a request names can
 point outside the tenant's directory. A job's ``dataset: wikipedia-202403`` resolves to the tenant's own
 upload of that name, else to the platform's registered copy (``ROOT/platform/datasets/``); nothing is
@@ -9,6 +14,7 @@ ever downloaded.
 from __future__ import annotations
 
 import re
+import secrets
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -48,7 +54,8 @@ def _files(path: Path) -> Iterable[Path]:
 def used_bytes(settings: ServiceSettings, tenant_id: str) -> int:
     """Bytes of the tenant's datasets and models."""
     base = settings.tenant_dir(tenant_id)
-    return sum(p.stat().st_size for k in KINDS for p in _files(base / k))
+    return sum(p.stat().st_size for k in KINDS if (base / k).is_dir() for item in (base / k).iterdir()
+               if not item.name.startswith(".") for p in _files(item))
 
 
 def list_items(settings: ServiceSettings, tenant_id: str, kind: Kind) -> list[dict[str, object]]:
@@ -57,6 +64,8 @@ def list_items(settings: ServiceSettings, tenant_id: str, kind: Kind) -> list[di
     for owner, base in (("tenant", settings.tenant_dir(tenant_id) / kind), ("platform", settings.platform_dir / kind)):
         if base.is_dir():
             for p in sorted(base.iterdir()):
+                if p.name.startswith("."):  # an upload being written (or cut short by a crash)
+                    continue
                 out.append({"name": p.name, "owner": owner, "bytes": sum(f.stat().st_size for f in _files(p))})
     return out
 
@@ -69,7 +78,7 @@ def store(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str, chun
     dest = settings.tenant_dir(tenant_id) / kind / name
     dest.parent.mkdir(parents=True, exist_ok=True)
     budget = quota_bytes - used_bytes(settings, tenant_id) + (sum(f.stat().st_size for f in _files(dest)))
-    tmp = dest.with_name(f".{name}.part")
+    tmp = dest.with_name(f".{secrets.token_hex(6)}.part-{name}")  # its own per upload; the name's suffix kept
     size = 0
     try:
         with tmp.open("wb") as fh:
@@ -80,12 +89,49 @@ def store(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str, chun
                         f"{kind}/{name}: the upload passes the storage quota of {quota_bytes} bytes "
                         f"({max(0, budget)} bytes left). To fix: delete datasets or models you no longer need")
                 fh.write(chunk)
+        check_upload(kind, name, tmp)
         if dest.is_dir():
             shutil.rmtree(dest)
         tmp.replace(dest)
     finally:
         tmp.unlink(missing_ok=True)
     return size
+
+
+def check_upload(kind: Kind, name: str, path: Path) -> None:
+    """The upload at ``path`` is what a job naming ``kind/name`` reads (see the module docstring); ConfigError
+    naming ``kind/name`` and the fix otherwise."""
+    what = f"{kind}/{name}"
+    if path.stat().st_size == 0:
+        raise ConfigError(f"{what}: the upload is empty. To fix: send the file's bytes as the request body")
+    if kind == "models":
+        from starverse.models import load_model
+
+        try:
+            load_model(path)
+        except ConfigError as e:
+            raise ConfigError(f"{what}: not a model config the service can train: "
+                              f"{str(e).replace(str(path), 'config.json')}. To fix: upload a Hugging Face "
+                              "config.json (model_type, hidden_size, num_hidden_layers, ...)") from None
+        return
+    data = path.read_bytes()
+    bad, why = data.find(b"\x00"), "a NUL byte"
+    if bad < 0:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad, why = e.start, "not UTF-8"
+    if bad >= 0:
+        raise ConfigError(f"{what}: not a text file (byte {data[bad]:#04x} at offset {bad} is {why}). To fix: upload "
+                          "UTF-8 text, or a .jsonl file of {\"text\": ...} lines")
+    if Path(name).suffix.lower() == ".jsonl":  # read line by line as the trainer reads it (``path`` ends in it too)
+        from starverse.runtime.data import _read_documents
+
+        try:
+            _read_documents([path], None)
+        except ConfigError as e:
+            raise ConfigError(f"{what}{str(e).replace(str(path), '').rstrip('.')}. To fix: make each line a JSON "
+                              "object with 'text' (or 'prompt' and 'response', or 'messages')") from None
 
 
 def delete(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str) -> None:
