@@ -277,7 +277,7 @@ def test_user_currency_rate(tmp_path: Path) -> None:
         ),
         (
             "offers:\n  - {provider: x, accelerator: rtx-4090, price_per_hour: -1, as_of: '1', source: s}\n",
-            r"^[^\n]*mine\.yaml:2: offers\[0\]\.price_per_hour: must be greater than 0 \(got -1\)$",
+            r"^[^\n]*mine\.yaml:2: offers\[0\]\.price_per_hour: must be greater than 0 \(got -1\)\. To fix: give a number more than 0$",
         ),
         (
             "offers:\n  - {provider: x, accelerator: rtx-4090, price_per_hour: 1, spot_price_per_hour: 0, "
