@@ -86,7 +86,7 @@ def test_catalog_errors_are_one_line_exit_2(run, tmp_path: Path) -> None:
     r = run("catalog", "--catalog", str(bad))
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
-        f"error: {bad}:4: offers[0].price_per_hour: must be greater than 0 (got 0)"
+        f"error: {bad}:4: offers[0].price_per_hour: must be greater than 0 (got 0). To fix: give a number more than 0"
     ]
     r = run("catalog", "--currency", "XYZ")
     assert r.returncode == 2 and r.stderr.startswith("error: unknown currency 'XYZ'; known: CNY, EUR")
