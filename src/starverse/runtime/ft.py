@@ -448,6 +448,12 @@ class ReplicaTrainer:
 
 
 
+def _mark_joiner(env: RankEnv) -> None:
+    """``$STARVERSE_JOINER`` in a replacement's process: :mod:`starverse.testing`'s fault injectors spare it."""
+    if env.extra.get(EXTRA_JOINER):
+        os.environ["STARVERSE_JOINER"] = "1"
+
+
 def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     """The launched function for ``recovery: in-place``: build the replica, join the quorum, run the loop (a warm
     spare first waits for its activation)."""
@@ -455,6 +461,7 @@ def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     if not lighthouse:
         raise ConfigError("recovery: in-place needs a launcher with a torchft Lighthouse "
                           "(starverse.elastic.inplace.InplaceLauncher).")
+    _mark_joiner(env)  # a replacement's ranks, whatever the replica's layout
     if env.extra.get(EXTRA_REPLICA_STORE) is not None:  # a replica of several ranks
         if job.plan.train.zero_stage:  # ranks sharding the optimizer state
             from starverse.runtime.ft_shard import train_shard_replica
@@ -466,8 +473,7 @@ def train_replica(env: RankEnv, job: FitJob) -> RankResult | None:
     model = None
     if env.extra.get(EXTRA_SPARE):
         env, model = wait_for_activation(env, job)
-    if env.extra.get(EXTRA_JOINER):
-        os.environ["STARVERSE_JOINER"] = "1"
+        _mark_joiner(env)  # activated as a replacement
     trainer = ReplicaTrainer.build(env, job, model)
     trainer.joiner = bool(env.extra.get(EXTRA_JOINER))
     sync = TorchftSync(f"replica{env.rank:04d}", str(lighthouse), env.collective_timeout_s,
