@@ -36,6 +36,20 @@ def check_output_file(path: Path, option: str) -> None:
         raise ConfigError(f"{option} {path}: the folder {parent} {what}. To fix: create it, or write elsewhere")
 
 
+def not_text_at(data: bytes, cut: bool = False) -> tuple[int, str] | None:
+    """Where ``data`` stops being text: the offset and why (a NUL byte, not UTF-8), None if it is UTF-8 text.
+    ``cut``: ``data`` is the head of a longer file, so a multi-byte character cut at its end is still text."""
+    bad = data.find(b"\x00")
+    if bad >= 0:
+        return bad, "a NUL byte"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if not cut or e.start < len(data) - 4:
+            return e.start, "not UTF-8"
+    return None
+
+
 def check_dataset(dataset: str, source: str) -> None:
     """A dataset exists, and a dataset *file* holds text (UTF-8, no NUL byte) in its first 64 KiB; folders are
     filtered by suffix. Checked before the job writes anything (its run folder, ledger, checkpoints)."""
@@ -50,14 +64,7 @@ def check_dataset(dataset: str, source: str) -> None:
             head = fh.read(_SNIFF_BYTES)
     except OSError as e:
         raise ConfigError(f"{where(source, ('dataset',))}: dataset: cannot read {path} ({e.strerror})") from None
-    binary = b"\x00" in head
-    if not binary:
-        try:
-            head.decode("utf-8")
-        except UnicodeDecodeError as e:
-            # a multi-byte character cut by the 64 KiB window is still text
-            binary = e.start < len(head) - 4
-    if binary:
+    if not_text_at(head, cut=True) is not None:  # a character cut by the 64 KiB window is still text
         raise ConfigError(f"{where(source, ('dataset',))}: dataset: {path} is not a text file (binary or not UTF-8). "
                           "To fix: pass a text file, a folder of text files or a .jsonl file")
 

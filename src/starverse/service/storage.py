@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
+from starverse.checks import not_text_at
 from starverse.errors import ConfigError, StarverseError
 from starverse.service.settings import ServiceSettings
 
@@ -115,13 +116,8 @@ def check_upload(kind: Kind, name: str, path: Path) -> None:
                               "config.json (model_type, hidden_size, num_hidden_layers, ...)") from None
         return
     data = path.read_bytes()
-    bad, why = data.find(b"\x00"), "a NUL byte"
-    if bad < 0:
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            bad, why = e.start, "not UTF-8"
-    if bad >= 0:
+    if (problem := not_text_at(data)) is not None:
+        bad, why = problem
         raise ConfigError(f"{what}: not a text file (byte {data[bad]:#04x} at offset {bad} is {why}). To fix: upload "
                           "UTF-8 text, or a .jsonl file of {\"text\": ...} lines")
     if Path(name).suffix.lower() == ".jsonl":  # read line by line as the trainer reads it (``path`` ends in it too)
