@@ -1,7 +1,8 @@
 """``starverse serve``: the REST API and web console (and its worker), plus tenant, token and registry admin.
 
     starverse serve --root /srv/starverse                      # http://127.0.0.1:8000 (console at /, API docs at /docs)
-    starverse serve token create alice --root /srv/starverse   # prints a new token of tenant alice (created if new)
+    starverse serve tenant create alice --root /srv/starverse  # tenant alice, with the sign-up credit
+    starverse serve token create alice --root /srv/starverse   # prints a new token of tenant alice
     starverse serve tenant topup alice 20 --root /srv/starverse
     starverse serve dataset register wikipedia-202403 ./wiki.jsonl --root /srv/starverse
 """
@@ -160,15 +161,18 @@ def tenant_topup(
 @token_app.command("create")
 def token_create(
     ctx: typer.Context,
-    tenant: Annotated[str, typer.Argument(help="Tenant the token acts for (created if it does not exist).")],
+    tenant: Annotated[str, typer.Argument(help="Tenant the token acts for (`serve tenant create` makes one).")],
     ttl_hours: Annotated[float | None, typer.Option("--ttl-hours", callback=finite_at_most(MAX_SECONDS / 3600),
                                                     help="Expire after this many hours.")] = None,
     root: RootOpt = None, database: DatabaseOpt = None,
 ) -> None:
-    """Print a new API token (shown once: only its hash is stored)."""
+    """Print a new API token of an existing tenant (shown once: only its hash is stored).
+
+    An unknown tenant is refused (exit 2, naming `serve tenant create`): a typo must not make a new tenant
+    and hand it the sign-up credit."""
     from starverse.errors import ConfigError
-    from starverse.service.db import Database, Tenant
-    from starverse.service.tenants import create_tenant, create_token
+    from starverse.service.db import Database
+    from starverse.service.tenants import create_token
 
     if ttl_hours is not None and not ttl_hours * 3600 >= 1:  # a token expired when it is made
         raise ConfigError(f"--ttl-hours: {ttl_hours:g} gives a token that has expired when it is printed. To fix: "
@@ -176,15 +180,10 @@ def token_create(
 
     settings = _settings(root, database, ctx)
     db = Database(settings.url)
-    from sqlalchemy import select
-
-    with db.session() as s:
-        exists = s.scalar(select(Tenant).where(Tenant.name == tenant)) is not None
-    if not exists:
-        create_tenant(db, settings, tenant)
-        typer.echo(f"created tenant {tenant} (sign-up credit {settings.signup_credit} {settings.currency})",
-                   err=True)
-    typer.echo(create_token(db, tenant, ttl_s=None if ttl_hours is None else ttl_hours * 3600))
+    try:
+        typer.echo(create_token(db, tenant, ttl_s=None if ttl_hours is None else ttl_hours * 3600))
+    finally:
+        db.dispose()
 
 
 def _register(kind: str, name: str, path: Path, settings: Any) -> None:

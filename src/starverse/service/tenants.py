@@ -71,7 +71,8 @@ def tenant_by_name(s: Session, name: str) -> Tenant:
     """The tenant called ``name`` (ConfigError if none)."""
     t = s.scalar(select(Tenant).where(Tenant.name == name))
     if t is None:
-        raise ConfigError(f"no tenant {name!r}. To fix: `starverse serve tenant create {name}`")
+        raise ConfigError(f"no tenant {name!r}. To fix: create it first with `starverse serve tenant create {name}` "
+                          "(it starts with the sign-up credit), or check the spelling")
     return t
 
 
