@@ -72,6 +72,21 @@ MAX_MEMORY_GB = 100_000.0
 """Most memory a file may give one device or node, GB (100 TB): above the 32 TiB of RAM of the largest cloud
 node (AWS EC2 u7in-32tb.224xlarge) and far above any device's memory (288 GB HBM3E: NVIDIA B300, AMD Instinct
 MI355X datasheets). ``1e300`` would make every plan fit."""
+MAX_TFLOPS = 1_000_000.0
+"""Highest peak a catalog may give one device, TFLOP/s (1 EFLOP/s): far above the densest device's dense FP8
+(4.5 PFLOP/s, NVIDIA B200 datasheet) and the 125 PFLOP/s Cerebras quotes for a whole WSE-3 wafer. ``1e300``
+would make every step take no time."""
+MAX_MEMORY_BW_GB_PER_S = 100_000.0
+"""Fastest device-memory bandwidth a catalog may give, GB/s (100 TB/s): over ten times the 8 TB/s of HBM3E
+(NVIDIA B200, AMD Instinct MI355X datasheets)."""
+MAX_POWER_W = 100_000.0
+"""Highest board power a catalog may give one device, W (100 kW): above the 23 kW of a Cerebras CS-3 system and
+a hundred times a B200's 1 kW."""
+MIN_USD_PER_UNIT = 1e-9
+"""Lowest exchange rate a catalog may give, US dollars per unit: below every currency in use (the cheapest trade
+at a few millionths of a dollar); prices are divided by it, so ``1e-300`` would turn every price into a number no ledger holds."""
+MAX_USD_PER_UNIT = 1e6
+"""Highest exchange rate a catalog may give, US dollars per unit (the dearest currency in use is near 3.3 USD)."""
 
 
 def _is_number_type(tp: Any) -> bool:

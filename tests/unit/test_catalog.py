@@ -320,7 +320,7 @@ def test_user_currency_rate(tmp_path: Path) -> None:
         ),
         (
             "currencies:\n  CHF: {usd_per_unit: -1, as_of: '1', source: s}\n",
-            r"mine\.yaml:2: currencies\.CHF\.usd_per_unit: must be greater than 0",
+            r"mine\.yaml:2: currencies\.CHF\.usd_per_unit: must be greater than or equal to 0\.000000001 \(got -1\)\. To fix: give a number at least 1e-09",
         ),
         ("offerz: []\n", r"mine\.yaml:1: offerz: unknown field; did you mean 'offers'\?"),
     ],

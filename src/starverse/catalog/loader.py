@@ -25,7 +25,7 @@ from pydantic import Field, ValidationError
 
 from starverse.catalog.core import FLOAT_FIELDS, Accelerator, Catalog, Currency, Offer
 from starverse.catalog.schema import AcceleratorEntry, CatalogFile, CurrencyEntry, OfferEntry
-from starverse.config import FrozenModel, parse, read_yaml
+from starverse.config import FrozenModel, parse, read_yaml, validation_message
 from starverse.errors import CatalogError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,11 @@ def _load_profile(path: Path, catalog: Catalog) -> Catalog:
         if bad:
             log.warning("%s: %s: ignoring non-positive measured %s", path, acc_id, ", ".join(bad))
         good = {k: v for k, v in fields.items() if k not in bad}
+        try:  # the catalog file's bounds: a profile of 1e300 TFLOP/s is as wrong as a catalog of it
+            AcceleratorEntry.model_validate(good)
+        except ValidationError as e:
+            _, text = validation_message(AcceleratorEntry, e)
+            raise CatalogError(f"{path}: accelerators.{acc_id}.{text}; rerun `starverse probe`") from None
         if acc_id in catalog.accelerators:
             overrides[acc_id] = {**good, "sources": dict.fromkeys(good, note)}
         else:

@@ -2,6 +2,8 @@
 
 Every field of an accelerator entry is optional here so that a user's file can override a few figures of a
 bundled accelerator; a *new* accelerator must give all required fields (checked after merging, by the loader).
+Every figure is finite, more than 0 and below a physical bound (the ``MAX_*`` constants of
+:mod:`starverse.config`, named in the error): ``bf16_tflops: 1e300`` would make every step free.
 """
 
 from __future__ import annotations
@@ -10,7 +12,20 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from starverse.config import MAX_COUNT, MAX_SECONDS, FrozenModel
+from starverse.config import (
+    MAX_COUNT,
+    MAX_GB_PER_S,
+    MAX_GBPS,
+    MAX_MEMORY_BW_GB_PER_S,
+    MAX_MEMORY_GB,
+    MAX_MONEY,
+    MAX_POWER_W,
+    MAX_SECONDS,
+    MAX_TFLOPS,
+    MAX_USD_PER_UNIT,
+    MIN_USD_PER_UNIT,
+    FrozenModel,
+)
 
 Stack = Literal["cuda", "rocm", "xla", "npu", "mlu", "cpu"]
 Link = Literal["nvlink", "pcie", "ici", "hccs", "infinity-fabric", "mlu-link", "none"]
@@ -25,29 +40,29 @@ class AcceleratorEntry(FrozenModel):
     """Maker (nvidia, amd, google, huawei, cambricon, generic)."""
     stack: Stack | None = None
     """Software stack: cuda | rocm | xla | npu | mlu | cpu."""
-    bf16_tflops: float | None = Field(default=None, gt=0)
+    bf16_tflops: float | None = Field(default=None, gt=0, le=MAX_TFLOPS)
     """Dense BF16 peak, TFLOP/s (never the sparse figure)."""
-    fp16_tflops: float | None = Field(default=None, gt=0)
+    fp16_tflops: float | None = Field(default=None, gt=0, le=MAX_TFLOPS)
     """Dense FP16 peak with FP32 accumulate, TFLOP/s."""
-    fp32_tflops: float | None = Field(default=None, gt=0)
+    fp32_tflops: float | None = Field(default=None, gt=0, le=MAX_TFLOPS)
     """FP32 peak (no TF32), TFLOP/s."""
-    fp8_tflops: float | None = Field(default=None, gt=0)
+    fp8_tflops: float | None = Field(default=None, gt=0, le=MAX_TFLOPS)
     """Dense FP8 peak, TFLOP/s; omit where the device has no FP8."""
-    memory_gb: float | None = Field(default=None, gt=0)
+    memory_gb: float | None = Field(default=None, gt=0, le=MAX_MEMORY_GB)
     """Device memory, GB."""
-    memory_bw_gb_per_s: float | None = Field(default=None, gt=0)
+    memory_bw_gb_per_s: float | None = Field(default=None, gt=0, le=MAX_MEMORY_BW_GB_PER_S)
     """Device memory bandwidth, GB/s."""
     intra_node_link: Link | None = None
     """Kind of intra-node link."""
-    intra_node_gb_per_s: float | None = Field(default=None, gt=0)
+    intra_node_gb_per_s: float | None = Field(default=None, gt=0, le=MAX_GB_PER_S)
     """Intra-node bandwidth per device, one direction, GB/s."""
     devices_per_node: int | None = Field(default=None, gt=0, le=MAX_COUNT)
     """Default devices per node."""
-    inter_node_gbps: float | None = Field(default=None, gt=0)
+    inter_node_gbps: float | None = Field(default=None, gt=0, le=MAX_GBPS)
     """Default NIC bandwidth per node, Gbit/s."""
-    tdp_w: float | None = Field(default=None, gt=0)
+    tdp_w: float | None = Field(default=None, gt=0, le=MAX_POWER_W)
     """Board power, W."""
-    host_memory_gb: float | None = Field(default=None, gt=0)
+    host_memory_gb: float | None = Field(default=None, gt=0, le=MAX_MEMORY_GB)
     """RAM per node of the default instance type, GB (needed by CPU offload)."""
     sources: dict[str, str] = Field(default_factory=dict)
     """Field -> source of the figure. A key may name several fields separated by commas."""
@@ -60,9 +75,9 @@ class OfferEntry(FrozenModel):
     """Who rents it."""
     accelerator: str
     """Catalog id."""
-    price_per_hour: float = Field(gt=0)
+    price_per_hour: float = Field(gt=0, le=MAX_MONEY)
     """On-demand price per device-hour."""
-    spot_price_per_hour: float | None = Field(default=None, gt=0)
+    spot_price_per_hour: float | None = Field(default=None, gt=0, le=MAX_MONEY)
     """Spot price per device-hour (optional)."""
     currency: str = "USD"
     """ISO 4217 code; must be in the currency table."""
@@ -84,7 +99,7 @@ class OfferEntry(FrozenModel):
 class CurrencyEntry(FrozenModel):
     """An exchange rate."""
 
-    usd_per_unit: float = Field(gt=0)
+    usd_per_unit: float = Field(ge=MIN_USD_PER_UNIT, le=MAX_USD_PER_UNIT)
     """US dollars for one unit."""
     as_of: str
     """Date of the rate."""
