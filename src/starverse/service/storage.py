@@ -9,14 +9,24 @@ A name is one path component (``[A-Za-z0-9][A-Za-z0-9._-]*``, no ``..``): nothin
 point outside the tenant's directory. A job's ``dataset: wikipedia-202403`` resolves to the tenant's own
 upload of that name, else to the platform's registered copy (``ROOT/platform/datasets/``); nothing is
 ever downloaded.
+
+A tenant's quota holds under concurrent uploads: the quota check and the write of an upload run under an
+exclusive ``flock`` on ``tenants/<id>/.storage.lock`` (:func:`tenant_storage_lock`; kernel-held, so it
+covers every server process and is dropped when one dies), so two uploads cannot both count the bytes
+that only one of them may use. The body is already in memory (the server reads it whole, capped), so the
+lock is held for the disk write and the check of the upload only.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +45,38 @@ class QuotaExceededError(StarverseError):
 
 class NotFoundError(StarverseError):
     """The named thing does not exist for this tenant (or belongs to another one)."""
+
+
+class StorageBusyError(StarverseError):
+    """The tenant's storage lock was not free within the wait (another upload of the tenant takes that long)."""
+
+
+LOCK_FILE = ".storage.lock"
+LOCK_WAIT_S = 60.0
+"""Longest an upload or delete waits for the tenant's other storage changes (each holds the lock for one disk
+write of at most ``max_upload_bytes`` and its check)."""
+
+
+@contextmanager
+def tenant_storage_lock(settings: ServiceSettings, tenant_id: str, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """Hold the tenant's exclusive storage lock (see the module docstring); StorageBusyError after ``wait_s``."""
+    base = settings.tenant_dir(tenant_id)
+    base.mkdir(parents=True, exist_ok=True)
+    fd = os.open(base / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StorageBusyError(f"another upload of this tenant has held its storage for over {wait_s:g} "
+                                           "s. To fix: retry when it is done") from None
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def check_name(name: str, what: str = "name") -> str:
@@ -76,6 +118,12 @@ def store(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str, chun
     """Write an upload as the tenant's item ``name`` (replacing one of that name); returns its size. Stops
     with QuotaExceededError as soon as the tenant's total would pass ``quota_bytes`` (nothing is kept)."""
     check_name(name)
+    with tenant_storage_lock(settings, tenant_id):  # the quota check and the write are one step
+        return _store_locked(settings, tenant_id, kind, name, chunks, quota_bytes)
+
+
+def _store_locked(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str, chunks: Iterable[bytes],
+                  quota_bytes: int) -> int:
     dest = settings.tenant_dir(tenant_id) / kind / name
     dest.parent.mkdir(parents=True, exist_ok=True)
     budget = quota_bytes - used_bytes(settings, tenant_id) + (sum(f.stat().st_size for f in _files(dest)))
@@ -133,12 +181,13 @@ def check_upload(kind: Kind, name: str, path: Path) -> None:
 def delete(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str) -> None:
     """Remove the tenant's item (never a platform one)."""
     p = settings.tenant_dir(tenant_id) / kind / check_name(name)
-    if not p.exists():
-        raise NotFoundError(f"{kind}/{name}: not found")
-    if p.is_dir():
-        shutil.rmtree(p)
-    else:
-        p.unlink()
+    with tenant_storage_lock(settings, tenant_id):  # not while an upload of it is being checked and renamed
+        if not p.exists():
+            raise NotFoundError(f"{kind}/{name}: not found")
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def resolve(settings: ServiceSettings, tenant_id: str, kind: Kind, name: str) -> Path | None:
