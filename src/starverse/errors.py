@@ -45,6 +45,11 @@ class InfeasiblePlanError(StarverseError):
         super().__init__(message if not self.reasons else message + " " + "; ".join(self.reasons))
 
 
+class SearchTimeLimitError(StarverseError):
+    """The planner's search ran past the time it was given (the service's ``plan_time_limit_s``): the request
+    is larger than the service plans; nothing was cached."""
+
+
 class PreemptedError(StarverseError):
     """The job stopped because devices were taken back (after writing what it could)."""
 

@@ -3,14 +3,25 @@
 Bodies carry the files the CLI reads (a plan, a job and a pool, a validation case) as JSON objects, or as
 YAML text in ``*_yaml`` fields; they are written to a scratch folder and loaded by the library's own loaders,
 so the service accepts and rejects exactly what the CLI does, with the same messages.
+
+A plan request is bounded, so that one tenant cannot hold the planner process for minutes: a pool of more
+than ``max_plan_offers`` offers or ``max_plan_devices`` devices is refused before any search (422), and a
+search that runs past ``plan_time_limit_s`` is stopped (:class:`~starverse.errors.SearchTimeLimitError`,
+422) — the planner process is free for the next request at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import yaml
@@ -18,8 +29,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from starverse.config import parse_yaml_text
-from starverse.errors import ConfigError, InfeasiblePlanError
+from starverse.config import MAX_COUNT, parse_yaml_text
+from starverse.errors import ConfigError, InfeasiblePlanError, SearchTimeLimitError
 
 router = APIRouter(prefix="/api", tags=["planning"])
 
@@ -135,8 +146,63 @@ def estimate(body: EstimateRequest, request: Request) -> dict[str, Any]:
         return out
 
 
-def plan_document(scratch: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The ``/api/plan`` answer for a :class:`PlanRequest` (as a dict); runs in a planner process."""
+def check_pool_size(body: PlanRequest, max_offers: int, max_devices: int) -> None:
+    """ConfigError when the request's pool has more than ``max_offers`` offers or ``max_devices`` devices (what
+    is malformed otherwise is left to the pool's loader, which names its line)."""
+    pool: Any = body.pool
+    if body.pool_yaml is not None:
+        try:
+            pool = parse_yaml_text(body.pool_yaml, "text")[0]
+        except ConfigError:
+            return
+    offers = pool.get("offers") if isinstance(pool, dict) else None
+    if not isinstance(offers, list):
+        return
+    fix = "or run `starverse plan` on your own machine, which has no limit"
+    if len(offers) > max_offers:
+        raise ConfigError(f"pool.offers: {len(offers):,} offers; the service plans pools of at most {max_offers}. "
+                          f"To fix: keep the offers you would rent from, {fix}")
+    # a count the loader refuses (not an int, past MAX_COUNT) is left to it
+    devices = sum(o["count"] for o in offers
+                  if isinstance(o, dict) and o.get("count").__class__ is int and 0 < o["count"] <= MAX_COUNT)
+    if devices > max_devices:
+        raise ConfigError(f"pool.offers: {devices:,} devices in all; the service plans at most {max_devices:,} at "
+                          f"once. To fix: give fewer devices (count), {fix}")
+
+
+@contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise SearchTimeLimitError in this thread once ``seconds`` have passed (SIGALRM: the main thread of a
+    process only, which a planner process's task runs in; elsewhere, or with None, no limit)."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum: int, frame: FrameType | None) -> None:
+        raise SearchTimeLimitError(
+            f"the plan search ran past the service's limit of {seconds:g} s. To fix: fewer offers or devices in "
+            "the pool, a smaller train.global_batch, or run `starverse plan` on your own machine (no limit)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    start = time.monotonic()
+    earlier, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        # an alarm set before (pytest-timeout's) is set again with what was left of it
+        left = max(earlier - (time.monotonic() - start), 1e-6) if earlier > 0 else 0.0
+        signal.setitimer(signal.ITIMER_REAL, left)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def plan_document(scratch: str, body: dict[str, Any], time_limit_s: float | None = None) -> dict[str, Any]:
+    """The ``/api/plan`` answer for a :class:`PlanRequest` (as a dict); runs in a planner process, stopped
+    with SearchTimeLimitError after ``time_limit_s``."""
+    with time_limit(time_limit_s):
+        return _plan_document(scratch, body)
+
+
+def _plan_document(scratch: str, body: dict[str, Any]) -> dict[str, Any]:
     from starverse.catalog import load_catalog
     from starverse.checks import check_model
     from starverse.cli.plan import _finite, result_to_json
@@ -178,13 +244,16 @@ async def plan(body: PlanRequest, request: Request) -> dict[str, Any]:
     from starverse.service.cache import plan_key
 
     ctx = context(request)
+    st = ctx.settings
+    await run_in_threadpool(check_pool_size, body, st.max_plan_offers, st.max_plan_devices)
     dump = body.model_dump()
     key = await run_in_threadpool(plan_key, dump, catalog_version())
     scratch = str(_scratch_base(request))
 
     async def search() -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        doc: dict[str, Any] = await loop.run_in_executor(ctx.planner_pool(), plan_document, scratch, dump)
+        doc: dict[str, Any] = await loop.run_in_executor(ctx.planner_pool(), plan_document, scratch, dump,
+                                                         st.plan_time_limit_s)
         return doc
 
     return await ctx.plans.get(key, search)

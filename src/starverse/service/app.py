@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from starverse.errors import BudgetExceededError, ConfigError, StarverseError
+from starverse.errors import BudgetExceededError, ConfigError, SearchTimeLimitError, StarverseError
 from starverse.service.cache import Memo, TTLCache
 from starverse.service.db import Database, Tenant
 from starverse.service.settings import ServiceSettings
@@ -212,7 +212,7 @@ def _status_of(e: StarverseError) -> int:
         return 413
     if isinstance(e, BudgetExceededError):
         return 402
-    if isinstance(e, ConfigError):
+    if isinstance(e, ConfigError | SearchTimeLimitError):
         return 422
     return 409
 

@@ -44,6 +44,14 @@ class ServiceSettings:
     a token revoked in the database stops working within this time."""
     plan_cache_entries: int = 256
     """Answers of identical plan requests kept (0: every request searches)."""
+    max_plan_offers: int = 16
+    """Most offers in the pool of one ``/api/plan`` request (422 above it): the search grows with every offer."""
+    max_plan_devices: int = 65_536
+    """Most devices (the sum of the offers' ``count``) in the pool of one ``/api/plan`` request (422 above it):
+    four times the 16,384 H100s of the largest published training run (Llama 3 405B)."""
+    plan_time_limit_s: float = 30.0
+    """Longest one ``/api/plan`` search may run in the planner process (422 past it, and the process is free
+    for the next request); ``starverse plan`` on the user's own machine has no limit."""
     cpu_ranks: int = 1
     """CPU ranks of a job that does not set ``devices.cpu_ranks``."""
 
