@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from service_fixtures import TINY_JOB, Service, free_port, make_settings
 
 from starverse.service.app import create_app
+from starverse.service.protocol import MALFORMED_REQUEST, http_protocol
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def live(svc: Service) -> Iterator[int]:
     bytes a TestClient will not send reach it over a socket. Yields the port."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(svc.client.app, host="127.0.0.1", port=port, lifespan="off",
-                                           log_level="critical"))
+                                           log_level="critical", http=http_protocol()))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -324,7 +325,7 @@ def _bearer(headers: dict[str, str]) -> bytes:
 
 RAW_REQUESTS: list[tuple[str, bytes, bytes, bytes, bytes, int, str]] = [
     # (id, method, target, headers ({auth}: alice's token header), body, status, words of the one JSON line;
-    # "" where uvicorn's parser itself refuses the request with its one plain-text line)
+    # "" where uvicorn's parser itself refuses the request: protocol.MALFORMED_REQUEST)
     ("token-latin1-bytes", b"GET", b"/api/whoami", b"Authorization: Bearer sv_\xe9\xff\r\n", b"", 401,
      "missing, wrong or expired token"),
     ("token-utf8-accent", b"GET", b"/api/whoami", "Authorization: Bearer sv_\u00e9t\u00e9\r\n".encode(), b"", 401,
@@ -370,6 +371,6 @@ def test_raw_bytes_in_headers_queries_and_bodies_answer_one_line(svc: Service, a
     if words:
         detail = json.loads(text)["detail"]
         assert words in detail and "\n" not in detail, detail
-    else:  # the HTTP parser's own answer
-        assert text == "Invalid HTTP request received.", text
+    else:  # the HTTP parser refused it: uvicorn's 400, with the service's JSON line (it was plain text)
+        assert json.loads(text) == MALFORMED_REQUEST, text
     assert raw_request(live, b"GET", b"/api/whoami", _bearer(alice) + b"\r\n")[0] == 200

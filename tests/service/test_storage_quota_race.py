@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from starverse.service import storage
 from starverse.service.settings import ServiceSettings
-from starverse.service.storage import QuotaExceededError, StorageBusyError, store, tenant_storage_lock, used_bytes
+from starverse.service.storage import (
+    QuotaExceededError,
+    StorageBusyError,
+    store,
+    tenant_storage_lock,
+    used_bytes,
+)
 
 QUOTA = 1000
 BODY = b"hello world\n" * 33  # 396 bytes: two fit the quota, three do not
@@ -55,11 +60,13 @@ def test_another_tenants_upload_does_not_wait(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 1.0
 
 
-def test_a_lock_held_past_the_wait_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lock_held_past_the_wait_is_a_typed_error(tmp_path: Path) -> None:
     settings = ServiceSettings(root=tmp_path)
-    monkeypatch.setattr(storage, "LOCK_WAIT_S", 0.05)
-    with tenant_storage_lock(settings, "t1"), pytest.raises(StorageBusyError, match="retry when it is done"):
+
+    def take() -> None:
         with tenant_storage_lock(settings, "t1", wait_s=0.05):
             pass
-    with tenant_storage_lock(settings, "t1", wait_s=0.05):  # released on exit
-        pass
+
+    with tenant_storage_lock(settings, "t1"), pytest.raises(StorageBusyError, match="retry when it is done"):
+        take()
+    take()  # released on exit

@@ -109,6 +109,7 @@ def serve(
     import uvicorn
 
     from starverse.service.app import create_app
+    from starverse.service.protocol import http_protocol
 
     settings = _settings(root, database, worker_slots=slots, signup_credit=_amount(signup_credit, "--signup-credit"),
                          plan_cache_entries=plan_cache)
@@ -119,7 +120,8 @@ def serve(
     typer.echo(f"starverse serve: http://{host}:{port}/ (API docs /docs), state in {settings.root}, "
                f"worker {'pid ' + str(worker.pid) if worker else 'off'}", err=True)
     try:
-        uvicorn.run(create_app(settings, migrate_db=False), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(settings, migrate_db=False), host=host, port=port, log_level="warning",
+                    http=http_protocol())
     finally:
         if worker is not None:
             worker.send_signal(signal.SIGTERM)  # running jobs checkpoint; the next start resumes them
