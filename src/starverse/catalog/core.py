@@ -314,7 +314,8 @@ def unknown_currency_message(code: str, known: list[str]) -> str:
     """``unknown currency 'x'; known: ...`` with how to add a rate."""
     close = difflib.get_close_matches(code.upper(), known, n=1)
     hint = f"did you mean '{close[0]}'? " if close and close[0] != code else ""
+    shown = code if len(code) <= 40 else code[:37] + "..."  # a 5000-character --currency is not echoed whole
     return (
-        f"unknown currency '{code}'; {hint}known: {', '.join(sorted(known))}. To add one, give its "
+        f"unknown currency '{shown}'; {hint}known: {', '.join(sorted(known))}. To add one, give its "
         "usd_per_unit, as_of and source under 'currencies:' in a catalog file (--catalog FILE)."
     )

@@ -25,7 +25,7 @@ from pydantic import Field, ValidationError
 
 from starverse.catalog.core import FLOAT_FIELDS, Accelerator, Catalog, Currency, Offer
 from starverse.catalog.schema import AcceleratorEntry, CatalogFile, CurrencyEntry, OfferEntry
-from starverse.config import FrozenModel, parse, read_yaml, validation_message
+from starverse.config import FrozenModel, parse, read_text_file, read_yaml, validation_message
 from starverse.errors import CatalogError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -228,12 +228,14 @@ def _fresh_draft() -> _Draft:
 
 
 def _load_profile(path: Path, catalog: Catalog) -> Catalog:
+    if not path.exists() and not path.is_symlink():
+        raise CatalogError(f"{path}: probe profile not found; run `starverse probe` to write one")
+    try:  # a folder, a FIFO (read forever), a binary or huge file: one line, as for any file the user names
+        text = read_text_file(path, "a probe profile JSON (`starverse probe` writes one)")
+    except ConfigError as e:
+        raise CatalogError(str(e)) from None
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CatalogError(f"{path}: probe profile not found; run `starverse probe` to write one") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CatalogError(f"{path}: cannot read probe profile ({e.__class__.__name__})") from None
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise CatalogError(
             f"{path}:{e.lineno}: malformed probe profile JSON: {e.msg}; rerun `starverse probe`"

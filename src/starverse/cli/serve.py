@@ -53,7 +53,7 @@ def _settings(root: Path | None, database: str | None, ctx: typer.Context | None
     root = root or given.get("root")
     database = database or given.get("database")
     base = root or Path(os.environ.get(ROOT_ENV) or Path.home() / ".local" / "share" / "starverse" / "service")
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import DatabaseError
 
     from starverse.errors import ConfigError
 
@@ -66,7 +66,7 @@ def _settings(root: Path | None, database: str | None, ctx: typer.Context | None
                           "(created if missing)") from None
     try:
         upgrade_state(settings)
-    except OperationalError as e:  # the server is not running, the database does not exist, no access
+    except DatabaseError as e:  # the server is not running, the database does not exist, no access, not a database
         first = " ".join(str(e.orig or e).split("\n")[0].split())[:200]
         raise ConfigError(f"--database: cannot open the database ({first}). To fix: start its server or check "
                           "the URL") from None
@@ -86,6 +86,27 @@ def _amount(text: str, what: str) -> Decimal:
         raise ConfigError(f"{what}: {text[:40]!r} is above {MAX_MONEY:,}, the largest amount the ledger holds. "
                           "To fix: give a smaller amount")
     return value
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """ConfigError when ``host:port`` cannot be bound here (uvicorn would print its own two lines and exit 3)."""
+    import socket
+
+    from starverse.errors import ConfigError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--host {host[:60]!r}: not an address ({getattr(e, 'strerror', None) or e}). To fix: "
+                          "give 127.0.0.1 (this machine only) or an address of this machine") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror}). To fix: another "
+                              "--port (or stop what uses it), or an address of this machine") from None
 
 
 @serve_app.callback()
@@ -113,6 +134,7 @@ def serve(
 
     settings = _settings(root, database, worker_slots=slots, signup_credit=_amount(signup_credit, "--signup-credit"),
                          plan_cache_entries=plan_cache)
+    _check_bindable(host, port)
     worker = None
     if slots > 0:
         worker = subprocess.Popen([sys.executable, "-m", "starverse.service.worker", str(settings.root),

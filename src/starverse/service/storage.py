@@ -205,12 +205,27 @@ def register_platform(settings: ServiceSettings, kind: Kind, name: str, source: 
     check_name(name)
     if not source.exists():
         raise ConfigError(f"{source}: no such file or folder")
+    if not (source.is_dir() or source.is_file()):  # a FIFO would be read forever, a device has no end
+        raise ConfigError(f"{source}: not a regular file or folder (a device, FIFO or socket). To fix: give a file "
+                          "or folder")
+    if kind == "models" and source.is_file():
+        check_upload(kind, name, source)  # as a tenant's upload is: a config.json the model registry loads
     dest = settings.platform_dir / kind / name
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists():
-        shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
-    if source.is_dir():
-        shutil.copytree(source, dest)
-    else:
-        shutil.copy2(source, dest)
+    tmp = dest.with_name(f".{secrets.token_hex(6)}.part-{name}")
+    try:  # copied beside, then renamed: a copy that fails leaves the registered item as it was
+        if source.is_dir():
+            shutil.copytree(source, tmp)
+        else:
+            shutil.copy2(source, tmp)
+    except (OSError, shutil.Error) as e:  # a FIFO inside the folder, a file it may not read, a full disk
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        first = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else e
+        raise ConfigError(f"{source}: cannot be copied into the platform registry ({first}). To fix: give a folder of "
+                          "regular files this user may read") from None
+    if dest.is_dir():
+        shutil.rmtree(dest)
+    elif dest.exists():
+        dest.unlink()
+    tmp.replace(dest)
     return dest

@@ -45,7 +45,8 @@ def hash_token(token: str) -> str:
 def create_tenant(db: Database, settings: ServiceSettings, name: str, *, credit: Decimal | None = None) -> Tenant:
     """A new tenant with its directory and sign-up credit (``settings.signup_credit`` unless ``credit``)."""
     if not _NAME.match(name):
-        raise ConfigError(f"tenant name {name!r}: use 1-63 lower-case letters, digits, '-' or '_'")
+        shown = repr(name) if len(name) <= 70 else repr(name[:64]) + "..."
+        raise ConfigError(f"tenant name {shown}: use 1-63 lower-case letters, digits, '-' or '_'")
     with db.session() as s:
         if s.scalar(select(Tenant).where(Tenant.name == name)) is not None:
             raise ConfigError(f"tenant {name!r} already exists. To fix: choose another name")
