@@ -66,6 +66,50 @@ def test_exact_split_matches_enumeration():
             assert step_of(s, o, d, split, m, 0.1) == pytest.approx(v, rel=1e-12)
 
 
+
+def test_any_split_is_none_exactly_when_the_exact_split_is():
+    """``best_split(..., any_split=True)`` (a leaf the layout rule refuses: only "does a split beat the limit?"
+    counts) answers None exactly when the exact split does, under every incumbent, and what it returns is a
+    real split within the incumbent."""
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        p = int(rng.integers(1, 5))
+        total = int(rng.integers(p, 10))
+        lmax = total - p + 1
+        layers = np.arange(1, lmax + 1)
+        s = rng.uniform(0, 1, p)[:, None] + rng.uniform(0.5, 2, p)[:, None] * layers[None, :]
+        o = rng.uniform(0, 0.3, p)[:, None] * layers[None, :]
+        d = np.abs(rng.normal(0, 1, (p, lmax)))
+        cap = rng.integers(1, lmax + 1, p)
+        s = np.where(layers[None, :] <= cap[:, None], s, np.inf)
+        m = float(rng.integers(1, 10))
+        exact, _ = best_split(s, o, d, total, m, 0.1)
+        for incumbent in (math.inf, exact * 1.05, exact, exact * (1 + 1e-12), exact * 0.95, 0.0):
+            _, want = best_split(s, o, d, total, m, 0.1, incumbent=incumbent)
+            v, got = best_split(s, o, d, total, m, 0.1, incumbent=incumbent, any_split=True)
+            assert (got is None) == (want is None), (incumbent, exact)
+            if got is not None:
+                assert got.sum() == total and (got >= 1).all() and v <= incumbent
+                assert step_of(s, o, d, got, m, 0.1) == pytest.approx(v, rel=1e-12)
+
+
+def test_the_layout_rule_never_reads_a_one_group_pipelines_layer_counts():
+    """The leaf evaluation decides "refused whatever the split" from layer counts of 1 (``pipeleaf``): for one
+    group, the rule's answer is the same for every split of the layers."""
+    from starverse.planner.policy import Layout, runtime_layout_rule
+
+    rng = random.Random(2)
+    for _ in range(500):
+        p = rng.randint(2, 5)
+        tps = [rng.choice((1, 2, 4)) for _ in range(p)]
+        backends = [rng.choice(("nccl", "rccl", "xla", "cpu")) for _ in range(p)]
+        zero, offload, mode = rng.choice((0, 1, 2, 3)), rng.random() < 0.5, rng.choice(("full", "lora", "qlora"))
+        split = [rng.randint(1, 9) for _ in range(p)]
+        ones = Layout((tuple((1, t, b) for t, b in zip(tps, backends, strict=True)),), zero, offload, mode)
+        real = Layout((tuple(zip(split, tps, backends, strict=True)),), zero, offload, mode)
+        assert runtime_layout_rule(ones) == runtime_layout_rule(real)
+
+
 def brute_force(job, pool, catalog, spec) -> float:
     """Best objective over every heterogeneous pipeline of the pool (plain loops, scalar cost model)."""
     job, _ = resolve_objective(job, pool)

@@ -25,7 +25,14 @@ from starverse.planner.pipekinds import (
     spot_factor_of,
     stage_rows,
 )
-from starverse.planner.policy import Layout, billed_hours, note_layout_refusal, score, within
+from starverse.planner.policy import (
+    Layout,
+    billed_hours,
+    note_layout_refusal,
+    runtime_layout_rule,
+    score,
+    within,
+)
 from starverse.planner.result import SearchStats
 
 FloatArray = npt.NDArray[np.float64]
@@ -79,8 +86,14 @@ class LeafEvaluator:
             return None
         host_ok = self._host_fits(offer, tp, pos, lay, p, r, setting, blocks).reshape(p, lmax) \
             if ctx.settings[setting].offload >= 1 else True
+        # the runtime layout rule refuses a one-group pipeline whatever its layer split (different TP in its
+        # stages): all that counts then is whether a split beats the limit (``_value`` counts the refusal),
+        # not the best one; the first that does ends the search (the walk and its incumbent are unchanged)
+        refused = self._refused_whatever_split(setting, blocks)
         best: tuple[float, IntArray, int] | None = None
         for v in [1, *interleave_options(total, m, p, ctx.job.search.max_virtual_stages)]:
+            if refused and best is not None:
+                break
             mn_v = mn if v == 1 else replace(mn, schedule="interleaved", virtual_stages=float(v))
             c = stage_costs(mn_v, rows)
             fits = (c["memory_gb"] <= c["capacity_gb"]).reshape(p, lmax) & host_ok
@@ -95,12 +108,22 @@ class LeafEvaluator:
             # m S_max + (Σ S - S_max) / v is (m v - 1) max(S / v) + Σ (S / v), the 1F1B form
             cols = np.arange(v - 1, v * (total // v - p + 1), v)
             step, units = pipesplit.best_split(s[:, cols] / v, o[:, cols], d[:, cols], total // v, float(m * v),
-                                               const, incumbent=limit if best is None else min(limit, best[0]))
+                                               const, incumbent=limit if best is None else min(limit, best[0]),
+                                               any_split=refused)
             if units is not None:
                 best = (step, units * v, v)
         if best is None:
             return None
         return self._value(r, mb, setting, blocks, best[1], best[0], best[2])
+
+    def _refused_whatever_split(self, setting: int, blocks: list[tuple[int, int, int]]) -> bool:
+        """The runtime layout rule refuses this pipeline (one group) for every layer split: the rule reads a
+        one-group plan's stage count, TPs, backends, ZeRO stage, offload and mode, never its layer counts."""
+        ctx = self.ctx
+        st = ctx.settings[setting]
+        backend = {o: ctx.catalog.accelerator(ctx.pool.offers[o].accelerator).backend for o, _, _ in blocks}
+        stages = tuple((1, t, backend[o]) for o, t, k in blocks for _ in range(k))
+        return runtime_layout_rule(Layout((stages,), st.zero_stage, st.offload > 0, ctx.mode)) is not None
 
     def _terms(self, r: int, blocks: list[tuple[int, int, int]]) -> tuple[dict[int, int], float, float, float]:
         """Devices per offer, spot factor, price and power of a pipeline's devices."""

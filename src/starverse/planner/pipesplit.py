@@ -34,10 +34,11 @@ def step_of(s: FloatArray, o: FloatArray, d: FloatArray, layers: IntArray, m: fl
     return float((m - 1.0) * si.max() + si.sum() + oi.max() + di.max() + const)
 
 
-def _greedy(s: FloatArray, o: FloatArray, d: FloatArray, total: int, m: float, const: float
-            ) -> tuple[float, IntArray | None]:
+def _greedy(s: FloatArray, o: FloatArray, d: FloatArray, total: int, m: float, const: float,
+            enough: float = -np.inf) -> tuple[float, IntArray | None]:
     """A good split to prune with: for each bottleneck level ``τ`` (ascending), every stage takes the layers
-    it can hold under ``τ``, cheapest first, until the model is covered."""
+    it can hold under ``τ``, cheapest first, until the model is covered (``enough``: the first split whose
+    step is at most this is returned at once)."""
     p, lmax = s.shape
     finite = np.isfinite(s)
     # the largest L each stage can take with every smaller count allowed too (prefix of finite entries)
@@ -63,6 +64,8 @@ def _greedy(s: FloatArray, o: FloatArray, d: FloatArray, total: int, m: float, c
             if rest == 0:
                 break
         v = step_of(s, o, d, layers, m, const)
+        if v <= enough:
+            return v, layers
         if v < best:
             best, best_l = v, layers
     return best, best_l
@@ -117,15 +120,19 @@ def _completion_bounds(s: FloatArray, smin: FloatArray, total: int) -> tuple[Flo
 
 
 def best_split(s: FloatArray, o: FloatArray, d: FloatArray, total: int, m: float, const: float,
-               incumbent: float = np.inf) -> tuple[float, IntArray | None]:
+               incumbent: float = np.inf, any_split: bool = False) -> tuple[float, IntArray | None]:
     """Exact minimum step over integer splits and one split reaching it (``(inf, None)`` when no split
     fits or none beats ``incumbent``). ``s, o, d``: (p, L_max) tables, ``inf`` where stage ``i`` cannot hold
-    ``L`` layers (memory); ``L_max = total - p + 1``."""
+    ``L`` layers (memory); ``L_max = total - p + 1``. ``any_split``: the caller asks only whether some split
+    beats ``incumbent`` (None exactly when the exact search returns None): the greedy sweep's split, when it
+    does, is returned without the dynamic program."""
     p, lmax = s.shape
     if p > total or lmax < 1:
         return np.inf, None
     s = np.where(np.isfinite(s), s, np.inf)
-    g_best, g_layers = _greedy(s, o, d, total, m, const)
+    g_best, g_layers = _greedy(s, o, d, total, m, const, enough=incumbent if any_split else -np.inf)
+    if any_split and g_layers is not None and g_best <= incumbent:
+        return g_best, g_layers
     best = min(incumbent, g_best)
     best_layers = g_layers if g_best <= incumbent else None
     # completion lower bounds: stages i.. each take at least their cheapest entry
