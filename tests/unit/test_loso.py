@@ -21,7 +21,8 @@ def loso(loso_document: dict) -> dict:
 
 def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> None:
     sources = {"korthikanti2022", "megatron", "megatron2021", "mpt", "sailor", "amp_t4", "amp_mixed", "sailor_gh200",
-               "nemo2412", "nemolong", "fmsfsdp", "mptscale", "mptlong", "opt", "bigscience", "dtfm", "dtfmslow"}
+               "nemo2412", "nemolong", "fmsfsdp", "mptscale", "mptlong", "opt", "bigscience", "dtfm", "dtfmslow",
+               "dlperf"}
     assert set(loso["fitted"]) == {c.name for c in FITTED} == {
         "SUSTAINED_FRACTION", "PRE_AMPERE_EFFICIENCY", "PCIE_COLLECTIVE_FRACTION", "HOST_OVERHEAD_PER_LAYER_S"}
     for const in FITTED:
@@ -30,7 +31,7 @@ def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> No
         assert fit["all"] == pytest.approx(getattr(C, const.name), rel=0.01)
         assert set(fit["without"]) == sources
         assert all(const.lower <= v <= const.upper for v in fit["without"].values())
-    # the scored-but-not-fitted sources (DT-FM's V100 runs) move no fit: without them is the fit on all
+    # the scored-but-not-fitted sources (DT-FM's and DLPerf's V100 runs) move no fit: without them is the fit on all
     for src in SCORED_NOT_FITTED:
         assert all(loso["fitted"][c.name]["without"][src] == loso["fitted"][c.name]["all"] for c in FITTED), src
     # the sustained matmul fraction is not specific to one software stack
@@ -135,7 +136,14 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     bs = held["bigscience"]
     assert bs["n"] == 19 and bs["meets"]["spearman"] is True and bs["spearman"] >= 0.85
     assert bs["meets"]["median_abs_error"] is True and bs["p90_abs_error"] <= 0.10
-    assert loso["pooled"]["n"] == 304  # 235 + DT-FM's 69
+    # DLPerf's Megatron-LM runs on 1-4 nodes of 8 V100-16GB (scored, not fitted: costmodel.fit.SCORED_NOT_FITTED),
+    # held out by construction: ranked in order, median and p90 missed (too slow on every run inside a node, 4-5x
+    # where a TP group spans nodes: open, docs/costmodel.md `dlperf`), their nvidia-smi memory median within 10 %
+    dl = held["dlperf"]
+    assert dl["n"] == 16 and dl["meets"]["spearman"] is True and dl["meets"]["fits_as_reported"] is True
+    assert dl["meets"]["median_abs_error"] is False and dl["meets"]["p90_abs_error"] is False
+    assert dl["memory_n"] == 16 and dl["memory_median_abs_error"] <= 0.10
+    assert loso["pooled"]["n"] == 320  # 235 + DT-FM's 69 + DLPerf's 16
 
 
 def test_forked_held_out_fits_give_the_serial_figures(monkeypatch: pytest.MonkeyPatch) -> None:
