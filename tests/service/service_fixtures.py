@@ -8,11 +8,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi.testclient import TestClient
 
 from helpers import TINY
@@ -38,6 +41,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_in_thread(app: Any, http: Any) -> Iterator[int]:
+    """``app`` served by uvicorn on 127.0.0.1 with the HTTP protocol class ``http`` (its parser, as `starverse
+    serve` runs it), in a daemon thread: the bytes a TestClient will not send reach it over a socket. Yields the
+    port; stops the server on exit."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="critical",
+                                           http=http))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 @dataclass

@@ -12,16 +12,13 @@ from __future__ import annotations
 import copy
 import json
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
-from service_fixtures import TINY_JOB, Service, free_port, make_settings
+from service_fixtures import TINY_JOB, Service, make_settings, serve_in_thread
 
 from starverse.service.app import create_app
 from starverse.service.protocol import MALFORMED_REQUEST, http_protocol
@@ -41,18 +38,8 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 def live(svc: Service) -> Iterator[int]:
     """The module's app served by uvicorn on 127.0.0.1 (its HTTP parser, as `starverse serve` runs it): the
     bytes a TestClient will not send reach it over a socket. Yields the port."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(svc.client.app, host="127.0.0.1", port=port, lifespan="off",
-                                           log_level="critical", http=http_protocol()))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield port
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(svc.client.app, http_protocol()) as port:
+        yield port
 
 
 def raw_request(port: int, method: bytes, target: bytes, headers: bytes = b"", body: bytes = b"") -> tuple[int, bytes]:

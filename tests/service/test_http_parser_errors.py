@@ -6,13 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
-from service_fixtures import free_port
+from service_fixtures import serve_in_thread
 from starlette.types import Receive, Scope, Send
 
 from starverse.service.protocol import MALFORMED_REQUEST, JsonErrorH11Protocol, http_protocol
@@ -29,18 +26,8 @@ async def _app(scope: Scope, receive: Receive, send: Send) -> None:
 def port(request: pytest.FixtureRequest) -> Iterator[tuple[int, str]]:
     """A uvicorn server on 127.0.0.1 with the protocol; yields its port and its parser's name."""
     protocol: type[asyncio.Protocol] = JsonErrorH11Protocol if request.param == "h11" else http_protocol()
-    p = free_port()
-    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=p, lifespan="off", log_level="critical",
-                                           http=protocol))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield p, "h11" if issubclass(protocol, JsonErrorH11Protocol) else "httptools"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(_app, protocol) as p:
+        yield p, "h11" if issubclass(protocol, JsonErrorH11Protocol) else "httptools"
 
 
 @pytest.mark.parametrize("request_bytes", [

@@ -38,21 +38,28 @@ def catalog():
     return load_catalog(profile="")
 
 
+def _random_table(rng: np.random.Generator, max_total: int) -> tuple[int, int, int, np.ndarray, np.ndarray,
+                                                                     np.ndarray, np.ndarray, float]:
+    """A random split problem: p stages, total layers (at most ``max_total``), per-stage step (s), exposed
+    all-reduce (o) and extra (d) tables over 1..lmax layers, a layer cap per stage (memory), micro-batches m."""
+    p = int(rng.integers(1, 5))
+    total = int(rng.integers(p, max_total + 1))
+    lmax = total - p + 1
+    layers = np.arange(1, lmax + 1)
+    s = rng.uniform(0, 1, p)[:, None] + rng.uniform(0.5, 2, p)[:, None] * layers[None, :]
+    o = rng.uniform(0, 0.3, p)[:, None] * layers[None, :]
+    d = np.abs(rng.normal(0, 1, (p, lmax)))
+    cap = rng.integers(1, lmax + 1, p)
+    s = np.where(layers[None, :] <= cap[:, None], s, np.inf)
+    return p, total, lmax, s, o, d, cap, float(rng.integers(1, 10))
+
+
 def test_exact_split_matches_enumeration():
     """Random tables (non-monotone exposed all-reduce, memory caps): the DP's step equals the best of every
     composition."""
     rng = np.random.default_rng(0)
     for _ in range(150):
-        p = int(rng.integers(1, 5))
-        total = int(rng.integers(p, 9))
-        lmax = total - p + 1
-        layers = np.arange(1, lmax + 1)
-        s = rng.uniform(0, 1, p)[:, None] + rng.uniform(0.5, 2, p)[:, None] * layers[None, :]
-        o = rng.uniform(0, 0.3, p)[:, None] * layers[None, :]
-        d = np.abs(rng.normal(0, 1, (p, lmax)))
-        cap = rng.integers(1, lmax + 1, p)
-        s = np.where(layers[None, :] <= cap[:, None], s, np.inf)
-        m = float(rng.integers(1, 10))
+        p, total, lmax, s, o, d, cap, m = _random_table(rng, max_total=8)
         best = math.inf
         for comp in itertools.product(range(1, lmax + 1), repeat=p):
             if sum(comp) == total and all(c <= k for c, k in zip(comp, cap, strict=True)):
@@ -73,16 +80,7 @@ def test_any_split_is_none_exactly_when_the_exact_split_is():
     real split within the incumbent."""
     rng = np.random.default_rng(1)
     for _ in range(300):
-        p = int(rng.integers(1, 5))
-        total = int(rng.integers(p, 10))
-        lmax = total - p + 1
-        layers = np.arange(1, lmax + 1)
-        s = rng.uniform(0, 1, p)[:, None] + rng.uniform(0.5, 2, p)[:, None] * layers[None, :]
-        o = rng.uniform(0, 0.3, p)[:, None] * layers[None, :]
-        d = np.abs(rng.normal(0, 1, (p, lmax)))
-        cap = rng.integers(1, lmax + 1, p)
-        s = np.where(layers[None, :] <= cap[:, None], s, np.inf)
-        m = float(rng.integers(1, 10))
+        _, total, _, s, o, d, _, m = _random_table(rng, max_total=9)
         exact, _ = best_split(s, o, d, total, m, 0.1)
         for incumbent in (math.inf, exact * 1.05, exact, exact * (1 + 1e-12), exact * 0.95, 0.0):
             _, want = best_split(s, o, d, total, m, 0.1, incumbent=incumbent)
