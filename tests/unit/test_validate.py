@@ -104,12 +104,14 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
             assert abs(by_name[f"dtfmslow-l{layers}-b1024-p{pp}-t{tp}-d8-mb1"].error or 1.0) <= 0.15, (layers, tp)
     # DLPerf's Megatron-LM runs on 1-4 nodes of 8 V100-16GB (one 100 Gbit/s port per node), each with its nvidia-smi
     # memory: open misses (docs/costmodel.md `dlperf`): every run inside a node is predicted too slow (a single
-    # V100 by 28-35 %), and the two TP groups that span nodes (TP 16 over 2 nodes, TP 32 over 4) 4-5x too slow:
-    # the model sends each of a node's 8 TP ranks' ring traffic through the node's one port
+    # V100 by 28-35 %); the two TP groups that span nodes (TP 16 over 2 nodes, TP 32 over 4) were 4-5x too slow
+    # while the model sent each of a node's 8 TP ranks' ring traffic through the node's one port; with the whole
+    # port per group (one ring leaves a node once) they are too fast, by less than 0.7 (open)
     dl = sources["dlperf"]
     assert (dl["n"], dl["memory_n"]) == (16, 16) and dl["spearman"] >= 0.9
     dl_runs = {r.name.removeprefix("dlperf-"): r.error or 0.0 for r in results if r.source == "dlperf"}
-    assert dl_runs["h3072-l16-dp1-tp16-pp1-mbs16-gbs16"] <= -0.7 and dl_runs["h3072-l32-dp1-tp32-pp1-mbs16-gbs16"] <= -0.7
+    for spanning in ("h3072-l16-dp1-tp16-pp1-mbs16-gbs16", "h3072-l32-dp1-tp32-pp1-mbs16-gbs16"):
+        assert 0.0 < dl_runs[spanning] <= 0.7, spanning
     for single in ("h1536-l16-dp1-tp1-pp1-mbs2-gbs2", "h768-l12-dp1-tp1-pp1-mbs8-gbs8"):
         assert -0.40 <= dl_runs[single] <= -0.20, single
     # data parallelism over the nodes' ports: the step grows from 8 to 16 GPUs as measured (+0.18 s)

@@ -94,8 +94,8 @@ DLPerf's Megatron-LM runs on 1-4 nodes of 8 V100-16GB (``data/validation/dlperf-
 here for the same reason: in the joint fit they moved ``PRE_AMPERE_EFFICIENCY`` 0.661 -> 0.898 and
 ``PCIE_COLLECTIVE_FRACTION`` 0.765 -> 0.623 (AMP's 16 x T4 held-out p90 16.2 -> 20.7 %, DT-FM's median 17.3 ->
 31.6 %, Sailor's GH200 p90 24.5 -> 32.6 %): the model is 4-35 % too slow on 13 of its 14 runs whose TP groups
-stay inside a node (single V100s: 28-35 %) and 4-5x too slow where one TP group spans nodes over one 100 Gbit/s
-port (docs/costmodel.md, `dlperf`), which one pre-Ampere matmul efficiency does not describe."""
+stay inside a node (single V100s: 28-35 %), which one pre-Ampere matmul efficiency does not describe, and 27-60 %
+too fast where one TP group spans nodes over one 100 Gbit/s port (docs/costmodel.md, `dlperf`)."""
 
 TARGETS = {"median_abs_error": 0.12, "p90_abs_error": 0.25, "spearman": 0.8, "memory_abs_error": 0.10}
 """Issue 9's targets on held-out figures (Spearman only for sources with at least

@@ -171,8 +171,10 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     elem_layer = fwd_bytes / bw * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + fw_again) + attn_elem
 
     # ---- TP collectives of one layer: 2 all-reduces forward, 2 backward (+2 recomputed forward) ----
-    same_node = rows.tp <= rows.devices_per_node
-    tp_bus = group_bus_gb_per_s(t, np.where(same_node, t, 1.0), rows.intra_node_gb_per_s,
+    # TP ranks are consecutive (Megatron's rank order): a group wider than a node fills each node it spans, so
+    # its ring is the only one on those nodes' NICs (NCCL: each channel's ring leaves a node once), not one of
+    # devices_per_node rings sharing them
+    tp_bus = group_bus_gb_per_s(t, np.minimum(t, rows.devices_per_node), rows.intra_node_gb_per_s,
                                 rows.devices_per_node, rows.inter_node_gbps)
     ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus, 1.0, collective_latency_s(rows.host_collectives, True))
     latency = collective_latency_s(rows.host_collectives)
