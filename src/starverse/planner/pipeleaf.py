@@ -119,11 +119,18 @@ class LeafEvaluator:
     def _refused_whatever_split(self, setting: int, blocks: list[tuple[int, int, int]]) -> bool:
         """The runtime layout rule refuses this pipeline (one group) for every layer split: the rule reads a
         one-group plan's stage count, TPs, backends, ZeRO stage, offload and mode, never its layer counts."""
+        return runtime_layout_rule(self._layout(setting, blocks, None)) is not None
+
+    def _layout(self, setting: int, blocks: list[tuple[int, int, int]], layers: IntArray | None) -> Layout:
+        """The one-group layout the runtime rule and the limits read: (layers, TP, backend) per stage (one layer
+        each where ``layers`` is None)."""
         ctx = self.ctx
         st = ctx.settings[setting]
         backend = {o: ctx.catalog.accelerator(ctx.pool.offers[o].accelerator).backend for o, _, _ in blocks}
-        stages = tuple((1, t, backend[o]) for o, t, k in blocks for _ in range(k))
-        return runtime_layout_rule(Layout((stages,), st.zero_stage, st.offload > 0, ctx.mode)) is not None
+        stages = [(o, t) for o, t, k in blocks for _ in range(k)]
+        counts = [1] * len(stages) if layers is None else [int(x) for x in layers]
+        return Layout((tuple((n, t, backend[o]) for (o, t), n in zip(stages, counts, strict=True)),),
+                      st.zero_stage, st.offload > 0, ctx.mode)
 
     def _terms(self, r: int, blocks: list[tuple[int, int, int]]) -> tuple[dict[int, int], float, float, float]:
         """Devices per offer, spot factor, price and power of a pipeline's devices."""
@@ -204,11 +211,7 @@ class LeafEvaluator:
         hours = self.tokens / tps_eff / 3600.0
         total = float(sum(k * self.price[o] * billed_hours(np.asarray(hours), offers[o].billing_granularity_s)
                           for o, k in n.items()))
-        st = ctx.settings[setting]
-        backend = {o: ctx.catalog.accelerator(offers[o].accelerator).backend for o, _, _ in blocks}
-        stages = [(o, t) for o, t, k in blocks for _ in range(k)]
-        layout = Layout((tuple((int(n), t, backend[o]) for (o, t), n in zip(stages, layers, strict=True)),),
-                        st.zero_stage, st.offload > 0, ctx.mode)
+        layout = self._layout(setting, blocks, layers)
         if not bool(within(ctx.limits, price, power, hours, total, layout)):
             note_layout_refusal(self.stats.layout_refused, layout)
             return None
