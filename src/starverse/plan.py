@@ -121,9 +121,9 @@ class TrainSpec(FrozenModel):
     ``constants.FLAT_ALLREDUCE_BUCKET_ELEMENTS`` values), all-reduces it and copies it back: DeepSpeed's engine
     without ZeRO (``buffered_allreduce_fallback`` with ``MEMORY_OPT_ALLREDUCE_SIZE``; its pipeline engine runs it
     in ``ReduceGrads`` even with one replica). The copy exists after the last backward, when the activations are
-    freed (``costmodel.stage.flat_grad_buffer_bytes``). With ``fp32_grad_copy`` (``BF16_Optimizer``) the gradients
+    freed (``costmodel.memory.flat_grad_buffer_bytes``). With ``fp32_grad_copy`` (``BF16_Optimizer``) the gradients
     reduced are already one flat fp32 tensor per parameter group: no flatten copy, but a cast of the whole tensor
-    to the 16-bit communication dtype unless ``grad_reduce_fp32`` (``costmodel.stage.bf16_optimizer_cast_bytes``)."""
+    to the 16-bit communication dtype unless ``grad_reduce_fp32`` (``costmodel.memory.bf16_optimizer_cast_bytes``)."""
     fp32_grad_copy: bool = False
     """The optimizer keeps an fp32 copy of every gradient of the stage, whole (not sharded over the replicas),
     beside the 16-bit ``.grad`` autograd writes: DeepSpeed's ``BF16_Optimizer`` (``fp32_groups_gradients_flat``,

@@ -192,7 +192,7 @@ def test_deepspeeds_flat_allreduce_casts_the_bf16_optimizers_fp32_gradients_to_1
     PP 6 run, reported as failed for memory, is refused because of it."""
     from starverse.costmodel import estimate
     from starverse.costmodel.constants import RESERVED_GB
-    from starverse.costmodel.stage import bf16_optimizer_cast_bytes
+    from starverse.costmodel.memory import bf16_optimizer_cast_bytes
     from starverse.costmodel.validate import load_case, score_case
 
     assert float(bf16_optimizer_cast_bytes(3e9, 2.0)) == 6e9  # type: ignore[arg-type]

@@ -316,7 +316,7 @@ def test_a_flat_gradient_copy_takes_its_own_segment() -> None:
 
     from starverse.costmodel import estimate
     from starverse.costmodel.constants import FLAT_ALLREDUCE_BUCKET_ELEMENTS
-    from starverse.costmodel.stage import flat_grad_buffer_bytes
+    from starverse.costmodel.memory import flat_grad_buffer_bytes
     from starverse.costmodel.validate import load_case, score_case
 
     assert float(flat_grad_buffer_bytes(4e8, 4.0)) == 4e8

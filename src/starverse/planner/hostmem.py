@@ -21,7 +21,7 @@ import numpy.typing as npt
 from starverse.costmodel.batch import OFFLOAD_CODES, ModelShape, TrainShape
 from starverse.costmodel.constants import BYTES_PER_VALUE, QLORA_BYTES_PER_PARAM
 from starverse.costmodel.group import adapter_params_per_layer
-from starverse.costmodel.stage import optimizer_state_bytes
+from starverse.costmodel.memory import optimizer_state_bytes
 from starverse.plan import Plan
 
 FloatArray = npt.NDArray[np.float64]
