@@ -19,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 
 from starverse.errors import StarverseError
+from starverse.filelock import try_flock
 
 LOCK_FILE = "supervisor.lock"
 
@@ -43,11 +44,8 @@ class RunLock:
     def acquire(self) -> RunLock:
         """Take the lock now, or raise :class:`RunDirBusyError` naming the holder (never waits)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = try_flock(self.path, 0o644)
+        if fd is None:
             holder = read_holder(self.path)
             who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} since "
                    f"{holder.get('started_at', '?')} ({holder.get('command', '?')})")

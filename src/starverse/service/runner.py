@@ -11,13 +11,14 @@ checkpoint and exit with code 3.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
+
+from starverse.filelock import try_flock
 
 log = logging.getLogger("starverse.service.runner")
 LOCK_FILE = ".lock"
@@ -26,22 +27,11 @@ EXIT_LOCKED = 75
 """Exit code when another process already runs this job."""
 
 
-def try_lock(path: Path) -> int | None:
-    """An exclusive, non-blocking flock on ``path`` (its fd), or None if another process holds it."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def is_locked(path: Path) -> bool:
     """Whether a live process holds the lock on ``path``."""
     if not path.exists():
         return False
-    fd = try_lock(path)
+    fd = try_flock(path)
     if fd is None:
         return True
     os.close(fd)
@@ -61,7 +51,7 @@ def main(argv: list[str]) -> int:
     for noisy in ("starverse.runtime.cluster", "httpx", "torch"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     job_dir = Path(argv[0])
-    fd = try_lock(job_dir / LOCK_FILE)
+    fd = try_flock(job_dir / LOCK_FILE)
     if fd is None:
         return EXIT_LOCKED
     resume: int | str = int(argv[1]) if len(argv) > 1 else "latest"

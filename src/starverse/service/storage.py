@@ -19,7 +19,6 @@ lock is held for the disk write and the check of the upload only.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import secrets
@@ -32,6 +31,7 @@ from typing import Literal
 
 from starverse.checks import not_text_at
 from starverse.errors import ConfigError, StarverseError
+from starverse.filelock import try_flock
 from starverse.service.settings import ServiceSettings
 
 Kind = Literal["datasets", "models"]
@@ -62,18 +62,13 @@ def tenant_storage_lock(settings: ServiceSettings, tenant_id: str, wait_s: float
     """Hold the tenant's exclusive storage lock (see the module docstring); StorageBusyError after ``wait_s``."""
     base = settings.tenant_dir(tenant_id)
     base.mkdir(parents=True, exist_ok=True)
-    fd = os.open(base / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+    deadline = time.monotonic() + wait_s
+    while (fd := try_flock(base / LOCK_FILE)) is None:
+        if time.monotonic() > deadline:
+            raise StorageBusyError(f"another upload of this tenant has held its storage for over {wait_s:g} "
+                                   "s. To fix: retry when it is done")
+        time.sleep(0.005)
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise StorageBusyError(f"another upload of this tenant has held its storage for over {wait_s:g} "
-                                           "s. To fix: retry when it is done") from None
-                time.sleep(0.005)
         yield
     finally:
         os.close(fd)  # releases the lock

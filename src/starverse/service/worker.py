@@ -39,9 +39,10 @@ from typing import Any, TextIO
 import yaml
 from sqlalchemy import select, update
 
+from starverse.filelock import try_flock
 from starverse.service.db import Database, Job, JobSample, JobState, Tenant
 from starverse.service.jobs import LAUNCH_FILE, LOG_FILE, RESULT_FILE, RUN_DIR, job_dir
-from starverse.service.runner import EXIT_LOCKED, LOCK_FILE, is_locked, try_lock
+from starverse.service.runner import EXIT_LOCKED, LOCK_FILE, is_locked
 from starverse.service.settings import ServiceSettings
 from starverse.service.tenants import balance
 
@@ -96,7 +97,7 @@ class Worker:
         """Take this worker's lock (its liveness for other workers)."""
         path = worker_lock(self.settings, self.id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = try_lock(path)
+        self._lock_fd = try_flock(path)
 
     def request_stop(self, *_: object) -> None:
         """Stop claiming; running jobs get SIGTERM (emergency checkpoint) and are resumed by the next worker."""
