@@ -22,7 +22,7 @@ def loso(loso_document: dict) -> dict:
 def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> None:
     sources = {"korthikanti2022", "megatron", "megatron2021", "mpt", "sailor", "amp_t4", "amp_mixed", "sailor_gh200",
                "nemo2412", "nemolong", "fmsfsdp", "mptscale", "mptlong", "opt", "bigscience", "dtfm", "dtfmslow",
-               "dlperf"}
+               "dlperf", "tr3m"}
     assert set(loso["fitted"]) == {c.name for c in FITTED} == {
         "SUSTAINED_FRACTION", "PRE_AMPERE_EFFICIENCY", "PCIE_COLLECTIVE_FRACTION", "HOST_OVERHEAD_PER_LAYER_S"}
     for const in FITTED:
@@ -31,7 +31,7 @@ def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> No
         assert fit["all"] == pytest.approx(getattr(C, const.name), rel=0.01)
         assert set(fit["without"]) == sources
         assert all(const.lower <= v <= const.upper for v in fit["without"].values())
-    # the scored-but-not-fitted sources (DT-FM's and DLPerf's V100 runs) move no fit: without them is the fit on all
+    # the scored-but-not-fitted sources (DT-FM's, DLPerf's and tr3m's V100 runs) move no fit: without them is the fit on all
     for src in SCORED_NOT_FITTED:
         assert all(loso["fitted"][c.name]["without"][src] == loso["fitted"][c.name]["all"] for c in FITTED), src
     # the sustained matmul fraction is not specific to one software stack
@@ -143,7 +143,14 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert dl["n"] == 16 and dl["meets"]["spearman"] is True and dl["meets"]["fits_as_reported"] is True
     assert dl["meets"]["median_abs_error"] is False and dl["meets"]["p90_abs_error"] is False
     assert dl["memory_n"] == 16 and dl["memory_median_abs_error"] <= 0.10
-    assert loso["pooled"]["n"] == 320  # 235 + DT-FM's 69 + DLPerf's 16
+    # BigScience's tr3m-1B3 layouts on 2 nodes of 4 V100 (scored, not fitted), held out by construction: ranked,
+    # median and p90 missed (every TP 1 run 28-37 % too slow: open, docs/costmodel.md `tr3m`), memory missed, and
+    # all 4 out-of-memory rows estimated to fit
+    tr = held["tr3m"]
+    assert tr["n"] == 23 and tr["meets"]["spearman"] is True and tr["spearman"] >= 0.8
+    assert tr["meets"]["median_abs_error"] is False and tr["meets"]["fits_as_reported"] is False
+    assert tr["memory_n"] == 23 and tr["memory_median_abs_error"] <= 0.15
+    assert loso["pooled"]["n"] == 343  # 235 + DT-FM's 69 + DLPerf's 16 + tr3m's 23
 
 
 def test_forked_held_out_fits_give_the_serial_figures(monkeypatch: pytest.MonkeyPatch) -> None:
