@@ -76,22 +76,42 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.6172
-"""Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
-in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
-``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
-:data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs
-that use such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, BigScience's tr1-13B on 512
-V100s, fp16); leave-one-source-out refits
-0.61-0.67. It was 0.6607 before eager attention's 16-bit softmax counted what its kernels move
+PRE_AMPERE_GEMM_EFFICIENCY: dict[str, float] = {
+    # fp16 torch.mm of n x n matrices, n = 1024-10240, 30 timed calls after 6 warm-up calls, best n
+    # (zzc0721/torch-performance-test-data: test.py, database.md and issue #140), over the catalog's dense fp16
+    # tensor-core peak (fp32 accumulation, as torch runs it)
+    "v100-16gb-sxm": 0.779,  # Tesla V100-SXM2-16GB, torch 2.7.0+cu128 (issue #140): 97.36 TFLOP/s at 8192, 95.73
+    # at 4096, of 125. Older stacks on the same part reached less: 87 at 8192 (Y. Bulatov 2017, TensorFlow on AWS
+    # p3, CUDA 9: 0.70), 83 with cuBLAS (Markidis et al. 2018, "NVIDIA Tensor Core Programmability, Performance &
+    # Precision", CUDA 9: 0.66)
+    "v100-32gb-sxm": 0.779,  # the same SXM2 silicon, clocks and 125 TFLOP/s peak as the 16 GB part
+    "rtx-2080": 0.968,  # 39.03 of 40.3 (database.md, torch 2.8.0+cu128): GeForce boost clocks run above the
+    # datasheet's 1710 MHz under load
+}
+"""Measured large-matmul fraction of the fp16 tensor-core peak of :data:`PRE_AMPERE` cards (in the place of MAMF,
+which has no pre-Ampere entry; ``SUSTAINED_FRACTION`` applies on top as to MAMF). Not the T4: the same source
+measured 41.91 and 42.71 of its 65 TFLOP/s (Colab torch 2.8, Kaggle torch 2.6: 0.645 and 0.657); it keeps
+:data:`PRE_AMPERE_EFFICIENCY`, fitted on AMP's T4 runs, so that the fit stays identified and can be set against the
+measurement. The V100 is where one blanket fraction was wrong: 0.66 (fitted mostly on T4s) is 15 % below its
+0.779 (a 300 W part at its 1530 MHz boost, where the T4 is a 70 W part that does not hold its boost); with it
+DLPerf's single-V100 Megatron-LM runs, which have no communication, were predicted 22-28 % too slow
+(docs/costmodel.md, ``dlperf``)."""
+
+PRE_AMPERE_EFFICIENCY = 0.592
+"""Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards in fp16
+without a measurement in :data:`PRE_AMPERE_GEMM_EFFICIENCY` (T4, Titan RTX), and of any of them in bf16 (their fp32
+CUDA-core matmuls keep the 0.80 of ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
+:data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs that use
+a T4 in fp16 (AMP's 16 x T4 and V100 + T4 clusters): 0.592, 10 % below the public T4 measurement (0.645-0.657 with
+torch 2.6-2.8, :data:`PRE_AMPERE_GEMM_EFFICIENCY`'s source), where AMP ran torch 1.7.1+cu110; leave-one-source-out
+refits 0.58-0.60 (docs/costmodel.md). It was 0.6172 while the V100s used it too (BigScience's tr1-13B on 512
+V100s identified it with AMP's), 0.6607 before eager attention's 16-bit softmax counted what its kernels move
 (``SOFTMAX_PASS_BYTES``; AMP's runs take the fp16 torch softmax, ``softmax_fusion: unfused-fp16``): that value
-absorbed score traffic counted twice. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
-time and made large matmuls too slow (AMP's LM head reaches ~35 % of the T4 peak); and 0.44 before AMP's
-cases said that its Megatron-LM runs every layer's forward twice (``train.num_layer_forwards``): that value
-absorbed the second forward's work. Physically: the T4's
-65 TFLOP/s fp16 peak is a 70 W part's boost figure it does not sustain, Turing GeForce/Titan peaks are
-boost-clock figures, and 2020-era kernels reach less of the tensor cores than today's. A measured profile (``starverse probe``) replaces it for the cards a
-user has."""
+absorbed score traffic counted twice; 0.21 before issue 9's host-overhead term (it absorbed the per-micro-batch
+launch time and made large matmuls too slow: AMP's LM head reaches ~35 % of the T4 peak); and 0.44 before AMP's
+cases said that its Megatron-LM runs every layer's forward twice (``train.num_layer_forwards``). Physically: the
+T4's 65 TFLOP/s fp16 peak is a 70 W part's boost figure it does not sustain, Turing GeForce/Titan peaks are
+boost-clock figures. A measured profile (``starverse probe``) replaces it for the cards a user has."""
 
 GEMM_EFFICIENCY_BY_STACK: dict[str, float] = {
     # No MAMF measurement in the table above (pre-Ampere cards: PRE_AMPERE_EFFICIENCY, fitted): the median
@@ -176,7 +196,7 @@ EAGER_DROPOUT_SCORE_BYTES = 5.0
 """Attention dropout on the probabilities, per score: forward reads 2 B, writes 2 B and a 1-byte mask (PyTorch's
 fused dropout); backward the same 5 B (``_masked_scale``: read gradient 2 B and mask 1 B, write 2 B)."""
 
-HOST_OVERHEAD_PER_LAYER_S = 3.781e-3
+HOST_OVERHEAD_PER_LAYER_S = 3.771e-3
 """Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
 hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
 server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
@@ -297,7 +317,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.755
+PCIE_COLLECTIVE_FRACTION = 0.7717
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
@@ -424,7 +444,8 @@ def gemm_efficiency(acc: Any, precision: str = "bf16") -> float:
     if acc.id in GEMM_EFFICIENCY:
         mamf = GEMM_EFFICIENCY[acc.id]
     elif acc.id in PRE_AMPERE and precision in TENSOR_CORE_PRECISIONS:
-        mamf = PRE_AMPERE_EFFICIENCY
+        mamf = PRE_AMPERE_GEMM_EFFICIENCY.get(acc.id, PRE_AMPERE_EFFICIENCY) if precision == "fp16" \
+            else PRE_AMPERE_EFFICIENCY
     else:
         mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
     if precision == "tf32" and not has_tf32(acc):
