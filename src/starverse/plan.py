@@ -35,7 +35,7 @@ Offload = Literal["none", "optimizer", "optimizer+params"]
 OptimizerKind = Literal["adamw", "sgd"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Attention = Literal["auto", "flash", "flash2", "eager"]
-SoftmaxFusion = Literal["always", "megatron", "megatron-bsc-2022"]
+SoftmaxFusion = Literal["always", "megatron", "megatron-bsc-2022", "unfused-fp16"]
 PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 Gbps = Annotated[float, Field(gt=0, le=MAX_GBPS)]
@@ -103,7 +103,10 @@ class TrainSpec(FrozenModel):
     1cb76a64: seq_len <= 2048, and its ``get_batch_per_block`` received its arguments out of order, so the
     batches per block followed the heads per TP rank instead of the sequence). Elsewhere Megatron falls back
     to ``forward_torch_softmax``: fp32 casts, scale, mask and softmax as separate passes
-    (``constants.EAGER_TORCH_SOFTMAX_BYTES``)."""
+    (``constants.SOFTMAX_PASS_BYTES["torch-fp32"]``). ``unfused-fp16``: the kernel never runs and the torch softmax
+    stays in the 16-bit score dtype (Megatron-LM 1.1.5 launched without ``--scaled-upper-triang-masked-softmax-fusion``
+    and without ``--attention-softmax-in-fp32`` / ``--apply-query-key-layer-scaling``, as AMP's runs were:
+    an in-place ``masked_fill_`` and ``torch.nn.Softmax``, ``SOFTMAX_PASS_BYTES["torch-fp16"]``)."""
     tp_comm_overlap: bool = False
     """TP collectives run in chunks overlapped with the layer's GEMMs (Transformer Engine userbuffers:
     Megatron's ``--tp-comm-overlap``, NeMo's ``ub_tp_comm_overlap``; needs sequence parallelism): only the

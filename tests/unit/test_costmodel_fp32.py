@@ -60,3 +60,19 @@ def test_cards_without_tf32_read_their_fp32_entry_for_a_tf32_plan() -> None:
         assert C.gemm_efficiency(acc, "tf32") == C.gemm_efficiency(acc, "fp32")
         assert C.gemm_efficiency(acc, "fp32") == pytest.approx(FP32_GEMM_EFFICIENCY[(acc_id, "fp32")]
                                                                 * C.SUSTAINED_FRACTION)
+
+
+def test_v100_fp16_matmuls_run_at_their_measured_fraction_and_the_t4_at_the_fitted_one() -> None:
+    """Issue 9: pre-Ampere cards' achieved matmul efficiency from public measurements where there is one
+    (V100-SXM2: 97.36 of 125 TFLOP/s, fp16 torch.mm), not the blanket fraction fitted on AMP's T4s."""
+    from starverse.costmodel.constants import PRE_AMPERE_GEMM_EFFICIENCY
+
+    for acc_id in ("v100-16gb-sxm", "v100-32gb-sxm"):
+        acc = CAT.accelerator(acc_id)
+        assert C.gemm_efficiency(acc, "fp16") == pytest.approx(0.779 * C.SUSTAINED_FRACTION)
+        # bf16 on Volta runs at the fp32 rate: no measurement, the fitted fraction
+        assert C.gemm_efficiency(acc, "bf16") == pytest.approx(C.PRE_AMPERE_EFFICIENCY * C.SUSTAINED_FRACTION)
+    t4 = CAT.accelerator("t4")
+    assert "t4" not in PRE_AMPERE_GEMM_EFFICIENCY
+    assert C.gemm_efficiency(t4, "fp16") == pytest.approx(C.PRE_AMPERE_EFFICIENCY * C.SUSTAINED_FRACTION)
+    assert all(0.5 < v <= 1.0 for v in PRE_AMPERE_GEMM_EFFICIENCY.values())

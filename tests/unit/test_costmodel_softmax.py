@@ -38,11 +38,16 @@ def _memory_s(heads: int, tp: int, mb: int, rule: str, seq: int = SEQ, **train: 
     return estimate(_plan(tp, mb, seq=seq, softmax_fusion=rule, **train), CAT, _spec(heads)).breakdown["memory"]
 
 
-def _torch_softmax_s(heads_per_rank: int, mb: int, seq: int = SEQ, m: int = 2) -> float:
-    """The fallback's extra time per step: 32 B per score forward (twice: full recompute) and backward."""
-    bw = CAT.accelerator(A100).memory_bw_gb_per_s * 1e9 * C.MEMORY_BW_EFFICIENCY
+def _bw() -> float:
+    return CAT.accelerator(A100).memory_bw_gb_per_s * 1e9 * C.MEMORY_BW_EFFICIENCY
+
+
+def _torch_softmax_s(heads_per_rank: int, mb: int, seq: int = SEQ, m: int = 2, path: str = "torch-fp32") -> float:
+    """The fallback's extra time per step over the fused kernel: its passes' bytes per score less the kernel's,
+    forward (twice: full recompute) and backward."""
     scores = mb * heads_per_rank * seq * seq
-    return m * LAYERS * scores * C.EAGER_TORCH_SOFTMAX_BYTES * 3.0 / bw
+    (ff, fb), (tf, tb) = C.SOFTMAX_PASS_BYTES["fused"], C.SOFTMAX_PASS_BYTES[path]
+    return m * LAYERS * scores * ((tf - ff) * 2.0 + (tb - fb)) / _bw()
 
 
 @pytest.mark.parametrize(("heads", "tp", "mb", "falls_back"), [
@@ -85,3 +90,23 @@ def test_fp32_scores_and_flash_attention_do_not_take_the_16_bit_fallback() -> No
 def test_softmax_fusion_is_checked() -> None:
     with pytest.raises(ConfigError, match="softmax_fusion"):
         _plan(4, 2, softmax_fusion="sometimes")
+
+
+def test_fused_causal_softmax_and_dropout_move_what_the_kernels_move() -> None:
+    """Issue 9 (DLPerf's single-V100 Megatron-LM runs): the fused causal kernel reads the lower triangle and writes
+    every row (3 B per score forward, 4 B backward), dropout 5 B each way; the score GEMMs' write and read are in
+    their roofline, not counted again. Under full recompute the forward runs twice: 2 x 8 + 9 = 25 B per score."""
+    heads, tp, mb, m = 16, 1, 1, 2
+    eager = _memory_s(heads, tp, mb, "always")
+    flash = estimate(_plan(tp, mb, attention="flash"), CAT, _spec(heads)).breakdown["memory"]
+    per_score = 2.0 * (3.0 + 5.0) + (4.0 + 5.0)
+    assert eager - flash == pytest.approx(m * LAYERS * mb * heads * SEQ * SEQ * per_score / _bw(), rel=1e-9)
+
+
+def test_megatron_1_1_5_without_the_fusion_flag_runs_the_fp16_torch_softmax() -> None:
+    """AMP's Megatron-LM 1.1.5 (``softmax_fusion: unfused-fp16``): masked_fill_ and torch.nn.Softmax in fp16,
+    8 B forward and 10 B backward per score, everywhere; not the fp32 fallback's 36 / 40."""
+    fused = _memory_s(16, 1, 1, "always")
+    assert _memory_s(16, 1, 1, "unfused-fp16") - fused == pytest.approx(
+        _torch_softmax_s(16, 1, path="torch-fp16"), rel=1e-9)
+    assert C.SOFTMAX_PASS_BYTES["torch-fp16"] == (8.0, 10.0)

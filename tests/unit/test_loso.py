@@ -137,11 +137,12 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert bs["n"] == 19 and bs["meets"]["spearman"] is True and bs["spearman"] >= 0.85
     assert bs["meets"]["median_abs_error"] is True and bs["p90_abs_error"] <= 0.10
     # DLPerf's Megatron-LM runs on 1-4 nodes of 8 V100-16GB (scored, not fitted: costmodel.fit.SCORED_NOT_FITTED),
-    # held out by construction: ranked in order, median and p90 missed (too slow on every run inside a node, too
-    # fast where a TP group spans nodes: open, docs/costmodel.md `dlperf`), their nvidia-smi memory median within 10 %
+    # held out by construction: ranked in order, the median met since eager attention's softmax counts what its
+    # kernels move and the V100 runs at its measured matmul fraction (20.7 % before), p90 missed (too fast where a
+    # TP group spans nodes and at TP 8 x PP 4: open, docs/costmodel.md `dlperf`), nvidia-smi memory median within 10 %
     dl = held["dlperf"]
     assert dl["n"] == 16 and dl["meets"]["spearman"] is True and dl["meets"]["fits_as_reported"] is True
-    assert dl["meets"]["median_abs_error"] is False and dl["meets"]["p90_abs_error"] is False
+    assert dl["meets"]["median_abs_error"] is True and dl["meets"]["p90_abs_error"] is False
     assert dl["memory_n"] == 16 and dl["memory_median_abs_error"] <= 0.10
     # BigScience's tr3m-1B3 layouts on 2 nodes of 4 V100 (scored, not fitted), held out by construction: ranked,
     # median and p90 missed (every TP 1 run 28-37 % too slow: open, docs/costmodel.md `tr3m`), memory missed, and

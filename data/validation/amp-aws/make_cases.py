@@ -11,7 +11,11 @@ examples/ds_pretrain_gpt2_pipe.sh and examples/ds_config.json of that repository
 ``torch.cuda.synchronize``, hence ``sync_micro_steps: true``; its
 ``megatron/model/transformer.py`` ``ParallelTransformerLayerPipe.forward`` runs the layer's forward twice,
 ``print((super().forward(*args)).shape)`` before ``return super().forward(*args), attention_mask``, hence
-``num_layer_forwards: 2``) on 4 AWS nodes of 4 GPUs (one cluster placement group, torch 1.7.1+cu110,
+``num_layer_forwards: 2``; the script passes neither ``--scaled-upper-triang-masked-softmax-fusion`` nor
+``--scaled-masked-softmax-fusion``, both off by default in its ``megatron/arguments.py``, nor
+``--attention-softmax-in-fp32`` / ``--apply-query-key-layer-scaling``, so ``FusedScaleMaskSoftmax`` takes the torch
+path in fp16 — ``gpt2_attention_mask_func``'s in-place ``masked_fill_`` and ``torch.nn.Softmax`` —, hence
+``softmax_fusion: unfused-fp16``) on 4 AWS nodes of 4 GPUs (one cluster placement group, torch 1.7.1+cu110,
 i.e. NCCL 2.7.8: AMP's README; its ``.deepspeed_env`` sets ``NCCL_ALGO=^tree,collnet``):
 ``r_cost`` is the measured seconds per iteration (``inf``: the run did not complete; left out, the source
 does not say why). Ranks follow DeepSpeed's pipe/data/model topology (rank = pp·dp·mp index order) over
@@ -72,7 +76,7 @@ def case_yaml(setting: str, bounds: list[int], mbs: int, mp: int, dp: int, pp: i
     return (f"model: ../models/gpt2-medium-megatron.json\n"
             f"train: {{seq_len: {SEQ}, global_batch: {GBS}, precision: fp16, mode: full, zero_stage: 0, "
             f"recompute: none, schedule: 1f1b, grad_reduce_fp32: true, sync_micro_steps: true, "
-            f"overlap_grad_reduce: false, num_layer_forwards: 2}}\n"
+            f"overlap_grad_reduce: false, num_layer_forwards: 2, softmax_fusion: unfused-fp16}}\n"
             f"groups:\n" + "\n".join(groups) + "\nnetwork:\n" + SETTINGS[setting]["network"] +
             f"measured: {{tokens_per_s: {tokens:.2f}, step_time_s: {seconds}}}\n"
             f"source: 'AMP (Li et al., NeurIPS 2022, arXiv:2210.07297) {SETTINGS[setting]['source']}; "

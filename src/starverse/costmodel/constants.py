@@ -31,27 +31,28 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.7426
+SUSTAINED_FRACTION = 0.7387
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.7426 makes the mean over sources of each source's mean tokens/s error
+FITTED (``costmodel.fit.FITTED``): 0.7387 makes the mean over sources of each source's mean tokens/s error
 zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
 2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs and at 8K-64K tokens, NeMo FP8 on
 H100, fms-fsdp, OPT-175B's FSDP on 992 A100s, BigScience's BLOOM-shaped runs on 384 A100s
 (0.7447 once those runs stated where their fused softmax fell back, ``train.softmax_fusion``, 0.7436
 again once they reduced their gradients in bf16, and 0.7426 once fms-fsdp's cases were the four batch-2 rows
-of one README table, ``data/validation/fms-fsdp/make_cases.py``); 0.7383 before
+of one README table, ``data/validation/fms-fsdp/make_cases.py``, and 0.7387 once eager attention's 16-bit softmax
+counted the passes of Megatron's kernels, ``SOFTMAX_PASS_BYTES``: BigScience's A100 rows); 0.7383 before
 the last two, 0.7491 before llm-foundry's long-sequence rows ``mptlong`` and the FlashAttention-2 rate of the
 llm-foundry / fms-fsdp H100 runs, 0.7492 before the FP8 shape term per operand byte and the H100's measured
 fused-attention rate, 0.7596
 before the Megatron-Core cases stated the TP overlap their README gives, 0.7705 before llm-foundry's
 128-512-GPU FSDP rows, ``mptscale``); until issue 9
 Sailor's fp32 runs were in this fit too (0.74), and it was 0.769 before the NeMo and fms-fsdp sources.
-Leave-one-source-out refits 0.736-0.757 (0.7570 without ``mptlong``, which the model predicts too fast,
-pulling it down; 0.7362 without fms-fsdp, whose A100 runs it predicts too slow: docs/costmodel.md), i.e.
+Leave-one-source-out refits 0.732-0.753 (0.7525 without ``mptlong``, which the model predicts too fast,
+pulling it down; 0.7321 without fms-fsdp, whose A100 runs it predicts too slow: docs/costmodel.md), i.e.
 it is not specific to one software stack (``scripts/loso.py``; held-out figures in docs/costmodel.md). For
 comparison, Bekman quotes ~150-180 TFLOP/s (0.55-0.66 of the A100 MAMF) as what well-tuned whole-model A100
 training reached; 0.8 x MAMF is the matmul-only part of that."""
@@ -75,20 +76,42 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_EFFICIENCY = 0.6607
-"""Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards
-in fp16/bf16, which have no published MAMF measurement (their fp32 CUDA-core matmuls keep the 0.80 of
-``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
-:data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs
-that use such a card in fp16/bf16 (AMP's 16 x T4 and V100 + T4 clusters, BigScience's tr1-13B on 512
-V100s, fp16); leave-one-source-out refits
-0.65-0.77. It was 0.21 before issue 9's host-overhead term: that value absorbed the per-micro-batch launch
-time and made large matmuls too slow (AMP's LM head reaches ~35 % of the T4 peak); and 0.44 before AMP's
-cases said that its Megatron-LM runs every layer's forward twice (``train.num_layer_forwards``): that value
-absorbed the second forward's work. Physically: the T4's
-65 TFLOP/s fp16 peak is a 70 W part's boost figure it does not sustain, Turing GeForce/Titan peaks are
-boost-clock figures, and 2020-era kernels reach less of the tensor cores than today's. A measured profile (``starverse probe``) replaces it for the cards a
-user has."""
+PRE_AMPERE_GEMM_EFFICIENCY: dict[str, float] = {
+    # fp16 torch.mm of n x n matrices, n = 1024-10240, 30 timed calls after 6 warm-up calls, best n
+    # (zzc0721/torch-performance-test-data: test.py, database.md and issue #140), over the catalog's dense fp16
+    # tensor-core peak (fp32 accumulation, as torch runs it)
+    "v100-16gb-sxm": 0.779,  # Tesla V100-SXM2-16GB, torch 2.7.0+cu128 (issue #140): 97.36 TFLOP/s at 8192, 95.73
+    # at 4096, of 125. Older stacks on the same part reached less: 87 at 8192 (Y. Bulatov 2017, TensorFlow on AWS
+    # p3, CUDA 9: 0.70), 83 with cuBLAS (Markidis et al. 2018, "NVIDIA Tensor Core Programmability, Performance &
+    # Precision", CUDA 9: 0.66)
+    "v100-32gb-sxm": 0.779,  # the same SXM2 silicon, clocks and 125 TFLOP/s peak as the 16 GB part
+    "rtx-2080": 0.968,  # 39.03 of 40.3 (database.md, torch 2.8.0+cu128): GeForce boost clocks run above the
+    # datasheet's 1710 MHz under load
+}
+"""Measured large-matmul fraction of the fp16 tensor-core peak of :data:`PRE_AMPERE` cards (in the place of MAMF,
+which has no pre-Ampere entry; ``SUSTAINED_FRACTION`` applies on top as to MAMF). Not the T4: the same source
+measured 41.91 and 42.71 of its 65 TFLOP/s (Colab torch 2.8, Kaggle torch 2.6: 0.645 and 0.657); it keeps
+:data:`PRE_AMPERE_EFFICIENCY`, fitted on AMP's T4 runs, so that the fit stays identified and can be set against the
+measurement. The V100 is where one blanket fraction was wrong: 0.66 (fitted mostly on T4s) is 15 % below its
+0.779 (a 300 W part at its 1530 MHz boost, where the T4 is a 70 W part that does not hold its boost); with it
+DLPerf's single-V100 Megatron-LM runs, which have no communication, were predicted 22-28 % too slow
+(docs/costmodel.md, ``dlperf``)."""
+
+PRE_AMPERE_EFFICIENCY = 0.592
+"""Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards in fp16
+without a measurement in :data:`PRE_AMPERE_GEMM_EFFICIENCY` (T4, Titan RTX), and of any of them in bf16 (their fp32
+CUDA-core matmuls keep the 0.80 of ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
+:data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs that use
+a T4 in fp16 (AMP's 16 x T4 and V100 + T4 clusters): 0.592, 10 % below the public T4 measurement (0.645-0.657 with
+torch 2.6-2.8, :data:`PRE_AMPERE_GEMM_EFFICIENCY`'s source), where AMP ran torch 1.7.1+cu110; leave-one-source-out
+refits 0.58-0.60 (docs/costmodel.md). It was 0.6172 while the V100s used it too (BigScience's tr1-13B on 512
+V100s identified it with AMP's), 0.6607 before eager attention's 16-bit softmax counted what its kernels move
+(``SOFTMAX_PASS_BYTES``; AMP's runs take the fp16 torch softmax, ``softmax_fusion: unfused-fp16``): that value
+absorbed score traffic counted twice; 0.21 before issue 9's host-overhead term (it absorbed the per-micro-batch
+launch time and made large matmuls too slow: AMP's LM head reaches ~35 % of the T4 peak); and 0.44 before AMP's
+cases said that its Megatron-LM runs every layer's forward twice (``train.num_layer_forwards``). Physically: the
+T4's 65 TFLOP/s fp16 peak is a 70 W part's boost figure it does not sustain, Turing GeForce/Titan peaks are
+boost-clock figures. A measured profile (``starverse probe``) replaces it for the cards a user has."""
 
 GEMM_EFFICIENCY_BY_STACK: dict[str, float] = {
     # No MAMF measurement in the table above (pre-Ampere cards: PRE_AMPERE_EFFICIENCY, fitted): the median
@@ -127,9 +150,15 @@ peak at d=64 and ~0.63 at d=128, i.e. 0.58 and 0.72 of the A100 MAMF (0.869); d/
 """
 
 EAGER_SCORE_BYTES = 8.0
-"""Unfused ("eager") attention, forward bytes per s x s score element: the QK^T matmul writes the score
-(2 B), the fused scale-mask-softmax reads it and writes the probability (4 B), the PV matmul reads it
-(2 B). Backward moves BACKWARD_ELEMENTWISE_FACTOR times as much (Megatron-LM fused softmax kernels)."""
+"""fp32 training's eager attention (4-byte scores, ``bv / 2`` times these 16-bit figures), forward bytes per s x s
+score element: the QK^T matmul writes the score (2 B), the softmax reads it and writes the probability (4 B), the
+PV matmul reads it (2 B); backward ``BACKWARD_ELEMENTWISE_FACTOR`` times as much, with
+:data:`EAGER_UNFUSED_SOFTMAX_BYTES` more forward. Kept for fp32 only: 16-bit scores count the passes of the
+kernels that move them (:data:`SOFTMAX_PASS_BYTES`). Counted this way the fp32 path charges the score GEMMs'
+own write and read again (they are in ``matmul.gemm_time_s``'s roofline) and a 2x backward where the torch ops'
+is ~1.1x; re-derived from those ops (scale, ``masked_fill_``, softmax, dropout: 33 B forward, 37 B backward
+instead of 41 and 82) Sailor's fp32/TF32 runs on GH200 go from +7 % to +24 % mean error (too fast): what
+that accounting compensates there is open (docs/costmodel.md, ``dlperf``)."""
 
 EAGER_UNFUSED_SOFTMAX_BYTES = 16.0
 """Extra forward bytes per score where Megatron's fused scale-mask-softmax kernel cannot run: it needs fp16/bf16
@@ -138,21 +167,36 @@ takes ``forward_torch_softmax``: the scores are scaled by the query-key layer sc
 (``apply_query_key_layer_scaling`` defaults to True) and masked in place before the softmax, two more passes
 of read 4 B + write 4 B than the one fused kernel (Sailor's Megatron-DeepSpeed runs, fp32)."""
 
-EAGER_TORCH_SOFTMAX_BYTES = 32.0
-"""Extra bytes per score, forward and again backward, where Megatron's fused scale-mask-softmax kernel does not
-run on 16-bit scores (``train.softmax_fusion``: ``FusedScaleMaskSoftmax.is_kernel_available`` false).
-``forward_torch_softmax`` then runs in fp32 (``attention_softmax_in_fp32``, forced on by the default
-``apply_query_key_layer_scaling``): ``input.float()`` (read 2 B, write 4 B), ``input * scale`` (4 + 4),
-``masked_fill_`` (4 + 4), ``torch.nn.Softmax`` (4 + 4), ``.bfloat16()`` / ``.half()`` (4 + 2) = 36 B where the
-fused kernel moves 4 B (read 2, write 2); backward, autograd through the same five ops: 6 + 12 + 8 + 8 + 6 =
-40 B where the fused kernel's is counted as 8 (``BACKWARD_ELEMENTWISE_FACTOR`` x 4). 32 B more each way
-(megatron/model/fused_softmax.py and megatron/model/utils.py ``attention_mask_func`` of
-bigscience-workshop/Megatron-DeepSpeed at 00f5f889, 2022-02-28)."""
+SOFTMAX_PASS_BYTES: dict[str, tuple[float, float]] = {
+    # Megatron's fused causal kernel (megatron/fused_kernels/scaled_upper_triang_masked_softmax.h, NVIDIA/Megatron-LM
+    # 8aa4619f; the same file in DeepSpeed's Megatron-LM 1.1.5 and bigscience's fork): row i of the s x s scores
+    # reads its first i + 1 values (``local_seq = blockIdx.x + 1``), 1 B per score on average, and writes the whole
+    # row (zeros above the diagonal), 2 B; backward reads the gradient and the probabilities of the same lower
+    # triangle (1 + 1 B) and writes the whole row (2 B)
+    "fused": (3.0, 4.0),
+    # Megatron's forward_torch_softmax with the softmax in fp32 (forced by the default
+    # apply_query_key_layer_scaling): input.float() (read 2, write 4), * scale (4 + 4), masked_fill_ (4 + 4),
+    # torch.nn.Softmax (4 + 4), .half()/.bfloat16() (4 + 2) = 36 B; autograd backward through the five ops
+    # 6 + 12 + 8 + 8 + 6 = 40 B (megatron/model/fused_softmax.py, megatron/model/utils.py attention_mask_func of
+    # bigscience-workshop/Megatron-DeepSpeed at 00f5f889, 2022-02-28): where train.softmax_fusion's check fails
+    "torch-fp32": (36.0, 40.0),
+    # Megatron-LM 1.1.5 without --scaled-upper-triang-masked-softmax-fusion and without
+    # --attention-softmax-in-fp32 / --apply-query-key-layer-scaling (AMP's examples/ds_pretrain_gpt2_pipe.sh):
+    # FusedScaleMaskSoftmax.forward takes the torch path in the score dtype, gpt2_attention_mask_func's in-place
+    # masked_fill_ (read 2, write 2) and torch.nn.Softmax (2 + 2) = 8 B; backward the softmax's (read gradient
+    # and output, write: 6) and masked_fill_'s (2 + 2) = 10 B (train.softmax_fusion: unfused-fp16)
+    "torch-fp16": (8.0, 10.0),
+}
+"""Bytes per s x s score element that the softmax of 16-bit eager attention moves, (forward, backward), by the path
+it takes (``train.softmax_fusion``, ``costmodel.stage.fused_softmax_runs``). The score GEMMs' own write (QK^T) and
+read (PV) are in their roofline (``matmul.gemm_time_s``: max of compute and HBM time), not here. Each forward run
+(the recomputed one and AMP's second) moves the forward bytes again."""
 
 EAGER_DROPOUT_SCORE_BYTES = 5.0
-"""Attention dropout on the probabilities: read 2 B, write 2 B and a 1-byte mask per score."""
+"""Attention dropout on the probabilities, per score: forward reads 2 B, writes 2 B and a 1-byte mask (PyTorch's
+fused dropout); backward the same 5 B (``_masked_scale``: read gradient 2 B and mask 1 B, write 2 B)."""
 
-HOST_OVERHEAD_PER_LAYER_S = 3.780e-3
+HOST_OVERHEAD_PER_LAYER_S = 3.771e-3
 """Host-side time per transformer layer and micro-batch (forward + backward) that the device does not
 hide: the CPU launches every kernel of an eager-mode layer (PyTorch dispatch ~10-30 us per operator on a
 server CPU, a few hundred operators per unfused layer forward + backward), and a framework that
@@ -273,7 +317,7 @@ usable device-to-device bandwidth is half the link's (NCCL docs, "P2P transport"
 the tinygrad P2P driver patch for the RTX 4090 exists because of this)."""
 
 
-PCIE_COLLECTIVE_FRACTION = 0.7654
+PCIE_COLLECTIVE_FRACTION = 0.7717
 """Achieved fraction of the per-device PCIe link that NCCL collectives between GPUs of one PCIe-only node
 reach, relative to the :data:`LINK_EFFICIENCY` of a GPU-to-GPU fabric (NVLink). On PCIe the ring's traffic
 of all GPUs goes through the CPU's root complex (or a shared switch uplink), the messages of tensor
@@ -400,7 +444,8 @@ def gemm_efficiency(acc: Any, precision: str = "bf16") -> float:
     if acc.id in GEMM_EFFICIENCY:
         mamf = GEMM_EFFICIENCY[acc.id]
     elif acc.id in PRE_AMPERE and precision in TENSOR_CORE_PRECISIONS:
-        mamf = PRE_AMPERE_EFFICIENCY
+        mamf = PRE_AMPERE_GEMM_EFFICIENCY.get(acc.id, PRE_AMPERE_EFFICIENCY) if precision == "fp16" \
+            else PRE_AMPERE_EFFICIENCY
     else:
         mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
     if precision == "tf32" and not has_tf32(acc):

@@ -57,9 +57,11 @@ def fused_softmax_runs(mn: ModelNumbers, rows: StageRows) -> BoolArray:
     (micro-batch x heads per TP rank) divisible by 4 and by the batches per block — which the 2022 fork computed
     from the heads per rank in place of the sequence (arguments passed out of order), so that e.g. 26 heads per
     rank at micro-batch 2 (52 batches, 8 per block) or 8 heads at micro-batch 2 (16 batches, 32 per block) fell
-    back to the torch softmax while 16 heads x 2 (32, 16 per block) did not."""
+    back to the torch softmax while 16 heads x 2 (32, 16 per block) did not. ``unfused-fp16``: nowhere."""
     if mn.softmax_fusion == "always":
         return np.ones(rows.tp.shape, dtype=np.bool_)
+    if mn.softmax_fusion == "unfused-fp16":
+        return np.zeros(rows.tp.shape, dtype=np.bool_)
     s = mn.seq_len
     heads = np.rint(mn.q_dim / mn.head_dim / rows.tp)
     batches = rows.micro_batch * heads
@@ -76,6 +78,30 @@ def forwards_again(mn: ModelNumbers, rows: StageRows) -> FloatArray:
     AMP's Megatron-LM 1.1.5 runs every layer twice). They cost the forward's compute, TP collectives and
     kernel launches again, not stored activations."""
     return np.asarray((rows.recompute == 2).astype(np.float64) + mn.extra_forwards, dtype=np.float64)
+
+
+def eager_score_bytes(mn: ModelNumbers, rows: StageRows, rc_any: FloatArray) -> FloatArray:
+    """HBM bytes per s x s score element of one layer and micro-batch that eager attention's softmax and dropout
+    move, forward (each forward run: the first, a recomputed one, AMP's second) and backward. 16-bit scores: the
+    passes of the path the softmax takes (``constants.SOFTMAX_PASS_BYTES``: Megatron's fused causal kernel, or
+    the torch fallback where ``train.softmax_fusion`` says the kernel does not run) and of dropout
+    (``EAGER_DROPOUT_SCORE_BYTES`` each way); the score GEMMs' own bytes are in their roofline. fp32 scores keep
+    the earlier per-score accounting (``constants.EAGER_SCORE_BYTES``)."""
+    runs = 1.0 + rc_any + mn.extra_forwards
+    bv = mn.bytes_per_value
+    if bv >= 4.0:
+        # fp32 scores: the fused softmax kernel is fp16/bf16 only; the torch path scales and masks apart
+        value_scale = bv / 2.0
+        fwd = C.EAGER_SCORE_BYTES * value_scale + C.EAGER_UNFUSED_SOFTMAX_BYTES + (
+            (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.attention_dropout else 0.0)
+        return np.asarray(fwd * (runs + C.BACKWARD_ELEMENTWISE_FACTOR) + 0.0 * rows.tp, dtype=np.float64)
+    fused_f, fused_b = C.SOFTMAX_PASS_BYTES["fused"]
+    torch_f, torch_b = C.SOFTMAX_PASS_BYTES["torch-fp16" if mn.softmax_fusion == "unfused-fp16" else "torch-fp32"]
+    fused = fused_softmax_runs(mn, rows)
+    dropout = C.EAGER_DROPOUT_SCORE_BYTES if mn.attention_dropout else 0.0
+    fwd_b = np.where(fused, fused_f, torch_f) + dropout
+    bwd_b = np.where(fused, fused_b, torch_b) + dropout
+    return np.asarray(fwd_b * runs + bwd_b, dtype=np.float64)
 
 
 def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
@@ -125,28 +151,13 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     attn_elem = np.zeros_like(a)
     if eager.any():
         # materialised s x s scores per head: two batched matmuls over the full square (masked after),
-        # backward 2x; scores, softmax and dropout make passes over memory (C.EAGER_SCORE_BYTES)
+        # backward 2x; softmax and dropout make passes over memory (eager_score_bytes)
         ss = _f(s)
         a_e = gemm_time_s(ss / mn.cp, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
-        # the constants count 16-bit scores; fp32 training moves each score value in 4 bytes
-        value_scale = bv / 2.0
-        score_bytes = C.EAGER_SCORE_BYTES * value_scale + (
-            (C.EAGER_DROPOUT_SCORE_BYTES - 1.0) * value_scale + 1.0 if mn.attention_dropout else 0.0)
-        if bv >= 4.0:
-            # fp32 scores: the fused softmax kernel is fp16/bf16 only; the torch path scales and masks apart
-            score_bytes = score_bytes + C.EAGER_UNFUSED_SOFTMAX_BYTES
         scores = rows.micro_batch * heads * s * s / mn.cp
-        softmax = scores * score_bytes / bw
         gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + fw_again)
                               + a_e * (1.0 + 2.0 + rc_any + mn.extra_forwards) + host, gemm_layer)
-        attn_elem = np.where(eager, softmax * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + rc_any + mn.extra_forwards),
-                             attn_elem)
-        if bv < 4.0:
-            # 16-bit scores where Megatron's fused softmax kernel does not run: the fp32 torch softmax's passes,
-            # forward (each forward run) and backward
-            torch_softmax = eager & ~fused_softmax_runs(mn, rows)
-            attn_elem = attn_elem + np.where(
-                torch_softmax, scores * C.EAGER_TORCH_SOFTMAX_BYTES / bw * (2.0 + rc_any + mn.extra_forwards), 0.0)
+        attn_elem = np.where(eager, scores / bw * eager_score_bytes(mn, rows, rc_any), attn_elem)
 
     # ---- memory-bound elementwise work of one layer ------------------------------------------------
     # per token, values moved forward: 2 norms (read+write h) and 2 residual adds (read 2, write 1);
