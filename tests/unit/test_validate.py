@@ -110,7 +110,7 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     # DLPerf's Megatron-LM runs on 1-4 nodes of 8 V100-16GB (one 100 Gbit/s port per node), each with its nvidia-smi
     # memory (docs/costmodel.md `dlperf`): a single V100 is predicted 7-10 % too slow (28-35 % while the eager
     # softmax's bytes were counted twice, constants.SOFTMAX_PASS_BYTES, and the V100 ran at the fraction fitted on
-    # AMP's T4s, constants.PRE_AMPERE_GEMM_EFFICIENCY); the two TP groups that span nodes (TP 16 over 2 nodes, TP 32 over 4) were 4-5x too slow
+    # AMP's T4s, constants.MEASURED_GEMM_EFFICIENCY); the two TP groups that span nodes (TP 16 over 2 nodes, TP 32 over 4) were 4-5x too slow
     # while the model sent each of a node's 8 TP ranks' ring traffic through the node's one port; with the whole
     # port per group (one ring leaves a node once) they are too fast, by less than 0.7 (open)
     dl = sources["dlperf"]

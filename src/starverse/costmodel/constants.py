@@ -76,10 +76,10 @@ tensor cores, no bf16, no FlashAttention-2 (NVIDIA CUDA compute-capability table
 TENSOR_CORE_PRECISIONS: frozenset[str] = frozenset({"fp16", "bf16", "fp8"})
 """Precisions whose matmuls run on tensor cores (fp32 training runs on the CUDA cores, no TF32 by default)."""
 
-PRE_AMPERE_GEMM_EFFICIENCY: dict[str, float] = {
-    # fp16 torch.mm of n x n matrices, n = 1024-10240, 30 timed calls after 6 warm-up calls, best n
-    # (zzc0721/torch-performance-test-data: test.py, database.md and issue #140), over the catalog's dense fp16
-    # tensor-core peak (fp32 accumulation, as torch runs it)
+MEASURED_GEMM_EFFICIENCY: dict[str, float] = {
+    # 16-bit torch.mm of n x n matrices, n = 1024-10240, 30 timed calls after 6 warm-up calls, best n
+    # (zzc0721/torch-performance-test-data: test.py, database.md and issue #140), over the catalog's dense 16-bit
+    # tensor-core peak with fp32 accumulation (as torch runs it)
     "v100-16gb-sxm": 0.779,  # Tesla V100-SXM2-16GB, torch 2.7.0+cu128 (issue #140): 97.36 TFLOP/s at 8192, 95.73
     # at 4096, of 125. Older stacks on the same part reached less: 87 at 8192 (Y. Bulatov 2017, TensorFlow on AWS
     # p3, CUDA 9: 0.70), 83 with cuBLAS (Markidis et al. 2018, "NVIDIA Tensor Core Programmability, Performance &
@@ -87,9 +87,18 @@ PRE_AMPERE_GEMM_EFFICIENCY: dict[str, float] = {
     "v100-32gb-sxm": 0.779,  # the same SXM2 silicon, clocks and 125 TFLOP/s peak as the 16 GB part
     "rtx-2080": 0.968,  # 39.03 of 40.3 (database.md, torch 2.8.0+cu128): GeForce boost clocks run above the
     # datasheet's 1710 MHz under load
+    # Ampere / Ada cards (database.md fp16 column; its bf16 column is within 3 % on each): GeForce boost clocks run
+    # above the datasheet's, so the two GeForce cards reach their rated dense peak or more
+    "rtx-3090": 1.065,  # 75.64 of 71 (median of three 24 GB cards, 75.48-75.88; torch 2.6 / 2.8)
+    "rtx-4090": 1.008,  # 166.4 of 165.2 (median of four 24 GB cards, 162.35-171.06; torch 2.4 / 2.8)
+    "rtx-a6000": 0.778,  # 120.49 of 154.8 (one card, docker)
+    "l40s": 0.729,  # 264.02 of 362.05 (one card, docker): a 350 W part below its boost clock on tensor work
 }
-"""Measured large-matmul fraction of the fp16 tensor-core peak of :data:`PRE_AMPERE` cards (in the place of MAMF,
-which has no pre-Ampere entry; ``SUSTAINED_FRACTION`` applies on top as to MAMF). Not the T4: the same source
+"""Measured large-matmul fraction of the 16-bit tensor-core peak of cards the MAMF table (:data:`GEMM_EFFICIENCY`)
+does not cover (in its place; ``SUSTAINED_FRACTION`` applies on top as to MAMF): fp16 on :data:`PRE_AMPERE` cards
+(their bf16 has no tensor cores), fp16 and bf16 on the Ampere / Ada ones, which issue 9 names (RTX 3090 / 4090,
+RTX A6000, L40S) and which fell back to ``GEMM_EFFICIENCY_BY_STACK`` before (0.80; none of them runs in a 16-bit
+validation case, so these figures are the measurement alone). Not the T4: the same source
 measured 41.91 and 42.71 of its 65 TFLOP/s (Colab torch 2.8, Kaggle torch 2.6: 0.645 and 0.657); it keeps
 :data:`PRE_AMPERE_EFFICIENCY`, fitted on AMP's T4 runs, so that the fit stays identified and can be set against the
 measurement. The V100 is where one blanket fraction was wrong: 0.66 (fitted mostly on T4s) is 15 % below its
@@ -99,11 +108,11 @@ DLPerf's single-V100 Megatron-LM runs, which have no communication, were predict
 
 PRE_AMPERE_EFFICIENCY = 0.592
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards in fp16
-without a measurement in :data:`PRE_AMPERE_GEMM_EFFICIENCY` (T4, Titan RTX), and of any of them in bf16 (their fp32
+without a measurement in :data:`MEASURED_GEMM_EFFICIENCY` (T4, Titan RTX), and of any of them in bf16 (their fp32
 CUDA-core matmuls keep the 0.80 of ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
 :data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs that use
 a T4 in fp16 (AMP's 16 x T4 and V100 + T4 clusters): 0.592, 10 % below the public T4 measurement (0.645-0.657 with
-torch 2.6-2.8, :data:`PRE_AMPERE_GEMM_EFFICIENCY`'s source), where AMP ran torch 1.7.1+cu110; leave-one-source-out
+torch 2.6-2.8, :data:`MEASURED_GEMM_EFFICIENCY`'s source), where AMP ran torch 1.7.1+cu110; leave-one-source-out
 refits 0.58-0.60 (docs/costmodel.md). It was 0.6172 while the V100s used it too (BigScience's tr1-13B on 512
 V100s identified it with AMP's), 0.6607 before eager attention's 16-bit softmax counted what its kernels move
 (``SOFTMAX_PASS_BYTES``; AMP's runs take the fp16 torch softmax, ``softmax_fusion: unfused-fp16``): that value
@@ -444,8 +453,10 @@ def gemm_efficiency(acc: Any, precision: str = "bf16") -> float:
     if acc.id in GEMM_EFFICIENCY:
         mamf = GEMM_EFFICIENCY[acc.id]
     elif acc.id in PRE_AMPERE and precision in TENSOR_CORE_PRECISIONS:
-        mamf = PRE_AMPERE_GEMM_EFFICIENCY.get(acc.id, PRE_AMPERE_EFFICIENCY) if precision == "fp16" \
+        mamf = MEASURED_GEMM_EFFICIENCY.get(acc.id, PRE_AMPERE_EFFICIENCY) if precision == "fp16" \
             else PRE_AMPERE_EFFICIENCY
+    elif acc.id in MEASURED_GEMM_EFFICIENCY and precision in TENSOR_CORE_PRECISIONS:
+        mamf = MEASURED_GEMM_EFFICIENCY[acc.id]
     else:
         mamf = GEMM_EFFICIENCY_BY_STACK.get(getattr(acc, "stack", "cuda"), 0.80)
     if precision == "tf32" and not has_tf32(acc):

@@ -59,7 +59,7 @@ FITTED: tuple[FittedConstant, ...] = (
     FittedConstant(
         name="PRE_AMPERE_EFFICIENCY", lower=0.05, upper=1.0,
         fitted_on="all runs; identified by the runs with a T4 in fp16 (the pre-Ampere cards without a measured "
-                  "figure in constants.PRE_AMPERE_GEMM_EFFICIENCY): amp_t4 (16 x T4, 47 runs), amp_mixed (V100 + T4, "
+                  "figure in constants.MEASURED_GEMM_EFFICIENCY): amp_t4 (16 x T4, 47 runs), amp_mixed (V100 + T4, "
                   "43); the V100s (bigscience's tr1-13B, dlperf, dtfm) use their measured 0.779; Sailor's Turing runs "
                   "are fp32 (CUDA cores) and do not use it",
     ),
@@ -99,7 +99,7 @@ here for the same reason: in the joint fit they moved ``PRE_AMPERE_EFFICIENCY`` 
 stay inside a node (single V100s: 28-35 %), which one pre-Ampere matmul efficiency does not describe, and 27-60 %
 too fast where one TP group spans nodes over one 100 Gbit/s port (docs/costmodel.md, `dlperf`). Those figures
 were before eager attention's softmax counted what its kernels move and the V100s had their measured matmul
-fraction (``constants.PRE_AMPERE_GEMM_EFFICIENCY``): no fitted constant now acts on these V100 runs but through
+fraction (``constants.MEASURED_GEMM_EFFICIENCY``): no fitted constant now acts on these V100 runs but through
 the TP / DP collectives, and the single V100s are 7-10 % too slow.
 
 BigScience's tr3m-1B3 layout benchmark on 2 nodes of 4 V100-32GB / 16GB (``data/validation/bigscience-tr3m``,
