@@ -142,7 +142,8 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     dl = held["dlperf"]
     assert dl["n"] == 16 and dl["meets"]["spearman"] is True and dl["meets"]["fits_as_reported"] is True
     assert dl["meets"]["median_abs_error"] is False and dl["meets"]["p90_abs_error"] is False
-    assert dl["memory_n"] == 16 and dl["memory_median_abs_error"] <= 0.10
+    # (TP 32's log, below the tensors its ranks hold, is kept but not compared: measured.peak_memory_excluded)
+    assert dl["memory_n"] == 15 and dl["memory_median_abs_error"] <= 0.10
     assert loso["pooled"]["n"] == 320  # 235 + DT-FM's 69 + DLPerf's 16
 
 
