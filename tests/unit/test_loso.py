@@ -143,13 +143,16 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     dl = held["dlperf"]
     assert dl["n"] == 16 and dl["meets"]["spearman"] is True and dl["meets"]["fits_as_reported"] is True
     assert dl["meets"]["median_abs_error"] is True and dl["meets"]["p90_abs_error"] is False
-    assert dl["memory_n"] == 16 and dl["memory_median_abs_error"] <= 0.10
+    # (TP 32's log, below the tensors its ranks hold, is kept but not compared: measured.peak_memory_excluded)
+    assert dl["memory_n"] == 15 and dl["memory_median_abs_error"] <= 0.10
     # BigScience's tr3m-1B3 layouts on 2 nodes of 4 V100 (scored, not fitted), held out by construction: ranked,
-    # median and p90 missed (every TP 1 run 28-37 % too slow: open, docs/costmodel.md `tr3m`), memory missed, and
+    # median missed, p90 met since the V100's measured matmul fraction (every TP 1 run 9-22 % too slow, 28-37 % before:
+    # open, docs/costmodel.md `tr3m`), memory missed, and
     # all 4 out-of-memory rows estimated to fit
     tr = held["tr3m"]
     assert tr["n"] == 23 and tr["meets"]["spearman"] is True and tr["spearman"] >= 0.8
     assert tr["meets"]["median_abs_error"] is False and tr["meets"]["fits_as_reported"] is False
+    assert tr["meets"]["p90_abs_error"] is True
     assert tr["memory_n"] == 23 and tr["memory_median_abs_error"] <= 0.15
     assert loso["pooled"]["n"] == 343  # 235 + DT-FM's 69 + DLPerf's 16 + tr3m's 23
 

@@ -114,7 +114,9 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     # while the model sent each of a node's 8 TP ranks' ring traffic through the node's one port; with the whole
     # port per group (one ring leaves a node once) they are too fast, by less than 0.7 (open)
     dl = sources["dlperf"]
-    assert (dl["n"], dl["memory_n"]) == (16, 16) and dl["spearman"] >= 0.9
+    # 15 memory figures compared: TP 32's 9.26 GB is below the tensors its ranks hold (peak_memory_excluded,
+    # test_costmodel_memory.py)
+    assert (dl["n"], dl["memory_n"]) == (16, 15) and dl["spearman"] >= 0.9
     dl_runs = {r.name.removeprefix("dlperf-"): r.error or 0.0 for r in results if r.source == "dlperf"}
     for spanning in ("h3072-l16-dp1-tp16-pp1-mbs16-gbs16", "h3072-l32-dp1-tp32-pp1-mbs16-gbs16"):
         assert 0.0 < dl_runs[spanning] <= 0.7, spanning
@@ -165,7 +167,8 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     sailor = sources["sailor"]
     assert sailor["n"] == 9 and sailor["memory_n"] == 7  # the two N2 logs are below what their ranks hold
     excluded = {r.name for r in results if r.memory_excluded}
-    assert excluded == {"sailor-mit-n2-d1", "sailor-mit-n2-d2", "sailor_gh200-gptneo2.7b-n8-pp4-dp2-mbs4-gbs1024"}
+    assert excluded == {"sailor-mit-n2-d1", "sailor-mit-n2-d2", "sailor_gh200-gptneo2.7b-n8-pp4-dp2-mbs4-gbs1024",
+                        "dlperf-h3072-l32-dp1-tp32-pp1-mbs16-gbs16"}
     assert all(r.measured_memory_gb and r.memory_error is None for r in results if r.memory_excluded)
     # with the collectives Sailor's runtime reached (network.collective_gb_per_s) the worst cases are the 2-stage
     # pipelines with data parallelism whose first stage is the RTX 3090 node (TP 8 at 1.65 GB/s, then 0.92 Gbit/s
