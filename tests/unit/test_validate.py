@@ -129,14 +129,15 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     grown = (2 * 16 * 2048 / dp16.predicted) - (2 * 8 * 2048 / dp8.predicted)
     assert grown == pytest.approx((2 * 16 * 2048 / dp16.measured) - (2 * 8 * 2048 / dp8.measured), abs=0.03)
     # BigScience's tr3m-1B3 layout benchmark on 2 nodes of 4 V100-32GB / 16GB (27 rows, 4 out of memory), each run
-    # with its nvidia-smi memory: open misses (docs/costmodel.md `tr3m`): every TP 1 run is predicted 25-40 % too
-    # slow (as DLPerf's runs inside a node), the two TP 2 runs, which take the fork's torch softmax, within 15 %
+    # with its nvidia-smi memory: open misses (docs/costmodel.md `tr3m`): every TP 1 run is predicted 8-25 % too
+    # slow (28-37 % before the softmax bytes and the V100's measured matmul fraction, which were derived on DLPerf
+    # without this source), the two TP 2 runs, which take the fork's torch softmax, within 15 %
     tr = sources["tr3m"]
     assert (tr["n"], tr["memory_n"]) == (23, 23) and tr["spearman"] >= 0.8
     tr_runs = {r.name.removeprefix("tr3m-"): r.error for r in results if r.source == "tr3m" and not r.out_of_memory}
     for name, err in tr_runs.items():
         assert err is not None
-        assert (abs(err) <= 0.15) if "-tp2-" in name else (-0.40 <= err <= -0.25), (name, err)
+        assert (abs(err) <= 0.15) if "-tp2-" in name else (-0.25 <= err <= -0.08), (name, err)
     # BigScience's 176B search and BLOOM's training on 48 x 8 A100s, and tr1-13B on 128 x 4 V100s: 19 runs with
     # throughput (17 with the first node's memory), 3 reported as failed for memory
     assert (sources["bigscience"]["n"], sources["bigscience"]["memory_n"]) == (19, 17)
