@@ -23,7 +23,7 @@ def catalog():
 
 
 MIXED = {"currency": "USD", "cross_offer_gbps": 100, "offers": [
-    {"accelerator": "rtx-4090", "count": 16, "price_per_hour": 0.69},
+    {"accelerator": "rtx-4090", "count": 8, "price_per_hour": 0.69},
     {"accelerator": "a100-80gb-sxm", "count": 4, "price_per_hour": 2.45}]}
 # heterogeneous pipelines off: these tests are about data parallelism across kinds (with pipelines on, a
 # 4090 + A100 pipeline wins this case)
