@@ -87,10 +87,11 @@ def test_offer_profiles_are_checked_against_accelerator_and_model(tmp_path: Path
 
 
 def test_measured_collectives_of_an_offer_change_the_plan_and_travel_in_it() -> None:
-    """An offer's measured all-reduce bus bandwidth per TP group size (Sailor's RTX 3090 node: an NVLink-bridged
-    pair at 35.8 GB/s, 4 and 8 GPUs through host memory) makes TP 2 worth it where the catalog's PCIe rule
-    does not; the emitted plan carries the figures, and the batch figure the search ranked by is the scalar
-    estimate of that plan."""
+    """An offer's measured all-reduce bus bandwidth per TP group size decides its TP: Sailor's RTX 3090 node (an
+    NVLink-bridged pair at 35.8 GB/s, 4 and 8 GPUs through host memory at 5.28 / 1.35) keeps TP 2 and runs it
+    faster than the catalog's PCIe rule says; the same node without the bridges (every group at the 8-GPU
+    figure) makes TP 1 the plan. The emitted plan carries the figures, and the batch figure the search ranked by
+    is the scalar estimate of that plan."""
     job = job_from_dict({"model": "llama-2-7b", "train": {"seq_len": 4096, "global_batch": 64, "tokens": 1e9},
                          "objective": "throughput", "search": {"hetero_pipelines": False}})
     offer = {"accelerator": "rtx-3090", "count": 16, "price_per_hour": 0.3, "devices_per_node": 8}
@@ -98,9 +99,12 @@ def test_measured_collectives_of_an_offer_change_the_plan_and_travel_in_it() -> 
     plain = search(job, pool_from_dict({"offers": [offer]}, CAT), CAT, top=1).best
     pool = pool_from_dict({"offers": [offer | {"collective_gb_per_s": measured}]}, CAT)
     best = search(job, pool, CAT, top=1).best
-    assert {s.tp for s in plain.plan.groups[0].stages} == {1}
+    unbridged = {2: 1.35, 4: 1.35, 8: 1.35}
+    slow = search(job, pool_from_dict({"offers": [offer | {"collective_gb_per_s": unbridged}]}, CAT), CAT,
+                  top=1).best
     assert {s.tp for s in best.plan.groups[0].stages} == {2}
-    assert best.tokens_per_s > plain.tokens_per_s
+    assert {s.tp for s in slow.plan.groups[0].stages} == {1}
+    assert best.tokens_per_s > plain.tokens_per_s > slow.tokens_per_s
     assert best.plan.network.collective_gb_per_s == {"rtx-3090": measured}
     assert plain.plan.network.collective_gb_per_s == {}
     combos, _, _ = best_combinations(job, pool, CAT, load_model("llama-2-7b"), "full")
