@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from starverse.billing import EventKind, LeasePricing, Ledger, PricingMode
+from starverse.cli import main
 
 T0 = 1_700_000_000
 MIDNIGHT = (T0 // 86400 + 1) * 86400
@@ -103,7 +104,11 @@ def test_check_passes_then_catches_a_doubled_charge(run_dir: Path, tmp_path: Pat
     assert "lease 1: 3 stored charge rows totalling 0.720000 differ from its rating (2 rows, 0.540000)" in bad.stderr
 
 
-def test_user_errors_are_one_line_exit_2_and_leave_files_untouched(run_dir: Path, tmp_path: Path):
+def test_user_errors_are_one_line_exit_2_and_leave_files_untouched(run_dir: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]):
+    """The first case from a process of its own (what a user sees: one line, exit 2), the others in this process
+    (``starverse.cli.main``, as tests/e2e/test_bad_input_cli.py runs the CLI): the same code path to the
+    message, without a process start each."""
     garbage = tmp_path / "garbage.sqlite"
     garbage.write_bytes(b"not a database at all" * 10)
     foreign = tmp_path / "other.db"
@@ -123,10 +128,14 @@ def test_user_errors_are_one_line_exit_2_and_leave_files_untouched(run_dir: Path
         ([str(run_dir), "--currency", "XYZ"], "unknown currency 'XYZ'"),
         ([str(run_dir), "--by", "week"], "--by 'week': use one of job, device, mode, day"),
     ]
-    for args, message in cases:
-        res = run(*args)
-        assert res.returncode == 2, (args, res.stderr)
-        assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: "), res.stderr
-        assert message in res.stderr, res.stderr
+    for i, (args, message) in enumerate(cases):
+        if i == 0:
+            res = run(*args)
+            code, err = res.returncode, res.stderr
+        else:
+            code, err = main(["bill", *args]), capsys.readouterr().err
+        assert code == 2, (args, err)
+        assert err.count("\n") == 1 and err.startswith("error: "), err
+        assert message in err, err
     assert not (empty_run / "ledger.sqlite").exists()
     assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (garbage, foreign)} == digests

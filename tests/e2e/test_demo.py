@@ -15,9 +15,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _user_env(tmp_path):
+    """What a new user under ``tmp_path`` runs with, over this environment."""
+    return {"STARVERSE_CACHE": str(tmp_path / "cache"), "MASTER_ADDR": "127.0.0.1", "COLUMNS": "200",
+            "HOME": str(tmp_path)}
+
+
 def _run(args, tmp_path, timeout=600, extra_env=None, **kw):
-    env = {**os.environ, "STARVERSE_CACHE": str(tmp_path / "cache"), "MASTER_ADDR": "127.0.0.1",
-           "COLUMNS": "200", "HOME": str(tmp_path), **(extra_env or {})}
+    env = {**os.environ, **_user_env(tmp_path), **(extra_env or {})}
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path, **kw)
 
 
@@ -78,18 +83,32 @@ def test_unguarded_user_script_runs_the_brief_code_once(tmp_path):
     assert "STEPS 3 TOKENS 1536" in out.stdout  # 3 steps x 16 sequences x 32 tokens
 
 
-@pytest.mark.parametrize(("args", "line"), [
-    (("--batch", "0"), "error: --batch: must be at least 1 (got 0). To fix: pass --batch 1 or more"),
+@pytest.mark.parametrize(("args", "line", "in_process"), [
+    (("--batch", "0"), "error: --batch: must be at least 1 (got 0). To fix: pass --batch 1 or more", False),
     (("--global-batch", "16", "--batch", "3"),
-     "error: --global-batch 16 is not a multiple of --batch 3. To fix: choose a --batch that divides --global-batch"),
-])
-def test_demo_bad_arguments_are_refused_before_the_probe(tmp_path, args, line):
+     "error: --global-batch 16 is not a multiple of --batch 3. To fix: choose a --batch that divides --global-batch",
+     True),
+], ids=["batch-0-process", "not-a-multiple-in-process"])
+def test_demo_bad_arguments_are_refused_before_the_probe(tmp_path, monkeypatch, capsys, args, line, in_process):
     """A fresh HOME has no profile of this machine, so a demo that got as far as planning would probe it first
-    (``probe: ...`` on stdout, ``<run dir>/profile.json``): bad options are refused before, as one line, exit 2."""
+    (``probe: ...`` on stdout, ``<run dir>/profile.json``): bad options are refused before, as one line, exit 2.
+    The first case as a process of its own (what a user sees), the second in this process (``starverse.cli.main``
+    with the same environment): a demo process imports torch (seconds of CPU) before it refuses."""
     run = tmp_path / "run"
-    out = _run([sys.executable, "-m", "starverse.cli", "demo", *args, "--steps", "1", "--corpus-mb", "0.05",
-                "--run-dir", str(run)], tmp_path)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert out.stderr.strip().splitlines() == [line]
-    assert "probe" not in out.stdout
+    argv = ["demo", *args, "--steps", "1", "--corpus-mb", "0.05", "--run-dir", str(run)]
+    if in_process:
+        from starverse.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        for k, v in _user_env(tmp_path).items():
+            monkeypatch.setenv(k, v)
+        code = main(argv)
+        captured = capsys.readouterr()
+        stdout, stderr = captured.out, captured.err
+    else:
+        out = _run([sys.executable, "-m", "starverse.cli", *argv], tmp_path)
+        code, stdout, stderr = out.returncode, out.stdout, out.stderr
+    assert code == 2, stderr[-3000:]
+    assert stderr.strip().splitlines() == [line]
+    assert "probe" not in stdout
     assert not run.exists()  # neither the run dir nor its probe profile was written

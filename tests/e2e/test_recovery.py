@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import CLI, TINY
+from starverse.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -120,18 +121,31 @@ def test_sigterm_checkpoints_and_exits_3_then_rerun_resumes_and_rollback(tmp_pat
     assert out.returncode == 1 and "CORRUPTED" in out.stdout
 
 
-def test_job_file_and_checkpoint_dir_errors_are_one_line(tmp_path):
+def test_job_file_and_checkpoint_dir_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    """Run in this process (``starverse.cli.main``, as tests/e2e/test_bad_input_cli.py runs the CLI): each
+    ``starverse train`` process imports torch (seconds of CPU) before it reads the job file. That a process of
+    its own prints one such line and exits 2 is what the bad-input runs of the SIGTERM test above check."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STARVERSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("STARVERSE_PROFILE", "")  # no probe profile: datasheet figures
+    monkeypatch.delenv("STARVERSE_CATALOG", raising=False)
+
+    def cli(*args: str) -> tuple[int, str]:
+        code = main(list(args))
+        return code, capsys.readouterr().err
+
     job = _job(tmp_path, steps=10, extra="max_restart: 2\n")
-    out = _run(["train", str(job)], tmp_path)
-    assert out.returncode == 2
-    assert out.stderr.strip() == f"error: {job}:7: max_restart: unknown field; did you mean 'max_restarts'?"
+    code, err = cli("train", str(job))
+    assert code == 2
+    assert err.strip() == f"error: {job}:7: max_restart: unknown field; did you mean 'max_restarts'?"
     job.write_text(job.read_text().replace("max_restart: 2\n", "").replace("micro_batch: 2", "micro_batch: 3"))
-    out = _run(["train", str(job)], tmp_path)
-    assert "train.global_batch: 8 is not a multiple of train.micro_batch 3" in out.stderr and out.returncode == 2
-    out = _run(["checkpoints", "list", "nowhere"], tmp_path)
-    assert out.returncode == 2 and out.stderr.strip().startswith("error: nowhere: no such checkpoint directory")
+    code, err = cli("train", str(job))
+    assert "train.global_batch: 8 is not a multiple of train.micro_batch 3" in err and code == 2
+    assert err.count("\n") == 1, err
+    code, err = cli("checkpoints", "list", "nowhere")
+    assert code == 2 and err.strip().startswith("error: nowhere: no such checkpoint directory")
     (tmp_path / "foreign" / "step-3").mkdir(parents=True)
     (tmp_path / "foreign" / "step-3" / "pytorch_model.bin").write_bytes(b"\0" * 64)
-    out = _run(["checkpoints", "list", "foreign"], tmp_path)
-    assert out.returncode == 2 and "no valid Starverse manifest (foreign or corrupted)" in out.stderr
+    code, err = cli("checkpoints", "list", "foreign")
+    assert code == 2 and "no valid Starverse manifest (foreign or corrupted)" in err and err.count("\n") == 1
     assert (tmp_path / "foreign" / "step-3" / "pytorch_model.bin").read_bytes() == b"\0" * 64

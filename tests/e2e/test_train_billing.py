@@ -15,6 +15,7 @@ import pytest
 from helpers import CLI, RAY_GROUP, TINY
 from helpers import new_user_env as _env
 from starverse.billing import Ledger, fx_rate
+from starverse.cli import main
 from starverse.elastic.job import job_prices, load_job
 from starverse.errors import BudgetExceededError, ConfigError
 
@@ -85,12 +86,22 @@ def test_total_budget_checkpoints_and_stops_within_one_interval(tmp_path):
         "billing.currency: USD (other prices are converted), or name another job (billing.job).\n")
 
 
-@pytest.mark.slow
-def test_hourly_cap_refuses_the_job_before_anything_runs(tmp_path):
+def test_hourly_cap_refuses_the_job_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """Run in this process (``starverse.cli.main``, a new user's environment): a ``starverse train`` process
+    imports torch (seconds of CPU) before it refuses. A billing refusal from a process of its own, one line and
+    exit 2, is the currency mismatch of test_total_budget_checkpoints_and_stops_within_one_interval."""
     job = _job(tmp_path, "billing: {max_budget_per_hour: 50}\n")
-    out = _train(tmp_path, job)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert out.stderr == (
+    monkeypatch.chdir(tmp_path)
+    env = _env(tmp_path)
+    for k in set(os.environ) - set(env):
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        if os.environ.get(k) != v:
+            monkeypatch.setenv(k, v)
+    code = main(["train", str(job), "--json"])
+    out = capsys.readouterr()
+    assert code == 2 and out.err.count("\n") == 1, out.err
+    assert out.err == (
         f"error: {job}: billing.max_budget_per_hour: the job's devices cost 72 USD/h (2 x cpu: 36 USD/h each, "
         "on-demand (offer 'cpu' of pool.yaml)), above the cap of 50 USD/h. To fix: raise max_budget_per_hour, "
         "run fewer ranks (devices.cpu_ranks) or use cheaper offers in the pool.\n"

@@ -4,7 +4,6 @@ a hand edit, or a planner change that moves a figure, fails here until `make doc
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +22,11 @@ def _make_docs():
     return module
 
 
-# pytest-timeout counts the set-up: the first test to ask for loso_document (this one) also pays for
-# scripts/loso.py's refits (minutes at load). `make docs --check` runs as its own process: its planner searches
-# fork workers, and a fork of this test process (its threads, the signal handlers earlier tests left) once hung
+# pytest-timeout counts the set-up: the wait for tests/unit/conftest.py's SlowScripts (scripts/loso.py's refits,
+# then `make_docs.py --check` on their output, both started in the background at the first unit test)
 @pytest.mark.timeout(900)
-def test_committed_tables_are_what_make_docs_writes(loso_document, tmp_path):
-    loso = tmp_path / "loso.json"  # scripts/loso.py's output of this session, not a second refit
-    loso.write_text(json.dumps(loso_document))
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/make_docs.py"), "--check", "--loso", str(loso)],
-                         capture_output=True, text=True, timeout=780, check=False)
-    assert res.returncode == 0, res.stdout + res.stderr
+def test_committed_tables_are_what_make_docs_writes(docs_check: subprocess.CompletedProcess[str]) -> None:
+    assert docs_check.returncode == 0, docs_check.stdout + docs_check.stderr
 
 
 def test_a_hand_edit_is_caught():
