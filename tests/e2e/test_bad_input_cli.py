@@ -271,3 +271,18 @@ def test_train_with_a_missing_dataset_names_the_field_and_writes_nothing(folder:
     assert err.startswith("error: ") and "\n" not in err, err
     assert "train.yaml:2: dataset:" in err and "does not exist" in err, err
     assert not (folder / "run").exists()
+
+
+def test_a_bad_job_file_is_refused_before_the_runtime_is_imported(tmp_path: Path) -> None:
+    """`starverse train` validates the job file before it imports the runtime (torch: seconds of start-up), so a
+    bad file is one line at once; the refusal is the same one prepare_job would give."""
+    import subprocess
+    import sys
+
+    job = tmp_path / "job.yaml"
+    job.write_text("model: x\nbogus: 1\n")
+    code = ("import sys; from starverse.cli import main; rc = main(['train', sys.argv[1]]); "
+            "print('torch' in sys.modules, rc)")
+    res = subprocess.run([sys.executable, "-c", code, str(job)], capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == ["False", "2"], (res.stdout, res.stderr)
+    assert f"{job}:2: bogus: unknown field" in res.stderr and len(res.stderr.strip().splitlines()) == 1

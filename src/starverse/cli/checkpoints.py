@@ -112,6 +112,10 @@ def train(
 
     SIGTERM writes an emergency checkpoint and exits with code 3; run the same command again to resume.
     """
+    from starverse.elastic.job import load_job
+
+    # a bad job file is one line before the runtime (and torch, seconds) is imported; prepare_job loads it again
+    load_job(job_file)
     from starverse.jobs import prepare_job
     from starverse.metrics.callbacks import ENDPOINT_FILE
 
