@@ -5,6 +5,8 @@ the planner process stays usable."""
 from __future__ import annotations
 
 import signal
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import yaml
 from service_fixtures import Service
 
 from starverse.errors import SearchTimeLimitError
-from starverse.service.api_plan import plan_document
+from starverse.service.api_plan import plan_document, time_limit
 
 SQLITE = pytest.mark.parametrize("db_url", [""], ids=["sqlite"])  # the database only authenticates here
 
@@ -63,3 +65,29 @@ def test_the_time_limit_stops_a_search_and_leaves_the_process_able_to_plan(tmp_p
     assert doc["feasible"] and doc["plans"][0]["rank"] == 1
     assert list(tmp_path.iterdir()) == []  # the stopped search's scratch folder is gone too
     assert signal.getsignal(signal.SIGALRM) is handler  # pytest-timeout's handler is back
+
+
+def test_an_alarm_inside_a_finalizer_still_stops_the_search() -> None:
+    """The limit's alarm can fire while a finalizer or a gc weakref callback runs (seen: SQLAlchemy's, during a
+    search), where Python drops what it raises ("Exception ignored in"): the search is stopped all the same, and
+    nothing reaches the unraisable hook."""
+
+    class SlowFinalizer:
+        def __del__(self) -> None:
+            end = time.monotonic() + 0.2  # runs past the limit
+            while time.monotonic() < end:
+                pass
+
+    seen: list[object] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        with pytest.raises(SearchTimeLimitError), time_limit(0.05):
+            SlowFinalizer()  # finalized at once
+            end = time.monotonic() + 5.0  # the search's own work, which the limit stops
+            while time.monotonic() < end:
+                pass
+        assert time.monotonic() < end
+    finally:
+        sys.unraisablehook = hook
+    assert seen == []

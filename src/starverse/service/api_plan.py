@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -170,6 +171,10 @@ def check_pool_size(body: PlanRequest, max_offers: int, max_devices: int) -> Non
                           f"once. To fix: give fewer devices (count), {fix}")
 
 
+REFIRE_S = 0.001
+"""How soon the search's alarm fires again when Python dropped its exception (raised inside a finalizer)."""
+
+
 @contextmanager
 def time_limit(seconds: float | None) -> Iterator[None]:
     """Raise SearchTimeLimitError in this thread once ``seconds`` have passed (SIGALRM: the main thread of a
@@ -183,7 +188,18 @@ def time_limit(seconds: float | None) -> Iterator[None]:
             f"the plan search ran past the service's limit of {seconds:g} s. To fix: fewer offers or devices in "
             "the pool, a smaller train.global_batch, or run `starverse plan` on your own machine (no limit)")
 
+    previous_hook = sys.unraisablehook
+
+    def swallowed(unraisable: Any) -> None:
+        # the alarm fired inside a finalizer or a weakref callback (a gc pass: "Exception ignored in"), where
+        # Python drops what it raises: fire again at once, in the search's own code
+        if isinstance(unraisable.exc_value, SearchTimeLimitError):
+            signal.setitimer(signal.ITIMER_REAL, REFIRE_S)
+            return
+        previous_hook(unraisable)
+
     previous = signal.signal(signal.SIGALRM, expired)
+    sys.unraisablehook = swallowed
     start = time.monotonic()
     earlier, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -193,6 +209,7 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         left = max(earlier - (time.monotonic() - start), 1e-6) if earlier > 0 else 0.0
         signal.setitimer(signal.ITIMER_REAL, left)
         signal.signal(signal.SIGALRM, previous)
+        sys.unraisablehook = previous_hook
 
 
 def plan_document(scratch: str, body: dict[str, Any], time_limit_s: float | None = None) -> dict[str, Any]:
