@@ -114,8 +114,8 @@ def train(
     """
     from starverse.elastic.job import load_job
 
-    # a bad job file is one line before the runtime (and torch, seconds) is imported; prepare_job loads it again
-    load_job(job_file)
+    # a bad job file is one line before the runtime (and torch, seconds) is imported
+    job = load_job(job_file)
     from starverse.jobs import prepare_job
     from starverse.metrics.callbacks import ENDPOINT_FILE
 
@@ -123,8 +123,8 @@ def train(
     # accelerate's warnings are also in cluster.notes, printed with the summary: once is enough
     logging.getLogger("starverse.runtime.cluster").setLevel(logging.ERROR)
     console = Console(highlight=False, stderr=as_json, soft_wrap=True)
-    prepared = prepare_job(job_file, resume_from=resume_from if resume_from is not None else "latest",
-                           metrics_port=metrics_port)
+    prepared = prepare_job(job, resume_from=resume_from if resume_from is not None else "latest",
+                           metrics_port=metrics_port, source=job_file)
     for line in prepared.summary_lines():
         console.print(f"  {line}", markup=False)
     result = prepared.run()

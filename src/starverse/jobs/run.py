@@ -287,13 +287,15 @@ class _ProgressWatcher:
 
 
 def prepare_job(job: TrainJob | str | Path, *, resume_from: int | str | None = "latest",
-                metrics_port: int | None = None) -> PreparedJob:
+                metrics_port: int | None = None, source: str | Path | None = None) -> PreparedJob:
     """Load (a path) and check a job, wire it; nothing is started. See :class:`PreparedJob`. ``metrics_port``
-    overrides the job's ``metrics.port``."""
+    overrides the job's ``metrics.port``; ``source`` names the file a loaded :class:`TrainJob` came from (in
+    messages)."""
     loaded = job if isinstance(job, TrainJob) else load_job(job)
     if metrics_port is not None:
         loaded = loaded.model_copy(update={"metrics": loaded.metrics.model_copy(update={"port": metrics_port})})
-    return PreparedJob(loaded, source="job" if isinstance(job, TrainJob) else str(job), resume_from=resume_from)
+    name = str(source) if source is not None else ("job" if isinstance(job, TrainJob) else str(job))
+    return PreparedJob(loaded, source=name, resume_from=resume_from)
 
 
 def run_job(job: TrainJob | str | Path, *, resume_from: int | str | None = "latest",
