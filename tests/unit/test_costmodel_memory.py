@@ -335,3 +335,30 @@ def test_megatrons_torch_softmax_fallback_keeps_its_fp32_output_for_backward() -
     # 24 layers store the extra fp32 output; the head's peak (logits) moves to the attention backward's
     assert act(case) - act(fused) >= 24 * per_layer
     assert act(case) - act(fused) <= 24 * per_layer + 2 * 8 * 2048**2 * 2.0 / 1e9 + 1e-9
+
+
+def test_gpt_model_pipes_fp32_logits_stay_in_the_pipe_buffers() -> None:
+    """``pipe_buffers_keep_outputs: fp32``: Megatron-DeepSpeed's ``GPTModelPipe`` ends in ``float16_to_fp32`` and
+    its cross-entropy works in place on that tensor, so the last stage's two pipe buffers keep fp32 logits (4 bytes
+    a value, not 2), and at the head's forward both are held beside the new logits (16-bit and fp32), the engine
+    storing an output only once the forward has returned. tr3m-1B3 at PP 2 / micro-batch 8: the last stage (the
+    second node) needs more than a 16 GB V100 holds, as the run found; the first stage is unchanged."""
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(TR3M / "tr3m-16gb-tp1-pp2-dp4-mbs8.yaml")
+    assert case.plan.train.pipe_buffers_keep_outputs == "fp32" and case.measured.out_of_memory
+    est = estimate(case.plan, CAT, case.spec)
+    old = _train(case, pipe_buffers_keep_outputs=True)
+    est16 = estimate(old.plan, CAT, old.spec)  # type: ignore[attr-defined]
+    first, last = est.groups[0].stages
+    first16, last16 = est16.groups[0].stages
+    values = 8 * 2048 * 50304 / 1e9  # logits of one micro-batch, billions of values
+    # head's forward: 16-bit + fp32 new logits and two kept fp32 ones, against 16-bit + fp32 and one 16-bit kept
+    assert last.activations_gb - last16.activations_gb == pytest.approx(values * ((2 + 4 + 2 * 4) - (2 + 4 + 2)))
+    assert first.activations_gb == pytest.approx(first16.activations_gb)
+    assert not est.fits and est16.fits
+    # an fp32 run keeps fp32 logits either way
+    fp32 = _train(case, precision="fp32")
+    fp32_true = _train(fp32, pipe_buffers_keep_outputs=True)
+    assert estimate(fp32.plan, CAT, fp32.spec).groups[0].stages[1].activations_gb == pytest.approx(  # type: ignore[attr-defined]
+        estimate(fp32_true.plan, CAT, fp32_true.spec).groups[0].stages[1].activations_gb)  # type: ignore[attr-defined]

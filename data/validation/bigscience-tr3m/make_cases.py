@@ -44,7 +44,8 @@ How the figures were read:
   (``peak_memory_devices: first_node``: ranks 0-3, stage 0 at PP 2, stages 0-1 at PP 4, 0-3 at PP 8; the last
   stage, with the logits, is on the second node), as the ``bigscience`` cases read the same author's "memory
   used on the first node" (an assumption, chosen after the estimates were seen: the first node is the one that
-  holds rank 0 and its logs; with every GPU compared instead the memory median is 10.8 %, 7.8 % so). The 16 GB row TP 1 / PP 1 / DP 8 / MBS 1
+  holds rank 0 and its logs; with every GPU compared instead the memory median is 13.1 % and the max 62 %,
+  the last stage's fp32 pipe buffers at PP 4 / micro-batch 8, against 7.4 % and 18.8 % so). The 16 GB row TP 1 / PP 1 / DP 8 / MBS 1
   reads "16GB borderline OOM": a V100-SXM2-16GB exposes 16160 MiB (15.8 GiB), so that reading was 15.5-15.8 GiB
   rounded up; it is written as 16 GiB like its 32 GB twin (the same layout, "16GB"), which puts it up to 3 %
   above what the device can hold.
@@ -68,13 +69,22 @@ How the figures were read:
   1F1B without interleaving (``schedule: 1f1b``, stated: unstated, the estimator would also try interleaved
   chunks); it reduces the gradients after the last micro-batch (``overlap_grad_reduce: false``) and its last stage keeps its outputs in the pipe
   buffers (``pipe_buffers_keep_outputs``), as in the ``bigscience`` tr1-13B case (the same fp16 ZeRO-1 setup of
-  2021). The ZeRO-1 optimizer, not the engine's ``buffered_allreduce_fallback``, reduces the gradients
-  (``DeepSpeedEngine.allreduce_gradients`` at ZeRO stage 1 calls ``optimizer.reduce_gradients``): no
-  ``flat_grad_allreduce``. That optimizer does allocate, under the pipeline engine and with the default
-  ``contiguous_gradients``, one fp16 ``ipg_buffer`` of ``reduce_bucket_size`` (default 5e8 values: 1 GB) after the
-  last backward (``reduce_gradients(pipeline_parallel=True)``, ``deepspeed/runtime/zero/stage2.py`` and
-  ``constants.py`` of microsoft/DeepSpeed at fc2f378e, 2021-11-30; which DeepSpeed checkout the benchmark ran is
-  not stated), for which the plan format has no field: not stated. Eager attention (Megatron's fused
+  2021); what they keep is fp32 (``pipe_buffers_keep_outputs: fp32``): ``GPTModelPipe``'s last pipe layer is
+  ``float16_to_fp32`` (``MEGATRON_DS``'s ``megatron/model/gpt_model.py`` 290-292) and its ``CrossEntropy`` runs
+  ``vocab_parallel_cross_entropy`` in place on that tensor (``megatron/mpu/cross_entropy.py``: ``sub_``,
+  ``torch.exp(out=)``, ``div_``, and the backward's ``mul_``); the engine stores a forward's output only once the
+  forward has returned (``_exec_forward_pass``, ``deepspeed/runtime/pipe/engine.py`` of microsoft/DeepSpeed at
+  fc2f378e, 2021-11-30). The ZeRO-1 optimizer, not the engine's ``buffered_allreduce_fallback``, reduces the
+  gradients (``DeepSpeedEngine.allreduce_gradients`` at ZeRO stage 1 calls ``optimizer.reduce_gradients``), but
+  it flattens them the same way (``flat_grad_allreduce: true``): at ZeRO stage 1 the engine turns
+  ``contiguous_gradients`` off (``_configure_zero_optimizer``, ``deepspeed/runtime/engine.py`` 1356-1359 at
+  fc2f378e, since microsoft/DeepSpeed#1246 of 2021-07-26; which DeepSpeed checkout the benchmark ran is not
+  stated), so ``reduce_gradients(pipeline_parallel=True)`` allocates no ``ipg_buffer`` (``zero/stage2.py`` 577)
+  and its ``reduce_ipg_grads`` (1179-1194) hands each bucket of up to ``reduce_bucket_size`` (default 5e8 values,
+  ``zero/constants.py`` 68; a bucket closes before a parameter would pass it, 794-801) to
+  ``buffered_reduce_fallback`` (1378), whose ``allreduce_bucket`` (1306-1312) flattens it into a new fp16 tensor
+  after the last backward: 1 GB at 5e8 values, the engine's own fallback's bucket (``FLAT_ALLREDUCE_BUCKET_ELEMENTS``,
+  the same 5e8). Eager attention (Megatron's fused
   scale-mask-softmax over materialised scores, ``attention: eager``), with the fork's 2021-10-21 .. 2022-03-06
   kernel check (``softmax_fusion: megatron-bsc-2022``: ``MEGATRON_DS``'s ``megatron/model/fused_softmax.py``
   has ``16 < sq <= 2048`` and calls ``get_batch_per_block(sq, sk, b, np)`` on a method declared
@@ -213,7 +223,7 @@ def write_case(row: tuple[int, int, int, int, int | None, float | None, int | No
     stage = f"{{accelerator: {acc}, tp: {tp}, layers: {LAYERS // pp}" + (f", repeat: {pp}}}" if pp > 1 else "}")
     train = (f"seq_len: {SEQ}, global_batch: {GBS}, precision: fp16, mode: full, zero_stage: 1, "
              f"recompute: {recompute}, schedule: 1f1b, attention: eager, softmax_fusion: megatron-bsc-2022, "
-             "overlap_grad_reduce: false, flat_grad_allreduce: true, pipe_buffers_keep_outputs: true")
+             "overlap_grad_reduce: false, flat_grad_allreduce: true, pipe_buffers_keep_outputs: fp32")
     text = (f"model: {write_model(tp)}\ntrain: {{{train}}}\ngroups:\n- replicas: {dp}\n  micro_batch: {mbs}\n"
             f"  stages:\n  - {stage}\nnetwork:\n  devices_per_node: {{{acc}: {PER_NODE}}}\n"
             f"  inter_node_gbps: {{{acc}: 50}}\n  achieved_gbps: true\n"

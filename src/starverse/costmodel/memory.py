@@ -179,9 +179,19 @@ def stage_memory(
     if mn.pipe_buffers_keep_outputs:
         # DeepSpeed's last stage keeps each micro-batch's output in its pipe buffer (TrainSpec
         # .pipe_buffers_keep_outputs): the current logits stay through the backward, the previous ones are held
-        out = la * tokens * (loss_width(mn, t) * bv)
-        activations = (activations + np.maximum(logits, lc["attn_transient"] + out)
-                       + np.where(rows.num_micro_batches >= 2, out, 0.0))
+        prev = np.where(rows.num_micro_batches >= 2, 1.0, 0.0)
+        if mn.pipe_buffers_keep_outputs == "fp32" and bv < 4.0:
+            # the kept output is the fp32 upcast the model's last pipe layer makes (GPTModelPipe's
+            # float16_to_fp32), which the cross-entropy turns into its softmax and gradient in place: at the
+            # head's forward the new logits (16-bit and fp32) sit beside both buffers' (the engine stores the new
+            # output once the forward returns); through the backward the current and the previous one
+            out = la * tokens * (loss_width(mn, t) * 4.0)
+            kept_at_forward = np.minimum(np.maximum(rows.num_micro_batches - 1.0, 0.0), 2.0)
+            activations = activations + np.maximum(logits + kept_at_forward * out,
+                                                   lc["attn_transient"] + out + prev * out)
+        else:
+            out = la * tokens * (loss_width(mn, t) * bv)
+            activations = activations + np.maximum(logits, lc["attn_transient"] + out) + prev * out
     else:
         activations = activations + np.maximum(logits, lc["attn_transient"])
 
