@@ -44,8 +44,8 @@ How the figures were read:
   (``peak_memory_devices: first_node``: ranks 0-3, stage 0 at PP 2, stages 0-1 at PP 4, 0-3 at PP 8; the last
   stage, with the logits, is on the second node), as the ``bigscience`` cases read the same author's "memory
   used on the first node" (an assumption, chosen after the estimates were seen: the first node is the one that
-  holds rank 0 and its logs; with every GPU compared instead the memory median is 13.1 % and the max 62 %,
-  the last stage's fp32 pipe buffers at PP 4 / micro-batch 8, against 7.4 % and 18.8 % so). The 16 GB row TP 1 / PP 1 / DP 8 / MBS 1
+  holds rank 0 and its logs; with every GPU compared instead the memory median is 13.8 % and the max 54 %,
+  the last stage's fp32 pipe buffers at PP 4 / micro-batch 8, against 7.4 % and 19.7 % so). The 16 GB row TP 1 / PP 1 / DP 8 / MBS 1
   reads "16GB borderline OOM": a V100-SXM2-16GB exposes 16160 MiB (15.8 GiB), so that reading was 15.5-15.8 GiB
   rounded up; it is written as 16 GiB like its 32 GB twin (the same layout, "16GB"), which puts it up to 3 %
   above what the device can hold.

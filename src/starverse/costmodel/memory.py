@@ -184,11 +184,13 @@ def stage_memory(
             # the kept output is the fp32 upcast the model's last pipe layer makes (GPTModelPipe's
             # float16_to_fp32), which the cross-entropy turns into its softmax and gradient in place: at the
             # head's forward the new logits (16-bit and fp32) sit beside both buffers' (the engine stores the new
-            # output once the forward returns); through the backward the current and the previous one
+            # output once the forward returns), and no layer is being recomputed; through the backward the
+            # current and the previous one, beside a recomputed layer and its attention backward
             out = la * tokens * (loss_width(mn, t) * 4.0)
             kept_at_forward = np.minimum(np.maximum(rows.num_micro_batches - 1.0, 0.0), 2.0)
-            activations = activations + np.maximum(logits + kept_at_forward * out,
-                                                   lc["attn_transient"] + out + prev * out)
+            rc = lc["rc_full"] * lc["layer_act"]
+            activations = activations - rc + np.maximum(logits + kept_at_forward * out,
+                                                        rc + lc["attn_transient"] + out + prev * out)
         else:
             out = la * tokens * (loss_width(mn, t) * bv)
             activations = activations + np.maximum(logits, lc["attn_transient"] + out) + prev * out
