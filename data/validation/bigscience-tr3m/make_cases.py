@@ -88,7 +88,8 @@ How the figures were read:
   scale-mask-softmax over materialised scores, ``attention: eager``), with the fork's 2021-10-21 .. 2022-03-06
   kernel check (``softmax_fusion: megatron-bsc-2022``: ``MEGATRON_DS``'s ``megatron/model/fused_softmax.py``
   has ``16 < sq <= 2048`` and calls ``get_batch_per_block(sq, sk, b, np)`` on a method declared
-  ``(b, np, sq, sk)``).
+  ``(b, np, sq, sk)``; where it then falls back, TP 2 at micro-batch 1, its ``forward_torch_softmax`` keeps fp32
+  probabilities for backward, 171-185, which the cost model counts from that same check).
 - Network: 4 V100 SXM2 per node over NVLink 2 (``experiments/bandwidth/README.md``: "V100 SXM2 | NVLink 2.0",
   single-node all-reduce 1329 Gbit/s on a 16 GB node, 1324 on a 32 GB node), Omni-Path between nodes (IDRIS:
   "Intel Omni-Path 100 Gb/s"). As in the ``bigscience`` cases (``../bigscience/make_cases.py``, "Network"), the
