@@ -123,7 +123,9 @@ class TrainSpec(FrozenModel):
     """Each step the framework copies the gradients into one flat buffer (at most
     ``constants.FLAT_ALLREDUCE_BUCKET_ELEMENTS`` values), all-reduces it and copies it back: DeepSpeed's engine
     without ZeRO (``buffered_allreduce_fallback`` with ``MEMORY_OPT_ALLREDUCE_SIZE``; its pipeline engine runs it
-    in ``ReduceGrads`` even with one replica). The copy exists after the last backward, when the activations are
+    in ``ReduceGrads`` even with one replica), and its ZeRO-1 optimizer, which runs with ``contiguous_gradients``
+    off (since microsoft/DeepSpeed#1246, 2021) and so flattens each ``reduce_bucket_size`` bucket (5e8 values) in
+    its own ``buffered_reduce_fallback`` (ZeRO-2 and -3: no effect). The copy exists after the last backward, when the activations are
     freed (``costmodel.memory.flat_grad_buffer_bytes``). With ``fp32_grad_copy`` (``BF16_Optimizer``) the gradients
     reduced are already one flat fp32 tensor per parameter group: no flatten copy, but a cast of the whole tensor
     to the 16-bit communication dtype unless ``grad_reduce_fp32`` (``costmodel.memory.bf16_optimizer_cast_bytes``)."""
@@ -133,11 +135,16 @@ class TrainSpec(FrozenModel):
     4 bytes per parameter, into which each micro-batch's bf16 gradients are accumulated; the bf16 ``.grad``
     stays until the next backward). Memory only (the fp32 reduction's traffic is ``grad_reduce_fp32``);
     estimates only."""
-    pipe_buffers_keep_outputs: bool = False
+    pipe_buffers_keep_outputs: bool | Literal["fp32"] = False
     """The last pipeline stage keeps each micro-batch's output (its logits) in a pipe buffer until the buffer is
     reused two micro-batches later: DeepSpeed's ``PipelineEngine._exec_backward_pass`` returns on the last stage
     before it clears ``pipe_buffers['outputs']``, and ``TrainSchedule.num_pipe_buffers`` keeps at least two. The
-    last stage then holds the current micro-batch's logits through its backward and the previous one's."""
+    last stage then holds the current micro-batch's logits through its backward and the previous one's.
+    ``fp32``: the output kept is the fp32 upcast of 16-bit logits, made by the model's last pipe layer
+    (Megatron-DeepSpeed's ``GPTModelPipe`` ends in ``float16_to_fp32``), on which the cross-entropy then works in
+    place (``vocab_parallel_cross_entropy``): 4 bytes a value kept, not the 16-bit logits, and at the head's
+    forward the two buffers still hold theirs beside the new logits (the engine stores an output only once the
+    forward has returned)."""
     tokens: float | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Total tokens to train (for time and cost of the whole job); alternative to ``steps``."""
     steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)

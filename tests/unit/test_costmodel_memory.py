@@ -292,3 +292,78 @@ def test_sgd_holds_one_moment_where_adam_holds_two(precision: str, adam: float, 
     assert s_opt / a_opt == pytest.approx(sgd / adam, rel=1e-12)
     assert s_rest == pytest.approx(a_rest)  # nothing else changes
     assert s_time < a_time  # the step moves less state
+
+
+TR3M = BIGSCIENCE.parent / "bigscience-tr3m"
+
+
+def test_deepspeeds_zero1_optimizer_flattens_each_gradient_bucket_for_the_all_reduce() -> None:
+    """DeepSpeed's ZeRO-1 optimizer (``stage2.py`` with ``partition_grads`` off) runs with ``contiguous_gradients``
+    forced off (``engine.py`` ``_configure_zero_optimizer`` since microsoft/DeepSpeed#1246, 2021-07-26), so its
+    ``reduce_ipg_grads`` takes ``buffered_reduce_fallback``: each bucket of up to ``reduce_bucket_size`` = 5e8
+    values is flattened into a new tensor after the last backward, as without ZeRO (``train.flat_grad_allreduce``).
+    tr3m-1B3 at PP 1 / micro-batch 1: 1.3B fp16 gradients, a 1 GB bucket, larger than any activation tensor, so
+    the reading holds its segment; ZeRO-2 reduce-scatters into its own buffers (no copy counted)."""
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(TR3M / "tr3m-32gb-tp1-pp1-dp8-mbs1.yaml")
+    assert case.plan.train.zero_stage == 1 and case.plan.train.flat_grad_allreduce
+    (s,) = (s for g in estimate(case.plan, CAT, case.spec).groups for s in g.stages)
+    assert s.flat_grad_segment_gb == pytest.approx(5e8 * 2 / 1e9)
+    for off in (_train(case, flat_grad_allreduce=False), _train(case, zero_stage=2)):
+        (o,) = (o for g in estimate(off.plan, CAT, off.spec).groups for o in g.stages)  # type: ignore[attr-defined]
+        assert o.flat_grad_segment_gb == 0.0
+
+
+def test_megatrons_torch_softmax_fallback_keeps_its_fp32_output_for_backward() -> None:
+    """Where the fused kernel does not run, Megatron's ``forward_torch_softmax`` (with ``softmax_in_fp32``, which
+    its default query-key layer scaling forces) casts the 16-bit scores to fp32 and ``torch.nn.Softmax`` keeps its
+    fp32 output for backward beside the 16-bit copy dropout and the context matmul use: 4 + 1 + 2 bytes per score
+    where the fused kernel keeps 2 + 1 + 2; its backward's two score gradients are fp32 too. tr3m-1B3 at TP 2 /
+    micro-batch 1: 8 heads per rank, 8 score batches against 32 per block in the fork's check."""
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(TR3M / "tr3m-32gb-norecompute-tp2-pp1-dp4-mbs1.yaml")
+    assert case.plan.train.softmax_fusion == "megatron-bsc-2022"
+
+    def act(c: object) -> float:
+        (s,) = (s for g in estimate(c.plan, CAT, c.spec).groups for s in g.stages)  # type: ignore[attr-defined]
+        return float(s.activations_gb)
+
+    fused = _train(case, softmax_fusion="always")
+    per_layer = 1 * 8 * 2048**2 * (7.0 - 5.0) / 1e9  # one micro-batch, 8 heads per rank
+    # 24 layers store the extra fp32 output; the head's peak (logits) moves to the attention backward's
+    assert act(case) - act(fused) >= 24 * per_layer
+    assert act(case) - act(fused) <= 24 * per_layer + 2 * 8 * 2048**2 * 2.0 / 1e9 + 1e-9
+
+
+def test_gpt_model_pipes_fp32_logits_stay_in_the_pipe_buffers() -> None:
+    """``pipe_buffers_keep_outputs: fp32``: Megatron-DeepSpeed's ``GPTModelPipe`` ends in ``float16_to_fp32`` and
+    its cross-entropy works in place on that tensor, so the last stage's two pipe buffers keep fp32 logits (4 bytes
+    a value, not 2), and at the head's forward both are held beside the new logits (16-bit and fp32), the engine
+    storing an output only once the forward has returned. tr3m-1B3 at PP 2 / micro-batch 8: the last stage (the
+    second node) needs more than a 16 GB V100 holds, as the run found; the first stage is unchanged."""
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(TR3M / "tr3m-16gb-tp1-pp2-dp4-mbs8.yaml")
+    assert case.plan.train.pipe_buffers_keep_outputs == "fp32" and case.measured.out_of_memory
+    assert not estimate(case.plan, CAT, case.spec).fits
+    old = _train(case, pipe_buffers_keep_outputs=True)
+    assert estimate(old.plan, CAT, old.spec).fits  # type: ignore[attr-defined]
+    # without recompute (no layer recomputed beside the head) the head's forward is the last stage's peak here:
+    # 16-bit + fp32 new logits and two kept fp32 ones, against 16-bit + fp32 and one kept 16-bit
+    none, old_none = _train(case, recompute="none"), _train(old, recompute="none")
+    first, last = estimate(none.plan, CAT, none.spec).groups[0].stages  # type: ignore[attr-defined]
+    first16, last16 = estimate(old_none.plan, CAT, old_none.spec).groups[0].stages  # type: ignore[attr-defined]
+    values = 8 * 2048 * 50304 / 1e9  # logits of one micro-batch, billions of values
+    assert last.activations_gb - last16.activations_gb == pytest.approx(values * ((2 + 4 + 2 * 4) - (2 + 4 + 2)))
+    assert first.activations_gb == pytest.approx(first16.activations_gb)
+    # with full recompute the recomputed layer is live only in the backward, not at the head's forward
+    full = estimate(case.plan, CAT, case.spec).groups[0].stages[1]
+    rc = estimate(_train(case, pipe_buffers_keep_outputs=False).plan, CAT, case.spec).groups[0].stages[1]  # type: ignore[attr-defined]
+    assert full.activations_gb < rc.activations_gb + values * (2 * 4)
+    # an fp32 run keeps fp32 logits either way
+    fp32 = _train(case, precision="fp32")
+    fp32_true = _train(fp32, pipe_buffers_keep_outputs=True)
+    assert estimate(fp32.plan, CAT, fp32.spec).groups[0].stages[1].activations_gb == pytest.approx(  # type: ignore[attr-defined]
+        estimate(fp32_true.plan, CAT, fp32_true.spec).groups[0].stages[1].activations_gb)  # type: ignore[attr-defined]

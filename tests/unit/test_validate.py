@@ -33,13 +33,13 @@ KNOWN_REFUSED: set[str] = set()
 two 39B runs at micro-batch 4 on V100-16GB were (16.5 of 15.9 GB with Adam's states) until their cases stated the
 SGD they ran (``optimizer: sgd``: 13.9 GB); Sailor's since its OPT is read as its ``OPTModelPipe`` builds it
 (``sailor-mit-n2-d2`` was refused before)."""
-KNOWN_OOM_FITS = {"bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2", "tr3m-16gb-tp1-pp2-dp4-mbs8",
-                  "tr3m-16gb-tp1-pp4-dp2-mbs8", "tr3m-16gb-tp1-pp8-dp1-mbs8", "tr3m-32gb-tp1-pp2-dp4-mbs16"}
+KNOWN_OOM_FITS = {"bigscience-h14336-l82-a128-dp8-tp4-pp12-mbs2", "tr3m-32gb-tp1-pp2-dp4-mbs16"}
 """Runs the source reports as failed for memory that the estimator says fit (open misses of issue 9, item 4: one
 layout of BigScience's 176B search, one transformer layer per stage more than a run that read 60 GiB;
-docs/costmodel.md, ``bigscience``; and every out-of-memory row of tr3m-1B3's V100 benchmark, micro-batch 8 on
-16 GB and 16 on 32 GB, estimated at 14.1-15.5 of 15.9 GB and 24.1 of 32.0 GB: docs/costmodel.md, ``tr3m``).
-DP 16 / PP 6 at micro-batch 1 is refused since the bf16 cast of BF16_Optimizer's fp32 gradients is counted."""
+docs/costmodel.md, ``bigscience``; tr3m-1B3's PP 2 / micro-batch 16 on 32 GB, 31.7 of 32.0 GB: docs/costmodel.md,
+``tr3m``). DP 16 / PP 6 at micro-batch 1 is refused since the bf16 cast of BF16_Optimizer's fp32 gradients is
+counted; tr3m's three micro-batch 8 rows on 16 GB (PP 2 / 4 / 8) since its last stage's pipe buffers keep fp32
+logits (``pipe_buffers_keep_outputs: fp32``: 17.9-19.3 of 15.9 GB; 14.1-15.5 before)."""
 PUBLISHED_A100_H100 = ("korthikanti2022", "megatron", "megatron2021", "mpt")
 
 
@@ -138,6 +138,13 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     for name, err in tr_runs.items():
         assert err is not None
         assert (abs(err) <= 0.15) if "-tp2-" in name else (-0.25 <= err <= -0.08), (name, err)
+    # its memory, read on the first node (measured.peak_memory_devices), with ZeRO-1's flat gradient bucket, the
+    # torch softmax's fp32 output and the fp32 logits the pipe buffers keep: median within 8 %; the PP 1 / TP 1
+    # readings stay 7-20 % above the model (open, docs/costmodel.md `tr3m`), every other row within 15 %
+    assert tr["memory_median_abs_error"] <= 0.08 and tr["memory_max_abs_error"] <= 0.20
+    for r in results:
+        if r.source == "tr3m" and r.memory_error is not None and "-tp1-pp1-" not in r.name:
+            assert abs(r.memory_error) <= 0.15, (r.name, r.memory_error)
     # BigScience's 176B search and BLOOM's training on 48 x 8 A100s, and tr1-13B on 128 x 4 V100s: 19 runs with
     # throughput (17 with the first node's memory), 3 reported as failed for memory
     assert (sources["bigscience"]["n"], sources["bigscience"]["memory_n"]) == (19, 17)
@@ -395,3 +402,37 @@ def test_an_excluded_memory_log_is_reported_but_not_scored(tmp_path: Path) -> No
     doc = report([a, b])
     assert doc["sources"]["sailor"]["memory_n"] == 1
     assert [c["memory_excluded"] for c in doc["cases"]] == [None, "below its own parameters"]
+
+
+def test_a_first_node_reading_compares_the_devices_of_the_first_node() -> None:
+    """``measured.peak_memory_devices: first_node``: a reading taken on the job's first node (tr3m: nvidia-smi
+    on one node; its out-of-memory twins show the reading is not the fullest device) is compared with the largest
+    device among the first node's ranks, laid out TP fastest, then data parallel, then pipeline."""
+    from dataclasses import replace
+
+    from starverse.costmodel import estimate
+    from starverse.costmodel.validate import (
+        device_extra_gb,
+        first_node_stages,
+        load_case,
+        peak_reading_gb,
+        score_case,
+    )
+
+    tr3m = CASES / "bigscience-tr3m"
+    expect = {"tp1-pp1-dp8": 1, "tp1-pp2-dp4": 1, "tp1-pp4-dp2": 2, "tp1-pp8-dp1": 4, "tp2-pp1-dp4": 1}
+    for path in sorted(tr3m.glob("tr3m-*.yaml")):
+        case = load_case(path)
+        assert case.measured.out_of_memory or case.measured.peak_memory_devices == "first_node"
+        layout = next(k for k in expect if k in path.stem)
+        assert first_node_stages(case, CAT) == expect[layout], path.stem
+    case = load_case(tr3m / "tr3m-32gb-tp1-pp4-dp2-mbs8.yaml")
+    stages = estimate(case.plan, CAT, case.spec).groups[0].stages
+    reading = [peak_reading_gb(s.total_gb, "device") + device_extra_gb(case, 0, i, CAT) + s.flat_grad_segment_gb
+               for i, s in enumerate(stages)]
+    got = score_case(case, CAT).predicted_memory_gb
+    assert got == pytest.approx(max(reading[:2]))
+    # the last stage (the logits, on the second node) is the fullest device: 16 GB cards ran out of memory there
+    assert max(reading) == reading[-1] > 15.9 > (got or 0.0)
+    every = replace(case, measured=case.measured.model_copy(update={"peak_memory_devices": "all"}))
+    assert score_case(every, CAT).predicted_memory_gb == pytest.approx(max(reading))

@@ -36,8 +36,16 @@ How the figures were read:
   measures the memory a bare CUDA context takes on each card ("V100 16GB 1113MiB"), which only a device-wide
   reading contains. ``nvidia-smi`` counts MiB; the whole "GB" are read as GiB (MiB / 1024, as the ``bigscience``
   cases read the same author's ``nvidia-smi`` figures) and written in GB (10^9 B). Treat them as +-0.5 GiB
-  (rounded) and as a reading taken while the run trained, not a logged maximum; which of the 8 GPUs was read is
-  not stated (``validate`` compares the largest of the plan's devices). The 16 GB row TP 1 / PP 1 / DP 8 / MBS 1
+  (rounded) and as a reading taken while the run trained, not a logged maximum. Which of the 8 GPUs was read is
+  not stated; the author's practice is to "watch the gpu memory usage by logging into one of the nodes"
+  (``train/tflops_optimization.md``), and the source's own twins say it was not the fullest GPU: PP 4 /
+  micro-batch 8 read 13 GiB on the 32 GB cards but ran out of memory on the 16 GB cards (15.8 GiB), PP 2 /
+  micro-batch 8 read 15 GiB and ran out on them too. Read as the first node's GPUs
+  (``peak_memory_devices: first_node``: ranks 0-3, stage 0 at PP 2, stages 0-1 at PP 4, 0-3 at PP 8; the last
+  stage, with the logits, is on the second node), as the ``bigscience`` cases read the same author's "memory
+  used on the first node" (an assumption, chosen after the estimates were seen: the first node is the one that
+  holds rank 0 and its logs; with every GPU compared instead the memory median is 13.8 % and the max 54 %,
+  the last stage's fp32 pipe buffers at PP 4 / micro-batch 8, against 7.4 % and 19.7 % so). The 16 GB row TP 1 / PP 1 / DP 8 / MBS 1
   reads "16GB borderline OOM": a V100-SXM2-16GB exposes 16160 MiB (15.8 GiB), so that reading was 15.5-15.8 GiB
   rounded up; it is written as 16 GiB like its 32 GB twin (the same layout, "16GB"), which puts it up to 3 %
   above what the device can hold.
@@ -61,17 +69,27 @@ How the figures were read:
   1F1B without interleaving (``schedule: 1f1b``, stated: unstated, the estimator would also try interleaved
   chunks); it reduces the gradients after the last micro-batch (``overlap_grad_reduce: false``) and its last stage keeps its outputs in the pipe
   buffers (``pipe_buffers_keep_outputs``), as in the ``bigscience`` tr1-13B case (the same fp16 ZeRO-1 setup of
-  2021). The ZeRO-1 optimizer, not the engine's ``buffered_allreduce_fallback``, reduces the gradients
-  (``DeepSpeedEngine.allreduce_gradients`` at ZeRO stage 1 calls ``optimizer.reduce_gradients``): no
-  ``flat_grad_allreduce``. That optimizer does allocate, under the pipeline engine and with the default
-  ``contiguous_gradients``, one fp16 ``ipg_buffer`` of ``reduce_bucket_size`` (default 5e8 values: 1 GB) after the
-  last backward (``reduce_gradients(pipeline_parallel=True)``, ``deepspeed/runtime/zero/stage2.py`` and
-  ``constants.py`` of microsoft/DeepSpeed at fc2f378e, 2021-11-30; which DeepSpeed checkout the benchmark ran is
-  not stated), for which the plan format has no field: not stated. Eager attention (Megatron's fused
+  2021); what they keep is fp32 (``pipe_buffers_keep_outputs: fp32``): ``GPTModelPipe``'s last pipe layer is
+  ``float16_to_fp32`` (``MEGATRON_DS``'s ``megatron/model/gpt_model.py`` 290-292) and its ``CrossEntropy`` runs
+  ``vocab_parallel_cross_entropy`` in place on that tensor (``megatron/mpu/cross_entropy.py``: ``sub_``,
+  ``torch.exp(out=)``, ``div_``, and the backward's ``mul_``); the engine stores a forward's output only once the
+  forward has returned (``_exec_forward_pass``, ``deepspeed/runtime/pipe/engine.py`` of microsoft/DeepSpeed at
+  fc2f378e, 2021-11-30). The ZeRO-1 optimizer, not the engine's ``buffered_allreduce_fallback``, reduces the
+  gradients (``DeepSpeedEngine.allreduce_gradients`` at ZeRO stage 1 calls ``optimizer.reduce_gradients``), but
+  it flattens them the same way (``flat_grad_allreduce: true``): at ZeRO stage 1 the engine turns
+  ``contiguous_gradients`` off (``_configure_zero_optimizer``, ``deepspeed/runtime/engine.py`` 1356-1359 at
+  fc2f378e, since microsoft/DeepSpeed#1246 of 2021-07-26; which DeepSpeed checkout the benchmark ran is not
+  stated), so ``reduce_gradients(pipeline_parallel=True)`` allocates no ``ipg_buffer`` (``zero/stage2.py`` 577)
+  and its ``reduce_ipg_grads`` (1179-1194) hands each bucket of up to ``reduce_bucket_size`` (default 5e8 values,
+  ``zero/constants.py`` 68; a bucket closes before a parameter would pass it, 794-801) to
+  ``buffered_reduce_fallback`` (1378), whose ``allreduce_bucket`` (1306-1312) flattens it into a new fp16 tensor
+  after the last backward: 1 GB at 5e8 values, the engine's own fallback's bucket (``FLAT_ALLREDUCE_BUCKET_ELEMENTS``,
+  the same 5e8). Eager attention (Megatron's fused
   scale-mask-softmax over materialised scores, ``attention: eager``), with the fork's 2021-10-21 .. 2022-03-06
   kernel check (``softmax_fusion: megatron-bsc-2022``: ``MEGATRON_DS``'s ``megatron/model/fused_softmax.py``
   has ``16 < sq <= 2048`` and calls ``get_batch_per_block(sq, sk, b, np)`` on a method declared
-  ``(b, np, sq, sk)``).
+  ``(b, np, sq, sk)``; where it then falls back, TP 2 at micro-batch 1, its ``forward_torch_softmax`` keeps fp32
+  probabilities for backward, 171-185, which the cost model counts from that same check).
 - Network: 4 V100 SXM2 per node over NVLink 2 (``experiments/bandwidth/README.md``: "V100 SXM2 | NVLink 2.0",
   single-node all-reduce 1329 Gbit/s on a 16 GB node, 1324 on a 32 GB node), Omni-Path between nodes (IDRIS:
   "Intel Omni-Path 100 Gb/s"). As in the ``bigscience`` cases (``../bigscience/make_cases.py``, "Network"), the
@@ -197,7 +215,7 @@ def write_case(row: tuple[int, int, int, int, int | None, float | None, int | No
         assert tflops is not None and mem is not None, row
         check_tflops(speed, tflops, recompute)
         measured = (f"tokens_per_s: {GBS * SEQ / speed:.1f}, step_time_s: {speed}, "
-                    f"peak_memory_gb: {mem * GIB:.2f}, peak_memory_scope: device")
+                    f"peak_memory_gb: {mem * GIB:.2f}, peak_memory_scope: device, peak_memory_devices: first_node")
         read = f" (Speed read as s/it: tokens/s = {GBS} x {SEQ} / {speed}; Notes read as GiB, nvidia-smi)"
     source = (f"{MD}, {where}, row {row_text(*row, tag)}{read}; model and training flags: {SLURM} (GBS {GBS}, "
               f"seq {SEQ}, fp16, ZeRO 1); network: NCCL's all-reduce over 16 V100-32GB nodes, "
@@ -206,7 +224,7 @@ def write_case(row: tuple[int, int, int, int, int | None, float | None, int | No
     stage = f"{{accelerator: {acc}, tp: {tp}, layers: {LAYERS // pp}" + (f", repeat: {pp}}}" if pp > 1 else "}")
     train = (f"seq_len: {SEQ}, global_batch: {GBS}, precision: fp16, mode: full, zero_stage: 1, "
              f"recompute: {recompute}, schedule: 1f1b, attention: eager, softmax_fusion: megatron-bsc-2022, "
-             "overlap_grad_reduce: false, pipe_buffers_keep_outputs: true")
+             "overlap_grad_reduce: false, flat_grad_allreduce: true, pipe_buffers_keep_outputs: fp32")
     text = (f"model: {write_model(tp)}\ntrain: {{{train}}}\ngroups:\n- replicas: {dp}\n  micro_batch: {mbs}\n"
             f"  stages:\n  - {stage}\nnetwork:\n  devices_per_node: {{{acc}: {PER_NODE}}}\n"
             f"  inter_node_gbps: {{{acc}: 50}}\n  achieved_gbps: true\n"

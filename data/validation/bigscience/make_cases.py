@@ -49,7 +49,9 @@ How the runs were read:
   ``communication_data_type`` in the DeepSpeed config (the training script's has none) is bf16 for a bf16 run at
   ZeRO stage 0 (``DeepSpeedEngine.communication_data_type``, ``deepspeed/runtime/engine.py`` at 15293139f, the
   ``olruwase/bf16-updates`` branch on 02-28; tr11's README: PyTorch 1.11 "for its NCCL version which supports
-  BF16 comms") = no ``grad_reduce_fp32``; the pipeline engine's output buffers = ``pipe_buffers_keep_outputs``; the
+  BF16 comms") = no ``grad_reduce_fp32``; the pipeline engine's output buffers = ``pipe_buffers_keep_outputs``,
+  ``fp32`` (``GPTModelPipe`` ends in a ``float16_to_fp32`` pipe layer, also in the fork's later commits, and its
+  cross-entropy works in place on it: the buffers keep fp32 logits, ``../bigscience-tr3m/make_cases.py``); the
   optimizer's whole fp32 gradient buffer (``fp32_groups_gradients_flat = torch.zeros_like(bf16_groups_flat,
   dtype=torch.float32)``, not partitioned; the bf16 ``.grad`` stays: ``update_hp_grads(clear_lp_grads=False)``
   after each micro-batch's backward; ``deepspeed/runtime/bf16_optimizer.py`` as merged in microsoft/DeepSpeed
@@ -108,7 +110,7 @@ A100 = "a100-80gb-sxm"
 V100 = "v100-32gb-sxm"
 A100_TRAIN = ("seq_len: 2048, global_batch: 2048, precision: bf16, mode: full, zero_stage: 1, recompute: full, "
               "attention: eager, overlap_grad_reduce: false, flat_grad_allreduce: true, "
-              "fp32_grad_copy: true, pipe_buffers_keep_outputs: true")
+              "fp32_grad_copy: true, pipe_buffers_keep_outputs: fp32")
 # the 02-28 rows ran bigscience's Megatron-DeepSpeed of that day (00f5f889: the BF16 optimizer sync #250 and the
 # partition method #256 merged on 02-28), whose fused-softmax check took the kernel's batches per block from the
 # heads per TP rank (9f5f5d4c to 1cb76a64, 2022-03-06); BLOOM's training (from March 2022) ran the corrected one
@@ -210,7 +212,7 @@ def main() -> None:
            "n_positions": 2048, "tie_word_embeddings": True, "activation_function": "gelu_new"}
     (models / "gpt-13b-tr1.json").write_text(json.dumps(gpt, indent=2) + "\n")
     train = ("seq_len: 2048, global_batch: 1024, precision: fp16, mode: full, zero_stage: 1, recompute: full, "
-             "attention: eager, overlap_grad_reduce: false, pipe_buffers_keep_outputs: true")
+             "attention: eager, overlap_grad_reduce: false, pipe_buffers_keep_outputs: fp32")
     stage_list = f"  - {{accelerator: {V100}, tp: 2, layers: 10, repeat: 4}}\n"
     source = (f"{TR1}: 128 nodes of 4 V100-32GB, TP 2, PP 4, MBS 1, GBS 1024, fp16, ZeRO 1, checkpoint-activations; "
               "final log line (iteration 168000): elapsed time per iteration (ms) 13248.2; network: NCCL's all-reduce bus "

@@ -23,10 +23,15 @@ def loss_width(mn: ModelNumbers, t: FloatArray) -> FloatArray:
 
 
 def layer_activations(mn: ModelNumbers, rows: StageRows, tokens: FloatArray, tp_rep: FloatArray,
-                      eager: BoolArray, heads: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+                      eager: BoolArray, heads: FloatArray,
+                      fp32_softmax: BoolArray | None = None) -> tuple[FloatArray, FloatArray, FloatArray]:
     """Bytes per device of one layer and micro-batch: (its full activations, the attention backward's
     transient, what the layer stores for its backward under the row's recompute). ``tp_rep`` is the TP
-    degree that splits the replicated tensors (sequence parallelism) or 1."""
+    degree that splits the replicated tensors (sequence parallelism) or 1. ``fp32_softmax``: rows whose eager
+    softmax runs as Megatron's torch fallback in fp32 (``FusedScaleMaskSoftmax.forward_torch_softmax`` with
+    ``softmax_in_fp32``, which Megatron's default query-key layer scaling forces; ``stage.fused_softmax_runs``
+    false): ``torch.nn.Softmax`` keeps its fp32 output for backward, and the 16-bit copy the context matmul reads
+    (or dropout's output) is kept beside it."""
     bv = mn.bytes_per_value
     t = rows.tp
     s = mn.seq_len
@@ -39,16 +44,23 @@ def layer_activations(mn: ModelNumbers, rows: StageRows, tokens: FloatArray, tp_
     mlp_tensors = 3.0 if mn.gated else (1.0 if mn.relu else 2.0)
     split_act = ((mn.q_dim + 2.0 * mn.kv_dim) + mn.q_dim) * bv + mlp_tensors * mn.ffn * bv * max(mn.top_k, 1.0)
     layer_act = tokens * (rep_act / tp_rep + split_act / t)
+    torch32 = np.zeros(rows.tp.shape, dtype=np.bool_) if fp32_softmax is None else (fp32_softmax & eager)
     if eager.any():
         # Korthikanti's 5as^2b: softmax output (2 B), dropout mask (1 B) and output (2 B) per score at
-        # 16 bit (bv each for the two values in fp32); selective recompute drops exactly these
-        per_score = bv + (1.0 + bv if mn.attention_dropout else 0.0)
+        # 16 bit (bv each for the two values in fp32); selective recompute drops exactly these. The torch
+        # fallback in fp32 keeps the softmax's fp32 output (4 B) and, without dropout, the 16-bit copy the
+        # context matmul saves (bv)
+        per_score = np.where(torch32, 4.0 + (1.0 + bv if mn.attention_dropout else bv),
+                             bv + (1.0 + bv if mn.attention_dropout else 0.0))
         layer_act = layer_act + np.where(eager & (rows.recompute < 1),
                                          rows.micro_batch * heads * s * s / mn.cp * per_score, 0.0)
     # backward of an eager attention materialises two more s x s tensors of one layer and micro-batch (the
     # gradient of the probabilities from the context matmul and the softmax's input gradient) while the
-    # stored probabilities are still held (PyTorch: bmm and _softmax_backward_data allocate their outputs)
-    attn_transient = np.where(eager, 2.0 * rows.micro_batch * heads * s * s / mn.cp * bv, 0.0)
+    # stored probabilities are still held (PyTorch: bmm and _softmax_backward_data allocate their outputs);
+    # the torch fallback in fp32 takes them in fp32 (the 16-bit cast's backward hands the softmax an fp32
+    # gradient, _softmax_backward_data returns fp32)
+    per_grad = np.where(torch32, 4.0, bv)
+    attn_transient = np.where(eager, 2.0 * rows.micro_batch * heads * s * s / mn.cp * per_grad, 0.0)
     layer_input = tokens * (h * bv) / tp_rep
     stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
     return layer_act, attn_transient, stored_per_layer
@@ -167,21 +179,35 @@ def stage_memory(
     if mn.pipe_buffers_keep_outputs:
         # DeepSpeed's last stage keeps each micro-batch's output in its pipe buffer (TrainSpec
         # .pipe_buffers_keep_outputs): the current logits stay through the backward, the previous ones are held
-        out = la * tokens * (loss_width(mn, t) * bv)
-        activations = (activations + np.maximum(logits, lc["attn_transient"] + out)
-                       + np.where(rows.num_micro_batches >= 2, out, 0.0))
+        prev = np.where(rows.num_micro_batches >= 2, 1.0, 0.0)
+        if mn.pipe_buffers_keep_outputs == "fp32" and bv < 4.0:
+            # the kept output is the fp32 upcast the model's last pipe layer makes (GPTModelPipe's
+            # float16_to_fp32), which the cross-entropy turns into its softmax and gradient in place: at the
+            # head's forward the new logits (16-bit and fp32) sit beside both buffers' (the engine stores the new
+            # output once the forward returns), and no layer is being recomputed; through the backward the
+            # current and the previous one, beside a recomputed layer and its attention backward
+            out = la * tokens * (loss_width(mn, t) * 4.0)
+            kept_at_forward = np.minimum(np.maximum(rows.num_micro_batches - 1.0, 0.0), 2.0)
+            rc = lc["rc_full"] * lc["layer_act"]
+            activations = activations - rc + np.maximum(logits + kept_at_forward * out,
+                                                        rc + lc["attn_transient"] + out + prev * out)
+        else:
+            out = la * tokens * (loss_width(mn, t) * bv)
+            activations = activations + np.maximum(logits, lc["attn_transient"] + out) + prev * out
     else:
         activations = activations + np.maximum(logits, lc["attn_transient"])
 
 
-    # DeepSpeed without ZeRO flattens the gradients for the all-reduce after the last backward, when the
-    # activations are freed: the peak holds the larger of the two
+    # DeepSpeed without ZeRO, and its ZeRO-1 optimizer (which runs with contiguous_gradients off, so its
+    # reduce_ipg_grads takes the same buffered_reduce_fallback: TrainSpec.flat_grad_allreduce), flattens the
+    # gradients bucket by bucket for the all-reduce after the last backward, when the activations are freed: the
+    # peak holds the larger of the two. ZeRO-2 and -3 reduce-scatter into their own buffers instead
     if not mn.flat_grad_allreduce:
         flat = 0.0 * grads
     elif mn.fp32_grad_copy:
         flat = bf16_optimizer_cast_bytes(trainable, mn.grad_bytes_per_value)
     else:
-        flat = np.where(z == 0, flat_grad_buffer_bytes(grads16, bv), 0.0)
+        flat = np.where(z <= 1, flat_grad_buffer_bytes(grads16, bv), 0.0)
     total = (weights + grads + optimizer + np.maximum(activations, flat)) / 1e9 + C.RESERVED_GB
     # PyTorch's caching allocator serves a request from a free block at least as large, else from a new segment
     # of the request's size, and never merges segments: once the activations are freed the largest free block is

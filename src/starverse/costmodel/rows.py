@@ -120,8 +120,9 @@ class ModelNumbers:
     """Gradients copied into one flat buffer for the all-reduce (``TrainSpec.flat_grad_allreduce``)."""
     fp32_grad_copy: bool = False
     """The optimizer keeps a whole fp32 gradient copy beside the 16-bit one (``TrainSpec.fp32_grad_copy``)."""
-    pipe_buffers_keep_outputs: bool = False
-    """The last stage's pipe buffers keep the logits (``TrainSpec.pipe_buffers_keep_outputs``)."""
+    pipe_buffers_keep_outputs: bool | str = False
+    """The last stage's pipe buffers keep the logits, ``"fp32"``: their fp32 upcast
+    (``TrainSpec.pipe_buffers_keep_outputs``)."""
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
     optimizer: str = "adamw"

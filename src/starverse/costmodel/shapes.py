@@ -207,8 +207,9 @@ class TrainShape:
     """Gradients copied into one flat buffer for the all-reduce (``TrainSpec.flat_grad_allreduce``)."""
     fp32_grad_copy: bool = False
     """The optimizer keeps a whole fp32 gradient copy beside the 16-bit one (``TrainSpec.fp32_grad_copy``)."""
-    pipe_buffers_keep_outputs: bool = False
-    """The last stage's pipe buffers keep the logits (``TrainSpec.pipe_buffers_keep_outputs``)."""
+    pipe_buffers_keep_outputs: bool | str = False
+    """The last stage's pipe buffers keep the logits, ``"fp32"``: their fp32 upcast
+    (``TrainSpec.pipe_buffers_keep_outputs``)."""
     num_layer_forwards: int = 1
     """Forwards of each layer per micro-batch (``TrainSpec.num_layer_forwards``)."""
     softmax_fusion: str = "always"

@@ -225,7 +225,10 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         head_elem = np.where(has_head, 0.0, head_elem)
         emb_elem = np.where(has_head, 0.0, emb_elem)
 
-    layer_act, attn_transient, stored_per_layer = layer_activations(mn, rows, tokens, tp_rep, eager, heads)
+    # Megatron's torch softmax fallback in fp32 (16-bit scores, the fused kernel not run, not unfused-fp16)
+    fp32_softmax = ~fused_softmax_runs(mn, rows) & (mn.softmax_fusion != "unfused-fp16") & (bv < 4.0)
+    layer_act, attn_transient, stored_per_layer = layer_activations(mn, rows, tokens, tp_rep, eager, heads,
+                                                                    fp32_softmax)
 
     # data-parallel collectives; DP neighbours sit next to each other after the TP ranks on a node
     dp_bus, dp_share = dp_ring_bus(rows.replicas, t, rows.intra_node_gb_per_s, rows.devices_per_node,

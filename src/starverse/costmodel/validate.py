@@ -32,6 +32,12 @@ class Measured(FrozenModel):
     """What ``peak_memory_gb`` counts: ``allocated`` (PyTorch's allocated peak: compared with the estimate's
     need minus the fixed reserve ``RESERVED_GB``) or ``device`` (the device's used memory, e.g. NVML: CUDA
     context, NCCL buffers and the allocator's reserve included: compared with the whole need)."""
+    peak_memory_devices: Literal["all", "first_node"] = "all"
+    """Which devices ``peak_memory_gb`` was read on: ``all`` (the largest over every device, e.g. the maximum
+    over all ranks' logs) or ``first_node`` (a reading on the job's first node, e.g. ``nvidia-smi`` there: the
+    largest over the devices of its first ``devices_per_node`` ranks, laid out as Megatron-DeepSpeed's
+    ``PipeModelDataParallelTopology`` does, TP fastest, then data parallel, then pipeline: the stages of the
+    first group whose first rank is on that node, ``first_node_stages``)."""
     out_of_memory: bool = False
     """The run failed for lack of device memory (the estimate must then say it does not fit)."""
     peak_memory_excluded: str = ""
@@ -190,6 +196,24 @@ def device_extra_gb(case: LoadedCase, group: int, stage: int, catalog: Any) -> f
     return sum(NCCL_NVLINK_COMMUNICATOR_GB[min(n, 3)] for n in sizes)
 
 
+def first_node_stages(case: LoadedCase, catalog: Any) -> int:
+    """Pipeline stages of the plan's first group with a device on the job's first node (at least 1): ranks are
+    laid out TP fastest, then data parallel, then pipeline (Megatron-DeepSpeed's
+    ``PipeModelDataParallelTopology``), so stage k starts at rank ``replicas x`` (the TP degrees of the stages
+    before it) and is on the first node when that is below the node's device count."""
+    g = case.plan.groups[0]
+    stages = g.expanded_stages()
+    acc = catalog.accelerator(stages[0].accelerator)
+    per_node = case.plan.network.devices_per_node.get(acc.id, acc.devices_per_node)
+    first_rank, n = 0, 0
+    for st in stages:
+        if first_rank >= per_node:
+            break
+        n += 1
+        first_rank += st.tp * g.replicas
+    return max(n, 1)
+
+
 def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
     """Estimate a loaded case and compare (see :func:`run_case`)."""
     from starverse.costmodel.step import estimate
@@ -202,7 +226,7 @@ def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
                           reason=f"{where(case.path, getattr(e, 'loc', None))}: {e}",
                           source=case.source)
     scope = case.measured.peak_memory_scope
-    if scope == "device" and catalog is None:
+    if (scope == "device" or case.measured.peak_memory_devices == "first_node") and catalog is None:
         from starverse.catalog import load_catalog
 
         catalog = load_catalog()
@@ -215,8 +239,11 @@ def score_case(case: LoadedCase, catalog: Any = None) -> CaseResult:
         return (peak_reading_gb(s.total_gb, scope) + device_extra_gb(case, gi, si, catalog)
                 + s.flat_grad_segment_gb)
 
-    # the largest reading over the devices (a source's maximum over its ranks' logs)
-    peak = max(reading(gi, si, s) for gi, g in enumerate(est.groups) for si, s in enumerate(g.stages))
+    # the largest reading over the devices read (a source's maximum over its ranks' logs, or its first node's)
+    if case.measured.peak_memory_devices == "first_node":
+        peak = max(reading(0, si, s) for si, s in enumerate(est.groups[0].stages[:first_node_stages(case, catalog)]))
+    else:
+        peak = max(reading(gi, si, s) for gi, g in enumerate(est.groups) for si, s in enumerate(g.stages))
     oom = case.measured.out_of_memory
     result = CaseResult(case.name, case.path, est.tokens_per_s, measured, est.fits, source=case.source,
                         predicted_memory_gb=peak, measured_memory_gb=case.measured.peak_memory_gb,
