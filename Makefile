@@ -4,10 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# `make test PYTEST_FLAGS="-n 2 --dist loadgroup"`: two pytest-xdist workers, each test module in one worker and
-# every Ray test in one worker (tests/conftest.py, helpers.RAY_GROUP). Not the default: measured at load 3-6, e2e
-# went 1147 -> 943 s, the service tests stayed ~575 s, and the extra load made a timing-bound Ray test fail once.
-PYTEST_FLAGS ?=
+# pytest-xdist, two workers: each test module runs in one worker and every Ray test in one worker
+# (tests/conftest.py, helpers.RAY_GROUP); scripts/loso.py and make_docs --check run in the background from the
+# session's start (tests/slow_scripts.py). Measured back to back on a 2-core machine: pytest 1432 s serial, 1114 s
+# with two workers (serially the tests wait on real processes: `time` counted 870 s of CPU in the 1432 s).
+# Serial: make test PYTEST_FLAGS=
+PYTEST_FLAGS ?= -n 2 --dist loadgroup
 
 .PHONY: demo test lint typecheck bench clean install docs
 

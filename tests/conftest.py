@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import slow_scripts
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Ranks, servers and tests bind to loopback only.
@@ -17,6 +19,27 @@ os.environ.pop("STARVERSE_CATALOG", None)
 # one corpus at once would write the same temporary file.
 if (_worker := os.environ.get("PYTEST_XDIST_WORKER")) and not os.environ.get("STARVERSE_CACHE"):
     os.environ["STARVERSE_CACHE"] = str(Path.home() / ".cache" / f"starverse-{_worker}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist starts its workers: they inherit the folder's name
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start ``scripts/loso.py`` and ``scripts/make_docs.py --check`` in the background (tests/slow_scripts.py)
+    where the session may run the tests that check them; in the process that starts the session, not in
+    pytest-xdist's workers."""
+    config = session.config
+    if hasattr(config, "workerinput") or config.option.collectonly or slow_scripts.FOLDER_ENV in os.environ:
+        return
+    names = slow_scripts.wanted(list(config.args), config.invocation_params.dir)
+    if names:
+        config.stash[_SCRIPTS] = slow_scripts.start(names)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if (scripts := session.config.stash.get(_SCRIPTS, None)) is not None:
+        scripts.close()
+
+
+_SCRIPTS = pytest.StashKey[slow_scripts.SlowScripts]()
 
 
 @pytest.fixture

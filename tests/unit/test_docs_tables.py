@@ -22,8 +22,8 @@ def _make_docs():
     return module
 
 
-# pytest-timeout counts the set-up: the wait for tests/unit/conftest.py's SlowScripts (scripts/loso.py's refits,
-# then `make_docs.py --check` on their output, both started in the background at the first unit test)
+# pytest-timeout counts the set-up: the wait for tests/slow_scripts.py (scripts/loso.py's refits, then
+# `make_docs.py --check` on their output, both started in the background when the session starts)
 @pytest.mark.timeout(900)
 def test_committed_tables_are_what_make_docs_writes(docs_check: subprocess.CompletedProcess[str]) -> None:
     assert docs_check.returncode == 0, docs_check.stdout + docs_check.stderr
