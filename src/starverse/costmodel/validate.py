@@ -182,6 +182,11 @@ def nvlink_communicators(tp: int, replicas: int, stages: int, devices_per_node: 
     return [size for size, local in groups if size >= 2 and local >= 2]
 
 
+def _devices_per_node(case: LoadedCase, acc: Any) -> int:
+    """Devices of ``acc``'s kind per node in the case's plan (``network.devices_per_node``, else the catalog's)."""
+    return int(case.plan.network.devices_per_node.get(acc.id, acc.devices_per_node))
+
+
 def device_extra_gb(case: LoadedCase, group: int, stage: int, catalog: Any) -> float:
     """Device memory a whole-device reading holds beyond the estimate's need: the buffers of the NCCL
     communicators the stage's device shares with NVLink peers (``NCCL_NVLINK_COMMUNICATOR_GB`` each; none
@@ -191,7 +196,7 @@ def device_extra_gb(case: LoadedCase, group: int, stage: int, catalog: Any) -> f
     acc = catalog.accelerator(st.accelerator)
     if acc.intra_node_link != "nvlink":
         return 0.0
-    dpn = case.plan.network.devices_per_node.get(acc.id, acc.devices_per_node)
+    dpn = _devices_per_node(case, acc)
     sizes = nvlink_communicators(st.tp, g.replicas, len(g.expanded_stages()), dpn)
     return sum(NCCL_NVLINK_COMMUNICATOR_GB[min(n, 3)] for n in sizes)
 
@@ -204,7 +209,7 @@ def first_node_stages(case: LoadedCase, catalog: Any) -> int:
     g = case.plan.groups[0]
     stages = g.expanded_stages()
     acc = catalog.accelerator(stages[0].accelerator)
-    per_node = case.plan.network.devices_per_node.get(acc.id, acc.devices_per_node)
+    per_node = _devices_per_node(case, acc)
     first_rank, n = 0, 0
     for st in stages:
         if first_rank >= per_node:
