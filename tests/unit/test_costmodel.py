@@ -104,6 +104,7 @@ def _uniform(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, **kw: o
         ("t4", 2, 4, 2, 1, 8, {"precision": "fp16", "num_layer_forwards": 2, "sync_micro_steps": True}),
         ("a100-80gb-sxm", 4, 4, 2, 1, 8, {"recompute": "full", "zero_stage": 1, "grad_reduce_fp32": True,
                                           "fp32_grad_copy": True}),  # DeepSpeed's BF16_Optimizer
+        ("tpu-v5e", 1, 1, 64, 4, 1, {"zero_stage": 3, "recompute": "full"}),  # XLA's memory: no reserve
     ],
 )
 def test_scalar_and_batch_agree(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, kw: dict) -> None:

@@ -367,3 +367,26 @@ def test_gpt_model_pipes_fp32_logits_stay_in_the_pipe_buffers() -> None:
     fp32_true = _train(fp32, pipe_buffers_keep_outputs=True)
     assert estimate(fp32.plan, CAT, fp32.spec).groups[0].stages[1].activations_gb == pytest.approx(  # type: ignore[attr-defined]
         estimate(fp32_true.plan, CAT, fp32_true.spec).groups[0].stages[1].activations_gb)  # type: ignore[attr-defined]
+
+
+def test_a_tpus_memory_is_its_tensors_without_the_cuda_reserve_or_allocator_fragmentation() -> None:
+    """XLA lays out a TPU's memory at compile time (``constants.compiled_memory``): no CUDA context, NCCL buffer or
+    library workspace (``RESERVED_GB``), no caching allocator to fragment (``FRAGMENTATION_FRACTION``). MaxText's 32B
+    at 4 sequences per chip on a v5e-256 ran (data/validation/maxtext-v5e) and was refused at 17.5 of 16.1 GB; a GPU
+    plan of the same tensors keeps both."""
+    from starverse.costmodel import constants as C
+    from starverse.costmodel.validate import load_case
+
+    case = load_case(Path(__file__).parents[2] / "data/validation/maxtext-v5e/maxtext_v5e-32b-s1.yaml")
+    est = estimate(case.plan, CAT, case.spec)
+    st = est.groups[0].stages[0]
+    tensors = st.weights_gb + st.grads_gb + st.optimizer_gb + st.activations_gb
+    assert st.total_gb == pytest.approx(tensors, rel=1e-6)
+    assert est.capacity_gb == pytest.approx(16 * 2**30 / 1e9, rel=1e-6)
+    assert est.fits and tensors > 16 * 2**30 / 1e9 * (1 - C.FRAGMENTATION_FRACTION) - C.RESERVED_GB
+    gpu = parse(Plan, case.plan.model_dump() | {"groups": [
+        g.model_dump() | {"stages": [s.model_dump() | {"accelerator": "v100-16gb-sxm"} for s in g.stages]}
+        for g in case.plan.groups]}, "t.yaml")
+    gst = estimate(gpu, CAT, case.spec).groups[0].stages[0]
+    assert gst.total_gb == pytest.approx(gst.weights_gb + gst.grads_gb + gst.optimizer_gb + gst.activations_gb
+                                         + C.RESERVED_GB, rel=1e-6)

@@ -217,3 +217,24 @@ def test_spec_pickles() -> None:
     assert again == spec and dict(again.hf_config) == dict(spec.hf_config)
     with pytest.raises(TypeError, match="read-only"):
         spec.hf_config["hidden_size"] = 1  # type: ignore[index]
+
+
+MAXTEXT = REPO / "data/validation/maxtext-v5e"
+
+
+@pytest.mark.parametrize("size", ["16b", "32b", "64b", "128b"])
+def test_maxtext_case_models_hold_maxtexts_parameters(size: str) -> None:
+    """The MaxText v5e case models (Llama-family configs with the two-matrix ReLU MLP written as its gated
+    equivalent, data/validation/maxtext-v5e/make_cases.py) count what transformers builds and, within 0.1 %,
+    what MaxText counted (the FLOPs its TFLOP/s figures were computed with)."""
+    import importlib.util
+
+    mod_spec = importlib.util.spec_from_file_location("maxtext_make_cases", MAXTEXT / "make_cases.py")
+    assert mod_spec is not None and mod_spec.loader is not None
+    make_cases = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(make_cases)
+    spec = load_model(MAXTEXT / "models" / f"maxtext-{size}.json")
+    assert spec.num_params == _transformers_count(spec)
+    d = make_cases.dims(make_cases.TABLE[size][0])
+    assert spec.num_params == pytest.approx(make_cases.maxtext_params(d), rel=1e-3)
+    assert json.loads((MAXTEXT / "models" / f"maxtext-{size}.json").read_text()) == make_cases.model_json(d)

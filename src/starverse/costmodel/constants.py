@@ -298,6 +298,14 @@ runtime's ZeRO-1 (``ZeroRedundancyOptimizer``) broadcasts each updated tensor fr
 one collective per tensor; priced for ``cpu`` rows, where each costs :data:`CPU_COLLECTIVE_LATENCY_S`."""
 
 
+def compiled_memory(acc: Any) -> bool:
+    """True for accelerators whose device memory a compiler lays out (the ``xla`` stack: TPUs): XLA assigns every
+    buffer of the step at compile time, so there is no CUDA context, NCCL buffer or library workspace
+    (:data:`RESERVED_GB`) and no caching allocator to fragment (:data:`FRAGMENTATION_FRACTION`); the program's
+    peak is its tensors."""
+    return getattr(acc, "stack", "cuda") == "xla"
+
+
 def host_collectives(acc: Any) -> bool:
     """True for accelerators whose ranks are host processes talking over gloo (the ``cpu`` stack)."""
     return getattr(acc, "stack", "cuda") == "cpu"

@@ -231,6 +231,7 @@ def _rows_for(
         flash_attention=(np.ones(n, dtype=np.bool_) if devices.flash_attention is None
                          else devices.flash_attention[k]),
         host_collectives=None if devices.host_collectives is None else devices.host_collectives[k],
+        compiled_memory=None if devices.compiled_memory is None else devices.compiled_memory[k],
         **(measured or {}),
     )
 

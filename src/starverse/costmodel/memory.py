@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from starverse.costmodel import constants as C
-from starverse.costmodel.rows import BoolArray, FloatArray, ModelNumbers, StageRows
+from starverse.costmodel.rows import BoolArray, FloatArray, ModelNumbers, StageRows, compiled
 
 
 def loss_width(mn: ModelNumbers, t: FloatArray) -> FloatArray:
@@ -208,7 +208,8 @@ def stage_memory(
         flat = bf16_optimizer_cast_bytes(trainable, mn.grad_bytes_per_value)
     else:
         flat = np.where(z <= 1, flat_grad_buffer_bytes(grads16, bv), 0.0)
-    total = (weights + grads + optimizer + np.maximum(activations, flat)) / 1e9 + C.RESERVED_GB
+    reserve = np.where(compiled(rows), 0.0, C.RESERVED_GB)
+    total = (weights + grads + optimizer + np.maximum(activations, flat)) / 1e9 + reserve
     # PyTorch's caching allocator serves a request from a free block at least as large, else from a new segment
     # of the request's size, and never merges segments: once the activations are freed the largest free block is
     # the largest activation tensor (one layer's scores of a micro-batch, the fp32 logits, an MLP tensor), so a

@@ -73,6 +73,9 @@ class StageRows:
     attention_tflops: FloatArray | None = None
     """Sustained TFLOP/s of the attention core's matmuls (``attention_rates.attention_tflops``: bf16 under fp8
     training); None = ``peak_tflops x gemm_efficiency`` (attention at the GEMMs' precision)."""
+    compiled_memory: BoolArray | None = None
+    """The device's memory is laid out by a compiler (``constants.compiled_memory``: XLA), without the runtime
+    reserve and allocator fragmentation of CUDA; None = none is."""
     host_collectives: BoolArray | None = None
     """Ranks are host processes talking over gloo (``constants.host_collectives``: the ``cpu`` stack), whose
     collectives cost ``comm.collective_latency_s`` per call; None = none are."""
@@ -157,3 +160,9 @@ class ModelNumbers:
             return 3.0 * per_token
         # frozen base: backward computes input gradients only (adapters are negligible)
         return 2.0 * per_token
+
+
+def compiled(rows: StageRows) -> BoolArray | bool:
+    """Per row, whether the device's memory is laid out by a compiler (``StageRows.compiled_memory``): no
+    runtime reserve and no allocator fragmentation in its need and capacity (``costmodel.memory``)."""
+    return False if rows.compiled_memory is None else rows.compiled_memory

@@ -17,6 +17,7 @@ import numpy.typing as npt
 from starverse.costmodel.attention_rates import attention_tflops, flash2_attention_tflops
 from starverse.costmodel.constants import (
     LINK_EFFICIENCY,
+    compiled_memory,
     gemm_efficiency,
     has_flash_attention,
     host_collectives,
@@ -284,6 +285,8 @@ class DeviceTable:
     """Has a fused attention kernel (used by ``TrainShape.attention == "auto"``); None = all do."""
     host_collectives: BoolArray | None = None
     """Ranks are host processes over gloo (``constants.host_collectives``: the ``cpu`` stack); None = none are."""
+    compiled_memory: BoolArray | None = None
+    """Memory laid out by a compiler (``constants.compiled_memory``: XLA); None = none is."""
     profiles: tuple[Any, ...] | None = None
     """Per row, a measured ``costmodel.profile.ModelProfile`` of the search's model on that device kind, or
     None (analytic); a pool offer's ``profile``. Where one has an entry at a candidate's micro-batch,
@@ -361,6 +364,7 @@ class DeviceTable:
                                              dtype=np.float64),
             flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
             host_collectives=np.array([host_collectives(a) for a in accelerators], dtype=np.bool_),
+            compiled_memory=np.array([compiled_memory(a) for a in accelerators], dtype=np.bool_),
             profiles=profs,
             collective_gb_per_s=table,
         )

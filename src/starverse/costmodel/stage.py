@@ -25,7 +25,7 @@ from starverse.costmodel.comm import (
 )
 from starverse.costmodel.matmul import gemm_time_s
 from starverse.costmodel.memory import held_parameters, layer_activations, loss_width, stage_memory
-from starverse.costmodel.rows import BoolArray, FloatArray, ModelNumbers, StageRows
+from starverse.costmodel.rows import BoolArray, FloatArray, ModelNumbers, StageRows, compiled
 
 
 def _f(x: object) -> FloatArray:
@@ -260,7 +260,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # every step (not overlapped): one 2-rank all-reduce per TP rank over the pipeline link
     tied = (mn.tie * (rows.pp > 1)).astype(np.float64)
     tied_s = tied * ring_allreduce_s(mn.vocab * h / t * mn.grad_bytes_per_value, 2.0, pp_bw)
-    capacity = rows.memory_gb * (1.0 - C.FRAGMENTATION_FRACTION)
+    capacity = rows.memory_gb * (1.0 - np.where(compiled(rows), 0.0, C.FRAGMENTATION_FRACTION))
     return {
         "gemm_layer": gemm_layer,
         "elem_layer": elem_layer,

@@ -80,6 +80,7 @@ def stage_rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, fi
         pipeline_devices=full(1.0),
         flash_attention=np.ones(n, dtype=bool) if d.flash_attention is None else d.flash_attention[offer],
         attention_tflops=attention_rates(d, ctx.train.attention, offer),
+        compiled_memory=None if d.compiled_memory is None else d.compiled_memory[offer],
     )
 
 
