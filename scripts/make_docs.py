@@ -15,6 +15,7 @@ figures from that ``scripts/loso.py`` output rather than a fresh refit).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import multiprocessing
 import os
@@ -352,6 +353,9 @@ def case_layout(case: LoadedCase) -> str:
         cp = f" CP {g.cp}" if g.cp > 1 else ""
         mb = f", mb {g.micro_batch}" if g.micro_batch is not None else ""
         parts.append(f"{g.replicas} × PP {stages} × TP {tps}{cp} {accs}{mb}")
+    # identical groups (the slices of a multislice run) once, with their count
+    counted = [(part, sum(1 for _ in run)) for part, run in itertools.groupby(parts)]
+    parts = [part if n == 1 else f"{n} groups of ({part})" for part, n in counted]
     train = case.plan.train
     extra = f"; ZeRO-{train.zero_stage}" if train.zero_stage else ""
     extra += f"; recompute {train.recompute}" if train.recompute != "none" else ""

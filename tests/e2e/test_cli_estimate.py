@@ -65,7 +65,7 @@ def test_validate_json_has_exactly_the_documented_shape() -> None:
     assert set(doc["sources"]) == {"korthikanti2022", "megatron", "megatron2021", "mpt", "sailor", "amp_t4",
                                    "amp_mixed", "sailor_gh200", "nemo2412", "nemolong", "fmsfsdp", "mptscale", "mptlong",
                                    "opt", "bigscience", "dtfm", "dtfmslow", "dlperf", "tr3m",
-                                   "maxtext_v5e"}
+                                   "maxtext_v5e", "maxtext_v5p"}
     assert all(set(s) == stats for s in doc["sources"].values())
     assert sum(s["n"] for s in doc["sources"].values()) == doc["summary"]["n"]
     for case in doc["cases"]:

@@ -372,12 +372,12 @@ def test_gpt_model_pipes_fp32_logits_stay_in_the_pipe_buffers() -> None:
 def test_a_tpus_memory_is_its_tensors_without_the_cuda_reserve_or_allocator_fragmentation() -> None:
     """XLA lays out a TPU's memory at compile time (``constants.compiled_memory``): no CUDA context, NCCL buffer or
     library workspace (``RESERVED_GB``), no caching allocator to fragment (``FRAGMENTATION_FRACTION``). MaxText's 32B
-    at 4 sequences per chip on a v5e-256 ran (data/validation/maxtext-v5e) and was refused at 17.5 of 16.1 GB; a GPU
+    at 4 sequences per chip on a v5e-256 ran (data/validation/maxtext-tpu) and was refused at 17.5 of 16.1 GB; a GPU
     plan of the same tensors keeps both."""
     from starverse.costmodel import constants as C
     from starverse.costmodel.validate import load_case
 
-    case = load_case(Path(__file__).parents[2] / "data/validation/maxtext-v5e/maxtext_v5e-32b-s1.yaml")
+    case = load_case(Path(__file__).parents[2] / "data/validation/maxtext-tpu/maxtext_v5e-32b-s1.yaml")
     est = estimate(case.plan, CAT, case.spec)
     st = est.groups[0].stages[0]
     tensors = st.weights_gb + st.grads_gb + st.optimizer_gb + st.activations_gb

@@ -22,9 +22,10 @@ def loso(loso_document: dict) -> dict:
 def test_every_fitted_constant_is_refitted_without_each_source(loso: dict) -> None:
     sources = {"korthikanti2022", "megatron", "megatron2021", "mpt", "sailor", "amp_t4", "amp_mixed", "sailor_gh200",
                "nemo2412", "nemolong", "fmsfsdp", "mptscale", "mptlong", "opt", "bigscience", "dtfm", "dtfmslow",
-               "dlperf", "tr3m", "maxtext_v5e"}
+               "dlperf", "tr3m", "maxtext_v5e", "maxtext_v5p"}
     assert set(loso["fitted"]) == {c.name for c in FITTED} == {
-        "SUSTAINED_FRACTION", "PRE_AMPERE_EFFICIENCY", "PCIE_COLLECTIVE_FRACTION", "HOST_OVERHEAD_PER_LAYER_S"}
+        "SUSTAINED_FRACTION", "TPU_MATMUL_FRACTION", "PRE_AMPERE_EFFICIENCY", "PCIE_COLLECTIVE_FRACTION",
+        "HOST_OVERHEAD_PER_LAYER_S"}
     for const in FITTED:
         fit = loso["fitted"][const.name]
         # the committed value is the fit on all sources (rounded), not a hand-picked one
@@ -154,13 +155,17 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert tr["meets"]["median_abs_error"] is False and tr["meets"]["fits_as_reported"] is False
     assert tr["meets"]["p90_abs_error"] is True
     assert tr["memory_n"] == 23 and tr["memory_median_abs_error"] <= 0.15
-    # MaxText's TPU v5e runs (scored, not fitted), held out by construction: ranked in order (one shape scaled over
-    # 1-32 slices), every run too slow (open: the TPU's matmul rate, docs/costmodel.md `maxtext_v5e`), and every one
-    # fits, as it ran (XLA's memory: no CUDA reserve, no allocator fragmentation)
-    mt = held["maxtext_v5e"]
-    assert mt["n"] == 24 and mt["meets"]["spearman"] is True and mt["meets"]["fits_as_reported"] is True
-    assert mt["meets"]["median_abs_error"] is False
-    assert loso["pooled"]["n"] == 367  # 235 + DT-FM's 69 + DLPerf's 16 + tr3m's 23 + MaxText v5e's 24
+    # MaxText's TPU runs: the TPU matmul fraction held out is fitted on the other generation (v5p: 0.893, v5e: 0.970);
+    # v5e meets every target held out, v5p all but the median (13.0 %: its runs at TP 4-8 too fast, at TP 16 too
+    # slow, docs/costmodel.md `maxtext`); every run fits, as it ran (XLA's memory: no CUDA reserve, no allocator
+    # fragmentation)
+    tpu = loso["fitted"]["TPU_MATMUL_FRACTION"]["without"]
+    assert 0.85 <= tpu["maxtext_v5e"] < tpu["maxtext_v5p"] <= 1.0
+    v5e, v5p = held["maxtext_v5e"], held["maxtext_v5p"]
+    assert v5e["n"] == 24 and all(ok in (True, None) for ok in v5e["meets"].values()) and v5e["spearman"] >= 0.95
+    assert v5p["n"] == 16 and v5p["meets"]["spearman"] is True and v5p["meets"]["fits_as_reported"] is True
+    assert v5p["meets"]["p90_abs_error"] is True and v5p["median_abs_error"] <= 0.15
+    assert loso["pooled"]["n"] == 383  # 235 + DT-FM's 69 + DLPerf's 16 + tr3m's 23 + MaxText's 24 + 16
 
 
 def test_forked_held_out_fits_give_the_serial_figures(monkeypatch: pytest.MonkeyPatch) -> None:

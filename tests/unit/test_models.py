@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -219,22 +220,30 @@ def test_spec_pickles() -> None:
         spec.hf_config["hidden_size"] = 1  # type: ignore[index]
 
 
-MAXTEXT = REPO / "data/validation/maxtext-v5e"
+
+MAXTEXT = REPO / "data/validation/maxtext-tpu"
 
 
-@pytest.mark.parametrize("size", ["16b", "32b", "64b", "128b"])
-def test_maxtext_case_models_hold_maxtexts_parameters(size: str) -> None:
-    """The MaxText v5e case models (Llama-family configs with the two-matrix ReLU MLP written as its gated
-    equivalent, data/validation/maxtext-v5e/make_cases.py) count what transformers builds and, within 0.1 %,
-    what MaxText counted (the FLOPs its TFLOP/s figures were computed with)."""
+def _maxtext_make_cases() -> object:
     import importlib.util
 
     mod_spec = importlib.util.spec_from_file_location("maxtext_make_cases", MAXTEXT / "make_cases.py")
     assert mod_spec is not None and mod_spec.loader is not None
-    make_cases = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(make_cases)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[mod_spec.name] = module  # its dataclasses look their module up
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("size", ["16b", "32b", "64b", "128b", "256b", "512b", "1024b"])
+def test_maxtext_case_models_hold_maxtexts_parameters(size: str) -> None:
+    """The MaxText TPU case models (Llama-family configs with the two-matrix ReLU MLP written as its gated
+    equivalent, data/validation/maxtext-tpu/make_cases.py) count what transformers builds and, within 0.1 %,
+    what MaxText counted (the FLOPs its TFLOP/s figures were computed with)."""
+    make_cases: Any = _maxtext_make_cases()
+    table = next(t for t in make_cases.TABLES if size in t.sizes)
+    d = make_cases.dims(table.sizes[size][0])
     spec = load_model(MAXTEXT / "models" / f"maxtext-{size}.json")
     assert spec.num_params == _transformers_count(spec)
-    d = make_cases.dims(make_cases.TABLE[size][0])
-    assert spec.num_params == pytest.approx(make_cases.maxtext_params(d), rel=1e-3)
+    assert spec.num_params == pytest.approx(make_cases.maxtext_params(d, table.qk_norm_relpos), rel=1e-3)
     assert json.loads((MAXTEXT / "models" / f"maxtext-{size}.json").read_text()) == make_cases.model_json(d)

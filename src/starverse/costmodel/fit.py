@@ -43,8 +43,11 @@ class FittedConstant:
     """The data the committed value was fitted on (and what in that data identifies it)."""
     joint: bool = True
     """Fitted with the other joint constants by least squares on all cases (True), or first, alone, so that
-    the mean over sources of each source's mean signed error is zero on the runs with a measured MAMF
-    (False: the sustained matmul fraction, which sets the level of every modern run)."""
+    the mean over sources of each source's mean signed error is zero on the runs it sets the level of (False:
+    ``level_on``)."""
+    level_on: str = "mamf"
+    """For a level constant, the runs whose level it sets (:data:`LEVEL_RUNS`): ``mamf``, the runs with a measured
+    MAMF (the sustained matmul fraction), or ``tpu``, the runs on TPUs (their matmul fraction)."""
 
 
 FITTED: tuple[FittedConstant, ...] = (
@@ -55,6 +58,12 @@ FITTED: tuple[FittedConstant, ...] = (
                   "(llm-foundry, 8 H100s, 8K-64K tokens), nemo2412, nemolong (NeMo FP8 on H100), fmsfsdp "
                   "(A100/H100), opt (OPT-175B, 992 A100s), bigscience (its A100 rows: BLOOM-shaped 176B-206B on 384 "
                   "A100s); mean over sources of the mean signed error zero",
+    ),
+    FittedConstant(
+        name="TPU_MATMUL_FRACTION", lower=0.3, upper=1.0, joint=False, level_on="tpu",
+        fitted_on="the runs on TPUs (the xla stack): maxtext_v5e (MaxText, 16B-128B on 1-32 v5e-256 slices, 24 runs) "
+                  "and maxtext_v5p (32B-1024B on 1-2 slices of 64-2048 v5p chips, 16); mean over the two sources "
+                  "of the mean signed error zero",
     ),
     FittedConstant(
         name="PRE_AMPERE_EFFICIENCY", lower=0.05, upper=1.0,
@@ -77,12 +86,13 @@ FITTED: tuple[FittedConstant, ...] = (
                   "a floor under each layer's time)",
     ),
 )
-"""The fitted constants (:func:`fit_all`): first ``SUSTAINED_FRACTION`` alone (zero mean signed error on the
-modern runs), then the others together. Objective of the joint fit: the sum over sources of each source's
+"""The fitted constants (:func:`fit_all`): first the level constants alone, each on the runs it sets the level of
+(``SUSTAINED_FRACTION`` on the modern GPU runs, ``TPU_MATMUL_FRACTION`` on the TPU runs: zero mean signed error),
+then the others together. Objective of the joint fit: the sum over sources of each source's
 mean squared log error of tokens/s (every source counts once, whatever the number of configurations it
 ran), over every case that has a prediction and a measurement."""
 
-SCORED_NOT_FITTED: frozenset[str] = frozenset({"dtfm", "dtfmslow", "dlperf", "tr3m", "maxtext_v5e"})
+SCORED_NOT_FITTED: frozenset[str] = frozenset({"dtfm", "dtfmslow", "dlperf", "tr3m"})
 """Sources that ``validate`` and :func:`leave_one_source_out` score but that no fit sees (:func:`fit_all` drops
 them), so that their figures are held out by construction: DT-FM's Megatron-LM baselines on 64 V100s
 (``data/validation/dtfm-aws``). Their misses go both ways by layout (pipelines across instances at micro-batch
@@ -109,13 +119,7 @@ fit it would move ``PRE_AMPERE_EFFICIENCY`` 0.661 -> 1.0 (its bound) and ``PCIE_
 median 17.3 -> 37.3 %): the model was 28-37 % too slow on every TP 1 run, as on DLPerf's runs inside a node
 (docs/costmodel.md, `tr3m`). Those figures too were before the softmax bytes and the V100's measured matmul
 fraction, which were derived on DLPerf without this source: with them its TP 1 runs are 9-22 % too slow (median
-16.4 %, p90 20.4 %, Spearman 0.93).
-
-MaxText's TPU v5e runs (``data/validation/maxtext-v5e``, source ``maxtext_v5e``: 16B-128B, FSDP on 1-32 slices of 256
-chips) are the only TPU source: no fitted constant acts on a TPU's matmuls (they run at the ``xla`` stack's 0.80
-of ``constants.GEMM_EFFICIENCY_BY_STACK`` times ``SUSTAINED_FRACTION``, fitted on A100/H100 runs), so a joint fit
-could only move the GPU constants with them; they are scored, not fitted. The model is 24-51 % too slow on every
-run (docs/costmodel.md, `maxtext_v5e`)."""
+16.4 %, p90 20.4 %, Spearman 0.93)."""
 
 TARGETS = {"median_abs_error": 0.12, "p90_abs_error": 0.25, "spearman": 0.8, "memory_abs_error": 0.10}
 """Issue 9's targets on held-out figures (Spearman only for sources with at least
@@ -152,6 +156,17 @@ def uses_mamf(case: LoadedCase) -> bool:
         acc in C.GEMM_EFFICIENCY for acc in case.plan.accelerators())
 
 
+def uses_tpu(case: LoadedCase) -> bool:
+    """Every stage runs a 16-bit matmul on a TPU (the ``xla`` stack): the runs that identify
+    ``TPU_MATMUL_FRACTION``."""
+    return case.plan.train.precision in C.TENSOR_CORE_PRECISIONS and all(
+        acc.startswith("tpu-") for acc in case.plan.accelerators())
+
+
+LEVEL_RUNS: dict[str, Callable[[LoadedCase], bool]] = {"mamf": uses_mamf, "tpu": uses_tpu}
+"""The runs a level constant (``FittedConstant.level_on``) sets the level of."""
+
+
 def _score_all(cases: Sequence[LoadedCase], catalog: Any) -> list[CaseResult]:
     return [score_case(c, catalog) for c in cases]
 
@@ -184,10 +199,10 @@ def _source_mean_error(results: list[CaseResult]) -> float:
 
 
 def fit_level(const: FittedConstant, cases: Sequence[LoadedCase], catalog: Any, tol: float = 1e-3) -> float | None:
-    """The value of ``const`` that zeroes the mean over sources of the mean signed error on the runs whose
-    matmul efficiency is a measured MAMF (:func:`uses_mamf`; None when there are none). Regula falsi (Illinois): throughput, hence the
-    error, grows with the constant."""
-    mine = [c for c in cases if uses_mamf(c)]
+    """The value of ``const`` that zeroes the mean over sources of the mean signed error on the runs it sets the
+    level of (``const.level_on``: :data:`LEVEL_RUNS`; None when there are none). Regula falsi (Illinois):
+    throughput, hence the error, grows with the constant."""
+    mine = [c for c in cases if LEVEL_RUNS[const.level_on](c)]
     if not mine:
         return None
 
