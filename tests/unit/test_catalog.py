@@ -289,6 +289,10 @@ def test_user_currency_rate(tmp_path: Path) -> None:
             r"mine\.yaml:3: accelerators\.rtx-4090\.devices_per_node: must be greater than 0 \(got 0\)",
         ),
         (
+            "accelerators:\n  tpu-v5e:\n    matrix_unit: 0\n",
+            r"mine\.yaml:3: accelerators\.tpu-v5e\.matrix_unit: must be greater than 0 \(got 0\)",
+        ),
+        (
             "accelerators:\n  rtx-4090:\n    bf16_tflop: 100\n",
             r"mine\.yaml:3: accelerators\.rtx-4090\.bf16_tflop: unknown field; did you mean 'bf16_tflops'\?",
         ),

@@ -511,7 +511,7 @@ def test_fp8_gemm_shape_term_is_per_operand_byte() -> None:
 
     def rows(peak: float) -> SimpleNamespace:
         return SimpleNamespace(peak_tflops=np.array([peak]), memory_bw_gb_per_s=np.array([3350.0]),
-                               gemm_efficiency=np.array([0.6]))
+                               gemm_efficiency=np.array([0.6]), matrix_unit=None)
 
     bf16, fp8 = rows(989.4), rows(1978.8)
     assert gemm_half_dim(fp8, 0.5)[0] == pytest.approx(gemm_half_dim(bf16)[0])
@@ -521,6 +521,30 @@ def test_fp8_gemm_shape_term_is_per_operand_byte() -> None:
     t_fp8_per_2_bytes = gemm_time_s(n, n, n, fp8, 2.0)[0]
     assert t_bf16 / t_fp8 == pytest.approx(2.0)  # the peaks' ratio at the same efficiency
     assert t_bf16 / t_fp8_per_2_bytes < 1.85
+
+
+def test_tpu_matmuls_are_a_padded_roofline() -> None:
+    # a systolic matrix unit (TPU MXU, Accelerator.matrix_unit) runs a matmul at its fraction of peak whatever the
+    # shape above the unit's edge (no GPU tile/wave term), and pads weight axes under the edge up to it (128; 256 on
+    # v6e) and activation rows to 8; a GPU row of the same table keeps the shape term
+    from types import SimpleNamespace
+
+    from starverse.costmodel.matmul import gemm_time_s, systolic_efficiency
+
+    rows = SimpleNamespace(peak_tflops=np.array([459.0, 459.0]), memory_bw_gb_per_s=np.array([2765.0, 2765.0]),
+                           gemm_efficiency=np.array([0.8, 0.8]), matrix_unit=np.array([128.0, 0.0]))
+    big = np.array([4096.0, 4096.0])
+    t = gemm_time_s(big, big / 4, big, rows, 2.0)
+    assert t[0] == pytest.approx(2.0 * 4096 * 1024 * 4096 / (459e12 * 0.8))
+    assert t[1] > t[0] * 1.05  # the GPU form loses to tiles and waves at 1024
+    narrow = np.array([64.0, 64.0])
+    assert systolic_efficiency(big, narrow, big, rows)[0] == pytest.approx(0.8 * 64 / 128)
+    assert systolic_efficiency(np.array([4.0]), np.array([256.0]), np.array([256.0]),
+                               SimpleNamespace(gemm_efficiency=np.array([0.8]), matrix_unit=np.array([256.0])))[0] \
+        == pytest.approx(0.8 * 4 / 8)
+    assert CAT.accelerator("tpu-v5p").matrix_unit == 128
+    assert CAT.accelerator("tpu-v6e").matrix_unit == 256
+    assert CAT.accelerator("h100-80gb-sxm").matrix_unit is None
 
 
 def test_flash_attention_2_is_slower_on_hopper_only() -> None:

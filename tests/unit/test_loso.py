@@ -155,16 +155,15 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert tr["meets"]["median_abs_error"] is False and tr["meets"]["fits_as_reported"] is False
     assert tr["meets"]["p90_abs_error"] is True
     assert tr["memory_n"] == 23 and tr["memory_median_abs_error"] <= 0.15
-    # MaxText's TPU runs: the TPU matmul fraction held out is fitted on the other generation (v5p: 0.893, v5e: 0.970);
-    # v5e meets every target held out, v5p all but the median (13.0 %: its runs at TP 4-8 too fast, at TP 16 too
-    # slow, docs/costmodel.md `maxtext`); every run fits, as it ran (XLA's memory: no CUDA reserve, no allocator
-    # fragmentation)
+    # MaxText's TPU runs: the TPU matmul fraction held out is fitted on the other generation (v5p alone: 0.840,
+    # v5e alone: 0.897; 0.893 / 0.970 while TPU matmuls paid the GPU's tile-and-wave term); both meet every target
+    # held out since TPU matmuls are a padded roofline (v5p's median was 13.0 %: docs/costmodel.md `maxtext`); every
+    # run fits, as it ran (XLA's memory: no CUDA reserve, no allocator fragmentation)
     tpu = loso["fitted"]["TPU_MATMUL_FRACTION"]["without"]
-    assert 0.85 <= tpu["maxtext_v5e"] < tpu["maxtext_v5p"] <= 1.0
+    assert 0.80 <= tpu["maxtext_v5e"] < tpu["maxtext_v5p"] <= 0.95
     v5e, v5p = held["maxtext_v5e"], held["maxtext_v5p"]
     assert v5e["n"] == 24 and all(ok in (True, None) for ok in v5e["meets"].values()) and v5e["spearman"] >= 0.95
-    assert v5p["n"] == 16 and v5p["meets"]["spearman"] is True and v5p["meets"]["fits_as_reported"] is True
-    assert v5p["meets"]["p90_abs_error"] is True and v5p["median_abs_error"] <= 0.15
+    assert v5p["n"] == 16 and all(ok in (True, None) for ok in v5p["meets"].values()) and v5p["spearman"] >= 0.95
     assert loso["pooled"]["n"] == 383  # 235 + DT-FM's 69 + DLPerf's 16 + tr3m's 23 + MaxText's 24 + 16
 
 

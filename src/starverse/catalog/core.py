@@ -108,6 +108,10 @@ class Accelerator:
     host_memory_gb: float | None = None
     """RAM of one node of the default instance type, GB (CPU offload keeps optimizer state there); None when
     unknown (a user's accelerator without it: offloaded plans on it need the pool's ``host_memory_gb``)."""
+    matrix_unit: int | None = None
+    """Edge of the device's systolic matrix unit in elements (TPU MXU: 128 x 128; v6e: 256 x 256), or None (GPUs):
+    a matmul on such a unit is a roofline of its FLOPs and bytes with each axis under the edge padded up to it
+    (``costmodel.matmul.gemm_time_s``), where a GPU's pays for tiles and waves."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", _frozen_map(self.sources))

@@ -52,7 +52,7 @@ _REQUIRED = (
 )
 
 
-_SOURCED = frozenset((*FLOAT_FIELDS, "devices_per_node", "intra_node_link"))
+_SOURCED = frozenset((*FLOAT_FIELDS, "devices_per_node", "intra_node_link", "matrix_unit"))
 """Fields that are figures (and so carry a source); name, vendor and stack are not."""
 
 
@@ -109,7 +109,7 @@ def _at(source: str, node: yaml.Node | None, *path: str | int) -> str:
 
 def _expand_sources(sources: Mapping[str, str], where: str) -> dict[str, str]:
     """``{"bf16_tflops, fp16_tflops": s}`` -> one entry per field; unknown field names are errors."""
-    known = set(_REQUIRED) | set(FLOAT_FIELDS)
+    known = set(_REQUIRED) | _SOURCED
     out: dict[str, str] = {}
     for key, text in sources.items():
         for name in (k.strip() for k in key.split(",")):

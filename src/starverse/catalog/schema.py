@@ -64,6 +64,9 @@ class AcceleratorEntry(FrozenModel):
     """Board power, W."""
     host_memory_gb: float | None = Field(default=None, gt=0, le=MAX_MEMORY_GB)
     """RAM per node of the default instance type, GB (needed by CPU offload)."""
+    matrix_unit: int | None = Field(default=None, gt=0, le=4096)
+    """Edge of the systolic matrix unit, elements (TPU MXU: 128; v6e: 256): its matmuls are a roofline with
+    axes under it padded up; omit for GPUs (their tile and wave term)."""
     sources: dict[str, str] = Field(default_factory=dict)
     """Field -> source of the figure. A key may name several fields separated by commas."""
 

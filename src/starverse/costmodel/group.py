@@ -232,6 +232,7 @@ def _rows_for(
                          else devices.flash_attention[k]),
         host_collectives=None if devices.host_collectives is None else devices.host_collectives[k],
         compiled_memory=None if devices.compiled_memory is None else devices.compiled_memory[k],
+        matrix_unit=None if devices.matrix_unit is None else devices.matrix_unit[k],
         **(measured or {}),
     )
 

@@ -76,6 +76,9 @@ class StageRows:
     compiled_memory: BoolArray | None = None
     """The device's memory is laid out by a compiler (``constants.compiled_memory``: XLA), without the runtime
     reserve and allocator fragmentation of CUDA; None = none is."""
+    matrix_unit: FloatArray | None = None
+    """Edge of the device's systolic matrix unit (``Accelerator.matrix_unit``: TPUs), 0 where it has none (GPUs);
+    None = no row has one. Its matmuls are a padded roofline (``matmul.gemm_time_s``)."""
     host_collectives: BoolArray | None = None
     """Ranks are host processes talking over gloo (``constants.host_collectives``: the ``cpu`` stack), whose
     collectives cost ``comm.collective_latency_s`` per call; None = none are."""

@@ -287,6 +287,8 @@ class DeviceTable:
     """Ranks are host processes over gloo (``constants.host_collectives``: the ``cpu`` stack); None = none are."""
     compiled_memory: BoolArray | None = None
     """Memory laid out by a compiler (``constants.compiled_memory``: XLA); None = none is."""
+    matrix_unit: FloatArray | None = None
+    """Edge of the systolic matrix unit (``Accelerator.matrix_unit``), 0 = none (GPUs); None = no row has one."""
     profiles: tuple[Any, ...] | None = None
     """Per row, a measured ``costmodel.profile.ModelProfile`` of the search's model on that device kind, or
     None (analytic); a pool offer's ``profile``. Where one has an entry at a candidate's micro-batch,
@@ -365,6 +367,7 @@ class DeviceTable:
             flash_attention=np.array([has_flash_attention(a) for a in accelerators], dtype=np.bool_),
             host_collectives=np.array([host_collectives(a) for a in accelerators], dtype=np.bool_),
             compiled_memory=np.array([compiled_memory(a) for a in accelerators], dtype=np.bool_),
+            matrix_unit=np.array([float(a.matrix_unit or 0) for a in accelerators], dtype=np.float64),
             profiles=profs,
             collective_gb_per_s=table,
         )

@@ -238,6 +238,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
         flash_attention=np.repeat(np.array([C.has_flash_attention(a) for a in accs])[:, None], k, axis=1),
         host_collectives=np.repeat(np.array([C.host_collectives(a) for a in accs])[:, None], k, axis=1),
         compiled_memory=np.repeat(np.array([C.compiled_memory(a) for a in accs])[:, None], k, axis=1),
+        matrix_unit=col([float(a.matrix_unit or 0) for a in accs]),
         measured_layer_s=layer_s,
         measured_layer_forward_s=layer_fwd_s,
         measured_head_s=head_s,

@@ -81,6 +81,7 @@ def stage_rows(ctx: Any, offer: IntArray, tp: FloatArray, layers: FloatArray, fi
         flash_attention=np.ones(n, dtype=bool) if d.flash_attention is None else d.flash_attention[offer],
         attention_tflops=attention_rates(d, ctx.train.attention, offer),
         compiled_memory=None if d.compiled_memory is None else d.compiled_memory[offer],
+        matrix_unit=None if d.matrix_unit is None else d.matrix_unit[offer],
     )
 
 
