@@ -4,12 +4,14 @@
   input through the forward and is run again in the backward. Activation memory per block falls from the
   whole block's to one tensor ``[batch, seq, hidden]``; compute rises by one forward (~33 %).
 - ``selective`` is op-level selective activation checkpointing (``torch.utils.checkpoint``'s
-  ``create_selective_checkpoint_contexts``, as torchtitan's op SAC) with Korthikanti et al.'s (2022) choice:
-  the outputs of the matmuls (``mm``/``addmm``/``bmm`` of the linear layers) are saved, everything else in
-  the block is recomputed — the attention core (scores, softmax, dropout, or the fused SDPA kernel),
-  activations functions, norms and rotary embeddings. It runs eagerly on every device, CPU included.
-  Unlike torchtitan's list, the SDPA output is *not* saved: the attention core is what Korthikanti et al.
-  (and the cost model, ``rc: selective``) recompute.
+  ``create_selective_checkpoint_contexts``, as torchtitan's op SAC): the outputs of the matmuls
+  (``mm``/``addmm`` of the linear layers) are saved, everything else in the block is recomputed — the attention
+  core (scores, softmax, dropout, or the fused SDPA kernel), activation functions, norms and rotary embeddings
+  (JAX's ``checkpoint_dots``, MaxText's ``minimal``). It runs eagerly on every device, CPU included. Unlike
+  torchtitan's list, the SDPA output is *not* saved. This keeps fewer tensors, and recomputes more, than
+  Korthikanti et al.'s (2022) selective recompute (the attention core alone), which is what the cost model prices
+  for ``selective`` (docs/costmodel.md, Limits: the estimate of a ``selective`` plan is high in memory and low in
+  time).
 
 Recompute never changes the result: the same ops run on the same inputs (random state is preserved for
 dropout), so losses and weights equal those without recompute; tests assert it.
