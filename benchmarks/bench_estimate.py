@@ -32,7 +32,7 @@ def candidates(rng: np.random.Generator, n: int, num_devices: int) -> Candidates
         micro_batch=rng.choice([1, 2, 4], n),
         num_micro_batches=rng.choice([4, 8, 16, 32], n),
         zero_stage=rng.integers(0, 4, n),
-        recompute=rng.integers(0, 3, n),
+        recompute=rng.integers(0, 4, n),
         offload=rng.integers(0, 2, n),
         sequence_parallel=rng.integers(0, 2, n).astype(bool),
     )
@@ -79,7 +79,7 @@ def main() -> None:
             "model": "llama-2-70b",
             "train": {"seq_len": 4096, "global_batch": n * mb * m, "zero_stage": int(sample.zero_stage[i]),
                       "schedule": "1f1b",  # as the batch: one schedule, given micro-batch
-                      "recompute": ["none", "selective", "full"][int(sample.recompute[i])],
+                      "recompute": ["none", "selective", "full", "matmuls"][int(sample.recompute[i])],
                       "offload": ["none", "optimizer"][int(sample.offload[i])],
                       "sequence_parallel": bool(sample.sequence_parallel[i])},
             "groups": [{"replicas": n, "micro_batch": mb, "stages": stages}]}, "bench.yaml"))

@@ -30,7 +30,7 @@ Precision = Literal["bf16", "fp16", "fp8", "fp32", "tf32"]
 """``tf32``: fp32 weights and activations, matmuls on TF32 tensor cores (NVIDIA Ampere and later; PyTorch's
 ``allow_tf32`` or NGC containers' ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``); elsewhere it runs as fp32."""
 Mode = Literal["full", "lora", "qlora"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "matmuls", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 OptimizerKind = Literal["adamw", "sgd"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -62,7 +62,9 @@ class TrainSpec(FrozenModel):
     zero_stage: int = Field(default=0, ge=0, le=3)
     """ZeRO stage over the data-parallel group: 1 shards optimizer state, 2 also gradients, 3 also weights."""
     recompute: Recompute = "none"
-    """Activation recomputation: none, selective (attention core, Korthikanti et al.), full (whole layer)."""
+    """Activation recomputation: none, selective (the attention core, Korthikanti et al.), matmuls (only the matmul
+    outputs kept, the rest recomputed: op-level selective checkpointing, what the runtime runs for both selective
+    modes), full (whole layer)."""
     offload: Offload = "none"
     """Keep optimizer state (and optionally parameters) in host memory."""
     optimizer: OptimizerKind = "adamw"

@@ -99,6 +99,8 @@ def _uniform(acc: str, tp: int, pp: int, replicas: int, mb: int, m: int, **kw: o
         ("a100-80gb-sxm", 8, 1, 16, 1, 4, {"zero_stage": 3, "recompute": "full"}),
         ("h100-80gb-sxm", 4, 4, 2, 1, 8, {"schedule": "interleaved", "virtual_stages": 5, "recompute": "selective"}),
         ("v100-32gb-sxm", 8, 8, 1, 2, 8, {"schedule": "gpipe", "recompute": "selective", "precision": "fp16"}),
+        ("a100-80gb-sxm", 8, 2, 2, 2, 8, {"recompute": "matmuls", "sequence_parallel": True}),
+        ("rtx-4090", 2, 4, 2, 1, 8, {"recompute": "matmuls", "zero_stage": 1}),
         ("h100-80gb-sxm", 4, 2, 2, 1, 8, {"precision": "fp8", "recompute": "full"}),  # attention in bf16
         ("h100-80gb-sxm", 8, 1, 8, 1, 2, {"attention": "flash2", "seq_len": 32768, "zero_stage": 3}),
         ("t4", 2, 4, 2, 1, 8, {"precision": "fp16", "num_layer_forwards": 2, "sync_micro_steps": True}),

@@ -42,7 +42,7 @@ def test_plan_settings_that_cannot_run_together():
         ParallelConfig(offload="optimizer")
     with pytest.raises(ConfigError, match=r"sequence_parallel needs tp > 1"):
         ParallelConfig(sequence_parallel=True)
-    with pytest.raises(ConfigError, match=r"recompute must be one of none, selective, full \(got 'some'\)"):
+    with pytest.raises(ConfigError, match=r"recompute must be one of none, selective, matmuls, full \(got 'some'\)"):
         apply_recompute(build_model(LLAMA), "some")
     with pytest.raises(ConfigError, match=r"TinyLM has no nn.ModuleList of blocks"):
         decoder_blocks(TinyLM())
@@ -65,13 +65,41 @@ def _activation_bytes(mode: str) -> tuple[int, torch.Tensor, dict[str, torch.Ten
 def test_recompute_saves_less_and_changes_nothing():
     none, loss0, grads0 = _activation_bytes("none")
     selective, loss1, grads1 = _activation_bytes("selective")
+    matmuls, loss3, grads3 = _activation_bytes("matmuls")
     full, loss2, grads2 = _activation_bytes("full")
     assert full < selective < none
-    for loss, grads in ((loss1, grads1), (loss2, grads2)):
+    assert matmuls == selective  # the same op-level policy (runtime/parallel/recompute.py)
+    for loss, grads in ((loss1, grads1), (loss2, grads2), (loss3, grads3)):
         torch.testing.assert_close(loss, loss0, rtol=0, atol=0)
         assert grads.keys() == grads0.keys()
         for k in grads0:
             torch.testing.assert_close(grads[k], grads0[k], rtol=0, atol=0, msg=k)
+
+
+def test_the_cost_model_prices_matmuls_recompute_as_the_runtime_keeps_it():
+    # recompute: matmuls keeps each block's input and every matmul's output (q, k, v, o, gate, up, down); full keeps
+    # the input alone. The runtime's activations after the forward differ by exactly those outputs (torch's
+    # MemTracker; everything outside the blocks is the same under both), and so must the estimate's memory
+    from starverse.catalog import load_catalog
+    from starverse.config import parse
+    from starverse.costmodel.step import estimate
+    from starverse.models.families import spec_from_config
+    from starverse.plan import Plan
+
+    measured = _activation_bytes("matmuls")[0] - _activation_bytes("full")[0]
+    spec = spec_from_config(LLAMA, "LLAMA", "tiny-llama")
+
+    def need_bytes(recompute: str) -> float:
+        plan = parse(Plan, {"model": "tiny-llama", "train": {"seq_len": 32, "global_batch": 2, "precision": "fp32",
+                                                             "recompute": recompute},
+                            "groups": [{"replicas": 1, "micro_batch": 2,
+                                        "stages": [{"accelerator": "cpu", "tp": 1, "layers": 2}]}]}, "t.yaml")
+        return estimate(plan, load_catalog(), spec).memory_gb * 1e9
+
+    predicted = need_bytes("matmuls") - need_bytes("full")
+    h, q, kv, ffn, tokens, layers = 32, 32, 16, 64, 64, 2
+    assert measured == layers * tokens * 4 * (q + 2 * kv + h + 2 * ffn + h)
+    assert predicted == pytest.approx(measured, rel=1e-6)
 
 
 def test_qlora_with_tensor_parallel_or_fsdp_is_refused_lora_is_not():

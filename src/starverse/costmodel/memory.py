@@ -62,7 +62,14 @@ def layer_activations(mn: ModelNumbers, rows: StageRows, tokens: FloatArray, tp_
     per_grad = np.where(torch32, 4.0, bv)
     attn_transient = np.where(eager, 2.0 * rows.micro_batch * heads * s * s / mn.cp * per_grad, 0.0)
     layer_input = tokens * (h * bv) / tp_rep
-    stored_per_layer = np.where(rows.recompute == 2, layer_input, layer_act)
+    # matmuls (op-level selective checkpointing of the matmul outputs, runtime/parallel/recompute.py): the block's
+    # input and every matmul's output — Q, K, V and the MLP's up (and gate) projections split over TP, the two
+    # row-parallel outputs (attention and MLP down projection) whole on each TP rank, as the matmul leaves them
+    # before their all-reduce or reduce-scatter
+    up = (2.0 if mn.gated else 1.0) * mn.ffn * max(mn.top_k, 1.0)
+    matmul_outputs = tokens * bv * ((mn.q_dim + 2.0 * mn.kv_dim + up) / t + 2.0 * h)
+    stored_per_layer = np.where(rows.recompute == 2, layer_input,
+                                np.where(rows.recompute == 3, layer_input + matmul_outputs, layer_act))
     return layer_act, attn_transient, stored_per_layer
 
 
@@ -170,8 +177,9 @@ def stage_memory(
         if mn.schedule == "interleaved":
             in_flight = in_flight * (1.0 + (p - 1.0) / (p * mn.virtual_stages))
     activations = L * lc["stored_per_layer"] * in_flight
-    # recomputing a layer materialises its full activations for one micro-batch
-    activations = activations + lc["rc_full"] * lc["layer_act"]
+    # recomputing a layer (full, or the non-matmul ops under matmuls) materialises its full activations for one
+    # micro-batch
+    activations = activations + lc["rc_rebuild"] * lc["layer_act"]
     activations = activations + fi * tokens * (h * bv) * in_flight
     # the peak: the last stage at the end of its forward holds the logits and the loss's fp32 softmax; once
     # the head's backward has run they are freed, before the attention backward's transients of a layer
@@ -188,7 +196,7 @@ def stage_memory(
             # current and the previous one, beside a recomputed layer and its attention backward
             out = la * tokens * (loss_width(mn, t) * 4.0)
             kept_at_forward = np.minimum(np.maximum(rows.num_micro_batches - 1.0, 0.0), 2.0)
-            rc = lc["rc_full"] * lc["layer_act"]
+            rc = lc["rc_rebuild"] * lc["layer_act"]
             activations = activations - rc + np.maximum(logits + kept_at_forward * out,
                                                         rc + lc["attn_transient"] + out + prev * out)
         else:

@@ -34,7 +34,7 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
-RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2}
+RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2, "matmuls": 3}
 """``Candidates.recompute`` codes."""
 OFFLOAD_CODES: dict[str, int] = {"none": 0, "optimizer": 1, "optimizer+params": 2}
 """``Candidates.offload`` codes."""
@@ -430,7 +430,7 @@ class Candidates:
     zero_stage: IntArray
     """0-3, sharding over the group's ``replicas`` (ZeRO/FSDP)."""
     recompute: IntArray
-    """:data:`RECOMPUTE_CODES` (0 none, 1 selective, 2 full)."""
+    """:data:`RECOMPUTE_CODES` (0 none, 1 selective, 2 full, 3 matmuls)."""
     offload: IntArray
     """:data:`OFFLOAD_CODES` (0 none, 1 optimizer, 2 optimizer+params)."""
     sequence_parallel: BoolArray

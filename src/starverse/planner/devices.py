@@ -28,6 +28,7 @@ from starverse.errors import CatalogError, ConfigError, InfeasiblePlanError, Sta
 from starverse.planner.job import Objective, job_from_dict
 from starverse.planner.pool import pool_from_dict
 from starverse.planner.result import PlanResult
+from starverse.planner.space import SEARCHED_RECOMPUTE
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class RuntimeCaps:
     """Deepest pipeline it runs."""
     zero_stage: int | None = 0
     """The ZeRO stage it applies (None: searched)."""
-    recompute: Literal["none", "selective", "full"] | None = "none"
+    recompute: Literal["none", "selective", "matmuls", "full"] | None = "none"
     """The activation recomputation it applies (None: searched)."""
     offload: Literal["none", "optimizer", "optimizer+params"] | None = "none"
     """The CPU offload it applies (None: searched)."""
@@ -104,7 +105,7 @@ class RuntimeCaps:
     def settings(self) -> list[RuntimeCaps]:
         """One caps per setting these allow (TP 1 or TP open, each ZeRO stage, recompute, offload), fixed."""
         zeros = [self.zero_stage] if self.zero_stage is not None else list(range(self.max_zero_stage + 1))
-        rcs = [self.recompute] if self.recompute is not None else ["none", "selective", "full"]
+        rcs = [self.recompute] if self.recompute is not None else list(SEARCHED_RECOMPUTE)
         offs = [self.offload] if self.offload is not None else ["none", "optimizer", "optimizer+params"]
         tps = [self.max_tp] if self.max_tp == 1 else [1, self.max_tp]
         return [dataclasses.replace(self, max_tp=tp, zero_stage=z, recompute=rc, offload=off)  # type: ignore[arg-type]
@@ -123,7 +124,7 @@ in-place recovery) and filters the ranked plans by the runtime's own checks."""
 TIE_TOLERANCE = 0.05
 """Plans whose objective is within this fraction of the best one are ties, won by the simplest setting."""
 
-_RECOMPUTE = {"none": 0, "selective": 1, "full": 2}
+_RECOMPUTE = {"none": 0, "selective": 1, "matmuls": 1, "full": 2}
 _OFFLOAD = {"none": 0, "optimizer": 1, "optimizer+params": 2}
 
 
@@ -287,7 +288,7 @@ def plan_for_devices(
         if caps.sharded_replicas:
             from starverse.planner.replicas import sharded_replica_plans
 
-            recomputes = (caps.recompute,) if caps.recompute is not None else ("none", "selective", "full")
+            recomputes = (caps.recompute,) if caps.recompute is not None else SEARCHED_RECOMPUTE
             zeros = range(1, caps.max_zero_stage + 1)
             for rp in sharded_replica_plans(
                     lambda z, rc: job_for(dataclasses.replace(caps, zero_stage=z, recompute=rc, offload="none")),  # type: ignore[arg-type]

@@ -61,7 +61,7 @@ class JobTrain(FrozenModel):
     """The optimizer (``TrainSpec.optimizer``): sgd holds one fp32 state per parameter instead of Adam's two."""
     zero_stage: int | None = Field(default=None, ge=0, le=3)
     """Fix the ZeRO stage (default: searched over 0-3)."""
-    recompute: Literal["none", "selective", "full"] | None = None
+    recompute: Literal["none", "selective", "matmuls", "full"] | None = None
     """Fix activation recomputation (default: searched)."""
     offload: Literal["none", "optimizer", "optimizer+params"] | None = None
     """Fix CPU offload (default: searched)."""

@@ -35,6 +35,10 @@ IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
 RECOMPUTE_NAMES = {v: k for k, v in RECOMPUTE_CODES.items()}
+SEARCHED_RECOMPUTE = ("none", "matmuls", "full")
+"""Recompute modes a search tries where the job leaves it open: what the runtime runs, priced as it runs it
+(``matmuls``: ``runtime/parallel/recompute.py`` keeps the matmul outputs for ``selective`` too, where the cost model's
+``selective`` is Korthikanti et al.'s, the attention core alone). A job may still fix ``selective``."""
 OFFLOAD_NAMES = {v: k for k, v in OFFLOAD_CODES.items()}
 MICRO_BATCHES = (1, 2, 4, 8)
 """Micro-batch sizes tried (sequences); larger ones rarely help once a pipeline is full."""
@@ -67,7 +71,7 @@ def settings(fixed_zero: int | None, fixed_recompute: str | None, fixed_offload:
     """
     out = []
     zeros = [fixed_zero] if fixed_zero is not None else [0, 1, 2, 3]
-    rcs = [RECOMPUTE_CODES[fixed_recompute]] if fixed_recompute else [0, 1, 2]
+    rcs = [RECOMPUTE_CODES[fixed_recompute]] if fixed_recompute else [RECOMPUTE_CODES[r] for r in SEARCHED_RECOMPUTE]
     offs = [OFFLOAD_CODES[fixed_offload]] if fixed_offload else [0, 1, 2]
     for z, rc, off in product(zeros, rcs, offs):
         if pipeline and z > 1:

@@ -1,9 +1,9 @@
-"""Activation recomputation as the plan says: ``none``, ``selective`` or ``full``.
+"""Activation recomputation as the plan says: ``none``, ``selective``, ``matmuls`` or ``full``.
 
 - ``full`` checkpoints every decoder block (``checkpoint_wrapper``, non-reentrant): a block keeps only its
   input through the forward and is run again in the backward. Activation memory per block falls from the
   whole block's to one tensor ``[batch, seq, hidden]``; compute rises by one forward (~33 %).
-- ``selective`` is op-level selective activation checkpointing (``torch.utils.checkpoint``'s
+- ``matmuls`` (and ``selective``) is op-level selective activation checkpointing (``torch.utils.checkpoint``'s
   ``create_selective_checkpoint_contexts``, as torchtitan's op SAC): the outputs of the matmuls
   (``mm``/``addmm`` of the linear layers) are saved, everything else in the block is recomputed — the attention
   core (scores, softmax, dropout, or the fused SDPA kernel), activation functions, norms and rotary embeddings
@@ -11,7 +11,9 @@
   torchtitan's list, the SDPA output is *not* saved. This keeps fewer tensors, and recomputes more, than
   Korthikanti et al.'s (2022) selective recompute (the attention core alone), which is what the cost model prices
   for ``selective`` (docs/costmodel.md, Limits: the estimate of a ``selective`` plan is high in memory and low in
-  time).
+  time); the cost model prices ``matmuls`` as this runs (``costmodel/memory.py``), and the planner searches it in
+  the place of ``selective``. A policy by op cannot run Korthikanti's choice: it sees an op's inputs, not its
+  output, so the score matmul of an eager attention cannot be told from a projection.
 
 Recompute never changes the result: the same ops run on the same inputs (random state is preserved for
 dropout), so losses and weights equal those without recompute; tests assert it.
@@ -32,14 +34,14 @@ from starverse.runtime.parallel.blocks import decoder_blocks
 
 log = logging.getLogger(__name__)
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "matmuls", "full")
 
 _SAVED_OPS = frozenset({
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten._scaled_mm.default,
 })
-"""Ops whose outputs selective recompute keeps (the linear layers' matmuls); all others are recomputed.
+"""Ops whose outputs the selective modes keep (the linear layers' matmuls); all others are recomputed.
 ``bmm`` is left out: in eager attention it computes the scores and the weighted values (the attention core)."""
 
 
