@@ -65,9 +65,10 @@ def layer_activations(mn: ModelNumbers, rows: StageRows, tokens: FloatArray, tp_
     # matmuls (op-level selective checkpointing of the matmul outputs, runtime/parallel/recompute.py): the block's
     # input and every matmul's output — Q, K, V and the MLP's up (and gate) projections split over TP, the two
     # row-parallel outputs (attention and MLP down projection) whole on each TP rank, as the matmul leaves them
-    # before their all-reduce or reduce-scatter
-    up = (2.0 if mn.gated else 1.0) * mn.ffn * max(mn.top_k, 1.0)
-    matmul_outputs = tokens * bv * ((mn.q_dim + 2.0 * mn.kv_dim + up) / t + 2.0 * h)
+    # before their all-reduce or reduce-scatter (MoE: each token's top-k experts, and the router's logits)
+    k = max(mn.top_k, 1.0)
+    up = (2.0 if mn.gated else 1.0) * mn.ffn * k
+    matmul_outputs = tokens * bv * ((mn.q_dim + 2.0 * mn.kv_dim + up) / t + (1.0 + k) * h + mn.num_experts)
     stored_per_layer = np.where(rows.recompute == 2, layer_input,
                                 np.where(rows.recompute == 3, layer_input + matmul_outputs, layer_act))
     return layer_act, attn_transient, stored_per_layer
