@@ -182,3 +182,32 @@ def assert_same_as_one_process(res: Any, model: torch.nn.Module, initial: torch.
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref_losses))
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, ref_state[name], msg=name)
+
+
+def forward_activation_bytes(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes of activations alive after ``model``'s forward on ``x`` (torch's MemTracker, CPU) and its loss."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        loss = model(input_ids=x, labels=x).loss
+        snapshot = tracker.get_tracker_snapshot("current")
+    return snapshot[torch.device("cpu")][_MemRefType.ACT], loss
+
+
+def estimated_memory_bytes(cfg: dict, seq: int, batch: int, recompute: str, tp: int = 1,
+                           sequence_parallel: bool = False) -> float:
+    """The estimate's memory need, in bytes, of one fp32 CPU replica of ``cfg`` (all its layers on one stage)
+    training ``batch`` sequences of ``seq`` tokens in one micro-batch."""
+    from starverse.catalog import load_catalog
+    from starverse.config import parse
+    from starverse.costmodel.step import estimate
+    from starverse.models.families import spec_from_config
+    from starverse.plan import Plan
+
+    plan = parse(Plan, {"model": "tiny", "train": {"seq_len": seq, "global_batch": batch, "precision": "fp32",
+                                                   "recompute": recompute, "sequence_parallel": sequence_parallel},
+                        "groups": [{"replicas": 1, "micro_batch": batch, "stages": [
+                            {"accelerator": "cpu", "tp": tp, "layers": cfg["num_hidden_layers"]}]}]}, "test.yaml")
+    return estimate(plan, load_catalog(), spec_from_config(cfg, "cfg", "tiny")).memory_gb * 1e9

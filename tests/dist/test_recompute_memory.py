@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import estimated_memory_bytes, forward_activation_bytes
 from starverse.runtime.launch import RankSpec, launch
 
 CFG = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -19,8 +20,6 @@ VARIANTS = [{"tp": 2, "recompute": rc, "sequence_parallel": sp} for sp in (False
 
 def _activations(env, variants):
     """On each rank: activation bytes alive after the forward, per variant."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
     from starverse.runtime.modeling import build_model
     from starverse.runtime.parallel.parallelize import ParallelConfig, group_mesh, parallelize
 
@@ -28,30 +27,15 @@ def _activations(env, variants):
     for variant in variants:
         config = ParallelConfig(**variant)
         pm = parallelize(build_model(CFG, seed=0), config, group_mesh("cpu", env.world_size, config.tp))
-        x = torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) % CFG["vocab_size"]
-        tracker = MemTracker()
-        tracker.track_external(pm.model)
-        with tracker:
-            loss = pm.model(input_ids=x, labels=x).loss
-            snapshot = tracker.get_tracker_snapshot("current")
+        activations, loss = forward_activation_bytes(
+            pm.model, torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) % CFG["vocab_size"])
         loss.backward()
-        out.append(snapshot[torch.device("cpu")][_MemRefType.ACT])
+        out.append(activations)
     return out
 
 
 def _estimated_bytes(variant: dict) -> float:
-    from starverse.catalog import load_catalog
-    from starverse.config import parse
-    from starverse.costmodel.step import estimate
-    from starverse.models.families import spec_from_config
-    from starverse.plan import Plan
-
-    plan = parse(Plan, {"model": "tiny-llama",
-                        "train": {"seq_len": SEQ, "global_batch": BATCH, "precision": "fp32",
-                                  "recompute": variant["recompute"], "sequence_parallel": variant["sequence_parallel"]},
-                        "groups": [{"replicas": 1, "micro_batch": BATCH,
-                                    "stages": [{"accelerator": "cpu", "tp": variant["tp"], "layers": 2}]}]}, "t.yaml")
-    return estimate(plan, load_catalog(), spec_from_config(CFG, "CFG", "tiny-llama")).memory_gb * 1e9
+    return estimated_memory_bytes(CFG, SEQ, BATCH, variant["recompute"], variant["tp"], variant["sequence_parallel"])
 
 
 @pytest.mark.timeout(300)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from helpers import TINY, TinyLM
+from helpers import TINY, TinyLM, estimated_memory_bytes, forward_activation_bytes
 from starverse.errors import ConfigError
 from starverse.runtime.modeling import build_model
 from starverse.runtime.parallel.blocks import decoder_blocks
@@ -51,15 +50,10 @@ def test_plan_settings_that_cannot_run_together():
 def _activation_bytes(mode: str) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
     """Bytes of activations alive after the forward (torch's MemTracker), the loss and the gradients."""
     model = apply_recompute(build_model(LLAMA, seed=1), mode)
-    x = torch.arange(64).reshape(2, 32) % LLAMA["vocab_size"]
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        loss = model(input_ids=x, labels=x).loss
-        snapshot = tracker.get_tracker_snapshot("current")
+    activations, loss = forward_activation_bytes(model, torch.arange(64).reshape(2, 32) % LLAMA["vocab_size"])
     loss.backward()
     grads = {k.replace("._checkpoint_wrapped_module", ""): p.grad for k, p in model.named_parameters()}
-    return snapshot[torch.device("cpu")][_MemRefType.ACT], loss.detach(), grads
+    return activations, loss.detach(), grads
 
 
 def test_recompute_saves_less_and_changes_nothing():
@@ -80,23 +74,8 @@ def test_the_cost_model_prices_matmuls_recompute_as_the_runtime_keeps_it():
     # recompute: matmuls keeps each block's input and every matmul's output (q, k, v, o, gate, up, down); full keeps
     # the input alone. The runtime's activations after the forward differ by exactly those outputs (torch's
     # MemTracker; everything outside the blocks is the same under both), and so must the estimate's memory
-    from starverse.catalog import load_catalog
-    from starverse.config import parse
-    from starverse.costmodel.step import estimate
-    from starverse.models.families import spec_from_config
-    from starverse.plan import Plan
-
     measured = _activation_bytes("matmuls")[0] - _activation_bytes("full")[0]
-    spec = spec_from_config(LLAMA, "LLAMA", "tiny-llama")
-
-    def need_bytes(recompute: str) -> float:
-        plan = parse(Plan, {"model": "tiny-llama", "train": {"seq_len": 32, "global_batch": 2, "precision": "fp32",
-                                                             "recompute": recompute},
-                            "groups": [{"replicas": 1, "micro_batch": 2,
-                                        "stages": [{"accelerator": "cpu", "tp": 1, "layers": 2}]}]}, "t.yaml")
-        return estimate(plan, load_catalog(), spec).memory_gb * 1e9
-
-    predicted = need_bytes("matmuls") - need_bytes("full")
+    predicted = estimated_memory_bytes(LLAMA, 32, 2, "matmuls") - estimated_memory_bytes(LLAMA, 32, 2, "full")
     h, q, kv, ffn, tokens, layers = 32, 32, 16, 64, 64, 2
     assert measured == layers * tokens * 4 * (q + 2 * kv + h + 2 * ffn + h)
     assert predicted == pytest.approx(measured, rel=1e-6)

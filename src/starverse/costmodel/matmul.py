@@ -50,7 +50,7 @@ def gemm_time_s(m: FloatArray, n: FloatArray, k: FloatArray, rows: StageRows, by
     flops = 2.0 * m * n * k
     d = gemm_half_dim(rows, ob / bytes_per_value)
     eff = rows.gemm_efficiency / (1.0 + d / np.maximum(m, 1e-9) + d / np.maximum(n, 1e-9) + d / np.maximum(k, 1e-9))
-    if rows.matrix_unit is not None:
+    if rows.matrix_unit is not None and np.any(rows.matrix_unit > 0):
         eff = np.where(rows.matrix_unit > 0, systolic_efficiency(m, n, k, rows), eff)
     t_compute = flops / (rows.peak_tflops * 1e12 * eff)
     t_memory = (ob * (m * k + k * n) + bytes_per_value * m * n) / (
