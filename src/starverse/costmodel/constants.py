@@ -115,7 +115,7 @@ TPU matmul is a roofline at this fraction with axes under the MXU's edge padded 
 runs, MaxText's v5e and v5p tables (``data/validation/maxtext-tpu``): zero mean over the two sources of the mean
 signed error of tokens/s. Leave-one-source-out refits it on the other TPU generation: 0.840 on v5p alone, 0.897 on
 v5e alone (docs/costmodel.md). It was 0.9301 while TPU matmuls paid the GPU shape term (D = 0.84 x machine balance:
-139-202 on v5p / v5e, up to 12 % of a TP 16 matmul), with 0.893 / 0.970 held out. What the runs imply directly:
+139-202 on v5p / v5e), with 0.893 / 0.970 held out. What the runs imply directly:
 under full recompute the hardware runs 4/3 of the FLOPs MaxText counts, so its one-slice v5e runs kept the MXUs at
 0.75-0.89 of peak over whole steps, everything that is not a matmul included; before this constant a TPU's matmuls
 ran at 0.80 x 0.7387 = 0.59 (the 0.80 read off PaLM's whole-model 57.8 % HFU on TPU v4), and every MaxText run was
