@@ -206,8 +206,9 @@ def estimated_memory_bytes(cfg: dict, seq: int, batch: int, recompute: str, tp: 
     from starverse.models.families import spec_from_config
     from starverse.plan import Plan
 
+    spec = spec_from_config(cfg, "cfg", "tiny")
     plan = parse(Plan, {"model": "tiny", "train": {"seq_len": seq, "global_batch": batch, "precision": "fp32",
                                                    "recompute": recompute, "sequence_parallel": sequence_parallel},
                         "groups": [{"replicas": 1, "micro_batch": batch, "stages": [
-                            {"accelerator": "cpu", "tp": tp, "layers": cfg["num_hidden_layers"]}]}]}, "test.yaml")
-    return estimate(plan, load_catalog(), spec_from_config(cfg, "cfg", "tiny")).memory_gb * 1e9
+                            {"accelerator": "cpu", "tp": tp, "layers": spec.num_layers}]}]}, "test.yaml")
+    return estimate(plan, load_catalog(), spec).memory_gb * 1e9

@@ -30,7 +30,7 @@ Precision = Literal["bf16", "fp16", "fp8", "fp32", "tf32"]
 """``tf32``: fp32 weights and activations, matmuls on TF32 tensor cores (NVIDIA Ampere and later; PyTorch's
 ``allow_tf32`` or NGC containers' ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``); elsewhere it runs as fp32."""
 Mode = Literal["full", "lora", "qlora"]
-Recompute = Literal["none", "selective", "matmuls", "full"]
+Recompute = Literal["none", "selective", "matmuls", "dots", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 OptimizerKind = Literal["adamw", "sgd"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -64,7 +64,9 @@ class TrainSpec(FrozenModel):
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (the attention core, Korthikanti et al.), matmuls (only the matmul
     outputs kept, the rest recomputed: op-level selective checkpointing, what the runtime runs for both selective
-    modes), full (whole layer)."""
+    modes), dots (JAX's ``checkpoint_dots_with_no_batch_dims``, MaxText's ``remat_policy: minimal``: of the
+    projections' outputs only those the backward reads; estimates only, the runtime refuses it), full (whole
+    layer)."""
     offload: Offload = "none"
     """Keep optimizer state (and optionally parameters) in host memory."""
     optimizer: OptimizerKind = "adamw"

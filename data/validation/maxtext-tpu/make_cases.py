@@ -26,21 +26,19 @@ same folder's ``{32,64,128,256,512,1024}b.sh``: ``per_device_batch_size`` 8 / 4 
 ``ici_fsdp_parallelism=-1`` with ``ici_tensor_parallelism`` 4 / 4 / 8 / 8 / 16 / 16, ``remat_policy`` minimal for
 32B-256B and full for 512B and 1024B, ``attention='flash'``, base.yml's sequence 2048. ``minimal`` is
 ``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims`` (``MaxText/layers/models.py``): the outputs of the
-projections (dots without batch dimensions) are kept and the attention core (its dots batch over heads) and the
-elementwise work are recomputed, which is what the plan format's ``recompute: selective`` (Korthikanti et al.'s
-attention-core recompute) costs.
+projections (dots without batch dimensions) are saveable, and JAX keeps those the backward reads; the attention
+core (its dots batch over heads) and the elementwise work are recomputed: the plan format's ``recompute: dots``.
 
 The model (``MaxText/layers.py`` / ``layers/models.py`` and ``pyconfig.py``): ``global_parameter_scale`` s doubles,
 in turn, the heads and MLP width, the embedding width, and the layers from base.yml's 2560 / 8 heads / 8192 / 16
 layers (``get_individual_scales``), with ``head_dim: 256`` whatever the width, vocabulary 32768, logits via the
 embedding (tied), a ReLU MLP of two matrices (``mlp_activations: ["relu"]``), RMSNorm without bias, no biases
-anywhere; at e47fa1b5 also QK norms and T5 relative position biases (tiny), at 64c851db4 rotary embeddings. The
-case models are written as Llama-family configs (RMSNorm, no biases, head_dim given): the plan format's MLP is
-either two matrices of a GELU-type MLP with biases and LayerNorm (gpt2 family, head_dim = width / heads) or the
-gated three; MaxText's 2 x d x M MLP is written as the gated 3 x d x (2M/3), the same parameters and matmul FLOPs
-(within 0.002 % where 2M/3 is not whole) and the same elementwise bytes (ReLU reads and writes M values;
-SiLU-and-multiply reads 2 x 2M/3 and writes 2M/3). MaxText's decoder layer runs attention and MLP in parallel from
-one norm; the Llama form's second norm is d more parameters per layer.
+anywhere; at e47fa1b5 also QK norms and T5 relative position biases (tiny), at 64c851db4 rotary embeddings;
+attention and MLP in parallel from one norm (``DecoderLayer``). The case models are MaxText configs
+(``model_type: maxtext``, estimates only; ``starverse.models.families._maxtext`` reads MaxText's keys as
+``pyconfig`` resolves them): ``decoder_block: default`` (the parallel block), ``mlp_activations: [relu]``,
+``logits_via_embedding``, ``dropout_rate: 0``. Not in them: the QK norms' and relative biases' 2 x 256 + 32 x heads
+values per layer (below 0.001 % of the parameters; ``maxtext_params`` counts them for the FLOPs).
 
 Throughput: the tables' TFLOP/sec/chip is ``train.py``'s ``calculate_training_tflops`` per device over the step
 time: 6 x parameters x tokens plus the attention's 12 x heads x layers x head_dim x sequence^2 x sequences (the whole
@@ -53,8 +51,15 @@ The plan: each slice is one group (ZeRO stage 3 over its replicas, TP as the run
 plan, ``cross_group_gbps`` the host's data-centre network: v5e "2 x 100 Gbps NIC" per host of 8 chips
 (cloud.google.com/tpu/docs/v5e, "Per-host NIC configuration"; 32 hosts x 200 Gbit/s = the page's "Data center
 network bandwidth per Pod 6.4 Tbps"), v5p "Data center network (DCN) bandwidth per chip (Gbps) 50"
-(cloud.google.com/tpu/docs/v5p) x 4 chips per host. Attention fused (``flash``, the Pallas flash kernel). Global
-batch = per-device batch x chips / TP; one micro-batch per step.
+(cloud.google.com/tpu/docs/v5p) x 4 chips per host. Attention fused (``flash``, the Pallas flash kernel).
+
+Batch: ``pyconfig.py`` sets ``global_batch_size_to_train_on = int(num_devices * per_device_batch_size)`` (at both
+commits), one micro-batch per step, and inside the model activations batch over the data and FSDP axes only
+(base.yml ``logical_axis_rules``: ``activation_batch`` -> ``['data', 'fsdp']``, ``activation_embed`` ->
+``tensor``): the TP ranks of one FSDP shard share per-device batch x TP sequences, their residual stream split
+along the embedding. So a case's micro-batch is per-device batch x TP, its global batch per-device batch x chips,
+and where TP > 1 ``sequence_parallel: true`` (Megatron's layout of the same split, in cost: the residual stream
+and its elementwise work 1/TP per rank, all-gathers and reduce-scatters around the projections).
 """
 
 from __future__ import annotations
@@ -93,7 +98,8 @@ class Table:
     qk_norm_relpos: bool
     """The model has QK norms and T5 relative position biases (e47fa1b5) or rotary embeddings (64c851db4)."""
     sizes: dict[str, tuple[int, int, int, str]]
-    """size -> (global_parameter_scale, per-device batch, ICI tensor parallelism, plan recompute)."""
+    """size -> (global_parameter_scale, per-device batch, ICI tensor parallelism, plan recompute: ``remat_policy``
+    full -> full, minimal -> dots)."""
     runs: tuple[Run, ...]
 
 
@@ -113,8 +119,8 @@ V5P = Table(
     source="maxtext_v5p", accelerator="tpu-v5p", chips_per_host=4, dcn_gbps_per_host=4 * 50,
     where="google/maxtext@64c851db MaxText/configs/v5p/README.md, runs MaxText/configs/v5p/{size}.sh",
     causal_attention_flops=True, qk_norm_relpos=False,
-    sizes={"32b": (32, 8, 4, "selective"), "64b": (64, 4, 4, "selective"), "128b": (128, 2, 8, "selective"),
-           "256b": (256, 2, 8, "selective"), "512b": (512, 2, 16, "full"), "1024b": (1024, 2, 16, "full")},
+    sizes={"32b": (32, 8, 4, "dots"), "64b": (64, 4, 4, "dots"), "128b": (128, 2, 8, "dots"),
+           "256b": (256, 2, 8, "dots"), "512b": (512, 2, 16, "full"), "1024b": (1024, 2, 16, "full")},
     # (size, TensorCores per slice (v5p-N), slices, TFLOP/sec/chip)
     runs=tuple(Run(size, cores // 2, s, tf) for size, cores, s, tf in (
         ("32b", 128, 1, 328), ("32b", 128, 2, 319), ("64b", 128, 1, 323), ("64b", 128, 2, 309),
@@ -160,11 +166,11 @@ def tokens_per_s(table: Table, run: Run) -> float:
 
 
 def model_json(d: dict[str, int]) -> dict[str, object]:
-    """The Llama-family config the case names (module docstring: the MLP as the gated equivalent)."""
-    return {"model_type": "llama", "hidden_size": d["emb"], "num_attention_heads": d["heads"],
-            "num_key_value_heads": d["heads"], "head_dim": HEAD_DIM, "intermediate_size": round(2 * d["mlp"] / 3),
-            "num_hidden_layers": d["layers"], "vocab_size": VOCAB, "max_position_embeddings": SEQ,
-            "tie_word_embeddings": True}
+    """The MaxText config the case names (module docstring)."""
+    return {"model_type": "maxtext", "decoder_block": "default", "emb_dim": d["emb"], "num_query_heads": d["heads"],
+            "num_kv_heads": d["heads"], "head_dim": HEAD_DIM, "mlp_dim": d["mlp"], "num_decoder_layers": d["layers"],
+            "vocab_size": VOCAB, "max_target_length": SEQ, "mlp_activations": ["relu"], "logits_via_embedding": True,
+            "dropout_rate": 0.0}
 
 
 def case_name(table: Table, run: Run) -> str:
@@ -178,10 +184,10 @@ def case_yaml(table: Table, run: Run) -> str:
     scale, pdbs, tp, recompute = table.sizes[run.size]
     d = dims(scale)
     acc = table.accelerator
-    train = (f"seq_len: {SEQ}, global_batch: {pdbs * run.chips * run.slices // tp}, precision: bf16, mode: full, "
+    train = (f"seq_len: {SEQ}, global_batch: {pdbs * run.chips * run.slices}, precision: bf16, mode: full, "
              f"zero_stage: 3, recompute: {recompute}, attention: flash"
-             + (", tp_comm_overlap: true" if tp > 1 else ""))
-    group = (f"- replicas: {run.chips // tp}\n  micro_batch: {pdbs}\n  stages:\n"
+             + (", sequence_parallel: true, tp_comm_overlap: true" if tp > 1 else ""))
+    group = (f"- replicas: {run.chips // tp}\n  micro_batch: {pdbs * tp}\n  stages:\n"
              f"  - {{accelerator: {acc}, tp: {tp}, layers: {d['layers']}}}\n")
     network = f"network:\n  devices_per_node: {{{acc}: {table.chips_per_host}}}\n"
     if run.slices > 1:

@@ -55,6 +55,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         dropout=shape.dropout,
         attention_dropout=shape.attention_dropout,
         relu=shape.relu,
+        parallel_block=shape.parallel_block,
         head=shape.lm_head,
         attention=train.attention,
         num_layers=float(shape.num_layers),

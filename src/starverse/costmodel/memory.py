@@ -69,8 +69,16 @@ def layer_activations(mn: ModelNumbers, rows: StageRows, tokens: FloatArray, tp_
     k = max(mn.top_k, 1.0)
     up = (2.0 if mn.gated else 1.0) * mn.ffn * k
     matmul_outputs = tokens * bv * ((mn.q_dim + 2.0 * mn.kv_dim + up) / t + (1.0 + k) * h + mn.num_experts)
-    stored_per_layer = np.where(rows.recompute == 2, layer_input,
-                                np.where(rows.recompute == 3, layer_input + matmul_outputs, layer_act))
+    # dots (JAX's ``checkpoint_dots_with_no_batch_dims``, MaxText's ``minimal``): of the projections' outputs only
+    # the residuals the backward reads are kept, each as XLA shards it — Q, K, V and the MLP's up (and gate)
+    # projections split over TP, and in a sequential block the attention's output projection, from which the
+    # mid-layer residual (the MLP norm's input) is rebuilt, split like the residual stream; neither output
+    # projection of a parallel block, nor the MLP's down projection, feeds anything but the residual sum
+    dots_outputs = tokens * bv * ((mn.q_dim + 2.0 * mn.kv_dim + up) / t + mn.num_experts
+                                  + (0.0 if mn.parallel_block else h / tp_rep))
+    stored_per_layer = np.select(
+        [rows.recompute == 2, rows.recompute == 3, rows.recompute == 4],
+        [layer_input, layer_input + matmul_outputs, layer_input + dots_outputs], layer_act)
     return layer_act, attn_transient, stored_per_layer
 
 

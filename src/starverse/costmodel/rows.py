@@ -137,6 +137,8 @@ class ModelNumbers:
     """Attention probabilities are dropped (``ModelShape.attention_dropout``)."""
     relu: bool = False
     """ReLU MLP (``ModelShape.relu``): one ffn-wide tensor stored per token."""
+    parallel_block: bool = False
+    """Attention and MLP in parallel from one norm (``ModelShape.parallel_block``)."""
     head: bool = True
     """The model has an LM head (``ModelShape.lm_head``); without one the loss covers the hidden states."""
     cp: float = 1.0

@@ -34,7 +34,7 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
-RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2, "matmuls": 3}
+RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2, "matmuls": 3, "dots": 4}
 """``Candidates.recompute`` codes."""
 OFFLOAD_CODES: dict[str, int] = {"none": 0, "optimizer": 1, "optimizer+params": 2}
 """``Candidates.offload`` codes."""
@@ -92,13 +92,14 @@ def uses_lm_head(spec: Any) -> bool:
 
 def uses_relu(spec: Any) -> bool:
     """Whether the (non-gated) MLP activation is ReLU (``activation_function``, ``hidden_act`` or
-    ``hidden_activation`` of the config)."""
+    ``hidden_activation`` of the config, or MaxText's one ``mlp_activations``)."""
     cfg = dict(getattr(spec, "hf_config", {}) or {})
     for key in ("activation_function", "hidden_act", "hidden_activation"):
         value = cfg.get(key)
         if isinstance(value, str):
             return value.lower() in RELU_NAMES
-    return False
+    acts = cfg.get("mlp_activations")
+    return isinstance(acts, list) and len(acts) == 1 and str(acts[0]).lower() in RELU_NAMES
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ class ModelShape:
     """Drops attention probabilities (eager attention then stores a 1-byte mask and the dropped copy per score)."""
     relu: bool = False
     """The MLP activation is ReLU (one ffn-wide tensor stored per token, not two)."""
+    parallel_block: bool = False
+    """Attention and MLP read the same normed input and add to the residual together (``ModelSpec.parallel_attn_mlp``:
+    GPT-J / NeoX / Falcon, MaxText's default block): no mid-layer residual to rebuild under ``recompute: dots``."""
     lm_head: bool = True
     """The model ends in a vocabulary projection (:func:`uses_lm_head`); without one the last stage holds no
     head weights, runs no head matmul and its loss covers the hidden states (time and memory alike)."""
@@ -170,6 +174,7 @@ class ModelShape:
             dropout=uses_dropout(spec),
             attention_dropout=uses_attention_dropout(spec),
             relu=uses_relu(spec) and not spec.gated_mlp,
+            parallel_block=bool(getattr(spec, "parallel_attn_mlp", False)),
             lm_head=uses_lm_head(spec),
         )
 
@@ -430,7 +435,7 @@ class Candidates:
     zero_stage: IntArray
     """0-3, sharding over the group's ``replicas`` (ZeRO/FSDP)."""
     recompute: IntArray
-    """:data:`RECOMPUTE_CODES` (0 none, 1 selective, 2 full, 3 matmuls)."""
+    """:data:`RECOMPUTE_CODES` (0 none, 1 selective, 2 full, 3 matmuls, 4 dots)."""
     offload: IntArray
     """:data:`OFFLOAD_CODES` (0 none, 1 optimizer, 2 optimizer+params)."""
     sequence_parallel: BoolArray

@@ -516,10 +516,11 @@ def estimate(plan: Plan, catalog: Any = None, spec: Any = None) -> Estimate:
 
 def _hardware_flops_per_token(mn: Any, plan: Plan) -> float:
     """Executed FLOPs per token: model FLOPs plus the recomputed forward (full: whole layers,
-    selective and matmuls: the attention core)."""
+    selective, matmuls and dots: the attention core)."""
     layer = mn.layer_matmul_flops_per_token()
     attn = 4.0 * mn.q_dim * (mn.seq_len + 1.0) / 2.0
-    extra = {"none": 0.0, "selective": attn, "matmuls": attn, "full": layer}[plan.train.recompute] * mn.num_layers
+    extra = {"none": 0.0, "selective": attn, "matmuls": attn, "dots": attn, "full": layer}[plan.train.recompute]
+    extra *= mn.num_layers
     return float(mn.model_flops_per_token() + extra)
 
 

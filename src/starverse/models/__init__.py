@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from starverse.models.families import family_of, spec_from_config
 from starverse.models.registry import CONFIG_DIR, bundled_ids, list_models, load_model
-from starverse.models.spec import FAMILIES, ModelSpec
+from starverse.models.spec import ESTIMATE_ONLY_FAMILIES, FAMILIES, ModelSpec
 
 __all__ = [
     "CONFIG_DIR",
+    "ESTIMATE_ONLY_FAMILIES",
     "FAMILIES",
     "ModelSpec",
     "bundled_ids",

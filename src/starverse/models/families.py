@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from starverse.errors import ModelError
-from starverse.models.spec import FAMILIES, ModelSpec
+from starverse.models.spec import ESTIMATE_ONLY_FAMILIES, FAMILIES, ModelSpec
 
 Reader = Callable[[Mapping[str, Any], str], ModelSpec]
 
@@ -352,6 +352,57 @@ def _falcon(raw: Mapping[str, Any], where: str) -> ModelSpec:
     )
 
 
+MAXTEXT_DECODER_BLOCKS = {"default": True, "llama2": False}
+"""MaxText ``decoder_block`` values read, and whether attention and MLP run in parallel from one norm
+(``layers/models.py`` ``DecoderLayer``) or one after the other with a norm each (``layers/llama2.py``)."""
+
+
+def _maxtext(raw: Mapping[str, Any], where: str) -> ModelSpec:
+    """A model as MaxText configures it (``model_type: maxtext``, estimates only): the keys of its ``base.yml`` as
+    ``pyconfig`` resolves them — ``emb_dim``, ``num_query_heads``, ``num_kv_heads``, ``head_dim``, ``mlp_dim``,
+    ``num_decoder_layers``, ``vocab_size``, ``max_target_length``, ``mlp_activations`` (one: a two-matrix MLP;
+    two: gated), ``logits_via_embedding`` (tied head), ``decoder_block`` (:data:`MAXTEXT_DECODER_BLOCKS`) and
+    ``dropout_rate``; required, since base.yml's defaults changed between MaxText's versions, except
+    ``num_kv_heads`` (the query heads), ``max_target_length`` (2048) and ``logits_via_embedding`` (false). RMSNorm with a scale only, no biases, rotary positions. Not counted: the QK norms and T5
+    relative position biases of MaxText's 2023 default block (2 x head_dim + 32 x heads values per layer)."""
+    c = _Cfg(raw, where)
+    hidden = c.int("emb_dim")
+    heads = c.int("num_query_heads")
+    kv, _ = _heads(c, hidden, heads, "num_kv_heads", None)
+    head_dim = c.int("head_dim")
+    block = c.get("decoder_block")
+    if block is None:
+        raise ModelError(f"{where}: required key 'decoder_block' is missing")
+    if block not in MAXTEXT_DECODER_BLOCKS:
+        raise ModelError(f"{where}: decoder_block {block!r} is not read; read: {', '.join(MAXTEXT_DECODER_BLOCKS)}")
+    parallel = MAXTEXT_DECODER_BLOCKS[block]
+    acts = c.get("mlp_activations")
+    if acts is None:
+        raise ModelError(f"{where}: required key 'mlp_activations' is missing")
+    if not isinstance(acts, list) or len(acts) not in (1, 2) or not all(isinstance(a, str) for a in acts):
+        raise ModelError(f"{where}: mlp_activations must be a list of one or two activation names (got {acts!r})")
+    return _spec(
+        raw,
+        "maxtext",
+        hidden,
+        heads,
+        False,
+        num_layers=c.int("num_decoder_layers"),
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        ffn_hidden_size=c.int("mlp_dim"),
+        vocab_size=c.int("vocab_size"),
+        max_seq_len=c.int("max_target_length", default=2048),
+        gated_mlp=len(acts) == 2,
+        tie_embeddings=c.bool("logits_via_embedding", default=False),
+        position="rope",
+        norm="rmsnorm",
+        norm_params_per_layer=(1 if parallel else 2) * hidden,
+        other_params=hidden,  # decoder_norm
+        parallel_attn_mlp=parallel,
+    )
+
+
 READERS: dict[str, Reader] = {
     "llama": lambda raw, where: _llama_like(raw, where, "llama"),
     "mistral": lambda raw, where: _llama_like(raw, where, "mistral"),
@@ -363,6 +414,7 @@ READERS: dict[str, Reader] = {
     "bloom": _bloom,
     "mpt": _mpt,
     "falcon": _falcon,
+    "maxtext": _maxtext,
 }
 
 # HF configs written before model_type existed name the family in "architectures" only
@@ -399,7 +451,7 @@ def family_of(raw: Mapping[str, Any], where: str) -> str:
         what = f"model_type '{model_type}'" if model_type is not None else "no model_type"
         raise ModelError(
             f"{where}: {what} is not a supported family; supported: {', '.join(FAMILIES)} "
-            "(decoder-only Hugging Face configs)"
+            f"(decoder-only Hugging Face configs), and for estimates {', '.join(ESTIMATE_ONLY_FAMILIES)}"
         )
     return str(model_type)
 

@@ -14,6 +14,9 @@ from starverse.catalog.core import FrozenDict
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "gpt_neox", "opt", "bloom", "mpt", "falcon")
 """Model families (HF ``model_type``) that :func:`starverse.models.load_model` understands."""
+ESTIMATE_ONLY_FAMILIES = ("maxtext",)
+"""Families read for estimates only, which the runtime cannot build (``transformers`` has no such class):
+``maxtext``, a model as Google's MaxText (JAX) configures it (``models.families``' reader names the keys)."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,8 @@ class ModelSpec:
     name: str
     """Short id (``llama-2-70b``) for bundled models, else the config's name or file stem."""
     family: str
-    """HF ``model_type``: llama, mistral, mixtral, qwen2, gpt2, gpt_neox, opt, bloom, mpt, falcon."""
+    """HF ``model_type``: llama, mistral, mixtral, qwen2, gpt2, gpt_neox, opt, bloom, mpt, falcon; or an
+    estimate-only family (:data:`ESTIMATE_ONLY_FAMILIES`)."""
     num_layers: int
     """Transformer layers."""
     hidden_size: int

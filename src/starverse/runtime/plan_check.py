@@ -23,7 +23,7 @@ from starverse.runtime.steps import config_int
 
 def check_ranks(plan: Plan, ranks: Sequence[RankSpec], source: str = "plan") -> None:
     """The plan's devices are exactly these ranks' device kinds, rank by rank (in the plan's rank order)."""
-    _no_context_parallel(plan, source)
+    _estimates_only(plan, source)
     layout = PipelineLayout.from_plan(plan)
     want = Counter(p.accelerator for p in layout.places)
     have = Counter(r.device_kind for r in ranks)
@@ -54,8 +54,13 @@ def check_ranks(plan: Plan, ranks: Sequence[RankSpec], source: str = "plan") -> 
             )
 
 
-def _no_context_parallel(plan: Plan, source: str) -> None:
-    """Context parallelism (``groups[i].cp``) is estimated by the cost model, not run."""
+def _estimates_only(plan: Plan, source: str) -> None:
+    """Context parallelism (``groups[i].cp``) and JAX's ``dots`` recompute are estimated by the cost model, not
+    run."""
+    if plan.train.recompute == "dots":
+        raise ConfigError(f"{source}: train.recompute is dots (JAX's checkpoint_dots_with_no_batch_dims), which is "
+                          "only estimated (the runtime does not run it). To fix: use recompute: matmuls, the "
+                          "runtime's op-level checkpointing of every matmul output.")
     for gi, g in enumerate(plan.groups):
         if g.cp > 1:
             raise ConfigError(f"{source}: groups[{gi}].cp is {g.cp}, but context parallelism is only estimated "
@@ -64,7 +69,7 @@ def _no_context_parallel(plan: Plan, source: str) -> None:
 
 def check_model(plan: Plan, model: torch.nn.Module, source: str = "plan") -> None:
     """The plan's stages fit the model: layers sum, depth, TP over heads, interleaved chunks."""
-    _no_context_parallel(plan, source)
+    _estimates_only(plan, source)
     layout = PipelineLayout.from_plan(plan)
     pipelined = layout.is_pipelined
     for gi, g in enumerate(plan.groups):
