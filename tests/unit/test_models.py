@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from starverse.errors import ModelError
+from starverse.errors import ConfigError, ModelError
 from starverse.models import CONFIG_DIR, FAMILIES, ModelSpec, bundled_ids, list_models, load_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -277,3 +277,18 @@ def test_a_maxtext_config_is_read_for_estimates_and_refused_where_a_model_is_bui
     with pytest.raises(ModelError, match=r"model_type 'maxtext' is read for estimates only .* To fix: train a "
                                          r"Hugging Face config"):
         build_model(dict(MAXTEXT_TINY))
+
+
+def test_a_training_job_of_a_maxtext_model_is_refused_at_its_model_line(tmp_path: Path) -> None:
+    """``starverse train`` (and the service at submit) checks a job's model before anything is written: an
+    estimate-only family is one error at the job file's ``model:`` line."""
+    from starverse.elastic.job import check_job_inputs, load_job
+
+    (tmp_path / "m.json").write_text(json.dumps(MAXTEXT_TINY))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("some text to train on\n" * 50)
+    (tmp_path / "job.yaml").write_text("model: m.json\ndataset: data\nrun_dir: run\n"
+                                       "train: {steps: 2, seq_len: 32, global_batch: 4}\n")
+    with pytest.raises(ConfigError, match=r"job\.yaml:1: model: .*m\.json: model_type 'maxtext' is read for "
+                                         r"estimates only .* To fix: train a Hugging Face config"):
+        check_job_inputs(load_job(tmp_path / "job.yaml"), str(tmp_path / "job.yaml"))

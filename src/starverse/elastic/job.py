@@ -249,11 +249,15 @@ def check_job_inputs(job: TrainJob, source: str) -> None:
     each error at the job file's line (``source``): a dataset of text, and a model that exists. A pretrained
     folder's files are checked when it is loaded; :data:`DEFAULT_MODEL` is no registry id."""
     from starverse.checks import check_dataset, check_model
+    from starverse.models import estimate_only
     from starverse.runtime.devices import max_cpu_ranks
 
     check_dataset(job.dataset, source)
     if not Path(job.model).is_dir() and job.model != DEFAULT_MODEL:
         spec = check_model(job.model, source)
+        reason = estimate_only(spec.family)
+        if reason:
+            raise ConfigError(f"{where(source, ('model',))}: model: {job.model}: {reason}", ("model",))
         limit = getattr(spec, "max_seq_len", None)
         # the positions of the model as given (a scaled-down copy for small devices has no more of them)
         if isinstance(limit, int) and job.train.seq_len > limit:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starverse.models.families import family_of, spec_from_config
 from starverse.models.registry import CONFIG_DIR, bundled_ids, list_models, load_model
-from starverse.models.spec import ESTIMATE_ONLY_FAMILIES, FAMILIES, ModelSpec
+from starverse.models.spec import ESTIMATE_ONLY_FAMILIES, FAMILIES, ModelSpec, estimate_only
 
 __all__ = [
     "CONFIG_DIR",
@@ -12,6 +12,7 @@ __all__ = [
     "FAMILIES",
     "ModelSpec",
     "bundled_ids",
+    "estimate_only",
     "family_of",
     "list_models",
     "load_model",

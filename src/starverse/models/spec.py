@@ -19,6 +19,14 @@ ESTIMATE_ONLY_FAMILIES = ("maxtext",)
 ``maxtext``, a model as Google's MaxText (JAX) configures it (``models.families``' reader names the keys)."""
 
 
+def estimate_only(model_type: object) -> str | None:
+    """Why a model of ``model_type`` cannot be trained here (one sentence with the fix), or None if it can."""
+    if model_type not in ESTIMATE_ONLY_FAMILIES:
+        return None
+    return (f"model_type {model_type!r} is read for estimates only (transformers has no such model). To fix: train a "
+            "Hugging Face config of the same shape (`starverse models` lists families)")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a decoder-only transformer (dense or mixture-of-experts)."""

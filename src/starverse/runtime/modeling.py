@@ -84,14 +84,14 @@ def hf_config_dict(config: Any) -> dict[str, Any]:
 def _to_pretrained(cfg: Mapping[str, Any]) -> Any:
     from transformers import AutoConfig
 
-    from starverse.models import ESTIMATE_ONLY_FAMILIES
+    from starverse.models import estimate_only
 
     model_type = cfg.get("model_type")
     if not model_type:
         raise ModelError("the model config has no 'model_type'; cannot pick the transformers class.")
-    if model_type in ESTIMATE_ONLY_FAMILIES:
-        raise ModelError(f"model_type {model_type!r} is read for estimates only (transformers has no such model). "
-                         "To fix: train a Hugging Face config of the same shape (`starverse models` lists families).")
+    reason = estimate_only(model_type)
+    if reason:
+        raise ModelError(f"{reason}.")
     drop = ("model_type", "architectures", "transformers_version", WEIGHTS_KEY)
     fields = {k: v for k, v in cfg.items() if k not in drop}
     try:
