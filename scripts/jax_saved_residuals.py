@@ -1,13 +1,21 @@
-"""What JAX keeps for the backward of a transformer block under ``checkpoint_dots_with_no_batch_dims`` (MaxText's
-``remat_policy: minimal``), against what the cost model's ``recompute: dots`` stores (``costmodel.memory``).
+"""What JAX keeps and runs again for the backward of a transformer block under ``checkpoint_dots_with_no_batch_dims``
+(MaxText's ``remat_policy: minimal``), against what the cost model's ``recompute: dots`` charges.
 
 Usage: ``python scripts/jax_saved_residuals.py [--write]`` with JAX installed (``pip install jax``: not a
-dependency of Starverse; CPU is enough). Prints JSON: per block form (MaxText's parallel block, ``decoder_block:
-default``; the sequential block of ``llama2``) and MLP (ReLU's two matrices, the gated three), the activation values
-per token that ``jax.ad_checkpoint.print_saved_residuals`` lists (the block's weights left out); ``--write`` stores
-it in ``data/validation/maxtext-tpu/jax_saved_residuals.json``, against which
-``tests/unit/test_costmodel_memory.py`` checks what the cost model's ``recompute: dots`` stores for the same shapes
-(and, where JAX is installed, that the file is what JAX says now).
+dependency of Starverse; CPU is enough: the script asks XLA for 4 host devices). Prints JSON, per block form
+(MaxText's parallel block, ``decoder_block: default``; the sequential block of ``llama2``) and MLP (ReLU's two
+matrices, the gated three):
+
+- ``values_per_token``: the activation values per token that ``jax.ad_checkpoint.print_saved_residuals`` lists
+  (the block's weights left out);
+- ``tp_all_gathers_added``: with the block's weights split over 4 devices as Megatron's TP splits them and the
+  residual stream split along the embedding (MaxText's ``activation_embed -> tensor``), how many more all-gathers
+  of an activation the compiled forward and backward run under the policy than without recompute (XLA's CPU
+  lowering; a TPU's may fuse them differently), and what other collectives add (in activations).
+
+``--write`` stores it in ``data/validation/maxtext-tpu/jax_saved_residuals.json``, against which
+``tests/unit/test_costmodel_memory.py`` checks what the cost model stores and runs again for the same shapes (and,
+where JAX is installed, that the file is what JAX says now).
 """
 
 from __future__ import annotations
@@ -15,20 +23,26 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 B, T, E, HEADS, D, M, VOCAB = 2, 8, 32, 4, 16, 96, 128
 """Sequences, tokens per sequence, width, heads, head width, MLP width, vocabulary of the toy block."""
+TP = 4
+"""Host devices the sharded block is split over."""
+OUT = Path(__file__).resolve().parents[1] / "data/validation/maxtext-tpu/jax_saved_residuals.json"
+"""Where ``--write`` puts the figures (read by ``tests/unit/test_costmodel_memory.py``)."""
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
-def jax_values_per_token(parallel: bool, gated: bool) -> float:
-    """Activation values per token that JAX saves for the block's backward under the dots policy."""
+def _block(parallel: bool, gated: bool, stream: Callable[[Any], Any]) -> tuple[dict[str, Any], Callable[..., Any]]:
+    """The toy block's weights and its function; ``stream`` places the residual stream (a sharding constraint)."""
     import jax
     import jax.numpy as jnp
-    from jax.ad_checkpoint import print_saved_residuals
 
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
 
@@ -56,16 +70,32 @@ def jax_values_per_token(parallel: bool, gated: bool) -> float:
         return jnp.einsum("btm,me->bte", act, p["wd"])
 
     def block(p: dict[str, Any], x: Any) -> Any:
+        x = stream(x)
         if parallel:
             y = norm(x, p["n1"])
-            return x + attention(p, y) + mlp(p, y)
-        h1 = x + attention(p, norm(x, p["n1"]))
-        return h1 + mlp(p, norm(h1, p["n2"]))
+            return stream(x + attention(p, y) + mlp(p, y))
+        h1 = stream(x + attention(p, norm(x, p["n1"])))
+        return stream(h1 + mlp(p, norm(h1, p["n2"])))
 
-    remat = jax.checkpoint(block, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+    return params, block
+
+
+def _policy() -> Any:
+    import jax
+
+    return jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+
+
+def jax_values_per_token(parallel: bool, gated: bool) -> float:
+    """Activation values per token that JAX saves for the block's backward under the dots policy."""
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import print_saved_residuals
+
+    params, block = _block(parallel, gated, lambda x: x)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        print_saved_residuals(remat, params, jnp.ones((B, T, E), jnp.float32))
+        print_saved_residuals(jax.checkpoint(block, policy=_policy()), params, jnp.ones((B, T, E), jnp.float32))
     values = 0
     for line in out.getvalue().splitlines():
         shape = re.match(r"\s*\w+\[([\d,]*)\]", line)
@@ -77,19 +107,62 @@ def jax_values_per_token(parallel: bool, gated: bool) -> float:
     return values / (B * T)
 
 
-OUT = Path(__file__).resolve().parents[1] / "data/validation/maxtext-tpu/jax_saved_residuals.json"
-"""Where ``--write`` puts the figures (read by ``tests/unit/test_costmodel_memory.py``)."""
+def _collectives(hlo: str) -> dict[str, int]:
+    """Values moved per collective kind in a compiled module's text (each op's result shapes, tuples summed)."""
+    moved: dict[str, int] = {}
+    for line in hlo.splitlines():
+        op = re.match(r"\s*%\S+ = (.*?) (" + "|".join(COLLECTIVES) + r")(-start)?\(", line)
+        if op is None:
+            continue
+        for shape in re.finditer(r"\w+\[([\d,]*)\]", op.group(1)):
+            size = 1
+            for n in shape.group(1).split(","):
+                size *= int(n) if n else 1
+            moved[op.group(2)] = moved.get(op.group(2), 0) + size
+    return moved
+
+
+def jax_tp_all_gathers_added(parallel: bool, gated: bool) -> dict[str, float]:
+    """All-gathers of one activation (B x T x E values) the dots policy adds to the compiled step of the block split
+    over :data:`TP` devices, and what every other collective adds, in activations (the recomputed norms' statistics:
+    1 / E of one per norm)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(jax.devices()[:TP], ("tensor",))
+    split = {"wq": P(None, "tensor"), "wk": P(None, "tensor"), "wv": P(None, "tensor"), "wo": P("tensor"),
+             "wi": P(None, "tensor"), "wg": P(None, "tensor"), "wd": P("tensor"), "n1": P(), "n2": P()}
+    embed = NamedSharding(mesh, P(None, None, "tensor"))
+    params, block = _block(parallel, gated, lambda x: jax.lax.with_sharding_constraint(x, embed))
+    params = {k: jax.device_put(v, NamedSharding(mesh, split[k])) for k, v in params.items()}
+    x = jax.device_put(jnp.ones((B, T, E), jnp.float32), embed)
+
+    def moved(f: Callable[..., Any]) -> dict[str, int]:
+        step = jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2)))
+        return _collectives(step.lower(params, x).compile().as_text())
+
+    base, dots = moved(block), moved(jax.checkpoint(block, policy=_policy()))
+    added = {k: (dots.get(k, 0) - base.get(k, 0)) / (B * T * E) for k in COLLECTIVES}
+    return {"all_gathers": added.pop("all-gather"), "other": sum(added.values())}
 
 
 def main() -> None:
-    """Print (``--write``: also store) the saved values per token of the four block forms."""
+    """Print (``--write``: also store) the figures of the four block forms."""
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={TP}"
     import jax
 
-    rows = {f"{'parallel' if par else 'sequential'}-{'gated' if gated else 'relu'}": jax_values_per_token(par, gated)
-            for par in (True, False) for gated in (False, True)}
+    forms = [(par, gated) for par in (True, False) for gated in (False, True)]
+
+    def name(par: bool, gated: bool) -> str:
+        return f"{'parallel' if par else 'sequential'}-{'gated' if gated else 'relu'}"
+
     text = json.dumps({"jax": jax.__version__, "shape": {"batch": B, "seq": T, "emb": E, "heads": HEADS,
-                                                         "head_dim": D, "mlp": M, "vocab": VOCAB},
-                       "values_per_token": rows}, indent=1) + "\n"
+                                                         "head_dim": D, "mlp": M, "vocab": VOCAB, "tp": TP},
+                       "values_per_token": {name(*f): jax_values_per_token(*f) for f in forms},
+                       "tp_all_gathers_added": {name(*f): jax_tp_all_gathers_added(*f) for f in forms}},
+                      indent=1) + "\n"
     print(text, end="")
     if "--write" in sys.argv[1:]:
         OUT.write_text(text)

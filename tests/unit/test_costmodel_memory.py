@@ -421,6 +421,33 @@ def test_dots_recompute_stores_what_jax_saves_for_the_backward(form: str) -> Non
     assert tp2 == pytest.approx(beyond_full / 2, rel=1e-9)
 
 
+@pytest.mark.parametrize("block", ["parallel", "sequential"])
+def test_dots_recompute_runs_again_the_all_gathers_xla_adds(block: str) -> None:
+    """Under ``dots`` with sequence parallelism the TP collectives that run again are the all-gathers that rebuild
+    the projections' inputs, as many as XLA's compiled step of the block split over 4 devices adds (1 in the
+    parallel block, 2 in the sequential one; jax_saved_residuals.json): a ring all-reduce moves what two all-gathers
+    move, so the step's TP time grows by that many halves of an all-reduce of the layer's, a quarter of what a full
+    recompute adds (its forward's two all-reduces)."""
+    jax = json.loads((REPO / "data/validation/maxtext-tpu/jax_saved_residuals.json").read_text())
+    sh = jax["shape"]
+    cfg = MAXTEXT_BLOCK | {"decoder_block": "default" if block == "parallel" else "llama2", "emb_dim": 4096,
+                           "num_query_heads": 32, "head_dim": 128, "mlp_dim": 16384, "vocab_size": 32000,
+                           "mlp_activations": ["relu"]}
+    spec = load_model(cfg)
+
+    def tp_comm(recompute: str) -> float:
+        plan = parse(Plan, {"model": "x", "train": {"seq_len": 2048, "global_batch": 4, "recompute": recompute,
+                                                    "sequence_parallel": True},
+                            "groups": [{"replicas": 1, "micro_batch": 4, "stages": [
+                                {"accelerator": "a100-80gb-sxm", "tp": 4, "layers": 2}]}]}, "t.yaml")
+        return float(estimate(plan, CAT, spec).breakdown["tp_comm"])
+
+    gathers = jax["tp_all_gathers_added"][f"{block}-relu"]
+    assert gathers["other"] <= 2 / sh["emb"]  # nothing else but the recomputed norms' statistics
+    added = (tp_comm("dots") - tp_comm("none")) / (tp_comm("full") - tp_comm("none"))
+    assert added == pytest.approx(gathers["all_gathers"] / 2 / 2, rel=1e-9)
+
+
 def test_the_jax_saved_residuals_file_is_what_jax_saves() -> None:
     """Where JAX is installed (not a dependency: ``pip install jax``), the file the test above reads is what the
     script gives now."""
@@ -437,6 +464,12 @@ def test_the_jax_saved_residuals_file_is_what_jax_saves() -> None:
     for form, values in stored["values_per_token"].items():
         block, mlp = form.split("-")
         assert module.jax_values_per_token(block == "parallel", mlp == "gated") == values
+    import jax as jax_module
+
+    if len(jax_module.devices()) >= module.TP:  # XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax
+        for form, added in stored["tp_all_gathers_added"].items():
+            block, mlp = form.split("-")
+            assert module.jax_tp_all_gathers_added(block == "parallel", mlp == "gated") == added
 
 
 def test_a_plan_with_dots_recompute_is_estimated_and_refused_by_the_runtime() -> None:

@@ -119,9 +119,12 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # matmuls: the block's non-matmul ops run again in its backward (their elementwise bytes, and the TP
     # all-reduces: the runtime's op SAC keeps no collective's output); dots (JAX's policy) likewise, but XLA's
     # saved dot outputs are the collectives' results: only the all-gathers that rebuild the projections'
-    # sequence-parallel inputs for the weight gradients run again (half the forward's TP volume)
+    # sequence-parallel inputs for the weight gradients run again, one per norm (two in a sequential block: one
+    # all-reduce's time, half of it in a parallel block; scripts/jax_saved_residuals.py counts them in XLA's step)
     rc_mm = (rows.recompute == 3).astype(np.float64)
     rc_dots = (rows.recompute == 4).astype(np.float64)
+    rerun = rc_mm + rc_dots  # the block's non-matmul forward runs again
+    dots_gathers = 0.5 if mn.parallel_block else 1.0
     fw_again = forwards_again(mn, rows)
     sp = rows.sequence_parallel & (t > 1)
 
@@ -180,7 +183,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     if mn.mode == "qlora":
         # dequantise the 4-bit base to 16 bit for every use (read 0.5 B, write 2 B per parameter)
         fwd_bytes = fwd_bytes + (mn.params_per_layer / t) * 2.5
-    elem_layer = fwd_bytes / bw * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + fw_again + rc_mm + rc_dots) + attn_elem
+    elem_layer = fwd_bytes / bw * (1.0 + C.BACKWARD_ELEMENTWISE_FACTOR + fw_again + rerun) + attn_elem
 
     # ---- TP collectives of one layer: 2 all-reduces forward, 2 backward (+2 recomputed forward) ----
     # TP ranks are consecutive (Megatron's rank order): a group wider than a node fills each node it spans, so
@@ -190,7 +193,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
                                 rows.devices_per_node, rows.inter_node_gbps)
     ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus, 1.0, collective_latency_s(rows.host_collectives, True))
     latency = collective_latency_s(rows.host_collectives)
-    tp_layer = ar * (4.0 + 2.0 * (fw_again + rc_mm) + rc_dots * sp)
+    tp_layer = ar * (4.0 + 2.0 * (fw_again + rc_mm) + dots_gathers * rc_dots * sp)
     if mn.tp_comm_overlap:
         # TP all-gathers / reduce-scatters split into chunks pipelined with the linear layers' GEMMs
         # (Transformer Engine userbuffers; Wang et al. ASPLOS'23 "Overlap communication with dependent
@@ -279,7 +282,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         "stored_per_layer": stored_per_layer,
         "attn_transient": attn_transient,
         "rc_full": rc_full,
-        "rc_rebuild": np.maximum(rc_full, rc_mm + rc_dots),
+        "rc_rebuild": np.maximum(rc_full, rerun),
         "bw": bw,
         "dp_bus": dp_bus,
         "dp_share": dp_share,
