@@ -8,10 +8,13 @@ matrices, the gated three):
 
 - ``values_per_token``: the activation values per token that ``jax.ad_checkpoint.print_saved_residuals`` lists
   (the block's weights left out);
-- ``tp_all_gathers_added``: with the block's weights split over 4 devices as Megatron's TP splits them and the
-  residual stream split along the embedding (MaxText's ``activation_embed -> tensor``), how many more all-gathers
-  of an activation the compiled forward and backward run under the policy than without recompute (XLA's CPU
-  lowering; a TPU's may fuse them differently), and what other collectives add (in activations).
+- ``recomputed_projections``: in a model of such layers under ``jax.lax.scan`` (MaxText's ``scan_layers``), the
+  FLOPs XLA's compiled step adds under ``full`` (``nothing_saveable``) and ``dots`` over no recompute, as a fraction
+  of the forward projections' FLOPs: what the backward does not read (the output projections of a parallel block,
+  the MLP's down projection) is not run again;
+- ``tp_collectives_added``: the same scanned model with the weights split over 4 devices as Megatron's TP splits
+  them and the residual stream split along the embedding (MaxText's ``activation_embed -> tensor``): the
+  collectives the policies add over no recompute, in activations (XLA's CPU lowering; a TPU's may differ).
 
 ``--write`` stores it in ``data/validation/maxtext-tpu/jax_saved_residuals.json``, against which
 ``tests/unit/test_costmodel_memory.py`` checks what the cost model stores and runs again for the same shapes (and,
@@ -32,6 +35,11 @@ from typing import Any
 
 B, T, E, HEADS, D, M, VOCAB = 2, 8, 32, 4, 16, 96, 128
 """Sequences, tokens per sequence, width, heads, head width, MLP width, vocabulary of the toy block."""
+WIDE = (2, 16, 512, 8, 64, 2048)
+"""(B, T, E, HEADS, D, M) of the block whose FLOPs are counted: wide enough that the projections' FLOPs are all but
+all of XLA's count (its elementwise FLOPs under 1 %)."""
+LAYERS = 3
+"""Layers of the scanned model (MaxText's ``scan_layers``: one loop body forward, one backward)."""
 TP = 4
 """Host devices the sharded block is split over."""
 OUT = Path(__file__).resolve().parents[1] / "data/validation/maxtext-tpu/jax_saved_residuals.json"
@@ -39,11 +47,13 @@ OUT = Path(__file__).resolve().parents[1] / "data/validation/maxtext-tpu/jax_sav
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
-def _block(parallel: bool, gated: bool, stream: Callable[[Any], Any]) -> tuple[dict[str, Any], Callable[..., Any]]:
+def _block(parallel: bool, gated: bool, stream: Callable[[Any], Any],
+           dims: tuple[int, ...] = (B, T, E, HEADS, D, M)) -> tuple[dict[str, Any], Callable[..., Any]]:
     """The toy block's weights and its function; ``stream`` places the residual stream (a sharding constraint)."""
     import jax
     import jax.numpy as jnp
 
+    _, T, E, HEADS, D, M = dims
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
 
     def w(*shape: int) -> Any:
@@ -122,30 +132,75 @@ def _collectives(hlo: str) -> dict[str, int]:
     return moved
 
 
-def jax_tp_all_gathers_added(parallel: bool, gated: bool) -> dict[str, float]:
-    """All-gathers of one activation (B x T x E values) the dots policy adds to the compiled step of the block split
-    over :data:`TP` devices, and what every other collective adds, in activations (the recomputed norms' statistics:
-    1 / E of one per norm)."""
+def _scanned_grad(block: Callable[..., Any], policy: Any, params: dict[str, Any], x: Any) -> Any:
+    """The compiled gradient of a model of :data:`LAYERS` copies of ``block`` under ``jax.lax.scan`` (MaxText's
+    ``scan_layers``, with ``prevent_cse`` off under the scan as MaxText sets it), each layer checkpointed with
+    ``policy`` (None: no recompute)."""
+    import jax
+    import jax.numpy as jnp
+
+    layer = block if policy is None else jax.checkpoint(block, policy=policy, prevent_cse=False)
+
+    def model(p: dict[str, Any], x: Any) -> Any:
+        y, _ = jax.lax.scan(lambda h, pl: (layer(pl, h), None), x, p)
+        return jnp.sum(y ** 2)
+
+    return jax.jit(jax.grad(model)).lower(params, x).compile()
+
+
+def _policies() -> dict[str, Any]:
+    import jax
+
+    return {"full": jax.checkpoint_policies.nothing_saveable, "dots": _policy()}
+
+
+def jax_recomputed_projections(parallel: bool, gated: bool) -> dict[str, float]:
+    """Per recompute policy, the FLOPs XLA's compiled step adds over no recompute, as a fraction of the forward
+    projections' FLOPs (XLA counts a loop body once: one layer's forward and backward)."""
+    import jax
+    import jax.numpy as jnp
+
+    b, t, e, heads, d, m = WIDE
+    params, block = _block(parallel, gated, lambda x: x, WIDE)
+    stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a] * LAYERS), params)
+    x = jnp.ones((b, t, e), jnp.float32)
+
+    def flops(policy: Any) -> float:
+        cost = _scanned_grad(block, policy, stacked, x).cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+    q = heads * d
+    projections = 2 * b * t * (3 * e * q + q * e + (2 if gated else 1) * e * m + m * e)
+    base = flops(None)
+    return {name: round((flops(policy) - base) / projections, 2) for name, policy in _policies().items()}
+
+
+def jax_tp_collectives_added(parallel: bool, gated: bool) -> dict[str, dict[str, float]]:
+    """Per recompute policy, the collectives XLA's compiled step of the scanned block split over :data:`TP` devices
+    (weights as Megatron's TP splits them, the residual stream along the embedding: MaxText's ``activation_embed
+    -> tensor``) adds over no recompute, per kind, in activations (B x T x E values; the recomputed norms'
+    statistics are 1 / E of one each)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(jax.devices()[:TP], ("tensor",))
-    split = {"wq": P(None, "tensor"), "wk": P(None, "tensor"), "wv": P(None, "tensor"), "wo": P("tensor"),
-             "wi": P(None, "tensor"), "wg": P(None, "tensor"), "wd": P("tensor"), "n1": P(), "n2": P()}
+    split = {"wq": P(None, None, "tensor"), "wk": P(None, None, "tensor"), "wv": P(None, None, "tensor"),
+             "wo": P(None, "tensor"), "wi": P(None, None, "tensor"), "wg": P(None, None, "tensor"),
+             "wd": P(None, "tensor"), "n1": P(), "n2": P()}
     embed = NamedSharding(mesh, P(None, None, "tensor"))
     params, block = _block(parallel, gated, lambda x: jax.lax.with_sharding_constraint(x, embed))
-    params = {k: jax.device_put(v, NamedSharding(mesh, split[k])) for k, v in params.items()}
+    stacked = {k: jax.device_put(jnp.stack([v] * LAYERS), NamedSharding(mesh, split[k])) for k, v in params.items()}
     x = jax.device_put(jnp.ones((B, T, E), jnp.float32), embed)
 
-    def moved(f: Callable[..., Any]) -> dict[str, int]:
-        step = jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2)))
-        return _collectives(step.lower(params, x).compile().as_text())
+    def moved(policy: Any) -> dict[str, int]:
+        return _collectives(_scanned_grad(block, policy, stacked, x).as_text())
 
-    base, dots = moved(block), moved(jax.checkpoint(block, policy=_policy()))
-    added = {k: (dots.get(k, 0) - base.get(k, 0)) / (B * T * E) for k in COLLECTIVES}
-    return {"all_gathers": added.pop("all-gather"), "other": sum(added.values())}
+    base = moved(None)
+    return {name: {k: (after.get(k, 0) - base.get(k, 0)) / (B * T * E) for k in COLLECTIVES
+                   if after.get(k, 0) != base.get(k, 0)}
+            for name, after in ((name, moved(policy)) for name, policy in _policies().items())}
 
 
 def main() -> None:
@@ -159,9 +214,11 @@ def main() -> None:
         return f"{'parallel' if par else 'sequential'}-{'gated' if gated else 'relu'}"
 
     text = json.dumps({"jax": jax.__version__, "shape": {"batch": B, "seq": T, "emb": E, "heads": HEADS,
-                                                         "head_dim": D, "mlp": M, "vocab": VOCAB, "tp": TP},
+                                                         "head_dim": D, "mlp": M, "vocab": VOCAB, "tp": TP,
+                                                         "layers": LAYERS, "wide": list(WIDE)},
                        "values_per_token": {name(*f): jax_values_per_token(*f) for f in forms},
-                       "tp_all_gathers_added": {name(*f): jax_tp_all_gathers_added(*f) for f in forms}},
+                       "recomputed_projections": {name(*f): jax_recomputed_projections(*f) for f in forms},
+                       "tp_collectives_added": {name(*f): jax_tp_collectives_added(*f) for f in forms}},
                       indent=1) + "\n"
     print(text, end="")
     if "--write" in sys.argv[1:]:

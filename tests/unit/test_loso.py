@@ -155,12 +155,12 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     assert tr["meets"]["median_abs_error"] is False and tr["meets"]["fits_as_reported"] is False
     assert tr["meets"]["p90_abs_error"] is True
     assert tr["memory_n"] == 23 and tr["memory_median_abs_error"] <= 0.15
-    # MaxText's TPU runs: the TPU matmul fraction held out is fitted on the other generation (v5p alone: 0.756,
-    # v5e alone: 0.829, since the cases read MaxText's global batch as per-device batch x chips and its minimal
-    # recompute as JAX's dots policy; 0.840 / 0.897 before); both meet every target held out (docs/costmodel.md
-    # `maxtext`); every run fits, as it ran
+    # MaxText's TPU runs: the TPU matmul fraction held out is fitted on the other generation (v5p alone: 0.724,
+    # v5e alone: 0.742, since full recompute on a TPU runs again only what the backward reads; 0.756 / 0.829
+    # before, 0.840 / 0.897 before the cases read MaxText's batch and minimal recompute as it runs them); both meet
+    # every target held out (docs/costmodel.md `maxtext`); every run fits, as it ran
     tpu = loso["fitted"]["TPU_MATMUL_FRACTION"]["without"]
-    assert 0.72 <= tpu["maxtext_v5e"] < tpu["maxtext_v5p"] <= 0.90
+    assert 0.70 <= tpu["maxtext_v5e"] < tpu["maxtext_v5p"] <= 0.78 and tpu["maxtext_v5p"] - tpu["maxtext_v5e"] < 0.03
     v5e, v5p = held["maxtext_v5e"], held["maxtext_v5p"]
     assert v5e["n"] == 24 and all(ok in (True, None) for ok in v5e["meets"].values()) and v5e["spearman"] >= 0.95
     assert v5p["n"] == 16 and all(ok in (True, None) for ok in v5p["meets"].values()) and v5p["spearman"] >= 0.95

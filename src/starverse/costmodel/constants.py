@@ -107,18 +107,19 @@ measurement. The V100 is where one blanket fraction was wrong: 0.66 (fitted most
 DLPerf's single-V100 Megatron-LM runs, which have no communication, were predicted 22-28 % too slow
 (docs/costmodel.md, ``dlperf``)."""
 
-TPU_MATMUL_FRACTION = 0.79
+TPU_MATMUL_FRACTION = 0.7328
 """Fraction of the 16-bit peak that a TPU's (the ``xla`` stack's) matmuls sustain inside training, in the place of
 ``GEMM_EFFICIENCY_BY_STACK["xla"] x SUSTAINED_FRACTION`` (a GPU figure: MAMF, then what GPU nodes sustain of it). A
 TPU matmul is a roofline at this fraction with axes under the MXU's edge padded up (``matmul.systolic_efficiency``,
 ``Accelerator.matrix_unit``), not the GPU's tile-and-wave shape term. FITTED (``costmodel.fit.FITTED``) on the TPU
 runs, MaxText's v5e and v5p tables (``data/validation/maxtext-tpu``): zero mean over the two sources of the mean
-signed error of tokens/s. Leave-one-source-out refits it on the other TPU generation: 0.756 on v5p alone, 0.829 on
-v5e alone (docs/costmodel.md). It was 0.8661 while the cases read MaxText's per-device batch as the TP group's
-micro-batch (TP x fewer sequences per FSDP shard: v5p 0.840 / v5e 0.897 held out), and 0.9301 while TPU matmuls paid
-the GPU shape term (D = 0.84 x machine balance: 139-202 on v5p / v5e). What the runs imply directly: under full
-recompute the hardware runs 4/3 of the FLOPs MaxText counts, so its one-slice v5e runs kept the MXUs at 0.75-0.89 of
-peak over whole steps, everything that is not a matmul included; before this constant a TPU's matmuls ran at 0.80 x
+signed error of tokens/s. Leave-one-source-out refits it on the other TPU generation: 0.724 on v5p alone, 0.742 on
+v5e alone (docs/costmodel.md). It was 0.790 (0.756 / 0.829) while full recompute on a TPU ran the whole forward again
+(JAX's remat runs only what the backward reads: ``costmodel.stage``), 0.8661 while the cases read MaxText's
+per-device batch as the TP group's micro-batch (TP x fewer sequences per FSDP shard: v5p 0.840 / v5e 0.897 held
+out), and 0.9301 while TPU matmuls paid the GPU shape term (D = 0.84 x machine balance: 139-202 on v5p / v5e). What the runs imply directly: were the
+whole forward run again under full recompute the hardware would run 4/3 of the FLOPs MaxText counts, and its one-slice
+v5e runs would have kept the MXUs at 0.75-0.89 of peak over whole steps, everything that is not a matmul included; before this constant a TPU's matmuls ran at 0.80 x
 0.7387 = 0.59 (the 0.80 read off PaLM's whole-model 57.8 % HFU on TPU v4), and every MaxText run was 22-51 % too
 slow."""
 

@@ -117,14 +117,16 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     rc_full = (rows.recompute == 2).astype(np.float64)
     rc_any = (rows.recompute >= 1).astype(np.float64)
     # matmuls: the block's non-matmul ops run again in its backward (their elementwise bytes, and the TP
-    # all-reduces: the runtime's op SAC keeps no collective's output); dots (JAX's policy) likewise, but XLA's
-    # saved dot outputs are the collectives' results: only the all-gathers that rebuild the projections'
-    # sequence-parallel inputs for the weight gradients run again, one per norm (two in a sequential block: one
-    # all-reduce's time, half of it in a parallel block; scripts/jax_saved_residuals.py counts them in XLA's step)
+    # all-reduces: the runtime's op SAC keeps no collective's output); dots (JAX's policy): the elementwise work
+    # again, but no collective: XLA's saved dot outputs are the collectives' results
     rc_mm = (rows.recompute == 3).astype(np.float64)
     rc_dots = (rows.recompute == 4).astype(np.float64)
     rerun = rc_mm + rc_dots  # the block's non-matmul forward runs again
-    dots_gathers = 0.5 if mn.parallel_block else 1.0
+    # JAX's remat (an XLA program) runs again only what the backward reads: under full recompute not the matmuls
+    # whose outputs only feed the residual sum (the MLP's down projection; in a parallel block the attention's
+    # output projection too), nor their TP reductions (a sequential block rebuilds its mid-layer residual: one
+    # all-reduce's time), as XLA's compiled step of scanned layers shows (scripts/jax_saved_residuals.py)
+    jax_full = rc_full * np.asarray(compiled(rows), dtype=np.float64)
     fw_again = forwards_again(mn, rows)
     sp = rows.sequence_parallel & (t > 1)
 
@@ -133,15 +135,19 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     g = gemm_time_s(tokens, (mn.q_dim + 2 * mn.kv_dim) / t, _f(h), rows, bv, operand_bytes=ob)
     g = g + gemm_time_s(tokens, _f(h), mn.q_dim / t, rows, bv, operand_bytes=ob)
     up = (2.0 if mn.gated else 1.0) * mn.ffn / t
+    g_out = gemm_time_s(tokens, _f(h), mn.q_dim / t, rows, bv, operand_bytes=ob) if mn.parallel_block else 0.0
     if mn.num_experts > 0:
         per_expert = tokens * mn.top_k / mn.num_experts
         g = g + gemm_time_s(per_expert, up, _f(h), rows, bv, mn.num_experts, ob)
-        g = g + gemm_time_s(per_expert, _f(h), mn.ffn / t, rows, bv, mn.num_experts, ob)
-        g = g + gemm_time_s(tokens, _f(mn.num_experts), _f(h), rows, bv, operand_bytes=ob)
+        down = gemm_time_s(per_expert, _f(h), mn.ffn / t, rows, bv, mn.num_experts, ob)
+        g = g + down + gemm_time_s(tokens, _f(mn.num_experts), _f(h), rows, bv, operand_bytes=ob)
     else:
         g = g + gemm_time_s(tokens, up, _f(h), rows, bv, operand_bytes=ob)
-        g = g + gemm_time_s(tokens, _f(h), mn.ffn / t, rows, bv, operand_bytes=ob)
+        down = gemm_time_s(tokens, _f(h), mn.ffn / t, rows, bv, operand_bytes=ob)
+        g = g + down
+    g_out = g_out + down
     bwd_gemm = 2.0 if full_mode else 1.0  # frozen base weights: no weight gradients
+    g_run = g * (1.0 + bwd_gemm + fw_again) - g_out * jax_full  # the layer's linear GEMMs, every pass
     heads = mn.q_dim / mn.head_dim / t
     bw = rows.memory_bw_gb_per_s * (1e9 * C.MEMORY_BW_EFFICIENCY)
     eager = attention_is_eager(mn, rows)
@@ -156,7 +162,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # below includes it)
     host_issue = C.HOST_OVERHEAD_PER_LAYER_S * (1.0 + fw_again / 3.0)
     host = host_issue if mn.sync_micro_steps else 0.0 * rc_full
-    gemm_layer = g * (1.0 + bwd_gemm + fw_again) + a * (1.0 + 2.5 + rc_any + mn.extra_forwards) + host
+    gemm_layer = g_run + a * (1.0 + 2.5 + rc_any + mn.extra_forwards) + host
     attn_elem = np.zeros_like(a)
     if eager.any():
         # materialised s x s scores per head: two batched matmuls over the full square (masked after),
@@ -164,8 +170,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         ss = _f(s)
         a_e = gemm_time_s(ss / mn.cp, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
         scores = rows.micro_batch * heads * s * s / mn.cp
-        gemm_layer = np.where(eager, g * (1.0 + bwd_gemm + fw_again)
-                              + a_e * (1.0 + 2.0 + rc_any + mn.extra_forwards) + host, gemm_layer)
+        gemm_layer = np.where(eager, g_run + a_e * (1.0 + 2.0 + rc_any + mn.extra_forwards) + host, gemm_layer)
         attn_elem = np.where(eager, scores / bw * eager_score_bytes(mn, rows, rc_any), attn_elem)
 
     # ---- memory-bound elementwise work of one layer ------------------------------------------------
@@ -193,13 +198,13 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
                                 rows.devices_per_node, rows.inter_node_gbps)
     ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus, 1.0, collective_latency_s(rows.host_collectives, True))
     latency = collective_latency_s(rows.host_collectives)
-    tp_layer = ar * (4.0 + 2.0 * (fw_again + rc_mm) + dots_gathers * rc_dots * sp)
+    tp_layer = ar * (4.0 + 2.0 * (fw_again + rc_mm) - jax_full * (2.0 if mn.parallel_block else 1.0))
     if mn.tp_comm_overlap:
         # TP all-gathers / reduce-scatters split into chunks pipelined with the linear layers' GEMMs
         # (Transformer Engine userbuffers; Wang et al. ASPLOS'23 "Overlap communication with dependent
         # computation via decomposition"): exposed only where longer than those GEMMs; while overlapped
         # it still occupies SMs (OVERLAP_SM_FRACTION of its duration, as the overlapped DP collectives)
-        tp_layer = np.maximum(tp_layer - g * (1.0 + bwd_gemm + fw_again), 0.0) + C.OVERLAP_SM_FRACTION * tp_layer
+        tp_layer = np.maximum(tp_layer - g_run, 0.0) + C.OVERLAP_SM_FRACTION * tp_layer
     if mn.cp > 1.0:
         # ring attention (Megatron context parallelism; Liu et al. 2023, "Ring Attention with Blockwise
         # Transformers"): cp - 1 steps pass each rank's K and V chunk around the CP ring forward, K, V and
