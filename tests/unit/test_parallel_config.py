@@ -101,3 +101,30 @@ def test_qlora_with_tensor_parallel_or_fsdp_is_refused_lora_is_not():
         check_parallel_plan(plan(zero_stage=3, mode="qlora"), ["cpu", "cpu"], 0)
     check_parallel_plan(plan(2, mode="lora"), ["cpu", "cpu"], 0, model=build_model(LLAMA))
     check_parallel_plan(plan(zero_stage=1, mode="qlora"), ["cpu", "cpu"], 0)  # ZeRO-1 shards adapter state only
+
+
+def test_full_recompute_does_not_run_the_mlp_down_projection_again():
+    """The runtime's ``full`` (PyTorch's non-reentrant checkpoint) stops recomputing once the backward's last saved
+    tensor is back: of a llama block's seven projections it runs six again, not the MLP's down projection
+    (docs/costmodel.md, the recompute paragraph: the cost model still charges the whole forward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+            return func(*args, **(kwargs or {}))
+
+    def backward_matmuls(mode: str) -> int:
+        model = apply_recompute(build_model(LLAMA, seed=1), mode)
+        loss = model(torch.arange(64).reshape(2, 32) % LLAMA["vocab_size"], labels=None).logits.float().pow(2).mean()
+        counter = CountMatmuls()
+        with counter:
+            loss.backward()
+        return counter.n
+
+    layers = LLAMA["num_hidden_layers"]
+    assert backward_matmuls("full") - backward_matmuls("none") == 6 * layers
