@@ -212,3 +212,16 @@ def estimated_memory_bytes(cfg: dict, seq: int, batch: int, recompute: str, tp: 
                         "groups": [{"replicas": 1, "micro_batch": batch, "stages": [
                             {"accelerator": "cpu", "tp": tp, "layers": spec.num_layers}]}]}, "test.yaml")
     return estimate(plan, load_catalog(), spec).memory_gb * 1e9
+
+
+def load_script(path: Path, name: str) -> Any:
+    """Import the script (or benchmark module) at ``path`` as module ``name``, registered in ``sys.modules`` (its
+    dataclasses and forked workers look their module up by name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

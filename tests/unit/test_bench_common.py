@@ -3,17 +3,15 @@ failing or too-short part instead of crashing, and JSON without inf/NaN."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("_common", Path(__file__).resolve().parents[2] / "benchmarks/_common.py")
-assert _spec is not None and _spec.loader is not None
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
+from helpers import load_script
+
+common = load_script(Path(__file__).resolve().parents[2] / "benchmarks/_common.py", "_common")
 
 
 def test_interleave_runs_cases_in_abba_order() -> None:

@@ -471,14 +471,9 @@ def test_the_jax_saved_residuals_file_is_what_jax_saves() -> None:
     """Where JAX is installed (not a dependency: ``pip install jax``), the file the test above reads is what the
     script gives now."""
     pytest.importorskip("jax")
-    import importlib.util
-    import sys
+    from helpers import load_script
 
-    spec = importlib.util.spec_from_file_location("jax_saved_residuals", REPO / "scripts/jax_saved_residuals.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script(REPO / "scripts/jax_saved_residuals.py", "jax_saved_residuals")
     stored = json.loads((REPO / "data/validation/maxtext-tpu/jax_saved_residuals.json").read_text())
     for form, values in stored["values_per_token"].items():
         block, mlp = form.split("-")

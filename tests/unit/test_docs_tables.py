@@ -3,23 +3,18 @@ a hand edit, or a planner change that moves a figure, fails here until `make doc
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _make_docs():
-    spec = importlib.util.spec_from_file_location("make_docs", ROOT / "scripts/make_docs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_docs"] = module  # its forked plan searches find their function by the module's name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "scripts/make_docs.py", "make_docs")  # forked searches find it by that name
 
 
 # pytest-timeout counts the set-up: the wait for tests/slow_scripts.py (scripts/loso.py's refits, then

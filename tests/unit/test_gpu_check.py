@@ -4,7 +4,6 @@ where 4-bit weights cannot run (it says why). (What it measures needs a GPU: see
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks/gpu_check.py"
 
@@ -24,10 +25,7 @@ def test_without_cuda_the_script_prints_skipped_and_exits_0():
 
 
 def test_the_qlora_part_reports_why_it_cannot_run_on_a_cpu():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_script(SCRIPT, "gpu_check")
     args = argparse.Namespace(batch=1, seq_len=8)
     out = gpu_check.qlora_check(gpu_check.LLAMA_1B, args, torch.device("cpu"))
     assert out.keys() == {"skipped"} and "not CUDA devices" in out["skipped"]

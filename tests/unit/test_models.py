@@ -237,14 +237,9 @@ MAXTEXT = REPO / "data/validation/maxtext-tpu"
 
 
 def _maxtext_make_cases() -> object:
-    import importlib.util
+    from helpers import load_script
 
-    mod_spec = importlib.util.spec_from_file_location("maxtext_make_cases", MAXTEXT / "make_cases.py")
-    assert mod_spec is not None and mod_spec.loader is not None
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules[mod_spec.name] = module  # its dataclasses look their module up
-    mod_spec.loader.exec_module(module)
-    return module
+    return load_script(MAXTEXT / "make_cases.py", "maxtext_make_cases")
 
 
 @pytest.mark.parametrize("size", ["16b", "32b", "64b", "128b", "256b", "512b", "1024b"])

@@ -117,11 +117,11 @@ signed error of tokens/s. Leave-one-source-out refits it on the other TPU genera
 v5e alone (docs/costmodel.md). It was 0.790 (0.756 / 0.829) while full recompute on a TPU ran the whole forward again
 (JAX's remat runs only what the backward reads: ``costmodel.stage``), 0.8661 while the cases read MaxText's
 per-device batch as the TP group's micro-batch (TP x fewer sequences per FSDP shard: v5p 0.840 / v5e 0.897 held
-out), and 0.9301 while TPU matmuls paid the GPU shape term (D = 0.84 x machine balance: 139-202 on v5p / v5e). What the runs imply directly: were the
-whole forward run again under full recompute the hardware would run 4/3 of the FLOPs MaxText counts, and its one-slice
-v5e runs would have kept the MXUs at 0.75-0.89 of peak over whole steps, everything that is not a matmul included; before this constant a TPU's matmuls ran at 0.80 x
-0.7387 = 0.59 (the 0.80 read off PaLM's whole-model 57.8 % HFU on TPU v4), and every MaxText run was 22-51 % too
-slow."""
+out), and 0.9301 while TPU matmuls paid the GPU shape term (D = 0.84 x machine balance: 139-202 on v5p / v5e).
+What the runs imply directly: were the whole forward run again under full recompute the hardware would run 4/3 of
+the FLOPs MaxText counts, and its one-slice v5e runs would have kept the MXUs at 0.75-0.89 of peak over whole steps,
+everything that is not a matmul included; before this constant a TPU's matmuls ran at 0.80 x 0.7387 = 0.59 (the 0.80
+read off PaLM's whole-model 57.8 % HFU on TPU v4), and every MaxText run was 22-51 % too slow."""
 
 PRE_AMPERE_EFFICIENCY = 0.592
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards in fp16

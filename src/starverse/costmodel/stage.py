@@ -132,10 +132,9 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
 
     # ---- matmuls of one layer, forward, per device --------------------------------------------------
     ob = mn.gemm_operand_bytes or bv  # FP8 GEMMs read 1-byte operands (constants.GEMM_OPERAND_BYTES)
-    g = gemm_time_s(tokens, (mn.q_dim + 2 * mn.kv_dim) / t, _f(h), rows, bv, operand_bytes=ob)
-    g = g + gemm_time_s(tokens, _f(h), mn.q_dim / t, rows, bv, operand_bytes=ob)
+    out_proj = gemm_time_s(tokens, _f(h), mn.q_dim / t, rows, bv, operand_bytes=ob)
+    g = gemm_time_s(tokens, (mn.q_dim + 2 * mn.kv_dim) / t, _f(h), rows, bv, operand_bytes=ob) + out_proj
     up = (2.0 if mn.gated else 1.0) * mn.ffn / t
-    g_out = gemm_time_s(tokens, _f(h), mn.q_dim / t, rows, bv, operand_bytes=ob) if mn.parallel_block else 0.0
     if mn.num_experts > 0:
         per_expert = tokens * mn.top_k / mn.num_experts
         g = g + gemm_time_s(per_expert, up, _f(h), rows, bv, mn.num_experts, ob)
@@ -145,7 +144,8 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         g = g + gemm_time_s(tokens, up, _f(h), rows, bv, operand_bytes=ob)
         down = gemm_time_s(tokens, _f(h), mn.ffn / t, rows, bv, operand_bytes=ob)
         g = g + down
-    g_out = g_out + down
+    # the projections whose outputs only feed the residual sum (not run again by JAX's remat: jax_full)
+    g_out = down + out_proj if mn.parallel_block else down
     bwd_gemm = 2.0 if full_mode else 1.0  # frozen base weights: no weight gradients
     g_run = g * (1.0 + bwd_gemm + fw_again) - g_out * jax_full  # the layer's linear GEMMs, every pass
     heads = mn.q_dim / mn.head_dim / t

@@ -37,6 +37,13 @@ class _Cfg:
                 return self.raw[k]
         return default
 
+    def required(self, key: str) -> Any:
+        """A field the family has no default for; ModelError if missing."""
+        value = self.get(key)
+        if value is None:
+            raise ModelError(f"{self.where}: required key '{key}' is missing")
+        return value
+
     def int(self, *keys: str, default: int | None = None, positive: bool = True) -> int:
         """An integer field (> 0 unless ``positive=False``); ModelError if missing and without default."""
         value = self.get(*keys, default=default)
@@ -363,22 +370,19 @@ def _maxtext(raw: Mapping[str, Any], where: str) -> ModelSpec:
     ``num_decoder_layers``, ``vocab_size``, ``max_target_length``, ``mlp_activations`` (one: a two-matrix MLP;
     two: gated), ``logits_via_embedding`` (tied head), ``decoder_block`` (:data:`MAXTEXT_DECODER_BLOCKS`) and
     ``dropout_rate``; required, since base.yml's defaults changed between MaxText's versions, except
-    ``num_kv_heads`` (the query heads), ``max_target_length`` (2048) and ``logits_via_embedding`` (false). RMSNorm with a scale only, no biases, rotary positions. Not counted: the QK norms and T5
-    relative position biases of MaxText's 2023 default block (2 x head_dim + 32 x heads values per layer)."""
+    ``num_kv_heads`` (the query heads), ``max_target_length`` (2048) and ``logits_via_embedding`` (false).
+    RMSNorm with a scale only, no biases, rotary positions. Not counted: the QK norms and T5 relative position
+    biases of MaxText's 2023 default block (2 x head_dim + 32 x heads values per layer)."""
     c = _Cfg(raw, where)
     hidden = c.int("emb_dim")
     heads = c.int("num_query_heads")
     kv, _ = _heads(c, hidden, heads, "num_kv_heads", None)
     head_dim = c.int("head_dim")
-    block = c.get("decoder_block")
-    if block is None:
-        raise ModelError(f"{where}: required key 'decoder_block' is missing")
+    block = c.required("decoder_block")
     if block not in MAXTEXT_DECODER_BLOCKS:
         raise ModelError(f"{where}: decoder_block {block!r} is not read; read: {', '.join(MAXTEXT_DECODER_BLOCKS)}")
     parallel = MAXTEXT_DECODER_BLOCKS[block]
-    acts = c.get("mlp_activations")
-    if acts is None:
-        raise ModelError(f"{where}: required key 'mlp_activations' is missing")
+    acts = c.required("mlp_activations")
     if not isinstance(acts, list) or len(acts) not in (1, 2) or not all(isinstance(a, str) for a in acts):
         raise ModelError(f"{where}: mlp_activations must be a list of one or two activation names (got {acts!r})")
     return _spec(
