@@ -67,6 +67,13 @@ class TrainSpec(FrozenModel):
     modes), dots (JAX's ``checkpoint_dots_with_no_batch_dims``, MaxText's ``remat_policy: minimal``: of the
     projections' outputs only those the backward reads; estimates only, the runtime refuses it), full (whole
     layer)."""
+    recompute_early_stop: bool = True
+    """Full recompute stops as soon as the backward's saved tensors are back (PyTorch's non-reentrant
+    ``torch.utils.checkpoint`` since 2.1, pytorch/pytorch#96783 and #96866, which Starverse's runtime and
+    ``checkpoint_wrapper(NO_REENTRANT)`` run): a dense block without dropout after its MLP does not run its down
+    projection, nor the TP reduction after it, again (``tests/unit/test_parallel_config.py`` counts it). False:
+    the layer's whole forward runs again (Megatron-LM's and DeepSpeed's checkpoint functions, fairscale's, the
+    reentrant ``torch.utils.checkpoint``, PyTorch before 2.1). XLA devices follow JAX's remat either way."""
     offload: Offload = "none"
     """Keep optimizer state (and optionally parameters) in host memory."""
     optimizer: OptimizerKind = "adamw"

@@ -61,11 +61,12 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
         assert held[src]["median_abs_error"] <= 0.12, src
         assert held[src]["meets"]["spearman"] in (True, None), src
     # fms-fsdp: its four cases are the batch-2 rows of one README table (A100 and H100, 34B and 70B; 13.4 % held
-    # out while its 70B case was an earlier table's batch-6 row): met, but only because its H100 runs are on time;
-    # its A100 runs are still 13-19 % too slow (open miss, docs/costmodel.md `fmsfsdp`)
+    # out while its 70B case was an earlier table's batch-6 row): met; its A100 runs are 8-15 % too slow (13-19 %
+    # while full recompute ran the down projection again, which PyTorch's early stop skips: open miss,
+    # docs/costmodel.md `fmsfsdp`)
     fms = held["fmsfsdp"]
     assert fms["n"] == 4 and all(ok in (True, None) for ok in fms["meets"].values()), fms
-    assert fms["max_abs_error"] >= 0.15, fms
+    assert 0.10 <= fms["max_abs_error"] <= 0.16 and fms["p90_abs_error"] <= 0.14, fms
     # NeMo's FP8 runs meet the targets held out since FP8 GEMMs' shape term is per operand byte (13.7 % before)
     # and its LLAMA2-7B 4K-1M runs (six with context parallelism) since the H100's attention runs at cuDNN's
     # measured rate (13.2 % before; the CP runs were 11-24 % too fast)
@@ -124,12 +125,13 @@ def test_held_out_figures_against_the_targets(loso: dict) -> None:
     for src in ("amp_t4", "amp_mixed"):
         assert held[src]["median_abs_error"] <= 0.14, src
         assert held[src]["spearman"] >= 0.7, src
-    # llm-foundry's FSDP runs on 64-512 GPUs held out: ranked in order, p90 within the target, the median an
-    # open miss (12.5 %): the model keeps tokens/s per GPU flat from 128 to 512 GPUs, measured falls 2.5-10 %
-    # (docs/costmodel.md, `mptscale`)
+    # llm-foundry's FSDP runs on 64-512 GPUs held out: ranked in order, every target met since full recompute
+    # stops at the down projection as PyTorch 2.1's non-reentrant checkpoint does (train.recompute_early_stop;
+    # median 7.8 % before, 12.5 % before NCCL's ring latency; the model keeps tokens/s per GPU flat from 128 to
+    # 512 GPUs where measured falls 2.5-10 %: docs/costmodel.md, `mptscale`)
     scale = held["mptscale"]
     assert scale["n"] == 21 and scale["spearman"] >= 0.95
-    assert scale["meets"]["p90_abs_error"] is True and scale["median_abs_error"] <= 0.14
+    assert all(ok in (True, None) for ok in scale["meets"].values()) and scale["median_abs_error"] <= 0.06
     # OPT-175B (FSDP ZeRO-3 over 124 replicas x TP 8, 992 A100s) held out: within the median target
     assert held["opt"]["n"] == 1 and held["opt"]["meets"]["median_abs_error"] is True
     # BigScience's 176B layout search held out: ranked (0.70 before its rows stated the fork's fused-softmax

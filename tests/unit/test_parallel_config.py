@@ -105,8 +105,9 @@ def test_qlora_with_tensor_parallel_or_fsdp_is_refused_lora_is_not():
 
 def test_full_recompute_does_not_run_the_mlp_down_projection_again():
     """The runtime's ``full`` (PyTorch's non-reentrant checkpoint) stops recomputing once the backward's last saved
-    tensor is back: of a llama block's seven projections it runs six again, not the MLP's down projection
-    (docs/costmodel.md, the recompute paragraph: the cost model still charges the whole forward)."""
+    tensor is back: of a llama block's seven projections it runs six again, not the MLP's down projection, and
+    all seven with ``train.recompute_early_stop: false``, as the cost model charges either
+    (tests/unit/test_costmodel_recompute.py)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountMatmuls(TorchDispatchMode):
@@ -118,8 +119,8 @@ def test_full_recompute_does_not_run_the_mlp_down_projection_again():
             self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
             return func(*args, **(kwargs or {}))
 
-    def backward_matmuls(mode: str) -> int:
-        model = apply_recompute(build_model(LLAMA, seed=1), mode)
+    def backward_matmuls(mode: str, early_stop: bool = True) -> int:
+        model = apply_recompute(build_model(LLAMA, seed=1), mode, early_stop=early_stop)
         loss = model(torch.arange(64).reshape(2, 32) % LLAMA["vocab_size"], labels=None).logits.float().pow(2).mean()
         counter = CountMatmuls()
         with counter:
@@ -128,3 +129,4 @@ def test_full_recompute_does_not_run_the_mlp_down_projection_again():
 
     layers = LLAMA["num_hidden_layers"]
     assert backward_matmuls("full") - backward_matmuls("none") == 6 * layers
+    assert backward_matmuls("full", early_stop=False) - backward_matmuls("none") == 7 * layers

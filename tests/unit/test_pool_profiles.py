@@ -104,7 +104,8 @@ def test_measured_collectives_of_an_offer_change_the_plan_and_travel_in_it() -> 
                   top=1).best
     assert {s.tp for s in best.plan.groups[0].stages} == {2}
     assert {s.tp for s in slow.plan.groups[0].stages} == {1}
-    assert best.tokens_per_s > plain.tokens_per_s > slow.tokens_per_s
+    # the catalog's PCIe rule may choose TP 1 too (as it does since full recompute skips the down projection)
+    assert best.tokens_per_s > plain.tokens_per_s >= slow.tokens_per_s
     assert best.plan.network.collective_gb_per_s == {"rtx-3090": measured}
     assert plain.plan.network.collective_gb_per_s == {}
     combos, _, _ = best_combinations(job, pool, CAT, load_model("llama-2-7b"), "full")

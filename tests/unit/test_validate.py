@@ -162,8 +162,9 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     opt = by_name["opt-175b-a100-g992"]
     assert opt.fits and -0.10 <= (opt.error or 1.0) <= 0.0
     # fms-fsdp: the four batch-2 rows of one README table (34B / 70B, 128 A100s at 400 Gbit/s and 96 H100s at 800);
-    # the H100 runs are on time, the A100 runs too slow (open miss: the same code reaches 2.2x the A100's tokens/s
-    # on the H100 where the model gives 2.6x; docs/costmodel.md `fmsfsdp`)
+    # the H100 runs within 7 %, the A100 runs too slow (open miss: the same code reaches 2.2x the A100's tokens/s
+    # on the H100 where the model gives 2.6x; docs/costmodel.md `fmsfsdp`), each about 5 points faster since full
+    # recompute stops at the down projection as fms-fsdp's PyTorch checkpoint does (train.recompute_early_stop)
     assert sources["fmsfsdp"]["n"] == 4
     # MaxText on TPU v5e (16B-128B, FSDP over 1-32 slices of 256 chips) and v5p (32B-1024B, FSDP x TP 4-16 on 1-2
     # slices of 64-2048 chips): every run fits as it ran since XLA's memory has no CUDA reserve or allocator
@@ -177,7 +178,7 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     for size in ("34b", "70b"):
         a100 = by_name[f"fmsfsdp-llama2-{size}-a100-g128"].error or 0.0
         h100 = by_name[f"fmsfsdp-llama2-{size}-h100-g96"].error or 1.0
-        assert abs(h100) <= 0.05 and -0.20 <= a100 <= -0.10, (size, a100, h100)
+        assert abs(h100) <= 0.07 and -0.16 <= a100 <= -0.07, (size, a100, h100)
     # Sailor's GH200 runs (4-256 GPUs, TF32): ranked in order, every one with its measured peak memory compared
     # but one log that its three twins contradict (measured.peak_memory_excluded, with the evidence)
     assert sources["sailor_gh200"]["n"] == 26 and sources["sailor_gh200"]["memory_n"] == 25

@@ -63,7 +63,8 @@ How the figures were read:
   activation on the first stage, below this model's resolution); the GPT-2 config has no key for it.
 - Training: ``--fp16`` (fp16 weights and gradients, fp32 master weights and Adam moments in DeepSpeed's ZeRO
   stage 1 optimizer: ``zero_stage: 1``), ``--checkpoint-activations`` with the default ``--checkpoint-num-layers
-  1`` (``activation_checkpoint_interval`` 1: every layer, ``recompute: full``; the table after "removing
+  1`` (``activation_checkpoint_interval`` 1: every layer, ``recompute: full``, the whole
+  layer again: ``recompute_early_stop: false``; the table after "removing
   ``--checkpoint-activations``": interval 0, ``recompute: none``). Every PP, PP 1 included, runs DeepSpeed's
   pipeline engine (``GPTModelPipe``, no ``--no-pipeline-parallel``), whose one schedule, ``TrainSchedule``, is
   1F1B without interleaving (``schedule: 1f1b``, stated: unstated, the estimator would also try interleaved
@@ -223,7 +224,7 @@ def write_case(row: tuple[int, int, int, int, int | None, float | None, int | No
     quoted = source.replace("'", "''")  # inside the single-quoted YAML scalar
     stage = f"{{accelerator: {acc}, tp: {tp}, layers: {LAYERS // pp}" + (f", repeat: {pp}}}" if pp > 1 else "}")
     train = (f"seq_len: {SEQ}, global_batch: {GBS}, precision: fp16, mode: full, zero_stage: 1, "
-             f"recompute: {recompute}, schedule: 1f1b, attention: eager, softmax_fusion: megatron-bsc-2022, "
+             f"recompute: {recompute}, recompute_early_stop: false, schedule: 1f1b, attention: eager, softmax_fusion: megatron-bsc-2022, "
              "overlap_grad_reduce: false, flat_grad_allreduce: true, pipe_buffers_keep_outputs: fp32")
     text = (f"model: {write_model(tp)}\ntrain: {{{train}}}\ngroups:\n- replicas: {dp}\n  micro_batch: {mbs}\n"
             f"  stages:\n  - {stage}\nnetwork:\n  devices_per_node: {{{acc}: {PER_NODE}}}\n"

@@ -37,7 +37,8 @@ How the runs were read:
   first and the last stage (``stages()``). tr1-13B's default ``type:transformer`` gives 10 layers per stage.
 - Rank order: Megatron-DeepSpeed's ``PipeModelDataParallelTopology`` (TP fastest, then DP, then PP), the
   planner's order: a node of 8 holds TP 4 x DP 2 (or TP 8) of one stage.
-- Training: ``--checkpoint-activations`` = ``recompute: full`` (the repository's TFLOPs formula's factor 4 says
+- Training: ``--checkpoint-activations`` = ``recompute: full`` with ``recompute_early_stop: false`` (DeepSpeed's
+  ``checkpointing.checkpoint`` runs the whole layer again) (the repository's TFLOPs formula's factor 4 says
   so for every 100B+ run); Megatron's fused scaled-masked softmax over materialised scores (2022, no flash
   attention) = ``attention: eager``. A100 runs: ``--bf16`` with DeepSpeed's ZeRO stage 0 config, "bf16 must use
   z0! it implements its own zero stage 1 equivalent" (the training script): ``BF16_Optimizer`` shards the fp32
@@ -108,7 +109,7 @@ TR1 = f"bigscience-workshop/bigscience@{COMMIT[:8]} train/tr1-13B-base/README.md
 GIB = 2**30 / 1e9
 A100 = "a100-80gb-sxm"
 V100 = "v100-32gb-sxm"
-A100_TRAIN = ("seq_len: 2048, global_batch: 2048, precision: bf16, mode: full, zero_stage: 1, recompute: full, "
+A100_TRAIN = ("seq_len: 2048, global_batch: 2048, precision: bf16, mode: full, zero_stage: 1, recompute: full, recompute_early_stop: false, "
               "attention: eager, overlap_grad_reduce: false, flat_grad_allreduce: true, "
               "fp32_grad_copy: true, pipe_buffers_keep_outputs: fp32")
 # the 02-28 rows ran bigscience's Megatron-DeepSpeed of that day (00f5f889: the BF16 optimizer sync #250 and the
@@ -211,7 +212,7 @@ def main() -> None:
     gpt = {"model_type": "gpt2", "n_layer": 40, "n_embd": 5120, "n_head": 32, "n_inner": 20480, "vocab_size": 50432,
            "n_positions": 2048, "tie_word_embeddings": True, "activation_function": "gelu_new"}
     (models / "gpt-13b-tr1.json").write_text(json.dumps(gpt, indent=2) + "\n")
-    train = ("seq_len: 2048, global_batch: 1024, precision: fp16, mode: full, zero_stage: 1, recompute: full, "
+    train = ("seq_len: 2048, global_batch: 1024, precision: fp16, mode: full, zero_stage: 1, recompute: full, recompute_early_stop: false, "
              "attention: eager, overlap_grad_reduce: false, pipe_buffers_keep_outputs: fp32")
     stage_list = f"  - {{accelerator: {V100}, tp: 2, layers: 10, repeat: 4}}\n"
     source = (f"{TR1}: 128 nodes of 4 V100-32GB, TP 2, PP 4, MBS 1, GBS 1024, fp16, ZeRO 1, checkpoint-activations; "

@@ -32,7 +32,7 @@ What ran (``Megatron-LM/scripts/mutil_perf_pretrain_gpt_dp_mp_pp.sh`` at HEAD): 
 - ``--fp16``: fp16 weights with fp32 master copies (``FP16OptimizerWithFP16Params``), Adam (apex ``FusedAdam``,
   Megatron's default optimizer): the plan's default ``optimizer``.
 - ``--checkpoint-activations`` with the default ``--checkpoint-num-layers 1``: every layer recomputed
-  (``recompute: full``).
+  (``recompute: full``; Megatron's ``CheckpointFunction`` runs the whole layer again: ``recompute_early_stop: false``).
 - ``--DDP-impl local`` (the default): after the last micro-batch's backward, ``train_step`` calls
   ``model.allreduce_params``, which flattens every fp16 gradient into one coalesced tensor
   (``_flatten_dense_tensors``), all-reduces it in fp16 (no ``--fp32-allreduce``) and copies it back: not
@@ -179,7 +179,7 @@ def write_case(dlperf: str) -> None:
     excluded = ", peak_memory_excluded: '" + reason.replace("'", "''") + "'" if reason else ""
     text = (f"model: models/{model}.json\n"
             f"train: {{seq_len: {SEQ}, global_batch: {gbs}, precision: fp16, mode: full, zero_stage: 0, "
-            f"recompute: full, schedule: 1f1b, attention: eager, overlap_grad_reduce: false, "
+            f"recompute: full, recompute_early_stop: false, schedule: 1f1b, attention: eager, overlap_grad_reduce: false, "
             f"flat_grad_allreduce: true}}\n"
             f"groups:\n- replicas: {dp}\n  micro_batch: {mbs}\n  stages:\n  - {stage}\n"
             f"network:\n  devices_per_node: {{{GPU}: {per_node}}}\n  inter_node_gbps: {{{GPU}: 100}}\n"

@@ -42,7 +42,8 @@ How the runs were read:
 
 - Time: ``train_qqp`` runs one untimed warm-up iteration, then times each benchmark iteration with Megatron's
   timers, which print on the last rank; the tables give one iteration's seconds. tokens/s = GBS x seq / seconds.
-- Training: ``--checkpoint-activations`` = ``recompute: full``; fp16 with fp32 master weights; ``--DDP-impl
+- Training: ``--checkpoint-activations`` = ``recompute: full`` (Megatron's ``CheckpointFunction``: the whole layer
+  again, ``recompute_early_stop: false``); fp16 with fp32 master weights; ``--DDP-impl
   local`` all-reduces the contiguous fp16 gradient buffer once after the last micro-batch's backward
   (``megatron_train_step`` calls ``allreduce_gradients()`` after ``forward_backward_func``:
   ``overlap_grad_reduce: false``; no ``--accumulate-allreduce-grads-in-fp32``: 16-bit reduction); Megatron's fused
@@ -127,7 +128,7 @@ def case(name: str, model: str, seq: int, gbs: int, pp: int, tp: int, dp: int, m
     stage = f"{{accelerator: v100-16gb-sxm, tp: {tp}, layers: {layers // pp}" + (f", repeat: {pp}}}" if pp > 1 else "}")
     text = (f"model: models/{model}.json\n"
             f"train: {{seq_len: {seq}, global_batch: {gbs}, precision: fp16, mode: full, zero_stage: 0, "
-            f"recompute: full, schedule: 1f1b, attention: eager, softmax_fusion: megatron, overlap_grad_reduce: false, "
+            f"recompute: full, recompute_early_stop: false, schedule: 1f1b, attention: eager, softmax_fusion: megatron, overlap_grad_reduce: false, "
             f"optimizer: sgd}}\n"
             f"groups:\n- replicas: {dp}\n  micro_batch: {mbs}\n  stages:\n  - {stage}\n"
             f"network:\n{network[0]}"

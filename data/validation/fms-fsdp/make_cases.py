@@ -29,7 +29,8 @@ limit_all_gathers=True, use_orig_params=cfg.use_torch_compile)`` with the defaul
 (``fms_fsdp/policies/mixed_precision.py``: param, reduce and buffer dtype bf16: bf16 gathers and
 reduce-scatters) when bf16 is supported; ``fms_fsdp/policies/ac_handler.py`` wraps every ``LLaMABlock`` whose
 count is a multiple of ``selective_checkpointing`` (default 1: every block, i.e. full recompute) with
-``checkpoint_wrapper(NO_REENTRANT)``; ``use_torch_compile`` defaults to False and raises with activation
+``checkpoint_wrapper(NO_REENTRANT)`` (on ``torch>=2.1.0``, ``requirements.txt``: PyTorch's early stop, the
+default ``recompute_early_stop``); ``use_torch_compile`` defaults to False and raises with activation
 checkpointing ("Compile does not yet work well with llama+ac"), so these runs were eager. Optimizer AdamW.
 The reported figure is ``train_utils.train``'s "overall token per gpu per sec": steps x world size x batch
 size x seq_length / world size / wall time since the loop started (data loading included).

@@ -14,7 +14,10 @@ sharding strategy (FULL_SHARD for all), activation checkpointing and the whole j
 FULL_SHARD = ``zero_stage: 3`` over the 8 GPUs (one node, NVLink), "Activation Checkpointing True" =
 ``recompute: full``, global batch = micro-batch x accumulation x GPUs. These are the runs issue 9 names
 ("a 7B model at 64K-token sequences on 8 H100s"): long sequences without context parallelism, where the
-attention core dominates (the README: "our models use Flash Attention"). Source id ``mptlong``.
+attention core dominates (the README: "our models use Flash Attention"). Source id ``mptlong``. Full recompute as
+it ran: the sweep's image ``mosaicml/pytorch:2.1.0_cu121`` (``sweep.sh``) and the pretrain yamls'
+``activation_checkpointing_reentrant: false``: PyTorch's non-reentrant checkpoint with early stop, the default
+``recompute_early_stop``.
 
 Attention kernel. The table was written by #543 (commit b2a43a14, 2023-10-19), whose ``sweep.sh`` runs
 ``submit_benchmarks.py`` with no ``--attn_impl`` for these rows; its default is ``triton``

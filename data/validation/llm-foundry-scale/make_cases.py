@@ -14,7 +14,13 @@ checkpointing and measured "Throughput (T/s)" for the whole job; that figure is 
 How the rows were read: FULL_SHARD over all GPUs = ``zero_stage: 3``, SHARD_GRAD_OP = ``zero_stage: 2``
 (one data-parallel group, TP 1, PP 1); "Activation Checkpointing True" = ``recompute: full``; global batch
 = micro-batch x accumulation x GPUs as printed; amp_bf16 and "bf16 PURE" both = ``precision: bf16``;
-nodes of 8 GPUs. The A100 network is the table's title (1600 Gbit/s per node, RoCE). The H100 tables state
+nodes of 8 GPUs. What full recompute runs again: the amp_bf16 rows are of the sweeps from #543 (b2a43a14,
+2023-10-19: ``sweep.sh`` runs image ``mosaicml/pytorch:2.1.0_cu121``) and #838 (5e85bd62, 2024-01-06, the Large
+Scale table, llm-foundry then requiring ``torch>=2.1,<2.1.1``), with the pretrain yamls'
+``activation_checkpointing_reentrant: false``: PyTorch's non-reentrant checkpoint with early stop (torch 2.1),
+the default ``recompute_early_stop``; the A100 40GB "bf16 PURE" rows are older (the README's "TODO: Update
+tables with torch 2.0" above them), torch before 2.1, whose checkpoint runs the whole block again
+(``recompute_early_stop: false``). The A100 network is the table's title (1600 Gbit/s per node, RoCE). The H100 tables state
 no network: 3200 Gbit/s per node (8 x 400 Gbit/s, the DGX-H100 / cloud H100 standard) is assumed, as the
 existing ``mpt-*-h100-*`` cases assume. Models: the ``mpt-*.json`` configs one folder up (the yamls that
 llm-foundry's ``sweep.sh`` runs). The source id is ``mptscale`` (held out apart from the 8-64-GPU ``mpt``
@@ -70,6 +76,8 @@ def main() -> None:
         where = WHERE.format(table=table, model=model, seq=2048, gpus=gpus)
         train = (f"seq_len: 2048, global_batch: {mbs * accum * gpus}, precision: bf16, mode: full, "
                  f"zero_stage: {stage}, recompute: {'full' if ac else 'none'}, attention: flash2")
+        if table == A100_40:  # bf16 PURE rows: torch before 2.1, no early stop (docstring)
+            train += ", recompute_early_stop: false"
         source = (f"\"{where}: {shard}, activation checkpointing {ac}, micro-batch {mbs}, grad accum {accum}, "
                   f"Throughput (T/s) {tps}\"")
         text = fsdp_case_yaml(f"../models/mpt-{model}.json", train, gpus, mbs, acc, LAYERS[model], gbps, tps, source)

@@ -31,7 +31,8 @@ not) -> ``zero_stage: 3``; ``--model-parallel-size 8`` -> ``tp: 8`` (also ``opt_
 model_parallel 8; issue #209: "175B OPT (8 x 124)"), so 992 / 8 = 124 replicas; ``--batch-size 8``
 ``--update-freq 1`` -> micro-batch 8, one micro-batch per step, global batch 124 x 8 = 992 sequences of 2048
 (``--tokens-per-sample 2048``), 2.03M tokens (Table 1: "2M"); ``--checkpoint-activations`` -> ``recompute:
-full``; ``--memory-efficient-fp16`` -> ``precision: fp16`` (the paper: weights in FP16, Adam state in FP32,
+full`` (fairscale's ``checkpoint_wrapper``, an autograd function that runs the whole layer again:
+``recompute_early_stop: false``); ``--memory-efficient-fp16`` -> ``precision: fp16`` (the paper: weights in FP16, Adam state in FP32,
 sharded); ``--distribute-checkpointed-activations`` splits the checkpointed layer inputs over the TP ranks
 (memory only; not a plan field, no memory figure is compared).
 
@@ -74,7 +75,7 @@ def main() -> None:
     replicas = GPUS // TP
     tokens_per_s = round(GPUS * TFLOPS_PER_GPU * 1e12 / FLOPS_PER_TOKEN)
     train = (f"seq_len: 2048, global_batch: {replicas * MICRO_BATCH}, precision: fp16, mode: full, zero_stage: 3, "
-             f"recompute: full, attention: eager")
+             f"recompute: full, recompute_early_stop: false, attention: eager")
     source = ("'Zhang et al. 2022 (arXiv:2205.01068) sec. 2.4: OPT-175B on 992 A100 80GB, FSDP + Megatron TP, "
               "up to 147 TFLOP/s per GPU (the reported maximum), at metaseq final_update.md 4.30E+23 FLOPs per "
               "300B tokens; layout: run12.00 grid (metaseq issue #223); see opt/make_cases.py'")

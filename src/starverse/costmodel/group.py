@@ -73,6 +73,7 @@ def model_numbers(shape: ModelShape, train: TrainShape) -> ModelNumbers:
         schedule=train.schedule,
         virtual_stages=float(train.virtual_stages),
         sync_micro_steps=train.sync_micro_steps,
+        recompute_early_stop=train.recompute_early_stop,
         extra_forwards=float(train.num_layer_forwards - 1),
         softmax_fusion=train.softmax_fusion,
         overlap_grad_reduce=train.overlap_grad_reduce,

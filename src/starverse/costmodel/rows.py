@@ -116,6 +116,8 @@ class ModelNumbers:
     schedule: str
     virtual_stages: float
     sync_micro_steps: bool = False
+    recompute_early_stop: bool = True
+    """Full recompute stops once the backward's saved tensors are back (``TrainSpec.recompute_early_stop``)."""
     extra_forwards: float = 0.0
     """Forwards of each layer per micro-batch beyond the one backward uses (``TrainSpec.num_layer_forwards``
     - 1): compute, TP collectives and launches as a recomputed forward, no stored activations."""

@@ -207,6 +207,8 @@ class TrainShape:
     """Gradients accumulated and all-reduced in fp32 (``TrainSpec.grad_reduce_fp32``)."""
     sync_micro_steps: bool = False
     """The framework synchronises the device per micro-step (``TrainSpec.sync_micro_steps``)."""
+    recompute_early_stop: bool = True
+    """Full recompute stops once the backward's saved tensors are back (``TrainSpec.recompute_early_stop``)."""
     overlap_grad_reduce: bool = True
     """The gradient all-reduce overlaps the last backward (``TrainSpec.overlap_grad_reduce``)."""
     flat_grad_allreduce: bool = False
@@ -240,6 +242,7 @@ class TrainShape:
             attention=train.attention,
             grad_reduce_fp32=train.grad_reduce_fp32,
             sync_micro_steps=train.sync_micro_steps,
+            recompute_early_stop=train.recompute_early_stop,
             num_layer_forwards=train.num_layer_forwards,
             softmax_fusion=train.softmax_fusion,
             overlap_grad_reduce=train.overlap_grad_reduce,

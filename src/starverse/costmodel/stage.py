@@ -126,7 +126,14 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # whose outputs only feed the residual sum (the MLP's down projection; in a parallel block the attention's
     # output projection too), nor their TP reductions (a sequential block rebuilds its mid-layer residual: one
     # all-reduce's time), as XLA's compiled step of scanned layers shows (scripts/jax_saved_residuals.py)
-    jax_full = rc_full * np.asarray(compiled(rows), dtype=np.float64)
+    on_xla = np.asarray(compiled(rows), dtype=np.float64)
+    jax_full = rc_full * on_xla
+    # PyTorch's non-reentrant checkpoint with early stop (``TrainSpec.recompute_early_stop``) stops at the last
+    # tensor the backward saved: in a dense block whose MLP output is not dropped, the down projection's saved
+    # input, packed before its GEMM runs; the GEMM and the TP reduction after it are not run again (a parallel
+    # block's attention projection runs before the MLP's saved tensors are back, so it is run again)
+    stops_early = mn.recompute_early_stop and mn.num_experts == 0 and not mn.dropout
+    torch_full = rc_full * (1.0 - on_xla) * float(stops_early)
     fw_again = forwards_again(mn, rows)
     sp = rows.sequence_parallel & (t > 1)
 
@@ -147,7 +154,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # the projections whose outputs only feed the residual sum (not run again by JAX's remat: jax_full)
     g_out = down + out_proj if mn.parallel_block else down
     bwd_gemm = 2.0 if full_mode else 1.0  # frozen base weights: no weight gradients
-    g_run = g * (1.0 + bwd_gemm + fw_again) - g_out * jax_full  # the layer's linear GEMMs, every pass
+    g_run = g * (1.0 + bwd_gemm + fw_again) - g_out * jax_full - down * torch_full  # the linear GEMMs, every pass
     heads = mn.q_dim / mn.head_dim / t
     bw = rows.memory_bw_gb_per_s * (1e9 * C.MEMORY_BW_EFFICIENCY)
     eager = attention_is_eager(mn, rows)
@@ -198,7 +205,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
                                 rows.devices_per_node, rows.inter_node_gbps)
     ar = ring_allreduce_s(tokens * (h * bv), t, tp_bus, 1.0, collective_latency_s(rows.host_collectives, True))
     latency = collective_latency_s(rows.host_collectives)
-    tp_layer = ar * (4.0 + 2.0 * (fw_again + rc_mm) - jax_full * (2.0 if mn.parallel_block else 1.0))
+    tp_layer = ar * (4.0 + 2.0 * (fw_again + rc_mm) - jax_full * (2.0 if mn.parallel_block else 1.0) - torch_full)
     if mn.tp_comm_overlap:
         # TP all-gathers / reduce-scatters split into chunks pipelined with the linear layers' GEMMs
         # (Transformer Engine userbuffers; Wang et al. ASPLOS'23 "Overlap communication with dependent

@@ -177,7 +177,7 @@ class ReplicaTrainer:
             model = load_model(job)
         model = model.to(device)
         model.train()
-        apply_recompute(model, job.plan.train.recompute)
+        apply_recompute(model, job.plan.train.recompute, early_stop=job.plan.train.recompute_early_stop)
         if prepare is not None:
             prepare(model)
         optimizer, scheduler, data, sampler = training_parts(model, job, shard)

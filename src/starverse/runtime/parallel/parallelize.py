@@ -39,7 +39,9 @@ class ParallelConfig:
     offload: str = "none"
     """``none``, ``optimizer`` or ``optimizer+params`` (FSDP2's CPU offload; needs ``zero_stage >= 1``)."""
     recompute: str = "none"
-    """``none``, ``selective`` or ``full`` activation recomputation."""
+    """``none``, ``selective``, ``matmuls`` or ``full`` activation recomputation."""
+    recompute_early_stop: bool = True
+    """``full`` stops recomputing once the backward's saved tensors are back (``TrainSpec.recompute_early_stop``)."""
     sequence_parallel: bool = False
     """Split norms and residuals along the sequence inside TP groups."""
 
@@ -48,7 +50,8 @@ class ParallelConfig:
         """The settings of ``plan``'s group ``group`` (its first stage's ``tp``: one stage per group here)."""
         t = plan.train
         return cls(tp=plan.groups[group].stages[0].tp, zero_stage=t.zero_stage, offload=t.offload,
-                   recompute=t.recompute, sequence_parallel=t.sequence_parallel)
+                   recompute=t.recompute, recompute_early_stop=t.recompute_early_stop,
+                   sequence_parallel=t.sequence_parallel)
 
     @property
     def is_plain(self) -> bool:
@@ -230,7 +233,7 @@ def parallelize(
     """
     if config.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], config.sequence_parallel)
-    apply_recompute(model, config.recompute)
+    apply_recompute(model, config.recompute, early_stop=config.recompute_early_stop)
     zero = None
     if config.zero_stage > 0:
         zero = apply_zero(model, mesh["dp"], config.zero_stage, config.offload, mp_policy)

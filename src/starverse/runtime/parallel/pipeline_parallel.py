@@ -60,7 +60,7 @@ def pipeline_parallel_config(plan: Plan) -> ParallelConfig:
     t = plan.train
     tp = max(s.tp for g in plan.groups for s in g.stages)
     return ParallelConfig(tp=tp, zero_stage=t.zero_stage, offload=t.offload, recompute=t.recompute,
-                          sequence_parallel=t.sequence_parallel)
+                          recompute_early_stop=t.recompute_early_stop, sequence_parallel=t.sequence_parallel)
 
 
 def _fsdp(cfg: ParallelConfig) -> bool:
@@ -199,7 +199,7 @@ def parallelize_chunks(chunks: Sequence[Chunk], config: ParallelConfig, meshes: 
             apply_tensor_parallel(chunk.body, meshes.tp, sequence_parallel=config.sequence_parallel)
             if config.sequence_parallel:
                 chunk.sequence_mesh = meshes.tp
-        apply_recompute(chunk.body, config.recompute)
+        apply_recompute(chunk.body, config.recompute, early_stop=config.recompute_early_stop)
         if meshes.dp is not None:
             zeros.append(apply_zero(chunk, meshes.dp, config.zero_stage, config.offload))
     return zeros

@@ -1,7 +1,8 @@
 """Activation recomputation as the plan says: ``none``, ``selective``, ``matmuls`` or ``full``.
 
 - ``full`` checkpoints every decoder block (``checkpoint_wrapper``, non-reentrant): a block keeps only its
-  input through the forward and is run again in the backward. Activation memory per block falls from the
+  input through the forward and is run again in the backward, up to the last tensor its backward saved
+  (PyTorch's early stop; ``early_stop=False``: all of it). Activation memory per block falls from the
   whole block's to one tensor ``[batch, seq, hidden]``; compute rises by one forward (~33 %).
 - ``matmuls`` (and ``selective``) is op-level selective activation checkpointing (``torch.utils.checkpoint``'s
   ``create_selective_checkpoint_contexts``, as torchtitan's op SAC): the outputs of the matmuls
@@ -53,8 +54,12 @@ def _selective_contexts() -> Any:
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
-def apply_recompute(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+def apply_recompute(model: torch.nn.Module, mode: str, early_stop: bool = True) -> torch.nn.Module:
     """Wrap ``model``'s decoder blocks for ``mode`` recompute in place; returns ``model``.
+
+    ``early_stop`` (``TrainSpec.recompute_early_stop``; PyTorch's default): ``full`` stops recomputing a block
+    once the backward's saved tensors are back, so what follows the last of them (a llama block's down projection)
+    is not run again; False runs the block's whole forward again, as Megatron-LM's checkpoint does.
 
     Apply after tensor parallelism and before ``fully_shard`` (torchtitan's order): FSDP then shards the
     wrapped blocks. State-dict keys are unchanged (the wrapper strips its prefix).
@@ -71,6 +76,6 @@ def apply_recompute(model: torch.nn.Module, mode: str) -> torch.nn.Module:
         config.use_cache = False  # type: ignore[union-attr]
     wrap = checkpoint_wrapper if mode == "full" else partial(checkpoint_wrapper, context_fn=_selective_contexts)
     for i, block in enumerate(list(blocks)):
-        blocks[i] = wrap(block, preserve_rng_state=True)
+        blocks[i] = wrap(block, preserve_rng_state=True, early_stop=early_stop)
     log.info("recompute %s: %d blocks wrapped", mode, len(blocks))
     return model
