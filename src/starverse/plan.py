@@ -71,7 +71,8 @@ class TrainSpec(FrozenModel):
     """Full recompute stops as soon as the backward's saved tensors are back (PyTorch's non-reentrant
     ``torch.utils.checkpoint`` since 2.1, pytorch/pytorch#96783 and #96866, which Starverse's runtime and
     ``checkpoint_wrapper(NO_REENTRANT)`` run): a dense block without dropout after its MLP does not run its down
-    projection, nor the TP reduction after it, again (``tests/unit/test_parallel_config.py`` counts it). False:
+    projection, nor the TP reduction after it, again, unless a LoRA adapter on it saves its input after the frozen
+    GEMM (``tests/unit/test_parallel_config.py`` counts both). False:
     the layer's whole forward runs again (Megatron-LM's and DeepSpeed's checkpoint functions, fairscale's, the
     reentrant ``torch.utils.checkpoint``, PyTorch before 2.1). XLA devices follow JAX's remat either way."""
     offload: Offload = "none"
@@ -219,7 +220,8 @@ class Network(FrozenModel):
     inter_node_gbps: dict[str, Gbps] = Field(default_factory=dict)
     """NIC bandwidth per node in Gbit/s, by accelerator id (at most 100,000, ``config.MAX_GBPS``)."""
     cross_group_gbps: float | None = Field(default=None, gt=0, le=MAX_GBPS)
-    """Bandwidth in Gbit/s between nodes of different accelerators (at most 100,000)."""
+    """Bandwidth in Gbit/s per node between nodes of different accelerators, and between the plan's groups whatever
+    their accelerators (separate offers, TPU slices over the data-centre network); at most 100,000."""
     links: dict[str, Gbps] = Field(default_factory=dict)
     """Measured Gbit/s between two accelerators' nodes, keyed ``a/b`` (either order; ``a/a`` is between two
     nodes of the same accelerator); overrides ``cross_group_gbps`` and ``inter_node_gbps`` for that pair."""

@@ -228,3 +228,65 @@ def test_zero3_per_gpu_throughput_falls_with_the_ring_size() -> None:
     # 96 collectives per step at ~0.6 ms (128 ranks) and ~2.4 ms (512 ranks) of latency each, overlapped but
     # taking SMs: ~3 % per GPU (MPT-7B measured: 7.7 %); NCCL's tree-like 2 log2(n) steps gave 0.1 %
     assert per_gpu(128) / per_gpu(512) > 1.02
+
+
+def _slices(zero_stage: int, network: dict, slices: int = 2) -> Plan:
+    """MaxText's multislice layout: ``slices`` groups of one TPU v5e slice (16 FSDP replicas x TP 8)."""
+    group = {"replicas": 16, "micro_batch": 8, "stages": [{"accelerator": "tpu-v5e", "tp": 8, "layers": 40}]}
+    return parse(Plan, {"model": "llama-2-13b",
+                        "train": {"seq_len": 2048, "global_batch": 128 * slices, "zero_stage": zero_stage,
+                                  "recompute": "full"},
+                        "groups": [group] * slices, "network": network}, "t.yaml")
+
+
+def test_groups_of_one_kind_meet_over_the_cross_group_link() -> None:
+    """TPU slices of one kind meet only over the data-centre network (the catalog's note on ``inter_node_gbps``):
+    ``cross_group_gbps`` is the link between groups whatever their kinds, the node's NIC (ICI within a slice)
+    only when it is not given."""
+    dcn = estimate(_slices(3, {"cross_group_gbps": 200}), CAT).breakdown["cross_group_sync"]
+    ici = estimate(_slices(3, {}), CAT).breakdown["cross_group_sync"]
+    assert dcn > 20 * ici > 0
+
+
+def test_sharded_gradients_cross_between_groups_as_each_ranks_shard() -> None:
+    """With ZeRO-2/3 inside each group only each rank's gradient shard crosses between the groups (XLA's reduction
+    of a parameter sharded over a slice and replicated over slices; FSDP's HYBRID_SHARD; the runtime's sharded
+    replicas): one ring per shard over the slices, every device of a host sending its shard through the host's
+    link at once; with ZeRO 0-1 the one ring over every replica (DeepSpeed's, Megatron's)."""
+    from starverse.costmodel.comm import ring_allreduce_s
+    from starverse.costmodel.constants import GRADIENT_BUCKET_BYTES
+
+    spec = load_model("llama-2-13b")
+    for slices in (2, 8):
+        est = estimate(_slices(3, {"cross_group_gbps": 200}, slices), CAT)
+        shard = spec.num_params * 2 / 8 / 16  # bf16 gradients, 1/TP, 1/(FSDP replicas)
+        per_chip = 200 / 8 * NETWORK_EFFICIENCY / 8  # a v5e host's 8 chips share its link
+        want = float(ring_allreduce_s(shard, slices, per_chip, -(-shard // GRADIENT_BUCKET_BYTES)))
+        assert est.breakdown["cross_group_sync"] == pytest.approx(want, rel=0.02)
+    flat = estimate(_slices(1, {"cross_group_gbps": 200}), CAT).breakdown["cross_group_sync"]
+    sharded = estimate(_slices(3, {"cross_group_gbps": 200}), CAT).breakdown["cross_group_sync"]
+    assert flat > 5 * sharded
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_the_search_ranks_a_two_offer_plan_by_its_scalar_estimate(zero_stage: int) -> None:
+    """Two offers over a slow link between them: the plan's network carries the link, and the figure the search
+    ranked the plan by is its scalar estimate, the cross-group sync included (ZeRO-1: one ring over every
+    replica; ZeRO-3: each rank's shard); a plan of one offer has no link between offers."""
+    from starverse.planner import job_from_dict, pool_from_dict, search
+
+    job = job_from_dict({"model": "llama-2-7b", "objective": "throughput", "search": {"hetero_pipelines": False},
+                         "train": {"seq_len": 2048, "global_batch": 64, "tokens": 1e9, "zero_stage": zero_stage,
+                                   "recompute": "full"}})
+    offers = [{"name": "a", "accelerator": "a100-80gb-sxm", "count": 8, "price_per_hour": 1.0},
+              {"name": "h", "accelerator": "h100-80gb-sxm", "count": 8, "price_per_hour": 1.0}]
+    res = search(job, pool_from_dict({"offers": offers, "cross_offer_gbps": 25}, CAT), CAT, top=20)
+    two = [p for p in res.plans if len(p.plan.groups) == 2]
+    assert two, [p.plan.groups for p in res.plans]
+    for p in two:
+        est = estimate(p.plan, CAT)
+        assert p.plan.network.cross_group_gbps == 25
+        assert est.breakdown["cross_group_sync"] > 0
+        assert p.tokens_per_s == pytest.approx(est.tokens_per_s, rel=1e-9)
+    one = search(job, pool_from_dict({"offers": offers[:1], "cross_offer_gbps": 25}, CAT), CAT, top=1).best
+    assert one.plan.network.cross_group_gbps is None

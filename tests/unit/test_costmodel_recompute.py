@@ -23,10 +23,10 @@ WIDE = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, 
         "num_key_value_heads": 8, "num_hidden_layers": 4, "vocab_size": 32000}
 
 
-def _layer(cfg: dict, recompute: str, early_stop: bool, tp: int = 1) -> dict[str, float]:
+def _layer(cfg: dict, recompute: str, early_stop: bool, tp: int = 1, mode: str = "full") -> dict[str, float]:
     """``costmodel.stage.layer_costs`` of one layer of this plan (one A100 stage, micro-batch 4 x 4096 tokens)."""
     train = {"seq_len": 4096, "global_batch": 4, "recompute": recompute, "recompute_early_stop": early_stop,
-             "precision": "bf16"}
+             "precision": "bf16", "mode": mode}
     plan = parse(Plan, {"model": "x", "train": train, "groups": [{"replicas": 1, "micro_batch": 4, "stages": [
         {"accelerator": "a100-80gb-sxm", "tp": tp, "layers": cfg["num_hidden_layers"]}]}]}, "t.yaml")
     mn = model_numbers(ModelShape.from_spec(load_model(cfg)), TrainShape.from_train(plan.train))
@@ -71,6 +71,12 @@ def test_no_early_stop_where_a_tensor_after_the_down_projection_is_saved(extra: 
     saves the experts' outputs: the whole forward runs again either way."""
     cfg = WIDE | extra
     assert _layer(cfg, "full", True) == _layer(cfg, "full", False)
+
+
+def test_no_early_stop_of_the_frozen_down_projection_under_lora() -> None:
+    """A LoRA adapter on the down projection saves its input after the frozen GEMM ran, so the recompute runs that
+    GEMM again (the runtime's count: tests/unit/test_parallel_config.py)."""
+    assert _layer(WIDE, "full", True, mode="lora") == _layer(WIDE, "full", False, mode="lora")
 
 
 def test_early_stop_is_the_default_and_changes_nothing_without_full_recompute() -> None:

@@ -7,6 +7,7 @@ import torch
 
 from helpers import TINY, TinyLM, estimated_memory_bytes, forward_activation_bytes
 from starverse.errors import ConfigError
+from starverse.runtime.lora import apply_lora
 from starverse.runtime.modeling import build_model
 from starverse.runtime.parallel.blocks import decoder_blocks
 from starverse.runtime.parallel.parallelize import ParallelConfig
@@ -119,8 +120,11 @@ def test_full_recompute_does_not_run_the_mlp_down_projection_again():
             self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
             return func(*args, **(kwargs or {}))
 
-    def backward_matmuls(mode: str, early_stop: bool = True) -> int:
-        model = apply_recompute(build_model(LLAMA, seed=1), mode, early_stop=early_stop)
+    def backward_matmuls(mode: str, early_stop: bool = True, lora: bool = False) -> int:
+        model = build_model(LLAMA, seed=1)
+        if lora:
+            apply_lora(model, 4)  # adapters on all seven projections
+        model = apply_recompute(model, mode, early_stop=early_stop)
         loss = model(torch.arange(64).reshape(2, 32) % LLAMA["vocab_size"], labels=None).logits.float().pow(2).mean()
         counter = CountMatmuls()
         with counter:
@@ -130,3 +134,8 @@ def test_full_recompute_does_not_run_the_mlp_down_projection_again():
     layers = LLAMA["num_hidden_layers"]
     assert backward_matmuls("full") - backward_matmuls("none") == 6 * layers
     assert backward_matmuls("full", early_stop=False) - backward_matmuls("none") == 7 * layers
+    # with LoRA the down projection's adapter saves its input after the frozen GEMM ran: that GEMM runs again,
+    # only the adapter's second matmul does not (3 matmuls per projection: the base, A, B)
+    lora_none = backward_matmuls("none", lora=True)
+    assert backward_matmuls("full", lora=True) - lora_none == (7 * 3 - 1) * layers
+    assert backward_matmuls("full", early_stop=False, lora=True) - lora_none == 7 * 3 * layers

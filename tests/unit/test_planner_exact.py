@@ -125,7 +125,8 @@ def brute_force(job, pool, catalog, spec) -> float:
                             t_best = min(t_best, max(times[i][s] for i, s in zip(members, shares, strict=True)))
                     if not math.isfinite(t_best):
                         continue
-                    step = t_best + _sync_s(ctx, g, min(int(opt[i, 2]) for i in members), None, all_opts, members)
+                    step = t_best + _sync_s(ctx, g, min(int(opt[i, 2]) for i in members), None, all_opts, members,
+                                            ctx.settings[si].zero_stage)
                     lam = sum(k * of.interruptions_per_hour for k, of in zip(n, offers, strict=True))
                     nodes = sum(math.ceil(k / of.devices_per_node) for k, of in zip(n, offers, strict=True))
                     f = float(_spot_factor(ctx, np.asarray(lam, float), np.asarray(nodes, float)))

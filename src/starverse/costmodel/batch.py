@@ -55,6 +55,7 @@ __all__ = [
     "cross_group_sync_s",
     "estimate_batch",
     "joint_sync_s",
+    "sharded_sync_s",
     "uses_dropout",
 ]
 
@@ -90,6 +91,26 @@ def cross_group_sync_s(param_bytes: FloatArray | float, num_groups: int, cross_g
     """
     n = max(int(num_groups), 1)
     return ring_allreduce_s(np.asarray(param_bytes, dtype=np.float64), n, cross_group_gbps / 8.0)
+
+
+def sharded_sync_s(stage_bytes: float, replicas: Sequence[float], devices_per_node: Sequence[float],
+                   cross_group_gbps: float) -> FloatArray:
+    """Per group: extra step time of the gradient sync between groups whose replicas shard the gradients
+    (ZeRO-2/3 inside each group): the group's own reduce-scatter (in its step) leaves each rank ``1/replicas`` of
+    ``stage_bytes``, and only that shard is all-reduced across the groups, one ring per shard index over one rank
+    of each group; every rank of a node sends its shard at once, so each gets ``1/devices_per_node`` of the node's
+    cross-group link (``cross_group_gbps`` at the network efficiency). This is how XLA reduces a parameter sharded
+    over a TPU slice and replicated over slices (MaxText's FSDP over ICI, data parallelism over DCN), PyTorch FSDP's
+    ``HYBRID_SHARD``, and the runtime's sharded replicas (each shard all-reduced across torchft replicas); a
+    framework with one ring over every rank (DeepSpeed, Megatron; ZeRO 0-1): :func:`joint_sync_s`. Zeros for a
+    single group."""
+    r = np.asarray(replicas, dtype=np.float64)
+    if r.shape[0] <= 1:
+        return np.zeros(r.shape, dtype=np.float64)
+    shard = stage_bytes / np.maximum(r, 1.0)
+    bus = cross_group_gbps / 8.0 * NETWORK_EFFICIENCY / np.maximum(np.asarray(devices_per_node, dtype=np.float64), 1.0)
+    count = np.maximum(np.ceil(shard / GRADIENT_BUCKET_BYTES), 1.0)
+    return ring_allreduce_s(shard, float(r.shape[0]), bus, count)
 
 
 def joint_sync_s(stage_bytes: float, replicas: Sequence[float], bus_gb_per_s: Sequence[float],

@@ -109,14 +109,16 @@ measurement. The V100 is where one blanket fraction was wrong: 0.66 (fitted most
 DLPerf's single-V100 Megatron-LM runs, which have no communication, were predicted 22-28 % too slow
 (docs/costmodel.md, ``dlperf``)."""
 
-TPU_MATMUL_FRACTION = 0.7328
+TPU_MATMUL_FRACTION = 0.7386
 """Fraction of the 16-bit peak that a TPU's (the ``xla`` stack's) matmuls sustain inside training, in the place of
 ``GEMM_EFFICIENCY_BY_STACK["xla"] x SUSTAINED_FRACTION`` (a GPU figure: MAMF, then what GPU nodes sustain of it). A
 TPU matmul is a roofline at this fraction with axes under the MXU's edge padded up (``matmul.systolic_efficiency``,
 ``Accelerator.matrix_unit``), not the GPU's tile-and-wave shape term. FITTED (``costmodel.fit.FITTED``) on the TPU
 runs, MaxText's v5e and v5p tables (``data/validation/maxtext-tpu``): zero mean over the two sources of the mean
-signed error of tokens/s. Leave-one-source-out refits it on the other TPU generation: 0.724 on v5p alone, 0.742 on
-v5e alone (docs/costmodel.md). It was 0.790 (0.756 / 0.829) while full recompute on a TPU ran the whole forward again
+signed error of tokens/s. Leave-one-source-out refits it on the other TPU generation: 0.730 on v5p alone, 0.747 on
+v5e alone (docs/costmodel.md). It was 0.7328 (0.724 / 0.742) while the slices' gradient sync ran over ICI (the
+data-centre network between them was not read and their shards were not all-reduced as XLA does:
+``costmodel.batch.sharded_sync_s``), 0.790 (0.756 / 0.829) while full recompute on a TPU ran the whole forward again
 (JAX's remat runs only what the backward reads: ``costmodel.stage``), 0.8661 while the cases read MaxText's
 per-device batch as the TP group's micro-batch (TP x fewer sequences per FSDP shard: v5p 0.840 / v5e 0.897 held
 out), and 0.9301 while TPU matmuls paid the GPU shape term (D = 0.84 x machine balance: 139-202 on v5p / v5e).

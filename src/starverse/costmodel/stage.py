@@ -131,8 +131,9 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     # PyTorch's non-reentrant checkpoint with early stop (``TrainSpec.recompute_early_stop``) stops at the last
     # tensor the backward saved: in a dense block whose MLP output is not dropped, the down projection's saved
     # input, packed before its GEMM runs; the GEMM and the TP reduction after it are not run again (a parallel
-    # block's attention projection runs before the MLP's saved tensors are back, so it is run again)
-    stops_early = mn.recompute_early_stop and mn.num_experts == 0 and not mn.dropout
+    # block's attention projection runs before the MLP's saved tensors are back, so it is run again). Not with
+    # LoRA: the down projection's adapter saves its input after the frozen GEMM has run
+    stops_early = mn.recompute_early_stop and mn.num_experts == 0 and not mn.dropout and full_mode
     torch_full = rc_full * (1.0 - on_xla) * float(stops_early)
     fw_again = forwards_again(mn, rows)
     sp = rows.sequence_parallel & (t > 1)

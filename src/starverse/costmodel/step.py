@@ -16,7 +16,7 @@ import numpy as np
 
 from starverse.costmodel import constants as C
 from starverse.costmodel.attention_rates import attention_tflops_for
-from starverse.costmodel.batch import joint_sync_s
+from starverse.costmodel.batch import joint_sync_s, sharded_sync_s
 from starverse.costmodel.comm import ring_allreduce_s
 from starverse.costmodel.group import PART_NAMES, combine, model_numbers
 from starverse.costmodel.measured import (
@@ -294,6 +294,16 @@ def node_link_gbps(plan: Plan, catalog: Any, a: str, b: str) -> float:
     return line_rate_gbps(plan, link)
 
 
+def group_link_gbps(plan: Plan, catalog: Any, a: str, b: str) -> float:
+    """Gbit/s between a node of one group on accelerator ``a`` and a node of another group on ``b``: the
+    measured ``network.links`` pair, else ``network.cross_group_gbps`` whatever the two kinds (groups are separate
+    offers or slices: TPU slices of one kind meet only over the data-centre network), else the slower NIC
+    (:func:`node_link_gbps`)."""
+    if plan.network.link_gbps(a, b) is None and plan.network.cross_group_gbps is not None:
+        return line_rate_gbps(plan, plan.network.cross_group_gbps)
+    return node_link_gbps(plan, catalog, a, b)
+
+
 def _cross_node_costs(plan: Plan, g: Group, catalog: Any, mn: Any, mbs: np.ndarray,
                       costs: dict[str, np.ndarray]) -> None:
     """Pipeline sends between stages on different accelerators leave the node over the link between the
@@ -525,13 +535,14 @@ def _hardware_flops_per_token(mn: Any, plan: Plan) -> float:
 
 
 def _cross_group_s(plan: Plan, catalog: Any, mn: Any, evals: list[_GroupEval]) -> np.ndarray:
-    """Per group, the extra time of the gradient all-reduce between groups
-    (:func:`~starverse.costmodel.batch.joint_sync_s`, as the planner charges it): each pipeline stage syncs
+    """Per group, the extra time of the gradient all-reduce between groups, as the planner charges it: with
+    ZeRO-2/3 each rank's gradient shard across the groups (:func:`~starverse.costmodel.batch.sharded_sync_s`),
+    else (:func:`~starverse.costmodel.batch.joint_sync_s`) each pipeline stage syncs
     its slice in parallel, each TP rank its shard, in one ring over every group's data- and
     context-parallel replicas; between groups the ring runs at the slowest link between two groups' kinds (:func:`node_link_gbps`),
     inside a group at its slowest stage's own ring bus."""
     kinds = [{st.accelerator for st in g.stages} for g in plan.groups]
-    gbps = min(node_link_gbps(plan, catalog, a, b)
+    gbps = min(group_link_gbps(plan, catalog, a, b)
                for i, ka in enumerate(kinds) for kb in kinds[i + 1:] for a in ka for b in kb)
     stages_min = min(g.num_stages for g in plan.groups)
     trainable = (mn.num_layers * (mn.params_per_layer if mn.mode == "full" else mn.adapter_params_per_layer)
@@ -539,9 +550,16 @@ def _cross_group_s(plan: Plan, catalog: Any, mn: Any, evals: list[_GroupEval]) -
     # one ring per TP rank: each reduces its 1/tp shard of the stage's gradients
     tp = max(st.tp for g in plan.groups for st in g.stages)
     per_ring = trainable * mn.grad_bytes_per_value / stages_min / tp
+    replicas = [g.replicas * g.cp for g in plan.groups]
+    if plan.train.zero_stage >= 2:
+        # each group's replicas shard the gradients: only each rank's shard crosses between the groups
+        dpn = [max(float(plan.network.devices_per_node.get(st.accelerator,
+                                                           catalog.accelerator(st.accelerator).devices_per_node))
+                       for st in g.stages) for g in plan.groups]
+        return sharded_sync_s(per_ring, replicas, dpn, gbps)
     bus = [float(np.min(ev.costs["dp_bus"][:, ev.best])) for ev in evals]
     share = [float(np.min(ev.costs["dp_share"][:, ev.best])) for ev in evals]
-    return joint_sync_s(per_ring, [g.replicas * g.cp for g in plan.groups], bus, share, gbps)
+    return joint_sync_s(per_ring, replicas, bus, share, gbps)
 
 
 def _cost_per_hour(plan: Plan, catalog: Any, warnings: list[str]) -> tuple[float | None, str]:

@@ -60,7 +60,8 @@ def network_for(pool: Pool, offer_names: Sequence[str]) -> Network:
     return Network(
         devices_per_node={o.accelerator: o.devices_per_node for o in used},
         inter_node_gbps={o.accelerator: o.inter_node_gbps for o in used},
-        cross_group_gbps=pool.cross_offer_gbps,
+        # a plan of one offer has no link between offers: its groups (sharded replicas) meet over their NICs
+        cross_group_gbps=pool.cross_offer_gbps if len(used) > 1 else None,
         links=links,
         collective_gb_per_s={o.accelerator: dict(o.collective_gb_per_s) for o in used if o.collective_gb_per_s},
         profiles={o.accelerator: o.profile.path for o in used if o.profile is not None},

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, joint_sync_s
+from starverse.costmodel.batch import DeviceTable, ModelShape, TrainShape, joint_sync_s, sharded_sync_s
 from starverse.costmodel.comm import dp_ring_bus
 from starverse.costmodel.constants import BYTES_PER_VALUE
 from starverse.costmodel.profile import check_profile_fits
@@ -143,13 +143,15 @@ def spot_factor(ctx: SearchContext, lam: FloatArray, nodes: FloatArray) -> Float
 
 
 def sync_s(ctx: SearchContext, num_groups: int, min_pp: int, gbps: float | None = None,
-           opts: space.Options | None = None, members: Sequence[int] | None = None) -> float:
+           opts: space.Options | None = None, members: Sequence[int] | None = None, zero_stage: int = 0) -> float:
     """Cross-group gradient all-reduce, as the scalar cost model charges it
     (:func:`~starverse.costmodel.batch.joint_sync_s`): each pipeline stage (the shallowest pipeline sets the
     slice) and TP rank syncs its shard in one ring over every member's replicas, over the link between the
     groups' offers (``gbps``: the slowest measured ``network.links`` among them, default
-    ``cross_offer_gbps``); the largest per-member extra over the member's own ring. Without ``opts`` and
-    ``members``: one replica per group on the full link (the ring of ``num_groups`` ranks)."""
+    ``cross_offer_gbps``); the largest per-member extra over the member's own ring. With ZeRO-2/3
+    (``zero_stage``) only each rank's gradient shard is all-reduced across the members
+    (:func:`~starverse.costmodel.batch.sharded_sync_s`). Without ``opts`` and ``members``: one replica per group
+    on the full link (the ring of ``num_groups`` ranks, a lower bound of either)."""
     if num_groups <= 1:
         return 0.0
     link = ctx.pool.cross_offer_gbps if gbps is None else gbps
@@ -160,6 +162,9 @@ def sync_s(ctx: SearchContext, num_groups: int, min_pp: int, gbps: float | None 
     idx = np.asarray(members, dtype=np.int64)
     rows = opts.offer[idx]
     dev = ctx.devices
+    if zero_stage >= 2:
+        return float(sharded_sync_s(stage_bytes / float(opts.tp[idx].max()), opts.replicas[idx].tolist(),
+                                    dev.devices_per_node[rows].tolist(), link).max())
     bus, share = dp_ring_bus(opts.replicas[idx], opts.tp[idx], dev.intra_node_at(rows, opts.tp[idx]),
                              dev.devices_per_node[rows], dev.inter_node_gbps[rows])
     return float(joint_sync_s(stage_bytes / float(opts.tp[idx].max()), opts.replicas[idx].tolist(),
@@ -190,7 +195,8 @@ def evaluate_combo(ctx: SearchContext, opts: space.Options, tables: FloatArray, 
     offers = [ctx.pool.offers[int(opts.offer[i])] for i in members]
     n = [int(opts.num_devices[i]) for i in members]
     step = t_star + sync_s(ctx, len(members), min(int(opts.pp[i]) for i in members),
-                            ctx.pool.slowest_link_gbps(o.name for o in offers), opts, members)
+                            ctx.pool.slowest_link_gbps(o.name for o in offers), opts, members,
+                            ctx.settings[setting].zero_stage)
     lam = sum(k * o.interruptions_per_hour for k, o in zip(n, offers, strict=True))
     nodes = sum(math.ceil(k / o.devices_per_node) for k, o in zip(n, offers, strict=True))
     factor = float(spot_factor(ctx, np.asarray(lam, dtype=float), np.asarray(nodes, dtype=float)))
