@@ -95,7 +95,8 @@ class TrainSpec(FrozenModel):
     2022), or auto (flash where the accelerator has a fused kernel, eager on Volta/Turing-class devices)."""
     grad_reduce_fp32: bool = False
     """Gradients are accumulated and all-reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``,
-    the default of its bf16 runs): twice the data-parallel traffic of 16-bit reduction."""
+    the default of its bf16 runs; FSDP's ``MixedPrecision(reduce_dtype=torch.float32)``): twice the data-parallel
+    traffic of 16-bit reduction (with ZeRO-3: the gradients' reduce-scatter; the parameter gathers stay 16-bit)."""
     sync_micro_steps: bool = False
     """The framework synchronises the device around every micro-batch's forward and backward (DeepSpeed's
     pipeline engine with ``wall_clock_breakdown: true`` times each micro-step with ``torch.cuda.synchronize``):

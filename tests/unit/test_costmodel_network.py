@@ -94,6 +94,22 @@ def test_fp32_gradient_reduction_doubles_data_parallel_traffic() -> None:
     assert fp32.breakdown["dp_comm"] > 1.8 * bf16.breakdown["dp_comm"] > 0
 
 
+def test_fp32_gradient_reduction_under_zero3_is_the_reduce_scatter_alone() -> None:
+    """FSDP's ``reduce_dtype=float32`` (Composer's mixed precision DEFAULT, llm-foundry's runs): the gradients'
+    reduce-scatter moves 4 bytes a value, the parameters' two all-gathers stay 16-bit: 2 x 2 + 4 = 8 bytes against
+    6 for bf16, so a step bound by those collectives takes 4/3 as long."""
+    def z3(**train: object) -> Plan:
+        return parse(Plan, {"model": "llama-2-7b",
+                            "train": {"seq_len": 2048, "global_batch": 16, "recompute": "full", "zero_stage": 3} | train,
+                            "groups": [{"replicas": 16, "micro_batch": 1, "stages": [
+                                {"accelerator": "a100-80gb-sxm", "tp": 1, "layers": 32}]}],
+                            "network": {"inter_node_gbps": {"a100-80gb-sxm": 1}}}, "t.yaml")
+
+    bf16, fp32 = estimate(z3(), CAT), estimate(z3(grad_reduce_fp32=True), CAT)
+    assert bf16.breakdown["dp_comm"] > 100 * bf16.breakdown["compute"]  # bound by the collectives
+    assert fp32.breakdown["dp_comm"] / bf16.breakdown["dp_comm"] == pytest.approx(4 / 3, rel=0.01)
+
+
 def test_tied_embeddings_are_all_reduced_between_first_and_last_stage() -> None:
     gpt = load_model({"model_type": "gpt2", "n_embd": 2048, "n_layer": 24, "n_head": 16, "vocab_size": 50257,
                       "n_positions": 2048})

@@ -17,7 +17,9 @@ FULL_SHARD = ``zero_stage: 3`` over the 8 GPUs (one node, NVLink), "Activation C
 attention core dominates (the README: "our models use Flash Attention"). Source id ``mptlong``. Full recompute as
 it ran: the sweep's image ``mosaicml/pytorch:2.1.0_cu121`` (``sweep.sh``) and the pretrain yamls'
 ``activation_checkpointing_reentrant: false``: PyTorch's non-reentrant checkpoint with early stop, the default
-``recompute_early_stop``.
+``recompute_early_stop``. Every row's "MP Mode" is DEFAULT: Composer 0.16's FSDP mixed precision with bf16
+parameters and gradients reduced in fp32 (``grad_reduce_fp32: true``; ``../llm-foundry-scale/make_cases.py`` says
+where that is read).
 
 Attention kernel. The table was written by #543 (commit b2a43a14, 2023-10-19), whose ``sweep.sh`` runs
 ``submit_benchmarks.py`` with no ``--attn_impl`` for these rows; its default is ``triton``
@@ -69,7 +71,7 @@ def main() -> None:
     here = Path(__file__).resolve().parent
     for model, seq, mbs, accum, ac, tps in ROWS:
         train = (f"seq_len: {seq}, global_batch: {mbs * accum * 8}, precision: bf16, mode: full, "
-                 f"zero_stage: 3, recompute: {'full' if ac else 'none'}, attention: flash2")
+                 f"zero_stage: 3, recompute: {'full' if ac else 'none'}, attention: flash2, grad_reduce_fp32: true")
         source = (f"\"{WHERE.format(model=model, seq=seq)}: FULL_SHARD, activation checkpointing {ac}, "
                   f"micro-batch {mbs}, grad accum {accum}, Throughput (T/s) {tps}\"")
         text = fsdp_case_yaml(f"../models/mpt-{model}.json", train, 8, mbs, "h100-80gb-sxm", LAYERS[model], 3200,

@@ -20,7 +20,12 @@ Scale table, llm-foundry then requiring ``torch>=2.1,<2.1.1``), with the pretrai
 ``activation_checkpointing_reentrant: false``: PyTorch's non-reentrant checkpoint with early stop (torch 2.1),
 the default ``recompute_early_stop``; the A100 40GB "bf16 PURE" rows are older (the README's "TODO: Update
 tables with torch 2.0" above them), torch before 2.1, whose checkpoint runs the whole block again
-(``recompute_early_stop: false``). The A100 network is the table's title (1600 Gbit/s per node, RoCE). The H100 tables state
+(``recompute_early_stop: false``). Mixed precision as it ran: the table's "MP Mode" column, DEFAULT for the
+amp_bf16 rows (``submit_benchmarks.py``'s ``--fsdp_config_mixed_precision`` default), which Composer 0.16-0.17
+(llm-foundry then requiring ``mosaicml>=0.16.4,<0.17`` and ``>=0.17.2,<0.18``) maps to FSDP's
+``MixedPrecision(param_dtype=bf16, reduce_dtype=float32, buffer_dtype=bf16)``
+(``composer/trainer/mosaic_fsdp_utils.py`` ``get_mixed_precision``): bf16 gathers, gradients reduce-scattered
+in fp32, ``grad_reduce_fp32: true``; "bf16 PURE" reduces in bf16. The A100 network is the table's title (1600 Gbit/s per node, RoCE). The H100 tables state
 no network: 3200 Gbit/s per node (8 x 400 Gbit/s, the DGX-H100 / cloud H100 standard) is assumed, as the
 existing ``mpt-*-h100-*`` cases assume. Models: the ``mpt-*.json`` configs one folder up (the yamls that
 llm-foundry's ``sweep.sh`` runs). The source id is ``mptscale`` (held out apart from the 8-64-GPU ``mpt``
@@ -78,6 +83,8 @@ def main() -> None:
                  f"zero_stage: {stage}, recompute: {'full' if ac else 'none'}, attention: flash2")
         if table == A100_40:  # bf16 PURE rows: torch before 2.1, no early stop (docstring)
             train += ", recompute_early_stop: false"
+        else:  # amp_bf16 rows: FSDP mixed precision DEFAULT, gradients reduced in fp32 (docstring)
+            train += ", grad_reduce_fp32: true"
         source = (f"\"{where}: {shard}, activation checkpointing {ac}, micro-batch {mbs}, grad accum {accum}, "
                   f"Throughput (T/s) {tps}\"")
         text = fsdp_case_yaml(f"../models/mpt-{model}.json", train, gpus, mbs, acc, LAYERS[model], gbps, tps, source)

@@ -32,13 +32,13 @@ GEMM_EFFICIENCY: dict[str, float] = {
 }
 """Achievable fraction of dense peak for large, well-shaped matmuls, by accelerator id."""
 
-SUSTAINED_FRACTION = 0.7292
+SUSTAINED_FRACTION = 0.7303
 """Fraction of the single-GPU MAMF that matmuls sustain inside real multi-device training: power- and
 thermally-limited clocks across a whole node (Bekman, same chapter, "Not all accelerators are created
 equal": 5 %+ spread within one 8-GPU node, the slowest device sets the pace), shapes that are not the
 best shape, kernel-launch gaps and framework work between kernels.
 
-FITTED (``costmodel.fit.FITTED``): 0.7292 makes the mean over sources of each source's mean tokens/s error
+FITTED (``costmodel.fit.FITTED``): 0.7303 makes the mean over sources of each source's mean tokens/s error
 zero on the runs of data/validation whose matmul efficiency is a measured MAMF (A100/H100: Korthikanti
 2022, Megatron-LM 2021, Megatron-Core H100, MosaicML llm-foundry 8-512 GPUs and at 8K-64K tokens, NeMo FP8 on
 H100, fms-fsdp, OPT-175B's FSDP on 992 A100s, BigScience's BLOOM-shaped runs on 384 A100s
@@ -47,7 +47,9 @@ again once they reduced their gradients in bf16, and 0.7426 once fms-fsdp's case
 of one README table, ``data/validation/fms-fsdp/make_cases.py``, and 0.7387 once eager attention's 16-bit softmax
 counted the passes of Megatron's kernels, ``SOFTMAX_PASS_BYTES``: BigScience's A100 rows, and 0.7292 once
 full recompute under PyTorch 2.1's non-reentrant checkpoint skipped the down projection,
-``train.recompute_early_stop``: the llm-foundry and fms-fsdp rows); 0.7383 before
+``train.recompute_early_stop``: the llm-foundry and fms-fsdp rows, and 0.7303 once llm-foundry's rows
+reduce-scattered their gradients in fp32 as Composer's FSDP mixed precision DEFAULT does, ``grad_reduce_fp32``);
+0.7383 before
 the last two, 0.7491 before llm-foundry's long-sequence rows ``mptlong`` and the FlashAttention-2 rate of the
 llm-foundry / fms-fsdp H100 runs, 0.7492 before the FP8 shape term per operand byte and the H100's measured
 fused-attention rate, 0.7596
@@ -127,14 +129,14 @@ the FLOPs MaxText counts, and its one-slice v5e runs would have kept the MXUs at
 everything that is not a matmul included; before this constant a TPU's matmuls ran at 0.80 x 0.7387 = 0.59 (the 0.80
 read off PaLM's whole-model 57.8 % HFU on TPU v4), and every MaxText run was 22-51 % too slow."""
 
-PRE_AMPERE_EFFICIENCY = 0.600
+PRE_AMPERE_EFFICIENCY = 0.599
 """Achieved fraction of the tensor-core datasheet peak (in the place of MAMF) of :data:`PRE_AMPERE` cards in fp16
 without a measurement in :data:`MEASURED_GEMM_EFFICIENCY` (T4, Titan RTX), and of any of them in bf16 (their fp32
 CUDA-core matmuls keep the 0.80 of ``GEMM_EFFICIENCY_BY_STACK``). FITTED (``costmodel.fit.FITTED``) jointly with
 :data:`PCIE_COLLECTIVE_FRACTION` and :data:`HOST_OVERHEAD_PER_LAYER_S` on all runs; identified by the runs that use
-a T4 in fp16 (AMP's 16 x T4 and V100 + T4 clusters): 0.600, 8 % below the public T4 measurement (0.645-0.657 with
+a T4 in fp16 (AMP's 16 x T4 and V100 + T4 clusters): 0.599, 8 % below the public T4 measurement (0.645-0.657 with
 torch 2.6-2.8, :data:`MEASURED_GEMM_EFFICIENCY`'s source), where AMP ran torch 1.7.1+cu110; leave-one-source-out
-refits 0.59-0.61 (docs/costmodel.md). It was 0.592 before ``SUSTAINED_FRACTION`` refitted for PyTorch's early stop
+refits 0.59-0.61 (docs/costmodel.md). It was 0.592 before ``SUSTAINED_FRACTION`` refitted for PyTorch's early stop and FSDP's fp32 reduction
 (the fits are joint), 0.6172 while the V100s used it too (BigScience's tr1-13B on 512
 V100s identified it with AMP's), 0.6607 before eager attention's 16-bit softmax counted what its kernels move
 (``SOFTMAX_PASS_BYTES``; AMP's runs take the fp16 torch softmax, ``softmax_fusion: unfused-fp16``): that value

@@ -359,10 +359,10 @@ def stage_totals(
     fsdp2_cpu = lc["host"] & (z == 2)
     z3 = (z >= 3) | fsdp2_cpu
     # ZeRO-3: per layer an all-gather for forward, again for backward, and a reduce-scatter of gradients
-    # (1.5x the all-reduce volume), overlapped with the micro-batch's compute except the first gather;
-    # the overlapped part still takes SMs from compute
-    # (3 collectives per layer: each pays its latency, comm.nccl_latency_s, which grows with the ring)
-    z3_mb = (1.5 * ring_allreduce_s(p_dev * bv, n, lc["dp_bus"], 0.0)
+    # (1.5x the all-reduce volume; the reduce-scatter in fp32 with grad_reduce_fp32: FSDP's reduce_dtype),
+    # overlapped with the micro-batch's compute except the first gather; the overlapped part still takes SMs
+    # from compute (3 collectives per layer: each pays its latency, comm.nccl_latency_s, which grows with the ring)
+    z3_mb = (ring_allreduce_s(p_dev * (bv + 0.5 * mn.grad_bytes_per_value), n, lc["dp_bus"], 0.0)
              + 3.0 * np.maximum(L, 1.0) * np.where(n > 1.0, lc["dp_ag_call"], 0.0))
     z3_mb = np.where(fsdp2_cpu, z3_mb / 1.5, z3_mb)
     z3_exposed = (np.maximum(z3_mb - compute_mb, 0.0) + z3_mb / (3.0 * np.maximum(L, 1.0))
