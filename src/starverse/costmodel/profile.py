@@ -23,7 +23,8 @@ The estimator uses an entry where a plan's stage runs on the profile's accelerat
 micro-batch, sequence length, TP degree and precision, and the analytic model elsewhere. A measured
 layer time replaces the layer's matmul, attention and elementwise terms (they are what the measurement
 contains); a measured optimizer time replaces the analytic Adam step; communication and memory stay
-analytic. With full recompute the layer's forward is counted twice.
+analytic. With full recompute the layer's forward is counted twice (under PyTorch's early stop,
+``train.recompute_early_stop``, less the down projection's analytic share of that forward: it is not run again).
 """
 
 from __future__ import annotations

@@ -240,7 +240,12 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
             and rows.measured_layer_forward_s is not None:
         # a measured profile replaces the compute terms it contains (matmuls, attention, elementwise)
         has = np.isfinite(rows.measured_layer_s)
-        gemm_layer = np.where(has, rows.measured_layer_s + fw_again * rows.measured_layer_forward_s, gemm_layer)
+        # PyTorch's early stop skips the down projection in the recomputed forward: its analytic share of the
+        # forward (linear GEMMs, attention, elementwise passes) of the measured forward
+        forward = g + np.where(eager, a_e, a) + fwd_bytes / bw if eager.any() else g + a + fwd_bytes / bw
+        skipped = torch_full * rows.measured_layer_forward_s * down / forward
+        gemm_layer = np.where(has, rows.measured_layer_s + fw_again * rows.measured_layer_forward_s - skipped,
+                              gemm_layer)
         elem_layer = np.where(has, 0.0, elem_layer)
         has_head = np.isfinite(rows.measured_head_s)
         head_gemm = np.where(has_head, rows.measured_head_s, head_gemm)
