@@ -7,7 +7,7 @@ DESIGN.md ("plan.yaml"); keep field names, add fields freely (with a default, so
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, model_validator
@@ -257,6 +257,11 @@ class Network(FrozenModel):
     def link_gbps(self, a: str, b: str) -> float | None:
         """Measured Gbit/s between nodes of accelerators ``a`` and ``b`` (None when not given)."""
         return self.links.get(f"{a}/{b}", self.links.get(f"{b}/{a}"))
+
+    def node_size(self, acc: Any) -> int:
+        """Devices per node of catalog accelerator ``acc`` (its ``id`` and ``devices_per_node``) in this plan:
+        ``devices_per_node`` when given, else the catalog's."""
+        return int(self.devices_per_node.get(acc.id, acc.devices_per_node))
 
 
 class Pricing(FrozenModel):

@@ -175,6 +175,16 @@ def test_per_source_figures_and_peak_memory(results: list[CaseResult]) -> None:
     assert len(mt) == 40 and all(r.fits and r.error is not None for r in mt)
     assert sources["maxtext_v5e"]["spearman"] >= 0.95 and sources["maxtext_v5p"]["spearman"] >= 0.9
     assert all(abs(r.error or 1.0) <= 0.25 for r in mt)
+    # v5e from 1 to 32 slices: the rate per chip falls 10-17 % measured; the model's fall, since each chip's gradient
+    # shard is all-reduced over the hosts' data-centre links (batch.sharded_sync_s), is 4-6 % at 128B and under 3 %
+    # at 16-64B (open miss, docs/costmodel.md `maxtext`)
+    def fall(size: str, key: str) -> float:
+        one, many = by_name[f"maxtext_v5e-{size}-s1"], by_name[f"maxtext_v5e-{size}-s32"]
+        return 1.0 - float(getattr(many, key)) / 32.0 / float(getattr(one, key))
+
+    for size in ("16b", "32b", "64b", "128b"):
+        assert 0.09 <= fall(size, "measured") <= 0.18, size
+        assert (0.04 <= fall(size, "predicted") <= 0.06) if size == "128b" else (0.0 <= fall(size, "predicted") <= 0.03)
     for size in ("34b", "70b"):
         a100 = by_name[f"fmsfsdp-llama2-{size}-a100-g128"].error or 0.0
         h100 = by_name[f"fmsfsdp-llama2-{size}-h100-g96"].error or 1.0

@@ -171,6 +171,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
     host_issue = C.HOST_OVERHEAD_PER_LAYER_S * (1.0 + fw_again / 3.0)
     host = host_issue if mn.sync_micro_steps else 0.0 * rc_full
     gemm_layer = g_run + a * (1.0 + 2.5 + rc_any + mn.extra_forwards) + host
+    attn_forward = a  # the attention core's matmuls, one forward
     attn_elem = np.zeros_like(a)
     if eager.any():
         # materialised s x s scores per head: two batched matmuls over the full square (masked after),
@@ -179,6 +180,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         a_e = gemm_time_s(ss / mn.cp, ss, _f(mn.head_dim), rows, bv, 2.0 * rows.micro_batch * heads)
         scores = rows.micro_batch * heads * s * s / mn.cp
         gemm_layer = np.where(eager, g_run + a_e * (1.0 + 2.0 + rc_any + mn.extra_forwards) + host, gemm_layer)
+        attn_forward = np.where(eager, a_e, a)
         attn_elem = np.where(eager, scores / bw * eager_score_bytes(mn, rows, rc_any), attn_elem)
 
     # ---- memory-bound elementwise work of one layer ------------------------------------------------
@@ -242,8 +244,7 @@ def layer_costs(mn: ModelNumbers, rows: StageRows) -> dict[str, FloatArray]:
         has = np.isfinite(rows.measured_layer_s)
         # PyTorch's early stop skips the down projection in the recomputed forward: its analytic share of the
         # forward (linear GEMMs, attention, elementwise passes) of the measured forward
-        forward = g + np.where(eager, a_e, a) + fwd_bytes / bw if eager.any() else g + a + fwd_bytes / bw
-        skipped = torch_full * rows.measured_layer_forward_s * down / forward
+        skipped = torch_full * rows.measured_layer_forward_s * down / (g + attn_forward + fwd_bytes / bw)
         gemm_layer = np.where(has, rows.measured_layer_s + fw_again * rows.measured_layer_forward_s - skipped,
                               gemm_layer)
         elem_layer = np.where(has, 0.0, elem_layer)

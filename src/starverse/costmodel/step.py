@@ -200,7 +200,7 @@ def _stage_rows(plan: Plan, g: Group, catalog: Any, micro_batches: np.ndarray, m
     k = len(micro_batches)
     tr = plan.train
     accs = [catalog.accelerator(s.accelerator) for s in stages]
-    dpn = [plan.network.devices_per_node.get(a.id, a.devices_per_node) for a in accs]
+    dpn = [plan.network.node_size(a) for a in accs]
     nic = [line_rate_gbps(plan, plan.network.link_gbps(a.id, a.id)
                           or plan.network.inter_node_gbps.get(a.id, a.inter_node_gbps)) for a in accs]
 
@@ -539,7 +539,7 @@ def _cross_group_s(plan: Plan, catalog: Any, mn: Any, evals: list[_GroupEval]) -
     ZeRO-2/3 each rank's gradient shard across the groups (:func:`~starverse.costmodel.batch.sharded_sync_s`),
     else (:func:`~starverse.costmodel.batch.joint_sync_s`) each pipeline stage syncs
     its slice in parallel, each TP rank its shard, in one ring over every group's data- and
-    context-parallel replicas; between groups the ring runs at the slowest link between two groups' kinds (:func:`node_link_gbps`),
+    context-parallel replicas; between groups at the slowest link between two groups' kinds (:func:`group_link_gbps`),
     inside a group at its slowest stage's own ring bus."""
     kinds = [{st.accelerator for st in g.stages} for g in plan.groups]
     gbps = min(group_link_gbps(plan, catalog, a, b)
@@ -553,9 +553,8 @@ def _cross_group_s(plan: Plan, catalog: Any, mn: Any, evals: list[_GroupEval]) -
     replicas = [g.replicas * g.cp for g in plan.groups]
     if plan.train.zero_stage >= 2:
         # each group's replicas shard the gradients: only each rank's shard crosses between the groups
-        dpn = [max(float(plan.network.devices_per_node.get(st.accelerator,
-                                                           catalog.accelerator(st.accelerator).devices_per_node))
-                       for st in g.stages) for g in plan.groups]
+        dpn = [float(max(plan.network.node_size(catalog.accelerator(st.accelerator)) for st in g.stages))
+               for g in plan.groups]
         return sharded_sync_s(per_ring, replicas, dpn, gbps)
     bus = [float(np.min(ev.costs["dp_bus"][:, ev.best])) for ev in evals]
     share = [float(np.min(ev.costs["dp_share"][:, ev.best])) for ev in evals]

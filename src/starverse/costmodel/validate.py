@@ -184,7 +184,7 @@ def nvlink_communicators(tp: int, replicas: int, stages: int, devices_per_node: 
 
 def _devices_per_node(case: LoadedCase, acc: Any) -> int:
     """Devices of ``acc``'s kind per node in the case's plan (``network.devices_per_node``, else the catalog's)."""
-    return int(case.plan.network.devices_per_node.get(acc.id, acc.devices_per_node))
+    return case.plan.network.node_size(acc)
 
 
 def device_extra_gb(case: LoadedCase, group: int, stage: int, catalog: Any) -> float:

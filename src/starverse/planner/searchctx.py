@@ -151,7 +151,7 @@ def sync_s(ctx: SearchContext, num_groups: int, min_pp: int, gbps: float | None 
     ``cross_offer_gbps``); the largest per-member extra over the member's own ring. With ZeRO-2/3
     (``zero_stage``) only each rank's gradient shard is all-reduced across the members
     (:func:`~starverse.costmodel.batch.sharded_sync_s`). Without ``opts`` and ``members``: one replica per group
-    on the full link (the ring of ``num_groups`` ranks, a lower bound of either)."""
+    on the full link (the ring of ``num_groups`` ranks)."""
     if num_groups <= 1:
         return 0.0
     link = ctx.pool.cross_offer_gbps if gbps is None else gbps
